@@ -1,0 +1,3 @@
+"""anatomist: know before you train."""
+
+__version__ = "0.1.0"

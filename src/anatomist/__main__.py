@@ -1,0 +1,5 @@
+import sys
+
+from anatomist.cli import main
+
+sys.exit(main())

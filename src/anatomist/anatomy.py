@@ -1,0 +1,117 @@
+"""The result types shared by prediction and measurement.
+
+One `MemoryCategory` enum is used by the estimator (fake-tensor trace) and by the
+measurer (real runs), so the two line up category by category, as PyTorch's
+`torch.distributed._tools.mem_tracker` does with PARAM/GRAD/ACT/TEMP/OPT.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class MemoryCategory(enum.StrEnum):
+    """The six components of the seeds' "Anatomy of Model's Memory", plus the runtime's own."""
+
+    WEIGHTS = "weights"
+    OPTIMIZER_STATES = "optimizer_states"
+    GRADIENTS = "gradients"
+    ACTIVATIONS = "activations"
+    TEMPORARY = "temporary"
+    FUNCTIONALITY = "functionality"
+    RUNTIME_OVERHEAD = "runtime_overhead"
+
+
+# Categories that live in the caching allocator (everything but the CUDA context).
+TENSOR_CATEGORIES: tuple[MemoryCategory, ...] = tuple(
+    c for c in MemoryCategory if c is not MemoryCategory.RUNTIME_OVERHEAD
+)
+
+
+class Phase(enum.StrEnum):
+    """Where in a training step an event happens."""
+
+    SETUP = "setup"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+class OpClass(enum.StrEnum):
+    """The seeds' three operation classes, plus everything else."""
+
+    CONTRACTION = "contraction"
+    NORMALIZATION = "normalization"
+    ELEMENTWISE = "elementwise"
+    OTHER = "other"
+
+
+@dataclass(kw_only=True, slots=True)
+class MemoryAnatomy:
+    """Bytes per category at the step's peak, the peak itself and when it happens.
+
+    The six tensor categories are the bytes live *at the moment of the peak*, so they add up
+    to `peak_allocated`. `runtime_overhead` is what the device holds beyond that: the CUDA
+    context plus the caching allocator's rounding and cached-but-free blocks, so that all
+    seven categories add up to `device_total` (what nvidia-smi shows).
+    """
+
+    weights: int
+    """Parameters and buffers (and, under mixed precision, the half-precision weight copies)."""
+    optimizer_states: int
+    """Optimizer state tensors (AdamW's two moments, Adafactor's factors, 8-bit blocks...)."""
+    gradients: int
+    """`.grad` of every trainable parameter."""
+    activations: int
+    """Tensors created in forward and kept alive for backward (inputs included)."""
+    temporary: int
+    """Everything else live at the peak: intermediate results freed once used."""
+    functionality: int
+    """Feature-specific memory: library workspaces (cuBLAS), loss-scaler state, KV cache."""
+    runtime_overhead: int
+    """CUDA context (outside the allocator) + allocator reserve (peak_reserved - peak_allocated)."""
+    peak_allocated: int
+    """Live tensor bytes at the peak (what torch.cuda.max_memory_allocated reports)."""
+    peak_reserved: int
+    """Bytes the caching allocator holds at the peak (torch.cuda.max_memory_reserved)."""
+    device_total: int
+    """What nvidia-smi would show: peak_reserved + runtime_overhead."""
+    peak_phase: Phase
+    """The phase of the step in which the peak happens."""
+
+    def category_bytes(self, category: MemoryCategory) -> int:
+        return int(getattr(self, category.value))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["peak_phase"] = str(self.peak_phase)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MemoryAnatomy:
+        return cls(**{**data, "peak_phase": Phase(data["peak_phase"])})
+
+
+@dataclass(kw_only=True, slots=True)
+class TimeAnatomy:
+    """Where the time of one optimizer step goes."""
+
+    step_s: float
+    """Wall time of one optimizer step (all accumulation micro-steps)."""
+    samples_per_second: float
+    tokens_per_second: float
+    flops_per_step: int
+    """Floating-point operations of one optimizer step (2 per multiply-add)."""
+    mfu: float
+    """Model FLOPs utilisation: achieved FLOP/s over the GPU's dense peak for the dtype."""
+    phases_s: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase: forward, backward, optimizer."""
+    classes_s: dict[str, float] = field(default_factory=dict)
+    """Seconds per operation class: contraction, normalization, elementwise, other."""
+    calibrated: bool = False
+    """True once the efficiency factors come from a measured GPU run."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,59 @@
+"""The `anatomist` command: thin subcommands over the library.
+
+Each subcommand lives in its own module with `register(subparsers)`, which adds its parser
+and sets `handler` to a function `(args) -> int`. Errors the user can fix (InputError)
+become one line on stderr and exit code 2; anything else is exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+from anatomist import __version__
+from anatomist.errors import InputError
+
+SUBCOMMAND_MODULES = ("estimate", "plan", "bench", "profile", "report", "catalog")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would print usage + exit 2; keep one line
+        self.exit(2, f"anatomist: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="anatomist", description="Know before you train: GPU memory and time of HF training.")
+    parser.add_argument("--version", action="version", version=f"anatomist {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"anatomist.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"anatomist.cli.{name}":
+                continue  # subcommand not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline unless a command asks (--allow-network)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.handler(args) or 0)
+    except InputError as exc:
+        print(f"anatomist: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("anatomist: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0

@@ -1,0 +1,69 @@
+"""Flags shared by subcommands: the recipe flags (TrainingArguments names) and the common ones."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from anatomist.errors import InputError
+from anatomist.recipe import ATTN_IMPLEMENTATIONS, OFFLOADS, OPTIMS, Recipe
+
+_RECIPE_FLAGS = [
+    # (flag, field, kwargs)
+    ("--per-device-train-batch-size", "per_device_train_batch_size", {"type": int, "metavar": "N"}),
+    ("--gradient-accumulation-steps", "gradient_accumulation_steps", {"type": int, "metavar": "N"}),
+    ("--optim", "optim", {"metavar": "NAME", "help": f"one of {', '.join(OPTIMS)}"}),
+    ("--attn-implementation", "attn_implementation", {"metavar": "NAME", "help": f"one of {', '.join(ATTN_IMPLEMENTATIONS)}"}),
+    ("--dataloader-num-workers", "dataloader_num_workers", {"type": int, "metavar": "N"}),
+    ("--zero-stage", "zero_stage", {"type": int, "metavar": "0|1|2|3"}),
+    ("--offload", "offload", {"metavar": "|".join(OFFLOADS)}),
+    ("--max-grad-norm", "max_grad_norm", {"type": float, "metavar": "X"}),
+]
+_BOOL_FLAGS = ["gradient_checkpointing", "fp16", "bf16", "tf32", "torch_compile", "dataloader_pin_memory"]
+
+
+def add_recipe_flags(parser: argparse.ArgumentParser) -> None:
+    """Every Recipe field as a kebab-case flag; `--recipe FILE` loads the rest."""
+    group = parser.add_argument_group("recipe (TrainingArguments names)")
+    group.add_argument("--recipe", metavar="FILE", help="YAML or JSON file with the same keys")
+    for flag, field, kwargs in _RECIPE_FLAGS:
+        aliases = [flag, "--batch-size"] if field == "per_device_train_batch_size" else [flag]
+        group.add_argument(*aliases, dest=field, default=None, **kwargs)
+    for field in _BOOL_FLAGS:
+        flag = "--" + field.replace("_", "-")
+        group.add_argument(flag, dest=field, action=argparse.BooleanOptionalAction, default=None)
+
+
+def recipe_from_args(args: argparse.Namespace) -> Recipe:
+    """The recipe file (if any) overridden by the flags given on the command line."""
+    base = Recipe.from_file(args.recipe) if getattr(args, "recipe", None) else Recipe()
+    changes: dict[str, Any] = {}
+    for _, field, _ in _RECIPE_FLAGS:
+        if getattr(args, field, None) is not None:
+            changes[field] = getattr(args, field)
+    for field in _BOOL_FLAGS:
+        if getattr(args, field, None) is not None:
+            changes[field] = getattr(args, field)
+    return Recipe.from_dict({**base.to_dict(), **changes}, source="flags")
+
+
+def add_model_flags(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:
+    if model_required:
+        parser.add_argument("model", metavar="MODEL", help="catalog name, Hub id in the local cache, or path")
+    parser.add_argument("--seq-len", type=int, default=None, metavar="N", help="tokens per sample (default 512)")
+    parser.add_argument("--task", default=None, choices=["sequence-classification", "causal-lm", "seq2seq-lm", "masked-lm"])
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code from the Hub")
+    parser.add_argument("--allow-network", action="store_true", help="let transformers ask the Hub for the config")
+
+
+def print_json(data: Any) -> None:
+    json.dump(data, sys.stdout, indent=2, sort_keys=False)
+    sys.stdout.write("\n")
+
+
+def positive_int(name: str, value: int | None) -> int | None:
+    if value is not None and value <= 0:
+        raise InputError(f"{name} must be greater than 0, got {value}")
+    return value

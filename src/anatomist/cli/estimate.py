@@ -1,0 +1,116 @@
+"""`anatomist estimate`: predict where the memory of a training step goes, offline."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.table import Table
+
+from anatomist.anatomy import MemoryCategory
+from anatomist.cli.common import add_model_flags, add_recipe_flags, print_json, recipe_from_args
+from anatomist.cli.render import GIB, console, gib
+from anatomist.errors import InputError
+from anatomist.estimate import Estimate, estimate
+from anatomist.hardware import get_gpu
+from anatomist.workload import load_workload
+
+DEFAULT_MODEL = "bert-large-uncased"
+DEFAULT_GPU = "V100-16GB"
+
+_LABELS = {
+    MemoryCategory.WEIGHTS: "model weights",
+    MemoryCategory.OPTIMIZER_STATES: "optimizer states",
+    MemoryCategory.GRADIENTS: "gradients",
+    MemoryCategory.ACTIVATIONS: "forward activations",
+    MemoryCategory.TEMPORARY: "temporary buffers",
+    MemoryCategory.FUNCTIONALITY: "functionality-specific",
+    MemoryCategory.RUNTIME_OVERHEAD: "runtime overhead",
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("estimate", help="predict the memory (and time) of one step, offline")
+    p.add_argument("model", metavar="MODEL", nargs="?", default=DEFAULT_MODEL,
+                   help=f"catalog name, Hub id in the local cache, or path (default {DEFAULT_MODEL})")
+    add_model_flags(p, model_required=False)
+    add_recipe_flags(p)
+    p.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME", help=f"target GPU (default {DEFAULT_GPU}; 'local' = detected)")
+    p.add_argument("--mode", choices=["train", "inference"], default="train")
+    p.add_argument("--gpus", type=int, default=1, metavar="N", help="devices ZeRO shards across")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout, nothing else")
+    p.add_argument("--report", metavar="PATH", help="also write an HTML report")
+    p.set_defaults(handler=run)
+
+
+def build_estimate(args: argparse.Namespace) -> Estimate:
+    recipe = recipe_from_args(args)
+    gpu = get_gpu(args.gpu)
+    if args.gpus <= 0:
+        raise InputError(f"--gpus must be greater than 0, got {args.gpus}")
+    if recipe.bf16 and not gpu.bf16:
+        raise InputError(f"bf16 needs an Ampere or newer GPU; {gpu.name} has none (use --fp16)")
+    if recipe.tf32 and not gpu.tf32:
+        raise InputError(f"tf32 needs an Ampere or newer GPU; {gpu.name} has none")
+    workload = load_workload(
+        args.model, seq_len=args.seq_len, task=args.task,
+        trust_remote_code=args.trust_remote_code, allow_network=args.allow_network,
+    )
+    return estimate(workload, recipe, gpu, mode=args.mode, num_gpus=args.gpus)
+
+
+def run(args: argparse.Namespace) -> int:
+    result = build_estimate(args)
+    if args.json:
+        print_json(result.to_dict())
+    else:
+        render(result)
+    if args.report:
+        from anatomist.report import write_report  # noqa: PLC0415 - optional until the report exists
+
+        write_report(result.to_dict(), args.report)
+    return 0
+
+
+def render(result: Estimate) -> None:
+    out = console()
+    mem = result.memory
+    a = mem.anatomy
+    w = result.workload
+    out.print(
+        f"[bold]{w.name}[/] ({w.task}, {mem.parameters / 1e6:,.1f} M parameters), seq {w.seq_len}, "
+        f"batch {result.recipe.per_device_train_batch_size} x {result.recipe.gradient_accumulation_steps} accumulation, "
+        f"{result.mode} on [bold]{result.gpu.name}[/] ({gib(result.gpu.memory_bytes)})"
+    )
+    table = Table(title="Memory anatomy at the peak", title_justify="left")
+    table.add_column("component")
+    table.add_column("predicted", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("seeds' rule", justify="right")
+    rule = mem.rule
+    rule_col = {
+        MemoryCategory.WEIGHTS: f"{rule.weights_per_param:g} B/param = {gib(rule.weights_bytes)}",
+        MemoryCategory.OPTIMIZER_STATES: (
+            f"{rule.optimizer_per_param:g} B/param = {gib(rule.optimizer_bytes)}" if rule.optimizer_bytes is not None else "-"
+        ),
+        MemoryCategory.GRADIENTS: f"{rule.gradients_per_param:g} B/param = {gib(rule.gradients_bytes)}" if rule.gradients_per_param else "-",
+    }
+    for category in MemoryCategory:
+        value = a.category_bytes(category)
+        table.add_row(_LABELS[category], gib(value), f"{value / a.device_total:.0%}", rule_col.get(category, ""))
+    table.add_section()
+    table.add_row("[bold]device total[/] (nvidia-smi)", f"[bold]{gib(a.device_total)}[/]", "", "")
+    out.print(table)
+    fits = "[green]fits[/]" if mem.fits else "[red]does not fit[/]"
+    out.print(
+        f"peak in [bold]{a.peak_phase}[/]: allocated {gib(a.peak_allocated)}, reserved {gib(a.peak_reserved)}, "
+        f"device {gib(a.device_total)} of {gib(result.gpu.memory_bytes)}: {fits}; "
+        f"largest batch that fits: [bold]{mem.max_batch_size}[/]"
+    )
+    if rule.total_per_param is not None:
+        out.print(
+            f"seeds' rule: {rule.total_per_param:g} B/param = {gib(rule.total_per_param * mem.parameters)} "
+            "+ activations"
+        )
+    for note in mem.notes:
+        out.print(f"  - {note}")
+    _ = GIB

@@ -1,0 +1,55 @@
+"""Offline prediction: memory (fake-tensor trace + allocator model) and time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from anatomist.estimate.memory import MemoryEstimate, estimate_memory
+from anatomist.estimate.step import Mode
+from anatomist.hardware import GPU
+from anatomist.recipe import Recipe
+from anatomist.workload import Workload
+
+__all__ = ["Estimate", "MemoryEstimate", "estimate", "estimate_memory"]
+
+
+@dataclass(kw_only=True, slots=True)
+class Estimate:
+    """Everything `anatomist estimate` reports: one object, serialised as is by --json."""
+
+    workload: Workload
+    recipe: Recipe
+    gpu: GPU
+    mode: Mode
+    memory: MemoryEstimate
+    time: Any | None = None
+    """A TimeAnatomy once the time prediction exists for this recipe."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "model": self.workload.name,
+            "task": self.workload.task,
+            "seq_len": self.workload.seq_len,
+            "mode": self.mode,
+            "parameters": self.memory.parameters,
+            "trainable_parameters": self.memory.trainable_parameters,
+            "recipe": self.recipe.to_dict(),
+            "gpu": {"name": self.gpu.name, "memory_bytes": self.gpu.memory_bytes},
+            "memory": self.memory.anatomy.to_dict(),
+            "fits": self.memory.fits,
+            "max_batch_size": self.memory.max_batch_size,
+            "bytes_per_param_rule": self.memory.to_dict()["bytes_per_param_rule"],
+            "phase_peaks": self.memory.phase_peaks,
+            "notes": self.memory.notes,
+        }
+        if self.time is not None:
+            out["time"] = self.time.to_dict()
+        return out
+
+
+def estimate(workload: Workload, recipe: Recipe, gpu: GPU, *, mode: Mode = "train", num_gpus: int = 1) -> Estimate:
+    """Predict memory (and, where available, time) of one step of `recipe` on `gpu`."""
+    memory = estimate_memory(workload, recipe, gpu, mode=mode, num_gpus=num_gpus)
+    return Estimate(workload=workload, recipe=recipe, gpu=gpu, mode=mode, memory=memory)

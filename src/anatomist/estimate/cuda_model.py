@@ -1,0 +1,106 @@
+"""Make a trace on CPU tensors keep what the same step keeps on a CUDA GPU.
+
+The estimator traces on fake CPU tensors (fake CUDA tensors need a CUDA build for the
+autograd engine). Where the CPU and CUDA code paths keep different tensors for backward,
+the trace is steered onto the path whose saved tensors match CUDA's:
+
+- dropout: CPU runs a composite that saves the mask in the input's dtype (4 B/element in
+  fp32); CUDA runs `native_dropout`, which saves a bool mask (1 B/element). We call
+  `native_dropout` explicitly.
+- scaled_dot_product_attention: with dropout, CPU falls back to the math path, which keeps
+  the [b, heads, s, s] probabilities; CUDA's flash and memory-efficient kernels keep only
+  the output and a [b, heads, s] log-sum-exp (dropout is replayed from the RNG state). We
+  call the CPU flash kernel, which keeps exactly those.
+- optimizers: `foreach` is the default on CUDA only; the estimator passes it explicitly.
+- cuBLAS: its workspace comes from the caching allocator at the first matrix product
+  (see `cublas_workspace_bytes`).
+
+Known limitations: CPU autocast's op lists differ slightly from CUDA's (a few ops run in a
+different precision); kernels that pick an algorithm at run time (cuDNN, cuBLASLt) may
+allocate their own workspaces, which are not modelled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+_original_dropout = F.dropout
+_original_sdpa = F.scaled_dot_product_attention
+
+
+def _cuda_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    if not training or p == 0.0:
+        return input
+    out, _mask = torch.ops.aten.native_dropout(input, p, True)  # _mask: bool, kept for backward
+    if inplace:
+        return input.copy_(out)
+    return out
+
+
+def _cuda_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        repeat = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(repeat, dim=-3)
+        value = value.repeat_interleave(repeat, dim=-3)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        # The fused kernels take an additive mask; a bool one is converted the same way.
+        attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(~attn_mask, float("-inf"))
+    # Dropout is applied inside the fused CUDA kernels without keeping a mask, so the memory
+    # is that of the kernel without dropout.
+    out, _logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale
+    )
+    return out
+
+
+@contextlib.contextmanager
+def cuda_code_paths() -> Iterator[None]:
+    """Within this context, dropout and SDPA take the paths that save what CUDA saves."""
+    F.dropout = _cuda_dropout  # type: ignore[assignment]
+    F.scaled_dot_product_attention = _cuda_sdpa  # type: ignore[assignment]
+    torch.nn.functional.scaled_dot_product_attention = _cuda_sdpa  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        F.dropout = _original_dropout
+        F.scaled_dot_product_attention = _original_sdpa
+
+
+def cublas_workspace_bytes(compute_capability: str) -> int:
+    """Bytes PyTorch's cuBLAS workspace takes from the caching allocator, per handle.
+
+    Source: PyTorch aten/src/ATen/cuda/CublasHandlePool.cpp `getChosenWorkspaceSize`: the
+    default CUBLAS_WORKSPACE_CONFIG ":4096:2:16:8" (4096 KiB x 2 + 16 KiB x 8) before Hopper,
+    32 MiB on compute capability 9.0 and newer.
+    """
+    major = int(compute_capability.split(".")[0])
+    if major >= 9:
+        return 32 * 2**20
+    return 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+def fake_parameters(module: torch.nn.Module, fake_mode: Any) -> None:
+    """Replace every meta parameter and buffer of `module` by a fake CPU tensor of the same shape."""
+    with fake_mode:
+        for sub in module.modules():
+            for name, param in list(sub._parameters.items()):
+                if param is not None and param.device.type == "meta":
+                    fresh = torch.empty(param.shape, dtype=param.dtype)
+                    sub._parameters[name] = torch.nn.Parameter(fresh, requires_grad=param.requires_grad)
+            for name, buf in list(sub._buffers.items()):
+                if buf is not None and buf.device.type == "meta":
+                    sub._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype)

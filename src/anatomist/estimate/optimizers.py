@@ -1,0 +1,76 @@
+"""The optimizer a Trainer would build for a recipe, as it behaves on CUDA, for tracing.
+
+AdamW, fused AdamW, Adafactor and SGD are the real classes with the Trainer's own keyword
+arguments (`Trainer.get_optimizer_cls_and_kwargs`). 8-bit Adam (bitsandbytes, torchao) runs
+custom kernels that cannot execute on fake tensors, so `Blockwise8bitAdamLayout` allocates
+exactly the state those libraries allocate and updates it in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from anatomist.recipe import Recipe
+
+BLOCK_SIZE_8BIT = 256
+"""Elements per quantisation block: bitsandbytes' blockwise 8-bit optimizers and torchao's AdamW8bit."""
+MIN_8BIT_SIZE = 4096
+"""Parameters with fewer elements keep 32-bit state (bitsandbytes `min_8bit_size`, torchao's check)."""
+
+
+class Blockwise8bitAdamLayout(torch.optim.Optimizer):
+    """AdamW whose two moments are stored as uint8 codes plus one fp32 scale per block.
+
+    Memory per large parameter of n elements: 2 x n bytes of codes + 2 x 4 x ceil(n/256)
+    bytes of scales, about 2.03 B/param (the seeds' "2 bytes per parameter"). Smaller
+    parameters keep fp32 moments (8 B/param). The arithmetic is not that of 8-bit Adam; only
+    the memory is.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor], lr: float = 1e-3) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # noqa: ARG002 - Optimizer API
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    n = p.numel()
+                    if n >= MIN_8BIT_SIZE:
+                        blocks = -(-n // BLOCK_SIZE_8BIT)
+                        state["state1"] = torch.zeros(n, dtype=torch.uint8)
+                        state["state2"] = torch.zeros(n, dtype=torch.uint8)
+                        state["absmax1"] = torch.zeros(blocks, dtype=torch.float32)
+                        state["absmax2"] = torch.zeros(blocks, dtype=torch.float32)
+                    else:
+                        state["exp_avg"] = torch.zeros_like(p)
+                        state["exp_avg_sq"] = torch.zeros_like(p)
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                # The fused kernels update parameter and state in place: no temporaries.
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+def build_optimizer(recipe: Recipe, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer of `recipe` over `params`, configured as Trainer configures it on CUDA."""
+    if recipe.optim in ("adamw_bnb_8bit", "adamw_torch_8bit"):
+        return Blockwise8bitAdamLayout(params, lr=5e-5)
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir="anatomist-trace",
+        optim=recipe.optim,
+        optim_args="momentum=0.9" if recipe.optim == "sgd" else None,
+        report_to="none",
+        use_cpu=True,
+    )
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    kwargs = dict(kwargs)
+    if cls in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD) and not kwargs.get("fused"):
+        kwargs["foreach"] = True  # the CUDA default (torch.optim.optimizer._default_to_fused_or_foreach)
+    return cls(params, **kwargs)

@@ -1,0 +1,343 @@
+"""Trace one training (or inference) step of a real Transformers model on fake tensors.
+
+The step is the Trainer's: forward under autocast, loss / accumulation steps, backward
+(loss-scaled under fp16), gradient clipping, optimizer step, zero_grad(set_to_none=True).
+The optimizer state a first step would create is made before the traced step, so the step
+is a steady-state one; two micro-batches run when gradients accumulate, so that a forward
+pass happens with gradients already alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from anatomist.anatomy import TENSOR_CATEGORIES, MemoryCategory, Phase
+from anatomist.estimate.allocator import CachingAllocator
+from anatomist.estimate.cuda_model import cublas_workspace_bytes, cuda_code_paths, fake_parameters
+from anatomist.estimate.optimizers import build_optimizer
+from anatomist.estimate.tracer import MemoryTracer, Trace
+from anatomist.recipe import Recipe
+from anatomist.workload import Workload
+
+Mode = Literal["train", "inference"]
+
+LAYER_COUNT_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers")
+SEGMENTS = ("pre", "blocks", "post")
+
+
+@dataclass(kw_only=True, slots=True)
+class PhasePeak:
+    """The highest allocated bytes within one phase, what was live then, and the reserve."""
+
+    allocated: int
+    reserved: int
+    categories: dict[MemoryCategory, int]
+
+    def as_vector(self) -> list[float]:
+        return [self.allocated, self.reserved, *(self.categories[c] for c in TENSOR_CATEGORIES)]
+
+    @classmethod
+    def from_vector(cls, v: list[float]) -> PhasePeak:
+        rounded = [max(0, round(x)) for x in v]
+        return cls(
+            allocated=rounded[0],
+            reserved=max(rounded[1], rounded[0]),
+            categories=dict(zip(TENSOR_CATEGORIES, rounded[2:], strict=True)),
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class StepTrace:
+    """What one traced step at a given depth and batch size came to."""
+
+    phases: dict[tuple[Phase, str], PhasePeak]
+    """Peak of each (phase, segment): segments are before, inside and after the repeated blocks."""
+    parameters: int
+    trainable_parameters: int
+    op_count: int
+
+
+def model_at_depth(workload: Workload, num_layers: int) -> Workload:
+    """A copy of the workload whose model has `num_layers` repeated blocks."""
+    config = copy.deepcopy(workload.config)
+    for name in LAYER_COUNT_FIELDS:
+        if isinstance(getattr(config, name, None), int):
+            setattr(config, name, num_layers)
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, list) and layer_types:
+        config.layer_types = (layer_types * num_layers)[:num_layers]
+    mlp_only = getattr(config, "mlp_only_layers", None)
+    if isinstance(mlp_only, list):
+        config.mlp_only_layers = [i for i in mlp_only if i < num_layers]
+    return dataclasses.replace(workload, config=config)
+
+
+def num_layers(workload: Workload) -> int:
+    """Repeated blocks of the model (encoder and decoder stacks count once each)."""
+    for name in LAYER_COUNT_FIELDS:
+        value = getattr(workload.config, name, None)
+        if isinstance(value, int):
+            return value
+    return 1
+
+
+def _lower_dtype(recipe: Recipe) -> torch.dtype | None:
+    return torch.float16 if recipe.fp16 else torch.bfloat16 if recipe.bf16 else None
+
+
+def _make_batch(workload: Workload, batch_size: int) -> dict[str, torch.Tensor]:
+    """Inputs as the seeds' dataset gives them: random token ids, labels for the task."""
+    shape = (batch_size, workload.seq_len)
+    ids = torch.randint(100, 30000, shape) if workload.config.vocab_size > 30000 else torch.randint(
+        0, workload.config.vocab_size, shape
+    )
+    if workload.task == "sequence-classification":
+        return {"input_ids": ids, "labels": torch.zeros(batch_size, dtype=torch.long)}
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def trace_step(
+    workload: Workload,
+    recipe: Recipe,
+    *,
+    depth: int,
+    batch_size: int,
+    compute_capability: str,
+    mode: Mode = "train",
+) -> StepTrace:
+    """Trace a step of `workload` cut to `depth` blocks at `batch_size` samples per pass."""
+    shallow = model_at_depth(workload, depth)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    attn = "sdpa" if recipe.attn_implementation == "flash_attention_2" else recipe.attn_implementation
+    with torch.device("meta"), contextlib.redirect_stderr(None):
+        model = shallow.build_model(attn)
+    fake_parameters(model, fake_mode)
+    lower = _lower_dtype(recipe)
+    tracer = MemoryTracer(lower_precision_dtype=lower)
+    params = [p for p in model.parameters()]
+    for p in params:
+        tracer.register(p, MemoryCategory.WEIGHTS)
+    for b in model.buffers():
+        tracer.register(b, MemoryCategory.WEIGHTS)
+    workspace = cublas_workspace_bytes(compute_capability)
+    tracer.on_first_contraction(lambda: tracer.allocate_extra(workspace, MemoryCategory.FUNCTIONALITY))
+    autocast = (
+        torch.autocast("cpu", dtype=lower) if lower is not None else contextlib.nullcontext()
+    )
+    with fake_mode, tracer, cuda_code_paths():
+        if mode == "train":
+            _train_steps(model, params, workload, recipe, batch_size, tracer, autocast, workspace)
+        else:
+            _inference_step(model, workload, batch_size, tracer, autocast)
+    phases = _phase_peaks(tracer.trace, [Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER] if mode == "train" else [Phase.FORWARD])
+    return StepTrace(
+        phases=phases,
+        parameters=sum(p.numel() for p in params),
+        trainable_parameters=sum(p.numel() for p in params if p.requires_grad),
+        op_count=tracer.trace.op_count,
+    )
+
+
+def _train_steps(
+    model: torch.nn.Module,
+    params: list[torch.nn.Parameter],
+    workload: Workload,
+    recipe: Recipe,
+    batch_size: int,
+    tracer: MemoryTracer,
+    autocast: Any,
+    workspace: int,
+) -> None:
+    model.train()
+    if recipe.gradient_checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+    optimizer = build_optimizer(recipe, params)
+    # Set-up: the optimizer state a first step would create (from zero gradients), so the
+    # traced step below is a steady-state one. Its events are not a phase of the step.
+    tracer.phase = Phase.SETUP
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    tracer.label_live(
+        [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)],
+        MemoryCategory.OPTIMIZER_STATES,
+    )
+    scaler_state: list[torch.Tensor] = []
+    if recipe.fp16:  # GradScaler: scale and growth tracker on the device
+        scaler_state = [torch.full((), 65536.0), torch.zeros((), dtype=torch.int32)]
+        tracer.label_live(scaler_state, MemoryCategory.FUNCTIONALITY)
+    _watch_blocks(model, tracer)
+    backward_workspace = False
+    for _micro in range(min(recipe.gradient_accumulation_steps, 2)):
+        tracer.phase, tracer.segment = Phase.FORWARD, "pre"
+        batch = _make_batch(workload, batch_size)
+        with autocast:
+            loss = model(**batch).loss
+        loss = loss / recipe.gradient_accumulation_steps
+        del batch
+        tracer.label_phase_survivors(Phase.FORWARD, MemoryCategory.ACTIVATIONS)
+        tracer.phase, tracer.segment = Phase.BACKWARD, "post"
+        if not backward_workspace:
+            # The autograd engine's device thread has its own cuBLAS handle and workspace.
+            tracer.on_first_contraction(lambda: tracer.allocate_extra(workspace, MemoryCategory.FUNCTIONALITY))
+            backward_workspace = True
+        if scaler_state:
+            loss = loss * scaler_state[0]
+        loss.backward()
+        del loss
+        tracer.label_live([p.grad for p in params if p.grad is not None], MemoryCategory.GRADIENTS)
+    tracer.phase, tracer.segment = Phase.OPTIMIZER, "pre"
+    grads = [p.grad for p in params if p.grad is not None]
+    if scaler_state:
+        torch._foreach_mul_(grads, 1.0 / 65536.0)  # GradScaler.unscale_ works in place
+    if recipe.max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(params, recipe.max_grad_norm, foreach=True)
+    del grads
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks of every ModuleList whose length is the model's layer count, in order."""
+    config = getattr(model, "config", None)
+    counts = {getattr(config, name, None) for name in LAYER_COUNT_FIELDS} - {None}
+    blocks: list[torch.nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) in counts and len(module) > 0:
+            blocks.extend(module)
+    return blocks
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    return None
+
+
+def _watch_blocks(model: torch.nn.Module, tracer: MemoryTracer) -> None:
+    """Mark the segments "pre", "blocks", "post" of forward and backward through hooks.
+
+    Forward enters "blocks" at the first block's input and "post" after the last block.
+    Backward runs the other way: it enters "blocks" when the gradient of the last block's
+    output exists, and "pre" when the gradient of the first block's input does.
+    """
+    blocks = _repeated_blocks(model)
+    if not blocks:
+        return
+    first, last = blocks[0], blocks[-1]
+
+    def set_segment(name: str) -> Any:
+        def hook(*_: Any) -> None:
+            tracer.segment = name
+
+        return hook
+
+    def enter_blocks(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if tracer.phase is not Phase.FORWARD:
+            return  # recomputation under gradient checkpointing
+        tracer.segment = "blocks"
+        hidden = _first_tensor(args) if args else _first_tensor(kwargs.get("hidden_states"))
+        if hidden is not None and hidden.requires_grad:
+            hidden.register_hook(set_segment("pre"))
+
+    def leave_blocks(_module: Any, _args: Any, output: Any) -> None:
+        if tracer.phase is not Phase.FORWARD:
+            return
+        tracer.segment = "post"
+        hidden = _first_tensor(output)
+        if hidden is not None and hidden.requires_grad:
+            hidden.register_hook(set_segment("blocks"))
+
+    first.register_forward_pre_hook(enter_blocks, with_kwargs=True)
+    last.register_forward_hook(leave_blocks)
+
+
+def _inference_step(
+    model: torch.nn.Module, workload: Workload, batch_size: int, tracer: MemoryTracer, autocast: Any
+) -> None:
+    model.eval()
+    tracer.phase = Phase.FORWARD
+    batch = _make_batch(workload, batch_size)
+    batch.pop("labels")
+    kwargs: dict[str, Any] = {}
+    if workload.task == "causal-lm":
+        kwargs["use_cache"] = True
+    if workload.task == "seq2seq-lm":
+        kwargs["decoder_input_ids"] = batch["input_ids"]
+    with torch.no_grad(), autocast:
+        out = model(**batch, **kwargs)
+    cache = getattr(out, "past_key_values", None)
+    if cache is not None:
+        from torch.utils._pytree import tree_flatten
+
+        cache_tensors = [t for t in tree_flatten(_cache_tensors(cache))[0] if isinstance(t, torch.Tensor)]
+        tracer.label_live(cache_tensors, MemoryCategory.FUNCTIONALITY)
+    tracer.label_phase_survivors(Phase.FORWARD, MemoryCategory.ACTIVATIONS)
+    del out, batch
+
+
+def _cache_tensors(cache: Any) -> list[Any]:
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [[getattr(layer, "keys", None), getattr(layer, "values", None)] for layer in layers]
+    if hasattr(cache, "to_legacy_cache"):
+        return list(cache.to_legacy_cache())
+    return list(cache) if isinstance(cache, (list, tuple)) else []
+
+
+def _phase_peaks(trace: Trace, phases: list[Phase]) -> dict[tuple[Phase, str], PhasePeak]:
+    """Replay the events through the allocator model; per (phase, segment), what was live at its peak."""
+    allocator = CachingAllocator()
+    blocks: dict[int, Any] = {}
+    best: dict[tuple[Phase, str], tuple[int, int]] = {}  # key -> (allocated, event index)
+    for i, event in enumerate(trace.events):
+        if event.nbytes > 0:
+            blocks[event.alloc_id] = allocator.malloc(event.nbytes)
+        else:
+            block = blocks.pop(event.alloc_id, None)
+            if block is not None:
+                allocator.free(block)
+        key = (event.phase, event.segment)
+        if event.phase in phases and event.nbytes > 0 and allocator.allocated > best.get(key, (-1, 0))[0]:
+            best[key] = (allocator.allocated, i)
+    ratio = allocator.peak_reserved / max(allocator.peak_allocated, 1)
+    # Second pass: the categories of the blocks live at each key's peak event.
+    wanted = {index: key for key, (_, index) in best.items()}
+    live: dict[int, int] = {}
+    replay = CachingAllocator()
+    replay_blocks: dict[int, Any] = {}
+    out: dict[tuple[Phase, str], PhasePeak] = {}
+    for i, event in enumerate(trace.events):
+        if event.nbytes > 0:
+            block = replay.malloc(event.nbytes)
+            replay_blocks[event.alloc_id] = block
+            live[event.alloc_id] = block.size
+        else:
+            block = replay_blocks.pop(event.alloc_id, None)
+            if block is not None:
+                replay.free(block)
+            live.pop(event.alloc_id, None)
+        if i in wanted:
+            key = wanted[i]
+            categories = dict.fromkeys(TENSOR_CATEGORIES, 0)
+            for alloc_id, size in live.items():
+                categories[trace.allocations[alloc_id].category] += size
+            allocated = best[key][0]
+            out[key] = PhasePeak(allocated=allocated, reserved=round(allocated * ratio), categories=categories)
+    for phase in phases:
+        for segment in SEGMENTS:
+            out.setdefault(
+                (phase, segment), PhasePeak(allocated=0, reserved=0, categories=dict.fromkeys(TENSOR_CATEGORIES, 0))
+            )
+    return out

@@ -1,0 +1,186 @@
+"""Record every tensor allocation and free of a step, with its phase and category.
+
+`MemoryTracer` is a TorchDispatchMode: each ATen op's outputs are inspected and a new
+storage becomes an allocation event; a weakref callback on the storage becomes the free
+event. It works the same on fake tensors (prediction: shapes only, no data, no device) and
+on real ones (measurement on CPU), which is what the accuracy tests compare.
+
+Categories are settled after the fact, as PyTorch's mem_tracker does: an allocation made in
+forward and still alive when forward ends is an activation; a storage that ends up as a
+`.grad` is a gradient; one that ends up in `optimizer.state` is optimizer state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from anatomist.anatomy import MemoryCategory, Phase
+
+_aten = torch.ops.aten
+
+
+@dataclass(slots=True)
+class Allocation:
+    """One storage's life: its size, when it was made and what it turned out to be."""
+
+    alloc_id: int
+    nbytes: int
+    phase: Phase
+    category: MemoryCategory = MemoryCategory.TEMPORARY
+    fixed: bool = False
+    """True once the category is settled (weights, gradients, states are not re-labelled)."""
+
+
+@dataclass(slots=True)
+class Event:
+    """An allocation (`nbytes` > 0) or free (`nbytes` < 0) in program order."""
+
+    alloc_id: int
+    nbytes: int
+    phase: Phase
+    segment: str = "pre"
+    """Where in the phase: "pre" (before the repeated blocks), "blocks", "post" (after them)."""
+
+
+@dataclass(slots=True)
+class Trace:
+    """What a tracer recorded: the allocations and the ordered alloc/free events."""
+
+    allocations: dict[int, Allocation] = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)
+    op_count: int = 0
+
+
+def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class MemoryTracer(TorchDispatchMode):
+    """Watches storages appear and die while a step runs.
+
+    Args:
+        lower_precision_dtype: dtype of the autocast copies of fp32 weights; casts of a
+            registered weight into it are counted as weights (the seeds' 6 B/param).
+    """
+
+    def __init__(self, lower_precision_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.trace = Trace()
+        self.phase = Phase.SETUP
+        self.segment = "pre"
+        self._ids = itertools.count()
+        self._live: dict[int, tuple[int, weakref.ref[Any]]] = {}  # storage key -> (alloc_id, ref)
+        self._weight_keys: set[int] = set()
+        self._lower_dtype = lower_precision_dtype
+        self._on_first_contraction: list[Any] = []
+
+    # -- registration of what exists before the step -------------------------------
+    def register(self, tensor: torch.Tensor, category: MemoryCategory) -> None:
+        """Count an already-existing tensor (parameters, buffers) under `category`."""
+        st = _storage_of(tensor)
+        if st is None:
+            return
+        key = st._cdata
+        if key in self._live:
+            return
+        alloc_id = self._add(st, key)
+        self.set_category(alloc_id, category)
+        if category is MemoryCategory.WEIGHTS:
+            self._weight_keys.add(key)
+
+    def allocate_extra(self, nbytes: int, category: MemoryCategory) -> int:
+        """An allocation that has no tensor here (e.g. the cuBLAS workspace); never freed."""
+        alloc_id = next(self._ids)
+        self.trace.allocations[alloc_id] = Allocation(alloc_id, nbytes, self.phase, category, True)
+        self.trace.events.append(Event(alloc_id, nbytes, self.phase, self.segment))
+        return alloc_id
+
+    def on_first_contraction(self, callback: Any) -> None:
+        self._on_first_contraction.append(callback)
+
+    # -- labelling -------------------------------------------------------------------
+    def set_category(self, alloc_id: int, category: MemoryCategory) -> None:
+        alloc = self.trace.allocations[alloc_id]
+        alloc.category = category
+        alloc.fixed = True
+
+    def label_live(self, tensors: list[torch.Tensor], category: MemoryCategory) -> None:
+        """Settle the category of the live storages behind `tensors`."""
+        for t in tensors:
+            st = _storage_of(t)
+            if st is not None and st._cdata in self._live:
+                self.set_category(self._live[st._cdata][0], category)
+
+    def label_phase_survivors(self, phase: Phase, category: MemoryCategory) -> None:
+        """Every storage made in `phase` and still alive, not yet settled, becomes `category`."""
+        for alloc_id, _ in self._live.values():
+            alloc = self.trace.allocations[alloc_id]
+            if alloc.phase is phase and not alloc.fixed:
+                alloc.category = category
+                alloc.fixed = True
+
+    def live_bytes(self) -> int:
+        return sum(self.trace.allocations[a].nbytes for a, _ in self._live.values())
+
+    # -- the dispatch hook -------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self.trace.op_count += 1
+        if self._on_first_contraction and func in _CONTRACTIONS:
+            callbacks, self._on_first_contraction = self._on_first_contraction, []
+            for callback in callbacks:
+                callback()
+        out = func(*args, **kwargs)
+        is_weight_cast = (
+            func is _aten._to_copy.default
+            and self._lower_dtype is not None
+            and isinstance(args[0], torch.Tensor)
+            and (st := _storage_of(args[0])) is not None
+            and st._cdata in self._weight_keys
+        )
+        flat, _ = tree_flatten(out)
+        for t in flat:
+            if isinstance(t, torch.Tensor):
+                st = _storage_of(t)
+                if st is None or st._cdata in self._live:
+                    continue
+                alloc_id = self._add(st, st._cdata)
+                if is_weight_cast:
+                    self.set_category(alloc_id, MemoryCategory.WEIGHTS)
+        return out
+
+    def _add(self, st: torch.UntypedStorage, key: int) -> int:
+        alloc_id = next(self._ids)
+        nbytes = int(st.nbytes())
+        self.trace.allocations[alloc_id] = Allocation(alloc_id, nbytes, self.phase)
+        self.trace.events.append(Event(alloc_id, nbytes, self.phase, self.segment))
+        ref = weakref.ref(st, self._freed_callback(key))
+        self._live[key] = (alloc_id, ref)
+        return alloc_id
+
+    def _freed_callback(self, key: int) -> Any:
+        def freed(_ref: Any) -> None:
+            entry = self._live.pop(key, None)
+            if entry is not None:
+                alloc = self.trace.allocations[entry[0]]
+                self.trace.events.append(Event(entry[0], -alloc.nbytes, self.phase, self.segment))
+
+        return freed
+
+
+_CONTRACTIONS = {
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten.baddbmm.default,
+}

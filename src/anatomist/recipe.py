@@ -1,0 +1,192 @@
+"""Recipe: the training knobs of the seeds' methods table, named as in TrainingArguments."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from anatomist.errors import InputError
+
+Optim = Literal[
+    "adamw_torch",
+    "adamw_torch_fused",
+    "adafactor",
+    "adamw_bnb_8bit",
+    "adamw_torch_8bit",
+    "sgd",
+]
+AttnImplementation = Literal["eager", "sdpa", "flash_attention_2"]
+Offload = Literal["none", "cpu", "nvme"]
+
+OPTIMS: tuple[str, ...] = get_args(Optim)
+ATTN_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttnImplementation)
+OFFLOADS: tuple[str, ...] = get_args(Offload)
+
+# The package each optimizer needs at run time (the estimator needs none of them).
+OPTIM_PACKAGES: dict[str, str] = {"adamw_bnb_8bit": "bitsandbytes", "adamw_torch_8bit": "torchao"}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Recipe:
+    """One combination of the efficiency methods; field names follow TrainingArguments.
+
+    Example:
+        >>> Recipe(per_device_train_batch_size=1, gradient_accumulation_steps=4, fp16=True)
+    """
+
+    per_device_train_batch_size: int = 4
+    """Samples per forward/backward pass on each device."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches whose gradients are summed before one optimizer step."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in backward instead of keeping them."""
+    fp16: bool = False
+    """fp16 mixed precision (autocast + GradScaler), fp32 master weights."""
+    bf16: bool = False
+    """bf16 mixed precision (autocast), fp32 master weights; Ampere or newer."""
+    tf32: bool = False
+    """Allow TF32 tensor cores for fp32 matrix products; Ampere or newer."""
+    optim: Optim = "adamw_torch"
+    """Optimizer, as TrainingArguments.optim names it."""
+    attn_implementation: AttnImplementation = "sdpa"
+    """Attention kernel: eager keeps the [b, heads, s, s] probabilities, sdpa/flash do not."""
+    torch_compile: bool = False
+    """Compile the model with torch.compile (inductor)."""
+    dataloader_num_workers: int = 0
+    """DataLoader worker processes feeding the GPU."""
+    dataloader_pin_memory: bool = True
+    """Stage batches in page-locked host memory for faster host-to-device copies."""
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    """DeepSpeed ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also weights."""
+    offload: Offload = "none"
+    """Where DeepSpeed ZeRO offloads optimizer states (and, at stage 3, parameters)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping, as the Trainer does by default (0 turns it off)."""
+
+    def __post_init__(self) -> None:
+        if self.per_device_train_batch_size <= 0:
+            raise InputError(
+                f"per_device_train_batch_size must be greater than 0, got {self.per_device_train_batch_size}"
+            )
+        if self.gradient_accumulation_steps <= 0:
+            raise InputError(
+                f"gradient_accumulation_steps must be greater than 0, got {self.gradient_accumulation_steps}"
+            )
+        if self.fp16 and self.bf16:
+            raise InputError("fp16 and bf16 are mutually exclusive: choose one mixed precision")
+        if self.optim not in OPTIMS:
+            raise InputError(f"unknown optim {self.optim!r}; known: {', '.join(OPTIMS)}")
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise InputError(
+                f"unknown attn_implementation {self.attn_implementation!r}; "
+                f"known: {', '.join(ATTN_IMPLEMENTATIONS)}"
+            )
+        if self.dataloader_num_workers < 0:
+            raise InputError(f"dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise InputError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.offload not in OFFLOADS:
+            raise InputError(f"unknown offload {self.offload!r}; known: {', '.join(OFFLOADS)}")
+        if self.offload != "none" and self.zero_stage == 0:
+            raise InputError(f"offload={self.offload} needs DeepSpeed ZeRO: set zero_stage to 1, 2 or 3")
+        if self.offload == "nvme" and self.zero_stage != 3:
+            raise InputError("offload=nvme needs zero_stage=3")
+        if self.max_grad_norm < 0:
+            raise InputError(f"max_grad_norm must be >= 0, got {self.max_grad_norm}")
+
+    @property
+    def mixed_precision(self) -> Literal["no", "fp16", "bf16"]:
+        return "fp16" if self.fp16 else "bf16" if self.bf16 else "no"
+
+    def replace(self, **changes: Any) -> Recipe:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "recipe") -> Recipe:
+        """Build a Recipe from TrainingArguments-named keys; unknown keys are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise InputError(f"{source}: unknown recipe field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        for f in fields(cls):
+            if f.name in data:
+                _check_type(f.name, data[f.name], f.default, source)
+        return cls(**data)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Recipe:
+        """Load a recipe from a YAML or JSON file with the same keys as the dataclass."""
+        p = Path(path)
+        if not p.is_file():
+            raise InputError(f"recipe file {str(p)!r} does not exist")
+        text = p.read_text()
+        try:
+            if p.suffix.lower() in (".yaml", ".yml"):
+                import yaml
+
+                data = yaml.safe_load(text)
+            else:
+                data = json.loads(text)
+        except (ValueError, ImportError) as exc:  # yaml.YAMLError subclasses Exception only
+            raise InputError(f"recipe file {str(p)!r} is not valid {p.suffix.lstrip('.') or 'JSON'}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - yaml's own error types
+            raise InputError(f"recipe file {str(p)!r} could not be parsed: {exc}".splitlines()[0]) from None
+        if not isinstance(data, dict):
+            raise InputError(f"recipe file {str(p)!r} must hold a mapping of TrainingArguments fields")
+        return cls.from_dict(data, source=str(p))
+
+    def missing_packages(self) -> list[str]:
+        """Optional packages this recipe needs at run time that are not importable here."""
+        needed = [OPTIM_PACKAGES[self.optim]] if self.optim in OPTIM_PACKAGES else []
+        if self.attn_implementation == "flash_attention_2":
+            needed.append("flash_attn")
+        if self.zero_stage:
+            needed.append("deepspeed")
+        return [name for name in needed if importlib.util.find_spec(name) is None]
+
+    def to_training_arguments_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for transformers.TrainingArguments (DeepSpeed config excluded)."""
+        kwargs: dict[str, Any] = {
+            "per_device_train_batch_size": self.per_device_train_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "fp16": self.fp16,
+            "bf16": self.bf16,
+            "optim": "sgd" if self.optim == "sgd" else self.optim,
+            "torch_compile": self.torch_compile,
+            "dataloader_num_workers": self.dataloader_num_workers,
+            "dataloader_pin_memory": self.dataloader_pin_memory,
+            "max_grad_norm": self.max_grad_norm,
+        }
+        if self.tf32:
+            kwargs["tf32"] = True
+        if self.optim == "sgd":
+            kwargs["optim_args"] = "momentum=0.9"
+        return kwargs
+
+    def to_training_arguments(self, output_dir: str, **extra: Any) -> Any:
+        """A real transformers.TrainingArguments for this recipe."""
+        from transformers import TrainingArguments
+
+        return TrainingArguments(output_dir=output_dir, **self.to_training_arguments_kwargs(), **extra)
+
+
+def _check_type(name: str, value: Any, default: Any, source: str) -> None:
+    expected = type(default)
+    if expected is bool:
+        ok = isinstance(value, bool)
+    elif expected is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif expected is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, expected)
+    if not ok:
+        raise InputError(f"{source}: field {name} must be {expected.__name__}, got {value!r}")
