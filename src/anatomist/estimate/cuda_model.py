@@ -95,12 +95,15 @@ def cublas_workspace_bytes(compute_capability: str) -> int:
 
 def fake_parameters(module: torch.nn.Module, fake_mode: Any) -> None:
     """Replace every meta parameter and buffer of `module` by a fake CPU tensor of the same shape."""
+    replaced: dict[int, torch.nn.Parameter] = {}  # tied weights (lm_head = embeddings) stay tied
     with fake_mode:
         for sub in module.modules():
             for name, param in list(sub._parameters.items()):
                 if param is not None and param.device.type == "meta":
-                    fresh = torch.empty(param.shape, dtype=param.dtype)
-                    sub._parameters[name] = torch.nn.Parameter(fresh, requires_grad=param.requires_grad)
+                    if id(param) not in replaced:
+                        fresh = torch.empty(param.shape, dtype=param.dtype)
+                        replaced[id(param)] = torch.nn.Parameter(fresh, requires_grad=param.requires_grad)
+                    sub._parameters[name] = replaced[id(param)]
             for name, buf in list(sub._buffers.items()):
                 if buf is not None and buf.device.type == "meta":
                     sub._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype)

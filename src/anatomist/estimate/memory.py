@@ -1,10 +1,13 @@
 """Predict the memory anatomy of a training or inference step, offline.
 
-A step is traced (see `step.py`) on models cut to 1 and 2 blocks, at 1 and 2 samples per
-pass. Every figure of a phase's peak is bilinear in depth and batch size (each block and
-each sample adds the same tensors), so four small traces give the full model at any batch
-size: f(L, B) = f11 + (L-1)·Δdepth + (B-1)·Δbatch + (L-1)(B-1)·Δboth. The peak phase is
+A step is traced (see `step.py`) in two parts, forward/backward and optimizer, on models
+cut to 2 and 3 blocks (the first block differs from the rest: it reads the embeddings), at 2 and 3 samples per pass. Every figure of a segment's peak is
+affine in depth and batch size (each block and each sample adds the same tensors), so four
+small traces give the full model at any batch size. The peak phase is
 chosen after extrapolation. A test checks this against a full-depth trace.
+
+Within one depth, the traces at batch 1 and 2 run the same ops, so their allocation
+curves are extrapolated point by point to the wanted batch size before the peak is taken.
 
 The caching allocator's reserve (rounding, cached free blocks) does not extrapolate block
 by block; the ratio of peak reserved to peak allocated of the deepest, largest trace is
@@ -20,15 +23,22 @@ from typing import Any
 from anatomist.anatomy import TENSOR_CATEGORIES, MemoryAnatomy, MemoryCategory, Phase
 from anatomist.estimate.rules import BytesPerParamRule, bytes_per_param_rule
 from anatomist.estimate.sharding import shard
-from anatomist.estimate.step import Mode, PhasePeak, StepTrace, num_layers, trace_step
+from anatomist.estimate.cuda_model import cublas_workspace_bytes
+import numpy as np
+
+from anatomist.estimate.step import Mode, Part, PhasePeak, StepTrace, num_layers, trace_step
 from anatomist.hardware import GPU
 from anatomist.recipe import Recipe
 from anatomist.workload import Workload
 
 MAX_BATCH_SEARCH = 1 << 16
 
-# Recipe fields that change what a trace records (batch size and accumulation beyond 2 do not).
-_TRACE_FIELDS = ("gradient_checkpointing", "fp16", "bf16", "optim", "attn_implementation", "max_grad_norm")
+# Recipe fields that change each part's trace (batch size and accumulation beyond 2 do not).
+_PART_FIELDS = {
+    "forward-backward": ("gradient_checkpointing", "fp16", "bf16", "attn_implementation"),
+    "inference": ("fp16", "bf16", "attn_implementation"),
+    "optimizer": ("optim", "fp16", "max_grad_norm"),
+}
 _cache: dict[tuple[Any, ...], StepTrace] = {}
 
 
@@ -60,77 +70,138 @@ class MemoryEstimate:
         }
 
 
-def _trace(workload: Workload, recipe: Recipe, depth: int, batch: int, gpu: GPU, mode: Mode) -> StepTrace:
+def _trace(workload: Workload, recipe: Recipe, depth: int, batch: int, gpu: GPU, part: Part) -> StepTrace:
     key = (
-        workload.name,
         workload.task,
         workload.seq_len,
         workload.config.to_json_string(use_diff=False),
-        tuple(getattr(recipe, f) for f in _TRACE_FIELDS),
-        min(recipe.gradient_accumulation_steps, 2),
+        part,
+        tuple(getattr(recipe, f) for f in _PART_FIELDS[part]),
+        min(recipe.gradient_accumulation_steps, 2) if part == "forward-backward" else 1,
         depth,
-        batch,
-        gpu.compute_capability.split(".")[0] >= "9",
-        mode,
+        batch if part != "optimizer" else 1,
+        cublas_workspace_bytes(gpu.compute_capability),
     )
     if key not in _cache:
         _cache[key] = trace_step(
-            workload, recipe, depth=depth, batch_size=batch, compute_capability=gpu.compute_capability, mode=mode
+            workload, recipe, depth=depth, batch_size=batch, compute_capability=gpu.compute_capability, part=part
         )
     return _cache[key]
 
 
-def _bilinear(f11: float, f21: float, f12: float, f22: float, depth: int, batch: int) -> float:
-    both = f22 - f21 - f12 + f11
-    return f11 + (depth - 1) * (f21 - f11) + (batch - 1) * (f12 - f11) + (depth - 1) * (batch - 1) * both
+TRACE_DEPTHS = (2, 3)
+TRACE_BATCHES = (2, 3)
+"""Batch sizes of the traces: not 1, where size-1 dimensions make some copies views, so the
+op sequence (and the curve) differs from every larger batch."""
+
+
+def _affine(f_lo: float, f_hi: float, x: int, lo: int) -> float:
+    """The value at x of the line through (lo, f_lo) and (lo + 1, f_hi)."""
+    return f_lo + (x - lo) * (f_hi - f_lo)
 
 
 @dataclass(slots=True)
 class _Model:
-    """Per phase: the vector of figures at (depth, batch) in {1,2}²."""
+    """Traces at depth and batch in {1, 2}, and how to extrapolate them to the full model."""
 
-    corners: dict[tuple[Phase, str], tuple[list[float], list[float], list[float], list[float]]]
-    params: tuple[int, int]
-    trainable: tuple[int, int]
-    reserve_ratio: float
-    """peak reserved / peak allocated of the deepest, largest trace (allocator rounding and cache)."""
+    passes: dict[tuple[int, int], StepTrace]
+    """The forward/backward (or inference) traces."""
+    optimizer: dict[int, StepTrace] | None
+    """The optimizer traces by depth; None in inference."""
+
+    def _linear(self, f1: float, f2: float, depth: int) -> float:
+        return _affine(f1, f2, depth, TRACE_DEPTHS[0])
+
+    def parameters(self, depth: int, trainable: bool = False) -> int:
+        t1, t2 = (self.passes[d, TRACE_BATCHES[0]] for d in TRACE_DEPTHS)
+        if trainable:
+            return round(self._linear(t1.trainable_parameters, t2.trainable_parameters, depth))
+        return round(self._linear(t1.parameters, t2.parameters, depth))
+
+    def state_bytes(self, depth: int) -> int:
+        if self.optimizer is None:
+            return 0
+        f1, f2 = (self.optimizer[d].static_bytes.get(MemoryCategory.OPTIMIZER_STATES, 0) for d in TRACE_DEPTHS)
+        return round(self._linear(f1, f2, depth))
+
+    def phases(self) -> list[Phase]:
+        phases = list(dict.fromkeys(p for p, _ in self.passes[TRACE_DEPTHS[0], TRACE_BATCHES[0]].phases))
+        return phases + ([Phase.OPTIMIZER] if self.optimizer else [])
 
     def phase_at(self, phase: Phase, depth: int, batch: int) -> PhasePeak:
-        """The highest of the phase's segment peaks, each extrapolated on its own."""
-        peaks = []
-        for (p, _segment), (c11, c21, c12, c22) in self.corners.items():
-            if p is phase:
-                vector = [_bilinear(*v, depth, batch) for v in zip(c11, c21, c12, c22, strict=True)]
-                peaks.append(PhasePeak.from_vector(vector))
-        peak = max(peaks, key=lambda x: x.allocated)
-        peak.reserved = max(peak.allocated, round(peak.allocated * self.reserve_ratio))
+        """The peak of `phase` at `depth` blocks and `batch` samples per pass.
+
+        Per depth, the batch-2 and batch-3 curves are extrapolated point by point to `batch`.
+        Then, segment by segment, the points of the 1-block trace are matched with the same
+        points of the 2-block trace (for the blocks segment: with its first and with its
+        last block) and extrapolated point by point to `depth`; the peak is the highest
+        point. Where a segment's points do not match up, its peaks are extrapolated instead.
+        """
+        if phase is Phase.OPTIMIZER and self.optimizer is not None:
+            curves = {d: self.optimizer[d].curves for d in TRACE_DEPTHS}
+            points = {d: (c.keys, c.allocated, c.categories) for d, c in curves.items()}
+            ratio = curves[TRACE_DEPTHS[1]].reserve_ratio
+        else:
+            points = {d: self._at_batch(d, batch) for d in TRACE_DEPTHS}
+            ratio = self.passes[TRACE_DEPTHS[1], TRACE_BATCHES[1]].curves.reserve_ratio
+        best_allocated, best_categories = -1.0, None
+        keys = dict.fromkeys(k for k in points[TRACE_DEPTHS[0]][0] if k[0] is phase)
+        for key in keys:
+            for allocated, categories in self._segment_at_depth(points, key, depth):
+                i = int(np.argmax(allocated))
+                if allocated[i] > best_allocated:
+                    best_allocated, best_categories = float(allocated[i]), categories[i]
+        peak = PhasePeak.from_vector([best_allocated, 0.0, *(best_categories if best_categories is not None else [0.0] * len(TENSOR_CATEGORIES))])
+        # Fragmentation does not extrapolate block by block; its ratio to the peak does, roughly.
+        peak.reserved = max(peak.allocated, round(peak.allocated * ratio))
+        if phase is not Phase.OPTIMIZER:
+            states = self.state_bytes(depth)  # alive, unchanged, through forward and backward
+            peak.categories[MemoryCategory.OPTIMIZER_STATES] += states
+            peak.allocated += states
+            peak.reserved += states
         return peak
 
-    @property
-    def phases(self) -> list[Phase]:
-        return list(dict.fromkeys(p for p, _ in self.corners))
+    def _segment_at_depth(
+        self, points: dict[int, tuple[list[Any], np.ndarray, np.ndarray]], key: tuple[Phase, str, int], depth: int
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        lo_d, hi_d = TRACE_DEPTHS
+        (k1, a1, c1), (k2, a2, c2) = points[lo_d], points[hi_d]
+        i1 = np.array([i for i, k in enumerate(k1) if k == key], dtype=np.int64)
+        i2 = np.array([i for i, k in enumerate(k2) if k == key], dtype=np.int64)
+        if len(i1) == 0 or len(i2) == 0:
+            return []
+        if len(i1) == len(i2):
+            alignments = [i2]
+        elif key[1] == "blocks" and len(i2) > len(i1):
+            alignments = [i2[: len(i1)], i2[-len(i1):]]
+        else:  # no point-wise match: extrapolate the segment peaks
+            j1, j2 = i1[np.argmax(a1[i1])], i2[np.argmax(a2[i2])]
+            return [(
+                np.array([_affine(a1[j1], a2[j2], depth, lo_d)]),
+                _affine(c1[j1], c2[j2], depth, lo_d)[None, :],
+            )]
+        return [
+            (_affine(a1[i1], a2[j], depth, lo_d), _affine(c1[i1], c2[j], depth, lo_d)) for j in alignments
+        ]
+
+    def _at_batch(self, depth: int, batch: int) -> tuple[list[Any], np.ndarray, np.ndarray]:
+        """The depth's curve (keys, allocated, categories) extrapolated to `batch` samples."""
+        lo, hi = (self.passes[depth, b].curves for b in TRACE_BATCHES)
+        if lo.keys != hi.keys:
+            raise RuntimeError(
+                f"the traced op sequence changed between batch {TRACE_BATCHES[0]} and {TRACE_BATCHES[1]}; "
+                "cannot extrapolate in batch size"
+            )
+        allocated = _affine(lo.allocated, hi.allocated, batch, TRACE_BATCHES[0])
+        categories = _affine(lo.categories, hi.categories, batch, TRACE_BATCHES[0])
+        return lo.keys, allocated, categories
 
 
 def _fit(workload: Workload, recipe: Recipe, gpu: GPU, mode: Mode) -> _Model:
-    t = {(d, b): _trace(workload, recipe, d, b, gpu, mode) for d in (1, 2) for b in (1, 2)}
-    corners = {
-        key: (
-            t[1, 1].phases[key].as_vector(),
-            t[2, 1].phases[key].as_vector(),
-            t[1, 2].phases[key].as_vector(),
-            t[2, 2].phases[key].as_vector(),
-        )
-        for key in t[1, 1].phases
-    }
-    # Fragmentation does not extrapolate event by event; its ratio to the peak does, roughly.
-    deepest = t[2, 2].phases.values()
-    ratio = max(p.reserved for p in deepest) / max(max(p.allocated for p in deepest), 1)
-    return _Model(
-        corners,
-        (t[1, 1].parameters, t[2, 1].parameters),
-        (t[1, 1].trainable_parameters, t[2, 1].trainable_parameters),
-        max(ratio, 1.0),
-    )
+    part: Part = "forward-backward" if mode == "train" else "inference"
+    passes = {(d, b): _trace(workload, recipe, d, b, gpu, part) for d in TRACE_DEPTHS for b in TRACE_BATCHES}
+    optimizer = {d: _trace(workload, recipe, d, 1, gpu, "optimizer") for d in TRACE_DEPTHS} if mode == "train" else None
+    return _Model(passes, optimizer)
 
 
 def estimate_memory(
@@ -151,13 +222,13 @@ def estimate_memory(
     model = _fit(workload, recipe, gpu, mode)
     depth = num_layers(workload)
     batch = recipe.per_device_train_batch_size
-    parameters = round(_bilinear(model.params[0], model.params[1], model.params[0], model.params[1], depth, 1))
-    trainable = round(_bilinear(model.trainable[0], model.trainable[1], model.trainable[0], model.trainable[1], depth, 1))
+    parameters = model.parameters(depth)
+    trainable = model.parameters(depth, trainable=True)
 
     def phases_at(b: int) -> dict[Phase, PhasePeak]:
         return {
             phase: shard(model.phase_at(phase, depth, b), recipe, parameters, num_gpus, mode)
-            for phase in model.phases
+            for phase in model.phases()
         }
 
     phases = phases_at(batch)

@@ -57,20 +57,25 @@ class Blockwise8bitAdamLayout(torch.optim.Optimizer):
 
 
 def build_optimizer(recipe: Recipe, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizer of `recipe` over `params`, configured as Trainer configures it on CUDA."""
-    if recipe.optim in ("adamw_bnb_8bit", "adamw_torch_8bit"):
-        return Blockwise8bitAdamLayout(params, lr=5e-5)
-    from transformers import Trainer, TrainingArguments
+    """The optimizer of `recipe` over `params`, configured as Trainer configures it on CUDA.
 
-    args = TrainingArguments(
-        output_dir="anatomist-trace",
-        optim=recipe.optim,
-        optim_args="momentum=0.9" if recipe.optim == "sgd" else None,
-        report_to="none",
-        use_cpu=True,
-    )
-    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
-    kwargs = dict(kwargs)
-    if cls in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD) and not kwargs.get("fused"):
-        kwargs["foreach"] = True  # the CUDA default (torch.optim.optimizer._default_to_fused_or_foreach)
-    return cls(params, **kwargs)
+    The classes and memory-relevant keyword arguments are those of
+    `transformers.trainer_optimizer` (a test checks them against
+    `Trainer.get_optimizer_cls_and_kwargs`); importing Trainer itself costs ~2 s, which the
+    estimator avoids. `foreach=True` is passed explicitly because it is PyTorch's default on
+    CUDA only (torch.optim.optimizer._default_to_fused_or_foreach).
+    """
+    lr = 5e-5  # TrainingArguments.learning_rate default; memory does not depend on it
+    if recipe.optim in ("adamw_bnb_8bit", "adamw_torch_8bit"):
+        return Blockwise8bitAdamLayout(params, lr=lr)
+    if recipe.optim == "adamw_torch":
+        return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, foreach=True)
+    if recipe.optim == "adamw_torch_fused":
+        return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, fused=True)
+    if recipe.optim == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=True)
+    if recipe.optim == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False)
+    raise ValueError(f"no optimizer model for {recipe.optim!r}")

@@ -15,11 +15,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from anatomist.anatomy import TENSOR_CATEGORIES, MemoryCategory, Phase
-from anatomist.estimate.allocator import CachingAllocator
+from anatomist.estimate.allocator import CachingAllocator, round_size
 from anatomist.estimate.cuda_model import cublas_workspace_bytes, cuda_code_paths, fake_parameters
 from anatomist.estimate.optimizers import build_optimizer
 from anatomist.estimate.tracer import MemoryTracer, Trace
@@ -62,6 +63,10 @@ class StepTrace:
     parameters: int
     trainable_parameters: int
     op_count: int
+    curves: Curves
+    """The allocation curve, for extrapolation in batch size."""
+    static_bytes: dict[MemoryCategory, int] = dataclasses.field(default_factory=dict)
+    """Bytes alive through the whole step that the trace made at set-up (optimizer state)."""
 
 
 def model_at_depth(workload: Workload, num_layers: int) -> Workload:
@@ -103,22 +108,40 @@ def _make_batch(workload: Workload, batch_size: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+Part = Literal["forward-backward", "optimizer", "inference", "train-step"]
+
+
 def trace_step(
     workload: Workload,
     recipe: Recipe,
     *,
-    depth: int,
+    depth: int | None,
     batch_size: int,
     compute_capability: str,
-    mode: Mode = "train",
+    part: Part = "forward-backward",
+    fake: bool = True,
 ) -> StepTrace:
-    """Trace a step of `workload` cut to `depth` blocks at `batch_size` samples per pass."""
-    shallow = model_at_depth(workload, depth)
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    """Trace one part of a step of `workload` cut to `depth` blocks (None: the full model).
+
+    The estimator traces a training step in two independent parts, so that recipes that
+    differ only in the optimizer share the forward/backward trace (and vice versa):
+      forward-backward: the micro-batches' forward and backward passes, without optimizer
+        state (the caller adds it: it is static through forward and backward);
+      optimizer: unscale, clip and step over gradients of every parameter, after a first
+        step has created the state.
+    "train-step" runs the whole steady-state step in one go (state, passes, optimizer), as
+    the Trainer does; with `fake=False` it runs on real CPU tensors, which is what the
+    accuracy tests measure against.
+    """
+    shallow = model_at_depth(workload, depth) if depth is not None else workload
     attn = "sdpa" if recipe.attn_implementation == "flash_attention_2" else recipe.attn_implementation
-    with torch.device("meta"), contextlib.redirect_stderr(None):
+    fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    if fake:
+        with torch.device("meta"), contextlib.redirect_stderr(None):
+            model = shallow.build_model(attn)
+        fake_parameters(model, fake_mode)
+    else:
         model = shallow.build_model(attn)
-    fake_parameters(model, fake_mode)
     lower = _lower_dtype(recipe)
     tracer = MemoryTracer(lower_precision_dtype=lower)
     params = [p for p in model.parameters()]
@@ -127,25 +150,73 @@ def trace_step(
     for b in model.buffers():
         tracer.register(b, MemoryCategory.WEIGHTS)
     workspace = cublas_workspace_bytes(compute_capability)
-    tracer.on_first_contraction(lambda: tracer.allocate_extra(workspace, MemoryCategory.FUNCTIONALITY))
-    autocast = (
-        torch.autocast("cpu", dtype=lower) if lower is not None else contextlib.nullcontext()
-    )
+    autocast = torch.autocast("cpu", dtype=lower) if lower is not None else contextlib.nullcontext()
+    static: dict[MemoryCategory, int] = {}
     with fake_mode, tracer, cuda_code_paths():
-        if mode == "train":
-            _train_steps(model, params, workload, recipe, batch_size, tracer, autocast, workspace)
-        else:
+        # cuBLAS workspaces live from the first matrix product on: one for the main thread's
+        # handle and, in training, one for the autograd engine's device thread. A steady-state
+        # step starts with both.
+        tracer.phase = Phase.SETUP
+        for _ in range(1 if part == "inference" else 2):
+            tracer.allocate_extra(workspace, MemoryCategory.FUNCTIONALITY)
+        if part == "inference":
             _inference_step(model, workload, batch_size, tracer, autocast)
-    phases = _phase_peaks(tracer.trace, [Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER] if mode == "train" else [Phase.FORWARD])
+            phases = [Phase.FORWARD]
+        elif part == "forward-backward":
+            _forward_backward(model, params, workload, recipe, batch_size, tracer, autocast)
+            phases = [Phase.FORWARD, Phase.BACKWARD]
+        else:
+            optimizer, state_bytes = _create_state(params, recipe, tracer)
+            static = {MemoryCategory.OPTIMIZER_STATES: state_bytes}
+            if part == "train-step":
+                _forward_backward(model, params, workload, recipe, batch_size, tracer, autocast)
+                phases = [Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER]
+            else:
+                for p in params:
+                    p.grad = torch.zeros_like(p)  # what backward leaves behind
+                tracer.label_live([p.grad for p in params], MemoryCategory.GRADIENTS)
+                phases = [Phase.OPTIMIZER]
+            _optimizer_phase(params, optimizer, recipe, tracer)
     return StepTrace(
-        phases=phases,
+        phases=(curves := _curves(tracer.trace)).peaks(phases),
+        curves=curves,
         parameters=sum(p.numel() for p in params),
         trainable_parameters=sum(p.numel() for p in params if p.requires_grad),
         op_count=tracer.trace.op_count,
+        static_bytes=static,
     )
 
 
-def _train_steps(
+def _create_state(
+    params: list[torch.nn.Parameter], recipe: Recipe, tracer: MemoryTracer
+) -> tuple[torch.optim.Optimizer, int]:
+    """The optimizer, with the state a first step creates (from zero gradients)."""
+    optimizer = build_optimizer(recipe, params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    tracer.label_live(states, MemoryCategory.OPTIMIZER_STATES)
+    return optimizer, sum(round_size(t.untyped_storage().nbytes()) for t in states)
+
+
+def _optimizer_phase(
+    params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, recipe: Recipe, tracer: MemoryTracer
+) -> None:
+    """Unscale (fp16), clip and step, then free the gradients, as the Trainer does."""
+    tracer.phase, tracer.segment = Phase.OPTIMIZER, "pre"
+    grads = [p.grad for p in params if p.grad is not None]
+    if recipe.fp16:
+        torch._foreach_mul_(grads, 1.0 / 65536.0)  # GradScaler.unscale_ works in place
+    if recipe.max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(params, recipe.max_grad_norm, foreach=True)
+    del grads
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _forward_backward(
     model: torch.nn.Module,
     params: list[torch.nn.Parameter],
     workload: Workload,
@@ -153,31 +224,21 @@ def _train_steps(
     batch_size: int,
     tracer: MemoryTracer,
     autocast: Any,
-    workspace: int,
 ) -> None:
     model.train()
     if recipe.gradient_checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()
-    optimizer = build_optimizer(recipe, params)
-    # Set-up: the optimizer state a first step would create (from zero gradients), so the
-    # traced step below is a steady-state one. Its events are not a phase of the step.
-    tracer.phase = Phase.SETUP
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    tracer.label_live(
-        [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)],
-        MemoryCategory.OPTIMIZER_STATES,
-    )
-    scaler_state: list[torch.Tensor] = []
+    scale: torch.Tensor | None = None
     if recipe.fp16:  # GradScaler: scale and growth tracker on the device
+        tracer.phase = Phase.SETUP
         scaler_state = [torch.full((), 65536.0), torch.zeros((), dtype=torch.int32)]
         tracer.label_live(scaler_state, MemoryCategory.FUNCTIONALITY)
+        scale = scaler_state[0]
     _watch_blocks(model, tracer)
-    backward_workspace = False
-    for _micro in range(min(recipe.gradient_accumulation_steps, 2)):
+    # Two micro-batches when gradients accumulate: the second forward runs with gradients alive.
+    for micro in range(min(recipe.gradient_accumulation_steps, 2)):
+        tracer.micro_step = micro
         tracer.phase, tracer.segment = Phase.FORWARD, "pre"
         batch = _make_batch(workload, batch_size)
         with autocast:
@@ -186,24 +247,11 @@ def _train_steps(
         del batch
         tracer.label_phase_survivors(Phase.FORWARD, MemoryCategory.ACTIVATIONS)
         tracer.phase, tracer.segment = Phase.BACKWARD, "post"
-        if not backward_workspace:
-            # The autograd engine's device thread has its own cuBLAS handle and workspace.
-            tracer.on_first_contraction(lambda: tracer.allocate_extra(workspace, MemoryCategory.FUNCTIONALITY))
-            backward_workspace = True
-        if scaler_state:
-            loss = loss * scaler_state[0]
+        if scale is not None:
+            loss = loss * scale
         loss.backward()
         del loss
         tracer.label_live([p.grad for p in params if p.grad is not None], MemoryCategory.GRADIENTS)
-    tracer.phase, tracer.segment = Phase.OPTIMIZER, "pre"
-    grads = [p.grad for p in params if p.grad is not None]
-    if scaler_state:
-        torch._foreach_mul_(grads, 1.0 / 65536.0)  # GradScaler.unscale_ works in place
-    if recipe.max_grad_norm > 0:
-        torch.nn.utils.clip_grad_norm_(params, recipe.max_grad_norm, foreach=True)
-    del grads
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
 
 
 def _repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -296,48 +344,89 @@ def _cache_tensors(cache: Any) -> list[Any]:
     return list(cache) if isinstance(cache, (list, tuple)) else []
 
 
-def _phase_peaks(trace: Trace, phases: list[Phase]) -> dict[tuple[Phase, str], PhasePeak]:
-    """Replay the events through the allocator model; per (phase, segment), what was live at its peak."""
-    allocator = CachingAllocator()
-    blocks: dict[int, Any] = {}
-    best: dict[tuple[Phase, str], tuple[int, int]] = {}  # key -> (allocated, event index)
-    for i, event in enumerate(trace.events):
-        if event.nbytes > 0:
-            blocks[event.alloc_id] = allocator.malloc(event.nbytes)
-        else:
-            block = blocks.pop(event.alloc_id, None)
-            if block is not None:
-                allocator.free(block)
-        key = (event.phase, event.segment)
-        if event.phase in phases and event.nbytes > 0 and allocator.allocated > best.get(key, (-1, 0))[0]:
-            best[key] = (allocator.allocated, i)
-    ratio = allocator.peak_reserved / max(allocator.peak_allocated, 1)
-    # Second pass: the categories of the blocks live at each key's peak event.
-    wanted = {index: key for key, (_, index) in best.items()}
-    live: dict[int, int] = {}
-    replay = CachingAllocator()
-    replay_blocks: dict[int, Any] = {}
+@dataclass(kw_only=True, slots=True)
+class Curves:
+    """Allocated bytes after every allocation of a trace, in total and per category.
+
+    Traces of the same model and depth at two batch sizes run the same ops, so their
+    curves line up event by event, and each point is affine in the batch size.
+    """
+
+    keys: list[tuple[Phase, str, int]]
+    """(phase, segment, micro-step) of each point."""
+    allocated: np.ndarray
+    """[points] live bytes (each tensor rounded to the allocator's 512 B) after the allocation.
+
+    The allocator's own `allocated` also counts the slack of cached blocks it did not
+    split, which depends on the whole history of the process; it is left to the reserve."""
+    categories: np.ndarray
+    """[points, len(TENSOR_CATEGORIES)] the same bytes by category."""
+    reserve_ratio: float
+    """Peak reserved over peak live bytes of the allocator replay."""
+
+    def peaks(self, phases: list[Phase]) -> dict[tuple[Phase, str], PhasePeak]:
+        """The peak of every (phase, segment) of `phases`."""
+        return peaks_of(self.keys, self.allocated, self.categories, self.reserve_ratio, phases)
+
+
+def peaks_of(
+    keys: list[tuple[Phase, str, int]],
+    allocated: np.ndarray,
+    categories: np.ndarray,
+    reserve_ratio: float,
+    phases: list[Phase],
+) -> dict[tuple[Phase, str], PhasePeak]:
     out: dict[tuple[Phase, str], PhasePeak] = {}
-    for i, event in enumerate(trace.events):
-        if event.nbytes > 0:
-            block = replay.malloc(event.nbytes)
-            replay_blocks[event.alloc_id] = block
-            live[event.alloc_id] = block.size
-        else:
-            block = replay_blocks.pop(event.alloc_id, None)
-            if block is not None:
-                replay.free(block)
-            live.pop(event.alloc_id, None)
-        if i in wanted:
-            key = wanted[i]
-            categories = dict.fromkeys(TENSOR_CATEGORIES, 0)
-            for alloc_id, size in live.items():
-                categories[trace.allocations[alloc_id].category] += size
-            allocated = best[key][0]
-            out[key] = PhasePeak(allocated=allocated, reserved=round(allocated * ratio), categories=categories)
+    best: dict[tuple[Phase, str], int] = {}
+    for i, (phase, segment, _micro) in enumerate(keys):
+        key = (phase, segment)
+        if phase in phases and (key not in best or allocated[i] > allocated[best[key]]):
+            best[key] = i
+    for key, i in best.items():
+        value = int(round(float(allocated[i])))
+        out[key] = PhasePeak(
+            allocated=value,
+            reserved=round(value * reserve_ratio),
+            categories={c: int(round(float(categories[i, j]))) for j, c in enumerate(TENSOR_CATEGORIES)},
+        )
     for phase in phases:
         for segment in SEGMENTS:
             out.setdefault(
                 (phase, segment), PhasePeak(allocated=0, reserved=0, categories=dict.fromkeys(TENSOR_CATEGORIES, 0))
             )
     return out
+
+
+def _curves(trace: Trace) -> Curves:
+    """Replay the events through the allocator model, recording the curve after each allocation."""
+    allocator = CachingAllocator()
+    blocks: dict[int, Any] = {}
+    index = {c: j for j, c in enumerate(TENSOR_CATEGORIES)}
+    current = [0] * len(TENSOR_CATEGORIES)
+    keys: list[tuple[Phase, str, int]] = []
+    totals: list[int] = []
+    rows: list[list[int]] = []
+    live = 0
+    for event in trace.events:
+        category = index[trace.allocations[event.alloc_id].category]
+        if event.nbytes > 0:
+            blocks[event.alloc_id] = allocator.malloc(event.nbytes)
+            size = round_size(event.nbytes)
+            current[category] += size
+            live += size
+            keys.append((event.phase, event.segment, event.micro_step))
+            totals.append(live)
+            rows.append(list(current))
+        else:
+            block = blocks.pop(event.alloc_id, None)
+            if block is not None:
+                size = round_size(-event.nbytes)
+                current[category] -= size
+                live -= size
+                allocator.free(block)
+    return Curves(
+        keys=keys,
+        allocated=np.asarray(totals, dtype=np.float64),
+        categories=np.asarray(rows, dtype=np.float64).reshape(len(rows), len(TENSOR_CATEGORIES)),
+        reserve_ratio=max(1.0, allocator.peak_reserved / max(max(totals, default=0), 1)),
+    )

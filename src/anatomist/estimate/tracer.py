@@ -36,6 +36,8 @@ class Allocation:
     category: MemoryCategory = MemoryCategory.TEMPORARY
     fixed: bool = False
     """True once the category is settled (weights, gradients, states are not re-labelled)."""
+    op: str = ""
+    """The ATen op that made it ("" for registered tensors)."""
 
 
 @dataclass(slots=True)
@@ -47,6 +49,8 @@ class Event:
     phase: Phase
     segment: str = "pre"
     """Where in the phase: "pre" (before the repeated blocks), "blocks", "post" (after them)."""
+    micro_step: int = 0
+    """Which micro-batch of an accumulating step (0 or 1)."""
 
 
 @dataclass(slots=True)
@@ -78,11 +82,11 @@ class MemoryTracer(TorchDispatchMode):
         self.trace = Trace()
         self.phase = Phase.SETUP
         self.segment = "pre"
+        self.micro_step = 0
         self._ids = itertools.count()
         self._live: dict[int, tuple[int, weakref.ref[Any]]] = {}  # storage key -> (alloc_id, ref)
         self._weight_keys: set[int] = set()
         self._lower_dtype = lower_precision_dtype
-        self._on_first_contraction: list[Any] = []
 
     # -- registration of what exists before the step -------------------------------
     def register(self, tensor: torch.Tensor, category: MemoryCategory) -> None:
@@ -102,11 +106,8 @@ class MemoryTracer(TorchDispatchMode):
         """An allocation that has no tensor here (e.g. the cuBLAS workspace); never freed."""
         alloc_id = next(self._ids)
         self.trace.allocations[alloc_id] = Allocation(alloc_id, nbytes, self.phase, category, True)
-        self.trace.events.append(Event(alloc_id, nbytes, self.phase, self.segment))
+        self.trace.events.append(Event(alloc_id, nbytes, self.phase, self.segment, self.micro_step))
         return alloc_id
-
-    def on_first_contraction(self, callback: Any) -> None:
-        self._on_first_contraction.append(callback)
 
     # -- labelling -------------------------------------------------------------------
     def set_category(self, alloc_id: int, category: MemoryCategory) -> None:
@@ -136,10 +137,6 @@ class MemoryTracer(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         self.trace.op_count += 1
-        if self._on_first_contraction and func in _CONTRACTIONS:
-            callbacks, self._on_first_contraction = self._on_first_contraction, []
-            for callback in callbacks:
-                callback()
         out = func(*args, **kwargs)
         is_weight_cast = (
             func is _aten._to_copy.default
@@ -155,6 +152,7 @@ class MemoryTracer(TorchDispatchMode):
                 if st is None or st._cdata in self._live:
                     continue
                 alloc_id = self._add(st, st._cdata)
+                self.trace.allocations[alloc_id].op = func.__name__
                 if is_weight_cast:
                     self.set_category(alloc_id, MemoryCategory.WEIGHTS)
         return out
@@ -163,7 +161,7 @@ class MemoryTracer(TorchDispatchMode):
         alloc_id = next(self._ids)
         nbytes = int(st.nbytes())
         self.trace.allocations[alloc_id] = Allocation(alloc_id, nbytes, self.phase)
-        self.trace.events.append(Event(alloc_id, nbytes, self.phase, self.segment))
+        self.trace.events.append(Event(alloc_id, nbytes, self.phase, self.segment, self.micro_step))
         ref = weakref.ref(st, self._freed_callback(key))
         self._live[key] = (alloc_id, ref)
         return alloc_id
@@ -173,14 +171,6 @@ class MemoryTracer(TorchDispatchMode):
             entry = self._live.pop(key, None)
             if entry is not None:
                 alloc = self.trace.allocations[entry[0]]
-                self.trace.events.append(Event(entry[0], -alloc.nbytes, self.phase, self.segment))
+                self.trace.events.append(Event(entry[0], -alloc.nbytes, self.phase, self.segment, self.micro_step))
 
         return freed
-
-
-_CONTRACTIONS = {
-    _aten.mm.default,
-    _aten.addmm.default,
-    _aten.bmm.default,
-    _aten.baddbmm.default,
-}
