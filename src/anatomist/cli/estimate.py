@@ -39,6 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", type=int, default=1, metavar="N", help="devices ZeRO shards across")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout, nothing else")
     p.add_argument("--report", metavar="PATH", help="also write an HTML report")
+    p.add_argument("--ignore-missing-packages", action="store_true",
+                   help="estimate a recipe whose optional package (bitsandbytes, flash-attn...) is not installed here")
     p.set_defaults(handler=run)
 
 
@@ -51,6 +53,12 @@ def build_estimate(args: argparse.Namespace) -> Estimate:
         raise InputError(f"bf16 needs an Ampere or newer GPU; {gpu.name} has none (use --fp16)")
     if recipe.tf32 and not gpu.tf32:
         raise InputError(f"tf32 needs an Ampere or newer GPU; {gpu.name} has none")
+    missing = recipe.missing_packages()
+    if missing and not args.ignore_missing_packages:
+        raise InputError(
+            f"this recipe needs {', '.join(missing)}, not installed here (pip install {' '.join(missing)}); "
+            "pass --ignore-missing-packages to estimate for another machine"
+        )
     workload = load_workload(
         args.model, seq_len=args.seq_len, task=args.task,
         trust_remote_code=args.trust_remote_code, allow_network=args.allow_network,

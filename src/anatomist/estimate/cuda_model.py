@@ -52,6 +52,11 @@ def _cuda_sdpa(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
+    if attn_mask is not None and attn_mask.requires_grad:
+        # A learned bias (T5's relative positions): the CPU flash kernel cannot give its
+        # gradient; the math path keeps the probabilities, as CUDA's kernels then also may.
+        return _original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                              scale=scale, enable_gqa=enable_gqa)
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         repeat = query.shape[-3] // key.shape[-3]
         key = key.repeat_interleave(repeat, dim=-3)

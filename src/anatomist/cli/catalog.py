@@ -1,0 +1,88 @@
+"""`anatomist gpus`, `anatomist models`, `anatomist env`: what anatomist knows and what this machine has."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.table import Table
+
+from anatomist.cli.common import print_json
+from anatomist.cli.render import console, gib
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("gpus", help="list the GPU catalog (and the detected GPU)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=run_gpus)
+    p = sub.add_parser("models", help="list the shipped model configs")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=run_models)
+    p = sub.add_parser("env", help="torch/CUDA/driver versions, bf16/tf32 support, optional packages, advice")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=run_env)
+
+
+def run_gpus(args: argparse.Namespace) -> int:
+    from anatomist.hardware import catalog, detect_local_gpu
+
+    gpus = list(catalog().values())
+    local = detect_local_gpu()
+    if args.json:
+        print_json({"gpus": [g.to_dict() for g in gpus], "detected": local.to_dict() if local else None})
+        return 0
+    table = Table(title="GPU catalog (dense peaks; sources in data/gpus.toml)", title_justify="left")
+    for column in ("name", "memory", "fp32", "tf32", "fp16", "bf16", "bandwidth", "CUDA context"):
+        table.add_column(column, justify="left" if column == "name" else "right")
+    for g in gpus:
+        table.add_row(
+            g.name, gib(g.memory_bytes), f"{g.fp32_tflops:g}", f"{g.tf32_tflops:g}" if g.tf32 else "-",
+            f"{g.fp16_tflops:g}", f"{g.bf16_tflops:g}" if g.bf16 else "-", f"{g.bandwidth_gbps:g} GB/s",
+            gib(g.cuda_context_bytes),
+        )
+    out = console()
+    out.print(table)
+    out.print("TFLOP/s, dense. " + (f"Detected here: {local.name}" if local else "No NVIDIA GPU detected here (NVML)."))
+    return 0
+
+
+def run_models(args: argparse.Namespace) -> int:
+    from importlib import resources
+
+    from anatomist.workload import catalog_names
+
+    rows = []
+    for name in catalog_names():
+        data = json.loads(resources.files("anatomist.data").joinpath("models", f"{name}.json").read_text())
+        layers = data.get("num_hidden_layers") or data.get("n_layer") or data.get("num_layers")
+        hidden = data.get("hidden_size") or data.get("n_embd") or data.get("d_model")
+        experts = data.get("num_local_experts")
+        rows.append({"name": name, "model_type": data["model_type"], "layers": layers, "hidden_size": hidden,
+                     "experts": experts})
+    if args.json:
+        print_json({"models": rows})
+        return 0
+    table = Table(title="Model catalog (config.json only, no weights)", title_justify="left")
+    for column in ("name", "type", "layers", "hidden", "experts"):
+        table.add_column(column)
+    for r in rows:
+        table.add_row(r["name"], r["model_type"], str(r["layers"]), str(r["hidden_size"]), str(r["experts"] or "-"))
+    console().print(table)
+    return 0
+
+
+def run_env(args: argparse.Namespace) -> int:
+    from anatomist.envinfo import read_environment
+
+    env = read_environment()
+    if args.json:
+        print_json(env.to_dict())
+        return 0
+    out = console()
+    out.print(f"python {env.python}, torch {env.torch} (CUDA {env.cuda or 'none: CPU build'}), transformers {env.transformers}")
+    out.print(f"driver: {env.driver or 'none'}; GPU: {env.gpu or 'none'}; bf16: {env.bf16}; tf32: {env.tf32}")
+    for name, version in env.packages.items():
+        out.print(f"  {name:13} {version or '[dim]not installed[/]'}")
+    for line in env.advice:
+        out.print(f"- {line}")
+    return 0

@@ -1,0 +1,75 @@
+"""Bad input: one line on stderr, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "anatomist", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["estimate", "bert-lage-uncased"], "unknown model 'bert-lage-uncased'.*did you mean bert-large-uncased"),
+        (["estimate", "--fp16", "--bf16"], "fp16 and bf16 are mutually exclusive"),
+        (["estimate", "--bf16", "--gpu", "V100-16GB"], "bf16 needs an Ampere or newer GPU"),
+        (["estimate", "--batch-size", "0"], "per_device_train_batch_size must be greater than 0, got 0"),
+        (["estimate", "--optim", "adam9000"], "unknown optim 'adam9000'"),
+        (["estimate", "--seq-len", "4096"], "seq_len 4096 is above bert-large-uncased's maximum of 512"),
+        (["estimate", "--gpu", "a1000"], "unknown GPU 'a1000'"),
+        (["estimate", "--optim", "adamw_bnb_8bit"], "needs bitsandbytes"),
+        (["estimate", "--offload", "cpu"], "offload=cpu needs DeepSpeed ZeRO"),
+        (["estimate", "--recipe", "/nonexistent.yaml"], "recipe file '/nonexistent.yaml' does not exist"),
+        (["estimate", "--batch-size", "four"], "invalid int value"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    result = run(*args)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    import re
+
+    assert re.search(message, lines[0]), lines[0]
+
+
+def test_malformed_config_names_the_field(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "bert", "hidden_size": -3}')
+    result = run("estimate", str(tmp_path))
+    assert result.returncode == 2
+    assert "field hidden_size must be a positive integer" in result.stderr
+
+
+def test_config_without_model_type(tmp_path):
+    (tmp_path / "config.json").write_text('{"hidden_size": 64}')
+    result = run("estimate", str(tmp_path))
+    assert result.returncode == 2
+    assert "field model_type is missing" in result.stderr
+
+
+def test_config_that_is_not_json(tmp_path):
+    (tmp_path / "config.json").write_text("{hidden_size: 64")
+    result = run("estimate", str(tmp_path))
+    assert result.returncode == 2
+    assert "not valid JSON" in result.stderr
+
+
+def test_remote_code_is_refused_without_the_flag(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "my-own-arch", "auto_map": {"AutoConfig": "x.Y"}}')
+    result = run("estimate", str(tmp_path))
+    assert result.returncode == 2
+    assert "--trust-remote-code" in result.stderr
+
+
+def test_recipe_file_with_unknown_key(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("per_device_train_batch_size: 2\nlearning_rte: 3\n")
+    result = run("estimate", "--recipe", str(path))
+    assert result.returncode == 2
+    assert "unknown recipe field(s) learning_rte" in result.stderr

@@ -1,0 +1,99 @@
+"""Unit tests with hand-worked numbers: allocator rules, bytes-per-param rule, recipe, catalog."""
+
+from __future__ import annotations
+
+import pytest
+
+from anatomist.errors import InputError
+from anatomist.estimate.allocator import CachingAllocator, round_size, segment_size
+from anatomist.estimate.rules import bytes_per_param_rule
+from anatomist.hardware import get_gpu
+from anatomist.recipe import Recipe
+from anatomist.workload import load_workload
+
+
+def test_allocator_rounding_and_segments():
+    assert round_size(1) == 512
+    assert round_size(513) == 1024
+    assert segment_size(512) == 2 << 20  # small pool: 2 MiB segments
+    assert segment_size(3 << 20) == 20 << 20  # 1 MiB < size < 10 MiB: a 20 MiB segment
+    assert segment_size((11 << 20) + 1) == 12 << 20  # >= 10 MiB: rounded up to 2 MiB
+
+
+def test_allocator_reuses_cached_blocks_and_never_releases():
+    a = CachingAllocator()
+    small = a.malloc(100)  # 512 B out of a new 2 MiB segment
+    big = a.malloc(3 << 20)  # 3 MiB out of a new 20 MiB segment
+    assert (a.allocated, a.reserved) == (512 + (3 << 20), (2 << 20) + (20 << 20))
+    a.free(big)
+    a.malloc(5 << 20)  # fits the cached 20 MiB segment: nothing new reserved
+    assert a.reserved == (22 << 20)
+    a.free(small)
+    assert a.reserved == (22 << 20)  # cached, not given back
+
+
+def test_allocator_releases_free_segments_before_oom():
+    a = CachingAllocator(capacity_bytes=30 << 20)
+    a.free(a.malloc(15 << 20))  # a 16 MiB segment, now free
+    a.malloc(12 << 20)  # reuses it (split: 12 + 4)
+    a.malloc(12 << 20)  # 16 + 12 + 12 > 30? no: 16 + 12 = 28 <= 30
+    assert not a.oom
+    a.malloc(12 << 20)
+    assert a.oom
+
+
+def test_bytes_per_param_rule_is_the_seeds():
+    n = 1000
+    mixed = bytes_per_param_rule(Recipe(fp16=True), n, "train")
+    assert mixed.total_per_param == 18  # 6 + 8 + 4, the seeds' mixed-precision AdamW
+    assert bytes_per_param_rule(Recipe(optim="adamw_bnb_8bit"), n, "train").total_per_param == 4 + 2 + 4
+    assert bytes_per_param_rule(Recipe(optim="sgd"), n, "train").total_per_param == 4 + 4 + 4
+    assert bytes_per_param_rule(Recipe(bf16=True), n, "inference").total_per_param == 6
+    assert bytes_per_param_rule(Recipe(optim="adafactor"), n, "train").optimizer_per_param is None
+
+
+def test_recipe_validation_names_field_and_value():
+    with pytest.raises(InputError, match="gradient_accumulation_steps must be greater than 0, got -1"):
+        Recipe(gradient_accumulation_steps=-1)
+    with pytest.raises(InputError, match="field fp16 must be bool"):
+        Recipe.from_dict({"fp16": "yes"})
+
+
+def test_recipe_to_training_arguments_is_accepted_by_transformers(tmp_path):
+    recipe = Recipe(per_device_train_batch_size=2, gradient_accumulation_steps=4, gradient_checkpointing=True, optim="adafactor")
+    args = recipe.to_training_arguments(str(tmp_path), use_cpu=True, report_to="none")
+    assert args.per_device_train_batch_size == 2
+    assert args.gradient_accumulation_steps == 4
+    assert args.optim == "adafactor"
+
+
+def test_gpu_lookup_by_alias_and_suggestions():
+    assert get_gpu("h100").name == "H100-SXM"
+    assert get_gpu("A100_80GB").name == "A100-80GB"
+    with pytest.raises(InputError, match="did you mean"):
+        get_gpu("A100-90GB")
+
+
+def test_catalog_models_resolve_with_their_hub_names():
+    assert load_workload("google-bert/bert-large-uncased").config.hidden_size == 1024
+    assert load_workload("mistralai/Mixtral-8x7B").is_moe
+    assert load_workload("meta-llama/Llama-3.2-1B").config.num_key_value_heads == 8
+
+
+def test_optimizer_choice_matches_the_trainer(tmp_path):
+    """Our optimizer construction (no Trainer import) must match Trainer.get_optimizer_cls_and_kwargs."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from anatomist.estimate.optimizers import build_optimizer
+
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    for optim in ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd"):
+        args = TrainingArguments(output_dir=str(tmp_path), optim=optim, use_cpu=True, report_to="none",
+                                 optim_args="momentum=0.9" if optim == "sgd" else None)
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+        ours = build_optimizer(Recipe(optim=optim), params)
+        assert type(ours) is cls
+        assert bool(ours.defaults.get("fused")) == bool(kwargs.get("fused"))
+        if optim == "sgd":
+            assert ours.defaults["momentum"] == kwargs["momentum"]
