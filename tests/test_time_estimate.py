@@ -79,3 +79,14 @@ def test_calibration_is_declared_uncalibrated() -> None:
     cal = calibration()
     assert cal.calibrated is False
     assert "not measured on a GPU" in cal.source
+
+
+def test_estimate_json_has_time(workload: Workload) -> None:
+    from anatomist.estimate import estimate
+
+    data = estimate(workload, Recipe(per_device_train_batch_size=8), get_gpu(A100)).to_dict()
+    t = data["time"]
+    assert {"step_s", "samples_per_second", "tokens_per_second", "flops_per_step", "mfu"} <= set(t)
+    assert t["calibrated"] is False
+    inference = estimate(workload, Recipe(per_device_train_batch_size=8), get_gpu(A100), mode="inference").to_dict()
+    assert "time" not in inference

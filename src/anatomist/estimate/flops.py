@@ -128,7 +128,7 @@ class OpRecorder(MemoryTracer):
         view = is_view(name) or bool(getattr(func, "is_view", False))
         formula = _FLOP_FORMULAS.get(func._overloadpacket)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
-        op_class = classify(name)
+        op_class = OpClass.OTHER if self.phase is Phase.OPTIMIZER else classify(name)
         floating = [t for t in inputs if t.is_floating_point()] or [t for t in outputs if t.is_floating_point()]
         dtype = str(floating[0].dtype).removeprefix("torch.") if floating else "none"
         approx = 0
