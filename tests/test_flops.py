@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from anatomist.anatomy import Phase
-from anatomist.estimate.flops import _trace_at_depth, _record, flops_per_step, step_ops
+from anatomist.estimate.flops import _record, _trace_at_depth, flops_per_step, step_ops
 from anatomist.recipe import Recipe
 from anatomist.workload import Workload, load_workload
 
