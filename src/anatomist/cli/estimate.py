@@ -6,7 +6,7 @@ import argparse
 
 from rich.table import Table
 
-from anatomist.anatomy import MemoryCategory
+from anatomist.anatomy import MemoryCategory, TimeAnatomy
 from anatomist.cli.common import add_model_flags, add_recipe_flags, print_json, recipe_from_args
 from anatomist.cli.render import GIB, console, gib
 from anatomist.errors import InputError
@@ -121,4 +121,24 @@ def render(result: Estimate) -> None:
         )
     for note in mem.notes:
         out.print(f"  - {note}")
+    if result.time is not None:
+        render_time(result.time)
     _ = GIB
+
+
+def render_time(t: TimeAnatomy) -> None:
+    """The predicted step time, its split by phase and by operation class."""
+    out = console()
+    table = Table(title="Time anatomy of one step (roofline)", title_justify="left")
+    table.add_column("step time", justify="right")
+    table.add_column("samples/s", justify="right")
+    table.add_column("tokens/s", justify="right")
+    table.add_column("TFLOP/s", justify="right")
+    table.add_column("MFU", justify="right")
+    table.add_row(f"{t.step_s * 1e3:,.1f} ms", f"{t.samples_per_second:,.1f}", f"{t.tokens_per_second:,.0f}",
+                  f"{t.flops_per_step / t.step_s / 1e12:,.1f}", f"{t.mfu:.0%}")
+    out.print(table)
+    out.print("phases:  " + ", ".join(f"{k} {v * 1e3:,.1f} ms ({v / t.step_s:.0%})" for k, v in t.phases_s.items()))
+    out.print("classes: " + ", ".join(f"{k} {v / t.step_s:.0%}" for k, v in t.classes_s.items()))
+    if not t.calibrated:
+        out.print("[yellow]time figures are UNCALIBRATED: efficiency factors are placeholders, not measured on a GPU[/]")

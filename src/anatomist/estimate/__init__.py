@@ -7,6 +7,7 @@ from typing import Any
 
 from anatomist.estimate.memory import MemoryEstimate, estimate_memory
 from anatomist.estimate.step import Mode
+from anatomist.estimate.time import estimate_time
 from anatomist.hardware import GPU
 from anatomist.recipe import Recipe
 from anatomist.workload import Workload
@@ -52,4 +53,5 @@ class Estimate:
 def estimate(workload: Workload, recipe: Recipe, gpu: GPU, *, mode: Mode = "train", num_gpus: int = 1) -> Estimate:
     """Predict memory (and, where available, time) of one step of `recipe` on `gpu`."""
     memory = estimate_memory(workload, recipe, gpu, mode=mode, num_gpus=num_gpus)
-    return Estimate(workload=workload, recipe=recipe, gpu=gpu, mode=mode, memory=memory)
+    time = estimate_time(workload, recipe, gpu) if mode == "train" else None
+    return Estimate(workload=workload, recipe=recipe, gpu=gpu, mode=mode, memory=memory, time=time)

@@ -1,0 +1,60 @@
+"""`anatomist profile`: real training steps under torch.profiler, time split by operation class."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.table import Table
+
+from anatomist.cli.common import add_model_flags, add_recipe_flags, print_json, recipe_from_args
+from anatomist.cli.render import console
+from anatomist.measure.profile import ProfileResult, profile_training
+from anatomist.workload import load_workload
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="profile real training steps: time and FLOPs by operation class")
+    add_model_flags(p)
+    add_recipe_flags(p)
+    p.add_argument("--steps", type=int, default=3, metavar="N", help="profiled steps after one warm-up step (default 3)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout, nothing else")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    recipe = recipe_from_args(args)
+    workload = load_workload(args.model, seq_len=args.seq_len, task=args.task,
+                             trust_remote_code=args.trust_remote_code, allow_network=args.allow_network)
+    result = profile_training(workload, recipe, steps=args.steps)
+    if args.json:
+        print_json(result.to_dict())
+    else:
+        render(result)
+    return 0
+
+
+def render(r: ProfileResult) -> None:
+    out = console()
+    out.print(f"[bold]profile[/] on {r.device}: {r.steps} steps after 1 warm-up, {r.step_s * 1e3:,.1f} ms/step, "
+              f"{r.flops_per_step / 1e9:,.2f} GFLOP/step, {r.achieved_tflops:,.4f} TFLOP/s achieved"
+              + (f", MFU {r.mfu:.1%}" if r.mfu is not None else " (MFU: no GPU)"))
+    table = Table(title="Operation classes", title_justify="left")
+    for col in ("class", "FLOPs", "time"):
+        table.add_column(col, justify="left" if col == "class" else "right")
+    for cls, v in r.classes.items():
+        table.add_row(cls, f"{v['flops_pct']:.2f}%", f"{v['time_pct']:.1f}%")
+    out.print(table)
+    p = r.phases
+    ratio = p["backward_s"] / p["forward_s"] if p["forward_s"] > 0 else float("nan")
+    out.print(f"phases: forward {p['forward_s'] * 1e3:,.1f} ms, backward {p['backward_s'] * 1e3:,.1f} ms "
+              f"({ratio:.2f}x forward), optimizer {p['optimizer_s'] * 1e3:,.1f} ms")
+    top = Table(title="Top operations (self time)", title_justify="left")
+    for col in ("op", "class", "time"):
+        top.add_column(col, justify="right" if col == "time" else "left")
+    for op in r.top_ops:
+        top.add_row(op["name"], op["class"], f"{op['time_pct']:.1f}%")
+    out.print(top)
+    if r.unknown_ops:
+        out.print(f"unknown ops (counted as other): {', '.join(r.unknown_ops)}")
+    for note in r.notes:
+        out.print(f"  - {note}")

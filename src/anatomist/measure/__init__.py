@@ -1,0 +1,1 @@
+"""Measurement of real runs."""

@@ -1,0 +1,208 @@
+"""Profile real training steps with torch.profiler and split the time by operation class.
+
+`profile_training` runs real steps of the real model (random init) on the local device
+(CUDA if present, else CPU), each step wrapped in `record_function` ranges "forward",
+"backward" and "optimizer", after one warm-up step that is not profiled. It then adds up
+the SELF time of every ATen op (`aten::*` events; self time, so a composite such as
+`aten::linear` does not count its `aten::addmm` twice) by class (data/op_classes.toml), and
+takes the phase times from the three ranges. FLOPs per class come from the fake-tensor
+count of the same step (`estimate.flops`): matrix products exactly (flop_counter), other
+ops approximately (per element).
+
+Known limitations: on CPU the time split is the CPU's, not a GPU's (a CPU is far slower at
+matrix products relative to memory traffic); a DataLoader is not used (batches are made
+in memory), so data-loading time is not part of the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from anatomist.anatomy import OpClass, Phase
+from anatomist.errors import InputError
+from anatomist.estimate.flops import step_ops
+from anatomist.estimate.step import _make_batch
+from anatomist.hardware import detect_local_gpu
+from anatomist.profile.classes import classify, is_known
+from anatomist.recipe import Recipe
+from anatomist.workload import Workload
+
+PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
+TOP_OPS = 10
+
+
+@dataclass(kw_only=True, slots=True)
+class ProfileResult:
+    """What `anatomist profile --json` prints (DESIGN.md), plus the step's FLOPs and speed."""
+
+    classes: dict[str, dict[str, float]]
+    """Per class: share of the step's FLOPs and of the profiled ATen self time, in percent."""
+    phases: dict[str, float]
+    """Mean seconds per step of forward_s, backward_s, optimizer_s (record_function ranges)."""
+    top_ops: list[dict[str, Any]]
+    device: str
+    unknown_ops: list[str]
+    steps: int
+    step_s: float
+    """Mean wall time of one profiled step (the three ranges)."""
+    flops_per_step: int
+    achieved_tflops: float
+    mfu: float | None
+    """Against the local GPU's dense peak for the recipe's dtype; None on CPU."""
+    op_time_s: float
+    """Self time of all ATen ops per step, as the profiler reports it."""
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "classes": self.classes, "phases": self.phases, "top_ops": self.top_ops, "device": self.device,
+            "unknown_ops": self.unknown_ops, "steps": self.steps, "step_s": self.step_s,
+            "flops_per_step": self.flops_per_step, "achieved_tflops": self.achieved_tflops, "mfu": self.mfu,
+            "op_time_s": self.op_time_s, "notes": self.notes,
+        }
+
+
+def check_runnable(recipe: Recipe, steps: int, device: torch.device) -> None:
+    """Raise InputError for a recipe this machine cannot run, before any model is built."""
+    if steps <= 0:
+        raise InputError(f"--steps must be greater than 0, got {steps}")
+    cpu = device.type == "cpu"
+    if cpu and recipe.fp16:
+        raise InputError("fp16 mixed precision needs a CUDA GPU and none is present; use --bf16 or fp32 on CPU")
+    if cpu and recipe.tf32:
+        raise InputError("tf32 needs an Ampere or newer CUDA GPU and none is present; drop --tf32")
+    if recipe.attn_implementation == "flash_attention_2" and (cpu or recipe.missing_packages()):
+        why = "a CUDA GPU" if cpu else "the flash_attn package (pip install flash-attn)"
+        raise InputError(f"flash_attention_2 needs {why}; use --attn-implementation sdpa")
+    if recipe.optim in ("adamw_bnb_8bit", "adamw_torch_8bit") and (cpu or recipe.missing_packages()):
+        raise InputError(f"optim {recipe.optim} needs a CUDA GPU and its package ({', '.join(recipe.missing_packages()) or 'installed'})")
+    if recipe.zero_stage or recipe.offload != "none":
+        raise InputError("profile runs one process without DeepSpeed; drop --zero-stage/--offload (use `anatomist bench`)")
+    if recipe.torch_compile:
+        raise InputError("profile does not support --torch-compile yet (the op classes would be inductor kernels)")
+
+
+def _optimizer(model: torch.nn.Module, recipe: Recipe, cpu: bool) -> torch.optim.Optimizer:
+    """The optimizer the Trainer would build for this recipe (its own class and arguments)."""
+    from transformers import Trainer
+
+    args = recipe.to_training_arguments("anatomist-profile", report_to="none", use_cpu=cpu)
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    return cls([p for p in model.parameters() if p.requires_grad], **kwargs)
+
+
+def profile_training(workload: Workload, recipe: Recipe, *, steps: int = 3) -> ProfileResult:
+    """Run `steps` profiled training steps (after one warm-up step) and report where time goes.
+
+    Raises:
+        InputError: a recipe this machine cannot run, or steps <= 0.
+    """
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    check_runnable(recipe, steps, device)
+    cpu = device.type == "cpu"
+    attn = recipe.attn_implementation
+    with contextlib.redirect_stderr(None):
+        model = workload.build_model(attn).to(device)
+    model.train()
+    if recipe.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    optimizer = _optimizer(model, recipe, cpu)
+    lower = torch.float16 if recipe.fp16 else torch.bfloat16 if recipe.bf16 else None
+    autocast = torch.autocast(device.type, dtype=lower) if lower is not None else contextlib.nullcontext()
+    scaler = torch.amp.GradScaler("cuda") if recipe.fp16 else None
+    sync = torch.cuda.synchronize if not cpu else (lambda: None)
+
+    def train_step() -> None:
+        for _ in range(recipe.gradient_accumulation_steps):
+            batch = {k: v.to(device) for k, v in _make_batch(workload, recipe.per_device_train_batch_size).items()}
+            with record_function("forward"):
+                with autocast:
+                    loss = model(**batch).loss / recipe.gradient_accumulation_steps
+                sync()
+            with record_function("backward"):
+                (scaler.scale(loss) if scaler else loss).backward()
+                sync()
+        with record_function("optimizer"):
+            if scaler:
+                scaler.unscale_(optimizer)
+            if recipe.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            sync()
+
+    train_step()  # warm-up: optimizer state, allocator, kernels selection
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if not cpu else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            train_step()
+        wall_s = (time.perf_counter() - start) / steps
+    return _summarise(prof.events(), workload, recipe, steps, device, wall_s)
+
+
+def _summarise(events: Any, workload: Workload, recipe: Recipe, steps: int, device: torch.device, wall_s: float) -> ProfileResult:
+    cpu = device.type == "cpu"
+    by_op: dict[str, float] = defaultdict(float)  # microseconds over all steps
+    phase_us: dict[str, float] = defaultdict(float)
+    class_us: dict[OpClass, float] = dict.fromkeys(OpClass, 0.0)
+    optimizer_ranges = [(ev.time_range.start, ev.time_range.end) for ev in events if ev.name == Phase.OPTIMIZER]
+    for ev in events:
+        if ev.name in PHASES:
+            phase_us[ev.name] += ev.cpu_time_total
+        elif ev.name.startswith("aten::"):
+            us = ev.self_cpu_time_total if cpu else ev.self_device_time_total
+            by_op[ev.name] += us
+            # Ops inside the optimizer step are the optimizer's ("other"), whatever their name.
+            in_optimizer = any(a <= ev.time_range.start <= b for a, b in optimizer_ranges)
+            class_us[OpClass.OTHER if in_optimizer else classify(ev.name)] += us
+    total_us = sum(by_op.values())
+    if total_us <= 0:
+        raise RuntimeError("the profiler recorded no ATen op time; cannot split the step by class")
+    ops = step_ops(workload, recipe)
+    accumulation = recipe.gradient_accumulation_steps
+    class_flops = dict.fromkeys(OpClass, 0.0)
+    for r in ops.records:
+        repeats = r.count * (1 if r.phase is Phase.OPTIMIZER else accumulation)
+        class_flops[r.op_class] += (r.flops + r.approx_flops) * repeats
+    all_flops = sum(class_flops.values()) or 1.0
+    flops_per_step = round(sum(r.flops * r.count * (1 if r.phase is Phase.OPTIMIZER else accumulation) for r in ops.records))
+    phases = {f"{p}_s": phase_us[p] / steps / 1e6 for p in PHASES}
+    step_s = sum(phases.values())
+    achieved = flops_per_step / step_s / 1e12
+    mfu = None
+    gpu = detect_local_gpu() if not cpu else None
+    if gpu is not None:
+        from anatomist.estimate.time import recipe_precision
+
+        mfu = achieved / gpu.peak_tflops(recipe_precision(recipe, gpu))
+    top = sorted(by_op.items(), key=lambda kv: -kv[1])[:TOP_OPS]
+    unknown = sorted({n for n in by_op if not is_known(n)} | set(ops.unknown_ops()))
+    device_name = torch.cuda.get_device_name(device) if not cpu else f"cpu ({torch.get_num_threads()} threads)"
+    return ProfileResult(
+        classes={str(c): {"flops_pct": 100 * class_flops[c] / all_flops, "time_pct": 100 * class_us[c] / total_us} for c in OpClass},
+        phases=phases,
+        top_ops=[{"name": n, "class": str(classify(n)), "time_pct": 100 * us / total_us} for n, us in top],
+        # (a top op's class is its name's; the class shares above put optimizer-step ops in "other")
+        device=device_name,
+        unknown_ops=unknown,
+        steps=steps,
+        step_s=step_s,
+        flops_per_step=flops_per_step,
+        achieved_tflops=achieved,
+        mfu=mfu,
+        op_time_s=total_us / steps / 1e6,
+        notes=[f"wall time per profiled step {wall_s:.4f} s (profiler overhead included)",
+               "flops_pct: matrix products counted exactly (flop_counter), other ops approximately per element"],
+    )

@@ -1,0 +1,93 @@
+"""FLOPs of one training step, counted on fake tensors, against hand arithmetic."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from anatomist.anatomy import Phase
+from anatomist.estimate.flops import _record, _trace_at_depth, flops_per_step, step_ops
+from anatomist.recipe import Recipe
+from anatomist.workload import Workload, load_workload
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# hidden 32, 2 layers, 2 heads (head_dim 16), intermediate 64, seq 16, batch 2: 32 tokens.
+TINY_BERT = {
+    "model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+    "intermediate_size": 64, "vocab_size": 100, "max_position_embeddings": 64, "type_vocab_size": 2,
+}
+
+
+def tiny_bert(tmp_path: Path, **overrides: object) -> Workload:
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_BERT, **overrides}))
+    return load_workload(str(tmp_path), seq_len=16, task="sequence-classification")
+
+
+# Forward matrix products of the tiny BERT (2 FLOPs per multiply-add, tokens = 2 x 16 = 32):
+#   per layer: Q, K, V, O linears    4 x 2*32*32*32      = 262,144
+#              up and down linears   2 x 2*32*32*64      = 262,144
+#              attention QK^T and PV 2 x 2*2*2*16*16*16  =  65,536   (2*b*heads*s*s*head_dim each)
+#              layer total                               = 589,824
+#   2 layers                                             = 1,179,648
+#   pooler (2 samples x 32 -> 32)    2*2*32*32           =     4,096
+#   classifier (32 -> 2 labels)      2*2*32*2            =       256
+#   forward                                              = 1,184,000
+# Backward: every linear and both attention products do 2 products (grad input, grad
+# weight / the two operands): 2 x forward = 2,368,000. Step: 3,552,000.
+FORWARD = 2 * (4 * 2 * 32 * 32 * 32 + 2 * 2 * 32 * 32 * 64 + 2 * 2 * 2 * 2 * 16 * 16 * 16) + 2 * 2 * 32 * 32 + 2 * 2 * 32 * 2
+BLOCKS_FORWARD = 2 * 589_824
+
+
+def test_hand_formula_eager(tmp_path: Path) -> None:
+    w = tiny_bert(tmp_path)
+    recipe = Recipe(per_device_train_batch_size=2, attn_implementation="eager")
+    ops = step_ops(w, recipe)
+    assert FORWARD == 1_184_000
+    assert ops.flops(Phase.FORWARD) == FORWARD
+    assert ops.flops(Phase.BACKWARD) == 2 * FORWARD
+    assert ops.flops(Phase.OPTIMIZER) == 0
+    assert flops_per_step(w, recipe) == 3 * FORWARD == 3_552_000
+    # Our per-op records add up to PyTorch's own FlopCounterMode total.
+    assert ops.counter_flops == ops.flops()
+
+
+def test_accumulation_multiplies_micro_batches(tmp_path: Path) -> None:
+    w = tiny_bert(tmp_path)
+    recipe = Recipe(per_device_train_batch_size=2, attn_implementation="eager", gradient_accumulation_steps=3)
+    assert flops_per_step(w, recipe) == 3 * 3 * FORWARD
+
+
+def test_checkpointing_adds_one_forward_of_the_blocks(tmp_path: Path) -> None:
+    w = tiny_bert(tmp_path)
+    plain = flops_per_step(w, Recipe(per_device_train_batch_size=2, attn_implementation="eager"))
+    ckpt = flops_per_step(w, Recipe(per_device_train_batch_size=2, attn_implementation="eager", gradient_checkpointing=True))
+    # Recompute runs each block's forward again in backward (not the pooler or classifier).
+    assert ckpt - plain == BLOCKS_FORWARD == 1_179_648
+
+
+def test_sdpa_counts_attention_through_the_cuda_formula(tmp_path: Path) -> None:
+    w = tiny_bert(tmp_path)
+    ops = step_ops(w, Recipe(per_device_train_batch_size=2, attn_implementation="sdpa"))
+    assert ops.flops(Phase.FORWARD) == FORWARD
+    assert ops.counter_flops == ops.flops()
+    assert any(r.name.startswith("_scaled_dot_product") and r.flops > 0 for r in ops.records)
+    assert ops.unknown_ops() == []
+
+
+def test_depth_extrapolation_is_exact(tmp_path: Path) -> None:
+    """Traced at 1 and 2 layers and extrapolated to 4 = traced at 4 directly."""
+    w = tiny_bert(tmp_path, num_hidden_layers=4)
+    recipe = Recipe(per_device_train_batch_size=2)
+    extrapolated = step_ops(w, recipe)
+    calls, total = _trace_at_depth(w, recipe, 4)
+    direct = [_record(sig, float(n)) for sig, n in calls.items()]
+    assert extrapolated.counter_flops == total
+    for phase in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER):
+        assert sum(r.flops * r.count for r in extrapolated.records if r.phase is phase) == sum(
+            r.flops * r.count for r in direct if r.phase is phase)
+        assert sum(r.bytes * r.count for r in extrapolated.records if r.phase is phase) == pytest.approx(sum(
+            r.bytes * r.count for r in direct if r.phase is phase), rel=1e-6)

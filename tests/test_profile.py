@@ -1,0 +1,80 @@
+"""`anatomist profile` on CPU: real profiler events, the class split and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from anatomist.measure.profile import profile_training
+from anatomist.recipe import Recipe
+from anatomist.workload import load_workload
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# One block whose MLP is a big Linear pair (128 -> 4096 -> 128) over 8 x 128 = 1024 tokens:
+# by construction the matrix products are ~99.8% of the FLOPs (6 x 1.05 M MLP params x 1024
+# tokens ~ 6.4 GFLOP, against ~10 MFLOP of element-wise and normalization work).
+CONFIG = {
+    "model_type": "bert", "hidden_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+    "intermediate_size": 4096, "vocab_size": 100, "max_position_embeddings": 256, "type_vocab_size": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("bigmlp")
+    (folder / "config.json").write_text(json.dumps(CONFIG))
+    return folder
+
+
+def test_profile_splits_a_real_run(model_dir: Path) -> None:
+    w = load_workload(str(model_dir), seq_len=128, task="sequence-classification")
+    r = profile_training(w, Recipe(per_device_train_batch_size=8), steps=2)
+    flops = {c: v["flops_pct"] for c, v in r.classes.items()}
+    times = {c: v["time_pct"] for c, v in r.classes.items()}
+    assert max(flops, key=flops.get) == "contraction" and flops["contraction"] > 99
+    assert max(times, key=times.get) == "contraction"
+    assert sum(times.values()) == pytest.approx(100)
+    assert sum(flops.values()) == pytest.approx(100)
+    # The times are the profiler's: real ATen events with nonzero self time, inside the ranges.
+    assert r.op_time_s > 0 and r.device.startswith("cpu")
+    assert {op["name"] for op in r.top_ops} & {"aten::mm", "aten::addmm"}
+    assert all(r.phases[k] > 0 for k in ("forward_s", "backward_s", "optimizer_s"))
+    assert r.op_time_s <= r.step_s * 1.05  # the op self times fit inside the timed ranges
+    assert r.phases["backward_s"] > r.phases["forward_s"]  # seeds: backward ~2x forward
+    assert r.unknown_ops == []
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "anatomist", "profile", *args],
+                          capture_output=True, text=True, env=os.environ, timeout=300)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--fp16"], "fp16 mixed precision needs a CUDA GPU"),
+    (["--attn-implementation", "flash_attention_2"], "flash_attention_2 needs"),
+    (["--steps", "0"], "--steps must be greater than 0"),
+    (["--steps", "-2"], "--steps must be greater than 0"),
+])
+def test_bad_input_exits_2(model_dir: Path, flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from anatomist.cli import main
+
+    assert main(["profile", str(model_dir), "--seq-len", "16", *flags]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err
+    assert len(captured.err.strip().splitlines()) == 1
+    assert captured.out == ""
+
+
+def test_cli_json(model_dir: Path) -> None:
+    proc = _cli(str(model_dir), "--seq-len", "32", "--batch-size", "2", "--steps", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert set(data["classes"]) == {"contraction", "normalization", "elementwise", "other"}
+    assert set(data["phases"]) == {"forward_s", "backward_s", "optimizer_s"}
+    assert data["device"].startswith("cpu") and data["top_ops"]

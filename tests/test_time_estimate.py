@@ -1,0 +1,91 @@
+"""The step-time prediction moves the way the real run moves."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from anatomist.estimate.time import calibration, estimate_time
+from anatomist.hardware import get_gpu
+from anatomist.recipe import Recipe
+from anatomist.workload import Workload, load_workload
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# BERT-large-sized blocks (hidden 1024, 16 heads, intermediate 4096), 2 of them, seq 128, batch 8:
+# big enough that matrix products dominate, as in the real model (fake tensors: no cost to trace).
+CONFIG = {
+    "model_type": "bert", "hidden_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 16,
+    "intermediate_size": 4096, "vocab_size": 1000, "max_position_embeddings": 256, "type_vocab_size": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory: pytest.TempPathFactory) -> Workload:
+    folder = tmp_path_factory.mktemp("bert")
+    (folder / "config.json").write_text(json.dumps(CONFIG))
+    return load_workload(str(folder), seq_len=128, task="sequence-classification")
+
+
+A100 = "A100-80GB"
+
+
+def test_fp16_faster_than_fp32_on_a100(workload: Workload) -> None:
+    gpu = get_gpu(A100)
+    fp32 = estimate_time(workload, Recipe(per_device_train_batch_size=8), gpu)
+    fp16 = estimate_time(workload, Recipe(per_device_train_batch_size=8, fp16=True), gpu)
+    tf32 = estimate_time(workload, Recipe(per_device_train_batch_size=8, tf32=True), gpu)
+    assert fp16.step_s < tf32.step_s < fp32.step_s
+    assert fp16.flops_per_step == fp32.flops_per_step
+    # Under autocast the matrix products speed up; the normalizations stay in fp32.
+    assert fp16.classes_s["contraction"] < fp32.classes_s["contraction"] / 4
+
+
+def test_checkpointing_is_slower(workload: Workload) -> None:
+    gpu = get_gpu(A100)
+    plain = estimate_time(workload, Recipe(per_device_train_batch_size=8), gpu)
+    ckpt = estimate_time(workload, Recipe(per_device_train_batch_size=8, gradient_checkpointing=True), gpu)
+    assert ckpt.step_s > plain.step_s
+    assert ckpt.phases_s["backward"] > plain.phases_s["backward"]
+    assert ckpt.phases_s["forward"] == pytest.approx(plain.phases_s["forward"])
+    assert ckpt.flops_per_step > plain.flops_per_step
+
+
+def test_accumulation_scales_forward_and_backward_not_optimizer(workload: Workload) -> None:
+    gpu = get_gpu(A100)
+    one = estimate_time(workload, Recipe(per_device_train_batch_size=8), gpu)
+    four = estimate_time(workload, Recipe(per_device_train_batch_size=8, gradient_accumulation_steps=4), gpu)
+    for phase in ("forward", "backward"):
+        assert four.phases_s[phase] == pytest.approx(4 * one.phases_s[phase])
+    assert four.phases_s["optimizer"] == pytest.approx(one.phases_s["optimizer"])
+    assert four.flops_per_step == 4 * one.flops_per_step
+    assert four.samples_per_second > one.samples_per_second  # the optimizer step is amortised
+
+
+def test_backward_about_twice_forward_and_consistent_totals(workload: Workload) -> None:
+    t = estimate_time(workload, Recipe(per_device_train_batch_size=8), get_gpu(A100))
+    assert 1.5 < t.phases_s["backward"] / t.phases_s["forward"] < 3.0  # seeds: backward ~2x forward
+    assert sum(t.phases_s.values()) == pytest.approx(t.step_s)
+    assert sum(t.classes_s.values()) == pytest.approx(t.step_s)
+    assert t.samples_per_second == pytest.approx(8 / t.step_s)
+    assert t.tokens_per_second == pytest.approx(8 * 128 / t.step_s)
+    assert 0 < t.mfu < 1
+
+
+def test_calibration_is_declared_uncalibrated() -> None:
+    cal = calibration()
+    assert cal.calibrated is False
+    assert "not measured on a GPU" in cal.source
+
+
+def test_estimate_json_has_time(workload: Workload) -> None:
+    from anatomist.estimate import estimate
+
+    data = estimate(workload, Recipe(per_device_train_batch_size=8), get_gpu(A100)).to_dict()
+    t = data["time"]
+    assert {"step_s", "samples_per_second", "tokens_per_second", "flops_per_step", "mfu"} <= set(t)
+    assert t["calibrated"] is False
+    inference = estimate(workload, Recipe(per_device_train_batch_size=8), get_gpu(A100), mode="inference").to_dict()
+    assert "time" not in inference
