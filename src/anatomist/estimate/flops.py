@@ -1,6 +1,6 @@
 """FLOPs and bytes moved by every ATen op of one training step, counted on fake tensors.
 
-The step is the one the memory estimator traces (`step._train_steps`: forward under
+The step is the one the memory estimator traces (`step.run_train_step`: forward under
 autocast, backward, recomputation under gradient checkpointing, clipping, optimizer step),
 run on FAKE tensors, so no GPU and no weights are needed. Two dispatch modes watch it:
 
@@ -41,7 +41,7 @@ from torch.utils.flop_counter import (
 
 from anatomist.anatomy import OpClass, Phase
 from anatomist.estimate.cuda_model import cuda_code_paths, fake_parameters
-from anatomist.estimate.step import _lower_dtype, _train_steps, model_at_depth, num_layers
+from anatomist.estimate.step import lower_dtype, model_at_depth, num_layers, run_train_step
 from anatomist.estimate.tracer import MemoryTracer
 from anatomist.profile.classes import base_name, classify, is_known, is_view
 from anatomist.recipe import Recipe
@@ -164,14 +164,14 @@ def _trace_at_depth(workload: Workload, recipe: Recipe, depth: int) -> tuple[Cou
     with torch.device("meta"), contextlib.redirect_stderr(None):
         model = shallow.build_model(attn)
     fake_parameters(model, fake_mode)
-    lower = _lower_dtype(recipe)
+    lower = lower_dtype(recipe)
     recorder = OpRecorder(lower_precision_dtype=lower)
     params = list(model.parameters())
     autocast = torch.autocast("cpu", dtype=lower) if lower is not None else contextlib.nullcontext()
     counter = FlopCounterMode(display=False, custom_mapping=CUSTOM_FLOPS)
     one_micro_batch = recipe.replace(gradient_accumulation_steps=1)
     with fake_mode, counter, recorder, cuda_code_paths():
-        _train_steps(model, params, workload, one_micro_batch, recipe.per_device_train_batch_size, recorder, autocast, 0)
+        run_train_step(model, params, workload, one_micro_batch, recipe.per_device_train_batch_size, recorder, autocast)
     return recorder.calls, counter.get_total_flops()
 
 

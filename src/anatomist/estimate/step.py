@@ -93,7 +93,7 @@ def num_layers(workload: Workload) -> int:
     return 1
 
 
-def _lower_dtype(recipe: Recipe) -> torch.dtype | None:
+def lower_dtype(recipe: Recipe) -> torch.dtype | None:
     return torch.float16 if recipe.fp16 else torch.bfloat16 if recipe.bf16 else None
 
 
@@ -142,7 +142,7 @@ def trace_step(
         fake_parameters(model, fake_mode)
     else:
         model = shallow.build_model(attn)
-    lower = _lower_dtype(recipe)
+    lower = lower_dtype(recipe)
     tracer = MemoryTracer(lower_precision_dtype=lower)
     params = [p for p in model.parameters()]
     for p in params:
@@ -185,6 +185,22 @@ def trace_step(
         op_count=tracer.trace.op_count,
         static_bytes=static,
     )
+
+
+def run_train_step(
+    model: torch.nn.Module,
+    params: list[torch.nn.Parameter],
+    workload: Workload,
+    recipe: Recipe,
+    batch_size: int,
+    tracer: MemoryTracer,
+    autocast: Any,
+) -> None:
+    """One steady-state training step: state set-up (phase SETUP), passes, optimizer step."""
+    tracer.phase = Phase.SETUP
+    optimizer, _ = _create_state(params, recipe, tracer)
+    _forward_backward(model, params, workload, recipe, batch_size, tracer, autocast)
+    _optimizer_phase(params, optimizer, recipe, tracer)
 
 
 def _create_state(
