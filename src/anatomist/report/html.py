@@ -12,6 +12,7 @@ import base64
 import datetime as _dt
 from dataclasses import dataclass
 from html import escape
+from pathlib import Path
 from typing import Any
 
 from anatomist import __version__
@@ -39,11 +40,14 @@ h1{margin-bottom:.2em}h2{margin-top:1.8em;border-bottom:1px solid #ddd;padding-b
 .notices p{margin:.3em 0}
 img.chart{max-width:100%;height:auto;display:block;margin:.5em 0}
 .missing{color:#666;font-style:italic}
-table{border-collapse:collapse;font-size:.85em;margin:.5em 0 1em}
+table{border-collapse:collapse;font-size:.8em;margin:.5em 0 1em}
 th,td{border:1px solid #ddd;padding:.25em .6em}th{background:#f4f4f4}
 td.num{text-align:right;font-variant-numeric:tabular-nums}
 tr.failed td{color:#a33}
 details summary{cursor:pointer;color:#0072B2}
+.scroll{overflow-x:auto}
+section{margin-top:1.5em}
+.sr{position:absolute;width:1px;height:1px;overflow:hidden;clip:rect(0 0 0 0)}
 """
 
 
@@ -57,7 +61,7 @@ def render_html(data: ReportData, charts: list[Chart]) -> str:
         "<title>anatomist report</title>",
         f"<style>{_CSS}</style></head><body>",
         "<h1>anatomist report</h1>",
-        f'<p class="meta">From {escape(", ".join(data.sources) or "(nothing)")} '
+        f'<p class="meta">From {", ".join(_source(s) for s in data.sources) or "(nothing)"} '
         f"({escape(', '.join(data.kinds))}); anatomist {escape(__version__)}, {now}. "
         "Memory in GiB (2<sup>30</sup> bytes).</p>",
     ]
@@ -72,13 +76,15 @@ def render_html(data: ReportData, charts: list[Chart]) -> str:
         "classes": _classes_table(data),
     }
     for chart in charts:
-        parts.append(f'<section id="section-{chart.key}"><h2>{escape(chart.title)}</h2>')
+        # the chart carries its own title; the heading is for outline and screen readers only
+        parts.append(f'<section id="section-{chart.key}"><h2 class="sr">{escape(chart.title)}</h2>')
         if chart.png:
             b64 = base64.b64encode(chart.png).decode("ascii")
             parts.append(f'<img class="chart" id="chart-{chart.key}" data-chart="{chart.key}" '
                          f'alt="{escape(chart.title)}" src="data:image/png;base64,{b64}">')
             parts.append(tables.get(chart.key, ""))
         else:
+            parts.append(f'<h3>{escape(chart.title)}</h3>')
             parts.append(f'<p class="missing" data-chart="{chart.key}">{escape(chart.missing_reason)}</p>')
         parts.append("</section>")
     if data.failed_results:
@@ -99,18 +105,25 @@ def _gib(nbytes: int | float | None) -> str:
 
 def _table(table_id: str, header: list[str], rows: list[str]) -> str:
     head = "".join(f"<th>{escape(h)}</th>" for h in header)
-    return (f'<details open><summary>table</summary><table id="{table_id}"><thead><tr>{head}</tr></thead>'
-            f"<tbody>{''.join(rows)}</tbody></table></details>")
+    return (f'<details open><summary>table</summary><div class="scroll"><table id="{table_id}"><thead><tr>{head}'
+            f"</tr></thead><tbody>{''.join(rows)}</tbody></table></div></details>")
+
+
+def _source(path: str) -> str:
+    """The file name, with the full path as a tooltip: the page stays readable and shareable."""
+    return f'<span title="{escape(path)}">{escape(Path(path).name)}</span>'
+
 
 
 def _memory_table(results: list[RecipeResult]) -> str:
     keys = [c.value for c in MemoryCategory] + ["peak_allocated", "peak_reserved", "device_total"]
-    header = ["recipe", "model", "source", *[CATEGORY_LABELS[c] for c in MemoryCategory],
+    header = ["recipe", "model", "device", "source", *[CATEGORY_LABELS[c] for c in MemoryCategory],
               "peak allocated", "peak reserved", "device total", "peak phase", "GPU capacity"]
     rows = []
     for i, r in enumerate(results):
         mem = r.memory or {}
-        cells = [f"<td>{escape(r.label)}</td><td>{escape(r.model)}</td><td>{r.memory_source}</td>"]
+        cells = [f"<td>{escape(r.label)}</td><td>{escape(r.model)}</td><td>{escape(r.gpu_name or '')}</td>"
+                 f"<td>{r.memory_source}</td>"]
         cells += [_num(k, mem.get(k), _gib(mem.get(k))) for k in keys]
         cells.append(f"<td>{escape(str(mem.get('peak_phase', '')))}</td>")
         cells.append(_num("gpu_memory_bytes", r.gpu_memory_bytes, _gib(r.gpu_memory_bytes)))
