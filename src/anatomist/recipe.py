@@ -21,10 +21,12 @@ Optim = Literal[
 ]
 AttnImplementation = Literal["eager", "sdpa", "flash_attention_2"]
 Offload = Literal["none", "cpu", "nvme"]
+Fsdp = Literal["none", "full_shard", "shard_grad_op"]
 
 OPTIMS: tuple[str, ...] = get_args(Optim)
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttnImplementation)
 OFFLOADS: tuple[str, ...] = get_args(Offload)
+FSDP_MODES: tuple[str, ...] = get_args(Fsdp)
 
 # The package each optimizer needs at run time (the estimator needs none of them).
 OPTIM_PACKAGES: dict[str, str] = {"adamw_bnb_8bit": "bitsandbytes", "adamw_torch_8bit": "torchao"}
@@ -66,6 +68,10 @@ class Recipe:
     """Where DeepSpeed ZeRO offloads optimizer states (and, at stage 3, parameters)."""
     max_grad_norm: float = 1.0
     """Gradient clipping, as the Trainer does by default (0 turns it off)."""
+    fsdp: Fsdp = "none"
+    """PyTorch FSDP sharding across data-parallel devices (TrainingArguments.fsdp): full_shard
+    shards weights, gradients and optimizer states (like ZeRO-3); shard_grad_op shards
+    gradients and optimizer states (like ZeRO-2). Exclusive with DeepSpeed ZeRO."""
 
     def __post_init__(self) -> None:
         if self.per_device_train_batch_size <= 0:
@@ -95,8 +101,17 @@ class Recipe:
             raise InputError(f"offload={self.offload} needs DeepSpeed ZeRO: set zero_stage to 1, 2 or 3")
         if self.offload == "nvme" and self.zero_stage != 3:
             raise InputError("offload=nvme needs zero_stage=3")
+        if self.fsdp not in FSDP_MODES:
+            raise InputError(f"unknown fsdp {self.fsdp!r}; known: {', '.join(FSDP_MODES)}")
+        if self.fsdp != "none" and self.zero_stage != 0:
+            raise InputError("fsdp and DeepSpeed ZeRO (zero_stage) are exclusive: choose one sharding engine")
         if self.max_grad_norm < 0:
             raise InputError(f"max_grad_norm must be >= 0, got {self.max_grad_norm}")
+
+    @property
+    def sharding_stage(self) -> int:
+        """The ZeRO-equivalent sharding stage: DeepSpeed's own, or FSDP's (full_shard = 3, shard_grad_op = 2)."""
+        return {"full_shard": 3, "shard_grad_op": 2}.get(self.fsdp, self.zero_stage)
 
     @property
     def mixed_precision(self) -> Literal["no", "fp16", "bf16"]:
@@ -167,6 +182,8 @@ class Recipe:
         }
         if self.tf32:
             kwargs["tf32"] = True
+        if self.fsdp != "none":
+            kwargs["fsdp"] = self.fsdp
         if self.optim == "sgd":
             kwargs["optim_args"] = "momentum=0.9"
         return kwargs

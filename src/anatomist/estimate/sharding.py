@@ -4,6 +4,8 @@ An arithmetic model, not a trace: ZeRO partitions whole categories across the
 data-parallel devices (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward
 Training Trillion Parameter Models", section 5):
   stage 1: optimizer states / N;  stage 2: also gradients / N;  stage 3: also weights / N.
+PyTorch FSDP shards the same categories (Zhao et al. 2023, "PyTorch FSDP", section 3):
+full_shard like stage 3, shard_grad_op like stage 2 (`Recipe.sharding_stage`).
 Offload to CPU (ZeRO-Offload) moves the optimizer states off the device entirely.
 The bytes removed from a category are removed from the phase's allocated and reserved
 peaks, since these categories are alive throughout the step.
@@ -20,15 +22,16 @@ from anatomist.recipe import Recipe
 
 
 def shard(peak: PhasePeak, recipe: Recipe, parameters: int, num_gpus: int, mode: str) -> PhasePeak:  # noqa: ARG001
-    if mode != "train" or (recipe.zero_stage == 0 and num_gpus == 1):
+    stage = recipe.sharding_stage
+    if mode != "train" or (stage == 0 and num_gpus == 1):
         return peak
     keep = dict.fromkeys(peak.categories, 1.0)
     n = max(num_gpus, 1)
-    if recipe.zero_stage >= 1:
+    if stage >= 1:
         keep[MemoryCategory.OPTIMIZER_STATES] = 1.0 / n
-    if recipe.zero_stage >= 2:
+    if stage >= 2:
         keep[MemoryCategory.GRADIENTS] = 1.0 / n
-    if recipe.zero_stage >= 3:
+    if stage >= 3:
         keep[MemoryCategory.WEIGHTS] = 1.0 / n
     if recipe.offload in ("cpu", "nvme"):
         keep[MemoryCategory.OPTIMIZER_STATES] = 0.0

@@ -1,0 +1,112 @@
+"""`anatomist plan`: the fastest recipe that fits, the Pareto front, and why; optionally written out."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.table import Table
+
+from anatomist.cli.common import add_model_flags, print_json
+from anatomist.cli.render import console, gib
+from anatomist.errors import InputError
+from anatomist.hardware import get_gpu
+from anatomist.plan import DEFAULT_MARGIN, Plan, SearchSpace, plan
+from anatomist.plan.emit import TARGETS, render as render_emit, write
+from anatomist.plan.space import DEFAULT_OPTIMS, precision_of, sharding_of
+from anatomist.recipe import OPTIMS
+from anatomist.workload import load_workload
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="search recipes: the fastest that fits, the Pareto front, and why")
+    add_model_flags(p)
+    p.add_argument("--gpu", required=True, metavar="NAME", help="target GPU (see `anatomist gpus`)")
+    p.add_argument("--global-batch-size", type=int, default=None, metavar="N",
+                   help="samples per optimizer step over all GPUs (default: any batch, no accumulation)")
+    p.add_argument("--gpus", type=int, default=1, metavar="N", help="data-parallel GPUs (adds ZeRO 1/2/3 and FSDP)")
+    p.add_argument("--objective", choices=["throughput", "memory"], default="throughput")
+    p.add_argument("--memory-margin", type=float, default=DEFAULT_MARGIN, metavar="FRACTION",
+                   help=f"share of GPU memory kept free (default {DEFAULT_MARGIN})")
+    p.add_argument("--optims", default=",".join(DEFAULT_OPTIMS), metavar="A,B",
+                   help=f"optimizers to search (default {','.join(DEFAULT_OPTIMS)}; known: {', '.join(OPTIMS)})")
+    p.add_argument("--no-compile", action="store_true", help="do not consider torch.compile")
+    p.add_argument("--emit", choices=TARGETS, default=None, help="write the top pick for this library")
+    p.add_argument("-o", "--output", metavar="PATH", default=None, help="file for --emit (default: stdout)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON on stdout, nothing else")
+    p.set_defaults(handler=run)
+
+
+def build_plan(args: argparse.Namespace) -> Plan:
+    gpu = get_gpu(args.gpu)
+    optims = tuple(o.strip() for o in args.optims.split(",") if o.strip())
+    unknown = [o for o in optims if o not in OPTIMS]
+    if unknown or not optims:
+        raise InputError(f"--optims: unknown optimizer(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(OPTIMS)}")
+    space = SearchSpace(
+        global_batch_size=args.global_batch_size, num_gpus=args.gpus, optims=optims,
+        compile_options=(False,) if args.no_compile else (False, True),
+    )
+    workload = load_workload(args.model, seq_len=args.seq_len, task=args.task,
+                             trust_remote_code=args.trust_remote_code, allow_network=args.allow_network)
+    return plan(workload, gpu, space=space, objective=args.objective, margin=args.memory_margin)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.output and not args.emit:
+        raise InputError("-o/--output needs --emit trainer|accelerate|deepspeed")
+    result = build_plan(args)
+    if args.emit and args.output:
+        written = write(result.best.recipe, args.emit, args.output, result.space.num_gpus)
+        print(f"wrote {', '.join(map(str, written))}", file=sys.stderr)
+    if args.json:
+        print_json(result.to_dict())
+    elif args.emit and not args.output:
+        sys.stdout.write(render_emit(result.best.recipe, args.emit, result.space.num_gpus))
+    else:
+        render(result)
+    return 0
+
+
+def _describe(recipe, num_gpus: int) -> list[str]:  # noqa: ANN001
+    return [
+        f"{recipe.per_device_train_batch_size} x {recipe.gradient_accumulation_steps}",
+        "on" if recipe.gradient_checkpointing else "off",
+        precision_of(recipe),
+        recipe.optim,
+        "on" if recipe.torch_compile else "off",
+        sharding_of(recipe, num_gpus),
+    ]
+
+
+def render(result: Plan) -> None:
+    out = console()
+    if not out.is_terminal:
+        out.width = 150  # piped: do not wrap the table at 80 columns
+    w, gpu = result.workload, result.gpu
+    gb = result.space.global_batch_size
+    out.print(
+        f"[bold]{w.name}[/] seq {w.seq_len} on {result.space.num_gpus} x [bold]{gpu.name}[/] "
+        f"({gib(gpu.memory_bytes)}), global batch {gb if gb else 'any'}, objective {result.objective}: "
+        f"{len(result.candidates)} candidates, {len(result.feasible)} fit"
+    )
+    table = Table(title="Pareto front (throughput vs peak device memory)", title_justify="left")
+    for col in ("batch x accum", "ckpt", "precision", "optim", "compile", "sharding"):
+        table.add_column(col)
+    table.add_column("device memory", justify="right")
+    table.add_column("samples/s", justify="right")
+    for c in result.pareto:
+        mark = "[bold green]" if c is result.best else ""
+        cells = _describe(c.recipe, result.space.num_gpus) + [gib(c.device_total), f"{c.samples_per_second:.1f}"]
+        table.add_row(*[f"{mark}{x}" for x in cells])
+    out.print(table)
+    best = result.best
+    out.print(
+        f"[bold]top pick[/]: {', '.join(_describe(best.recipe, result.space.num_gpus))}, attention "
+        f"{best.recipe.attn_implementation}: {gib(best.device_total)} of limit {gib(result.limit_bytes)}, "
+        f"{best.samples_per_second:.1f} samples/s predicted"
+    )
+    for reason in best.reasons:
+        out.print(f"  - {reason}")
+    for note in result.notes:
+        out.print(f"  * {note}")

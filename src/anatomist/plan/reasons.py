@@ -1,0 +1,132 @@
+"""Why each method was or was not chosen, computed from the predictions.
+
+For each axis (batch size, checkpointing, precision, optimizer, attention, torch.compile,
+sharding) the top pick is compared with the same recipe with only that axis changed: does
+the alternative fit, how much faster or slower is it predicted to be, how much memory does it
+need. Nothing here is canned text about a method; every number comes from a prediction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from anatomist.hardware import GPU
+from anatomist.plan.search import GIB, SPEED_TIE, Candidate, Evaluator, SearchSpace, smallest_fitting_gpu
+from anatomist.plan.space import PRECISIONS, precision_of, precisions_for, sharding_of
+from anatomist.recipe import Recipe
+from anatomist.workload import Workload
+
+Alternatives = Callable[[Recipe], list[tuple[str, Recipe]]]
+
+
+def _gib(n: int) -> str:
+    """GiB (2**30), or MiB (2**20) below 1 GiB so that small models still read."""
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+def _compare(best: Candidate, alt_label: str, alt: Candidate, limit: int) -> str:
+    speed = alt.samples_per_second / best.samples_per_second - 1
+    memory = alt.device_total - best.device_total
+    if abs(speed) < SPEED_TIE:
+        speed_txt = "same predicted speed"
+    else:
+        speed_txt = f"{abs(speed):.0%} {'faster' if speed > 0 else 'slower'}"
+    mem_txt = f"{'+' if memory >= 0 else '-'}{_gib(abs(memory))}"
+    if not alt.fits:
+        return f"{alt_label} would not fit ({_gib(alt.device_total)} > limit {_gib(limit)}; {speed_txt})"
+    return f"{alt_label}: {speed_txt}, {mem_txt}"
+
+
+def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[Recipe], str], Alternatives]]:
+    precisions, _ = precisions_for(gpu)
+    flags = {"fp16": False, "bf16": False, "tf32": False}
+
+    def batch_alts(r: Recipe) -> list[tuple[str, Recipe]]:
+        return [
+            (f"batch {b} x {a}", r.replace(per_device_train_batch_size=b, gradient_accumulation_steps=a))
+            for b, a in space.batch_options()
+            if b != r.per_device_train_batch_size
+        ]
+
+    def sharding_alts(r: Recipe) -> list[tuple[str, Recipe]]:
+        base = {"zero_stage": 0, "offload": "none", "fsdp": "none"}
+        return [
+            (name, r.replace(**{**base, **fields}))  # type: ignore[arg-type]
+            for name, fields in space.sharding_options().items()
+            if name != sharding_of(r, space.num_gpus)
+        ]
+
+    attn = ["eager", "sdpa"] + (["flash_attention_2"] if float(gpu.compute_capability) >= 8.0 else [])
+    return [
+        ("per-device batch x accumulation",
+         lambda r: f"{r.per_device_train_batch_size} x {r.gradient_accumulation_steps}", batch_alts),
+        ("gradient checkpointing", lambda r: "on" if r.gradient_checkpointing else "off",
+         lambda r: [("on" if not r.gradient_checkpointing else "off",
+                     r.replace(gradient_checkpointing=not r.gradient_checkpointing))]
+         if len(space.checkpointing_options) > 1 else []),
+        ("precision", precision_of,
+         lambda r: [(p, r.replace(**{**flags, **PRECISIONS[p]})) for p in precisions if p != precision_of(r)]),
+        ("optimizer", lambda r: r.optim,
+         lambda r: [(o, r.replace(optim=o)) for o in space.optims if o != r.optim]),
+        ("attention", lambda r: r.attn_implementation,
+         lambda r: [(a, r.replace(attn_implementation=a)) for a in attn
+                    if a != r.attn_implementation and (a != "flash_attention_2" or r.mixed_precision != "no")]),
+        ("torch.compile", lambda r: "on" if r.torch_compile else "off",
+         lambda r: [("on" if not r.torch_compile else "off", r.replace(torch_compile=not r.torch_compile))]
+         if len(space.compile_options) > 1 else []),
+        ("sharding", lambda r: sharding_of(r, space.num_gpus), sharding_alts),
+    ]
+
+
+def explain(best: Candidate, evaluate: Evaluator, space: SearchSpace, objective: str, limit: int) -> list[str]:
+    """One line per axis: the chosen value, why, and what each alternative would do."""
+    reasons = []
+    goal = "fastest" if objective == "throughput" else "smallest"
+    for axis, label, alternatives in _axes(space, evaluate.gpu):
+        alts = [(name, evaluate(recipe)) for name, recipe in alternatives(best.recipe)]
+        if not alts:
+            continue
+        fitting = [(n, c) for n, c in alts if c.fits]
+        faster_blocked = [n for n, c in alts if not c.fits and c.samples_per_second > best.samples_per_second * (1 + SPEED_TIE)]
+        tied = [n for n, c in fitting if abs(c.samples_per_second / best.samples_per_second - 1) < SPEED_TIE]
+        if objective == "throughput" and tied:
+            why = f"ties on predicted speed with {', '.join(tied)}; chosen as the simpler/smaller"
+        elif faster_blocked and not any(c.samples_per_second > best.samples_per_second for _, c in fitting):
+            why = f"{goal} that fits ({', '.join(faster_blocked)} would be faster but does not fit)"
+        else:
+            why = f"{goal} of the options that fit"
+        # Keep the lines readable: the three alternatives nearest in speed are shown.
+        shown = sorted(alts, key=lambda a: abs(a[1].samples_per_second - best.samples_per_second))[:3]
+        details = "; ".join(_compare(best, n, c, limit) for n, c in shown)
+        reasons.append(f"{axis} {label(best.recipe)}: {why}. {details}")
+    return reasons
+
+
+def explain_infeasible(
+    workload: Workload, gpu: GPU, space: SearchSpace, candidates: list[Candidate], limit: int, margin: float
+) -> str:
+    """Why nothing fits: the smallest recipe's need, the shortfall, and what would fit."""
+    smallest = min(candidates, key=lambda c: c.device_total)
+    need = smallest.device_total
+    options = []
+    larger = smallest_fitting_gpu(need, margin, gpu)
+    if larger is not None:
+        options.append(f"a GPU with more memory ({larger.name}, {_gib(larger.memory_bytes)})")
+    from anatomist.estimate.memory import estimate_memory
+
+    sharded = smallest.recipe.replace(zero_stage=3, offload="cpu", fsdp="none")
+    for n in (2, 4, 8, 16, 32, 64):
+        total = estimate_memory(workload, sharded, gpu, num_gpus=n).anatomy.device_total
+        if total <= limit:
+            options.append(f"{n} GPUs with ZeRO-3 + CPU offload ({_gib(total)} per device; --gpus {n})")
+            break
+    if space.num_gpus == 1 and not any(c.recipe.offload != "none" for c in candidates):
+        options.append("ZeRO offload (zero_stage 2/3 with offload cpu)")
+    what = smallest.memory.anatomy
+    return (
+        f"no recipe fits {gpu.name}: the smallest of {len(candidates)} needs {_gib(need)} "
+        f"(weights {_gib(what.weights)}, optimizer {_gib(what.optimizer_states)}, gradients {_gib(what.gradients)}, "
+        f"activations {_gib(what.activations)}) but the limit is {_gib(limit)} "
+        f"({_gib(gpu.memory_bytes)} less the {margin:.0%} margin): short by {_gib(need - limit)}. "
+        f"Would fit: {'; '.join(options) if options else 'nothing anatomist can model'}"
+    )

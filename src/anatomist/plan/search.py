@@ -1,0 +1,204 @@
+"""`plan()`: predict memory and time of every recipe of the space, keep what fits, rank.
+
+Memory comes from `estimate_memory` (fake-tensor traces, cached per trace-shaping fields, so
+batch size, accumulation and sharding variations are arithmetic); time from the time model
+(`throughput.resolve_time_model`). A recipe fits when its predicted device total (what
+nvidia-smi would show) is at most (1 - margin) x the GPU's memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from anatomist.anatomy import TimeAnatomy
+from anatomist.errors import InputError
+from anatomist.estimate.memory import MemoryEstimate, estimate_memory
+from anatomist.hardware import GPU, catalog
+from anatomist.plan.space import SearchSpace, enumerate_recipes, precisions_for
+from anatomist.plan.throughput import TimeModel, resolve_time_model
+from anatomist.recipe import Recipe
+from anatomist.workload import Workload
+
+Objective = Literal["throughput", "memory"]
+DEFAULT_MARGIN = 0.10
+"""Share of the GPU's memory kept free: the allocator's fragmentation varies run to run and
+the prediction has an error (see the benchmark tables); 10% is the default safety margin."""
+GIB = 2**30
+
+
+@dataclass(kw_only=True, slots=True)
+class Candidate:
+    """One recipe with its predictions."""
+
+    recipe: Recipe
+    memory: MemoryEstimate
+    time: TimeAnatomy
+    fits: bool
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def device_total(self) -> int:
+        return self.memory.anatomy.device_total
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.time.samples_per_second
+
+    def to_dict(self) -> dict[str, Any]:
+        memory = self.memory.anatomy.to_dict()
+        memory["fits"] = self.fits
+        return {"recipe": self.recipe.to_dict(), "memory": memory, "time": self.time.to_dict(), "reasons": self.reasons}
+
+
+@dataclass(kw_only=True, slots=True)
+class Plan:
+    """The search's result: what `anatomist plan --json` prints."""
+
+    workload: Workload
+    gpu: GPU
+    space: SearchSpace
+    objective: Objective
+    margin: float
+    limit_bytes: int
+    """(1 - margin) x GPU memory: the most a recipe's device total may be."""
+    candidates: list[Candidate]
+    pareto: list[Candidate]
+    best: Candidate
+    time_calibrated: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def feasible(self) -> list[Candidate]:
+        return [c for c in self.candidates if c.fits]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.workload.name,
+            "seq_len": self.workload.seq_len,
+            "gpu": {"name": self.gpu.name, "memory_bytes": self.gpu.memory_bytes},
+            "num_gpus": self.space.num_gpus,
+            "global_batch_size": self.space.global_batch_size,
+            "objective": self.objective,
+            "memory_margin": self.margin,
+            "limit_bytes": self.limit_bytes,
+            "time_calibrated": self.time_calibrated,
+            "candidates": len(self.candidates),
+            "feasible": len(self.feasible),
+            "pareto": [c.to_dict() for c in self.pareto],
+            "best": self.best.to_dict(),
+            "notes": self.notes,
+        }
+
+
+class Evaluator:
+    """Predicts (and remembers) memory and time of recipes for one workload, GPU and device count."""
+
+    def __init__(self, workload: Workload, gpu: GPU, num_gpus: int, limit_bytes: int, time_model: TimeModel) -> None:
+        self.workload, self.gpu, self.num_gpus, self.limit_bytes = workload, gpu, num_gpus, limit_bytes
+        self.time_model = time_model
+        self.seen: dict[Recipe, Candidate] = {}
+
+    def __call__(self, recipe: Recipe) -> Candidate:
+        if recipe not in self.seen:
+            memory = estimate_memory(self.workload, recipe, self.gpu, num_gpus=self.num_gpus)
+            time = self.time_model(self.workload, recipe, self.gpu, num_gpus=self.num_gpus)
+            fits = memory.anatomy.device_total <= self.limit_bytes
+            self.seen[recipe] = Candidate(recipe=recipe, memory=memory, time=time, fits=fits)
+        return self.seen[recipe]
+
+
+def pareto_front(candidates: list[Candidate]) -> list[Candidate]:
+    """Candidates no other beats on both throughput (higher) and device memory (lower)."""
+    front: list[Candidate] = []
+    for c in sorted(candidates, key=lambda c: (c.device_total, -c.samples_per_second)):
+        if not front or c.samples_per_second > front[-1].samples_per_second:
+            front.append(c)
+    return front
+
+
+def _simplicity(recipe: Recipe) -> tuple[int, ...]:
+    """Tie-break among equally fast recipes: fewer moving parts first (no compile, no sharding,
+    no checkpointing, AdamW), then a per-device batch that is a multiple of 8."""
+    return (
+        int(recipe.torch_compile),
+        recipe.sharding_stage,
+        int(recipe.offload != "none"),
+        int(recipe.gradient_checkpointing),
+        int(recipe.optim != "adamw_torch_fused"),
+        int(recipe.per_device_train_batch_size % 8 != 0),
+        recipe.gradient_accumulation_steps,
+    )
+
+
+SPEED_TIE = 0.005
+"""Throughputs within 0.5% of each other are a tie (below any time model's resolution)."""
+
+
+def plan(
+    workload: Workload,
+    gpu: GPU,
+    *,
+    space: SearchSpace | None = None,
+    objective: Objective = "throughput",
+    margin: float = DEFAULT_MARGIN,
+    time_model: TimeModel | None = None,
+) -> Plan:
+    """Search `space` for the fastest (or smallest) recipe that fits `gpu` with `margin` kept free.
+
+    Raises:
+        InputError: bad margin/objective, or no recipe fits (the message says what is short,
+            by how much, and what would fit).
+    """
+    from anatomist.plan.reasons import explain, explain_infeasible
+
+    space = space or SearchSpace()
+    if not 0 <= margin < 1:
+        raise InputError(f"--memory-margin must be in [0, 1), got {margin}")
+    if objective not in ("throughput", "memory"):
+        raise InputError(f"--objective must be throughput or memory, got {objective!r}")
+    calibrated = False
+    if time_model is None:
+        time_model, calibrated = resolve_time_model()
+    limit = int(gpu.memory_bytes * (1 - margin))
+    evaluate = Evaluator(workload, gpu, space.num_gpus, limit, time_model)
+    candidates = [evaluate(r) for r in enumerate_recipes(space, gpu)]
+    calibrated = calibrated and all(c.time.calibrated for c in candidates)
+    feasible = [c for c in candidates if c.fits]
+    if not feasible:
+        raise InputError(explain_infeasible(workload, gpu, space, candidates, limit, margin))
+    best = choose(feasible, objective)
+    front = pareto_front(feasible)
+    _, precision_notes = precisions_for(gpu)
+    best.reasons = explain(best, evaluate, space, objective, limit)
+    for c in front:
+        if c is not best and not c.reasons:
+            c.reasons = [f"Pareto front: {c.samples_per_second:.1f} samples/s at {c.device_total / GIB:.2f} GiB"]
+    notes = [f"memory margin: {margin:.0%} of {gpu.memory_bytes / GIB:.2f} GiB kept free; limit {limit / GIB:.2f} GiB"]
+    notes += precision_notes
+    if not calibrated:
+        notes.append("time: uncalibrated (FLOPs model, data/plan_throughput.toml); rankings, not measurements")
+    return Plan(
+        workload=workload, gpu=gpu, space=space, objective=objective, margin=margin, limit_bytes=limit,
+        candidates=candidates, pareto=front, best=best, time_calibrated=calibrated, notes=notes,
+    )
+
+
+def choose(feasible: list[Candidate], objective: Objective) -> Candidate:
+    """Throughput: among recipes within SPEED_TIE of the fastest, the simplest.
+    Memory: the smallest device total, then the fastest."""
+    if objective == "memory":
+        return min(feasible, key=lambda c: (c.device_total, -c.samples_per_second, _simplicity(c.recipe)))
+    top = max(c.samples_per_second for c in feasible)
+    near = [c for c in feasible if c.samples_per_second >= top * (1 - SPEED_TIE)]
+    return min(near, key=lambda c: (_simplicity(c.recipe), -c.samples_per_second))
+
+
+def smallest_fitting_gpu(need_bytes: int, margin: float, gpu: GPU) -> GPU | None:
+    """The catalog GPU with the least memory that would hold `need_bytes` (context size adjusted)."""
+    fitting = [
+        g for g in catalog().values()
+        if need_bytes - gpu.cuda_context_bytes + g.cuda_context_bytes <= g.memory_bytes * (1 - margin)
+    ]
+    return min(fitting, key=lambda g: g.memory_bytes, default=None)

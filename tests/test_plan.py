@@ -1,0 +1,177 @@
+"""`anatomist plan`: search, reasons, bad input and the emitted configs, on a tiny BERT (CPU, offline)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from anatomist.errors import InputError
+from anatomist.hardware import get_gpu
+from anatomist.plan import SearchSpace, plan
+from anatomist.plan.search import pareto_front
+from anatomist.plan.space import SINGLE_GPU_SHARDING
+from anatomist.plan.throughput import fallback_time, flops_per_step, parameter_count
+from anatomist.recipe import Recipe
+from anatomist.workload import load_workload
+
+TINY_BERT = {
+    "model_type": "bert", "architectures": ["BertForMaskedLM"], "hidden_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 1000, "max_position_embeddings": 128,
+    "type_vocab_size": 2, "pad_token_id": 0,
+}
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    (folder / "config.json").write_text(json.dumps(TINY_BERT))
+    return load_workload(str(folder), seq_len=64)
+
+
+def _small_gpu(limit_bytes: int):
+    """A100 rates with a tiny memory and no CUDA context, so that the tiny model can not-fit."""
+    return replace(get_gpu("A100-80GB"), name="tiny-gpu", memory_bytes=limit_bytes, cuda_context_bytes=0)
+
+
+def test_space_batch_options_form_the_global_batch() -> None:
+    # 48 = 1x48, 2x24, 3x16 (3 is neither a power of two nor a multiple of 8: skipped), 4x12, 8x6, 16x3, 24x2, 48x1
+    space = SearchSpace(global_batch_size=48)
+    assert space.batch_options() == [(1, 48), (2, 24), (4, 12), (8, 6), (16, 3), (24, 2), (48, 1)]
+    # 2 GPUs: 32 per device
+    assert (32, 1) in SearchSpace(global_batch_size=64, num_gpus=2).batch_options()
+
+
+def test_global_batch_that_cannot_be_split_is_input_error() -> None:
+    with pytest.raises(InputError, match="cannot be split evenly over 3 GPUs"):
+        SearchSpace(global_batch_size=64, num_gpus=3)
+    with pytest.raises(InputError, match="greater than 0"):
+        SearchSpace(global_batch_size=0)
+
+
+def test_fallback_flops_by_hand(tiny) -> None:
+    n = parameter_count(tiny)
+    # tokens = 64 seq x 4 batch x 2 accum = 512; per token 6N + 12 L h s = 6N + 12*2*64*64
+    expected = (6 * n + 12 * 2 * 64 * 64) * 512
+    r = Recipe(per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    assert flops_per_step(tiny, r) == expected
+    # checkpointing recomputes the forward: x 8/6
+    assert flops_per_step(tiny, r.replace(gradient_checkpointing=True)) == round(expected * 4 / 3)
+    gpu = get_gpu("A100-80GB")
+    fp32, bf16 = fallback_time(tiny, r, gpu), fallback_time(tiny, r.replace(bf16=True), gpu)
+    assert not fp32.calibrated
+    assert fp32.phases_s["compute"] / bf16.phases_s["compute"] == pytest.approx(312 / 19.5)  # dense peaks
+
+
+def test_plan_picks_fastest_that_fits_and_explains(tiny) -> None:
+    gpu = _small_gpu(64 * 2**20)
+    space = SearchSpace(global_batch_size=32, optims=("adamw_torch_fused", "adafactor"), compile_options=(False,))
+    result = plan(tiny, gpu, space=space, margin=0.1)
+    # 6 batch options x 2 ckpt x 3 precisions (fp32, tf32, bf16) x 2 optims x 2 sharding = 144
+    assert len(result.candidates) == 6 * 2 * 3 * 2 * len(SINGLE_GPU_SHARDING)
+    limit = int(64 * 2**20 * 0.9)
+    assert result.limit_bytes == limit
+    assert all(c.fits == (c.device_total <= limit) for c in result.candidates)
+    fastest = max(c.samples_per_second for c in result.feasible)
+    assert result.best.fits and result.best.samples_per_second >= fastest * 0.995
+    # The Pareto front: sorted by memory, strictly faster each step, and nothing dominates it.
+    front = result.pareto
+    assert [c.device_total for c in front] == sorted(c.device_total for c in front)
+    for c in front:
+        assert not any(o.device_total <= c.device_total and o.samples_per_second > c.samples_per_second
+                       for o in result.feasible)
+    text = "\n".join(result.best.reasons)
+    assert "gradient checkpointing" in text and "precision bf16" in text
+    d = result.to_dict()
+    assert d["candidates"] == len(result.candidates) and d["feasible"] == len(result.feasible)
+    assert set(d["best"]) == {"recipe", "memory", "time", "reasons"}
+
+
+def test_checkpointing_reason_is_computed_from_predictions(tiny) -> None:
+    gpu = _small_gpu(8 * GIB)  # everything fits: checkpointing is off, and its cost is stated
+    space = SearchSpace(global_batch_size=8, optims=("adamw_torch_fused",), compile_options=(False,))
+    result = plan(tiny, gpu, space=space)
+    best = result.best
+    assert not best.recipe.gradient_checkpointing
+    on = next(c for c in result.candidates if c.recipe == best.recipe.replace(gradient_checkpointing=True))
+    slower = 1 - on.samples_per_second / best.samples_per_second
+    line = next(r for r in best.reasons if r.startswith("gradient checkpointing off"))
+    assert f"{slower:.0%} slower" in line
+
+
+def test_nothing_fits_says_what_is_short(tiny) -> None:
+    # 16.25 MiB of every recipe are the two cuBLAS workspaces (forward and backward handles);
+    # the best single-GPU recipe (ZeRO-2 + offload) needs 21.8 MiB; ZeRO-3 + offload on 4 devices 21.0 MiB.
+    gpu = _small_gpu(int(21.2 * 2**20))
+    space = SearchSpace(global_batch_size=8, optims=("adafactor",), compile_options=(False,))
+    with pytest.raises(InputError, match=r"no recipe fits tiny-gpu.*short by 0\.6 MiB.*Would fit: a GPU with more memory \(T4.*4 GPUs with ZeRO-3"):
+        plan(tiny, gpu, space=space, margin=0.0)
+
+
+def test_multi_gpu_considers_zero_and_fsdp(tiny) -> None:
+    space = SearchSpace(global_batch_size=16, num_gpus=2, optims=("adamw_torch_fused",), compile_options=(False,),
+                        checkpointing_options=(False,))
+    result = plan(tiny, _small_gpu(8 * GIB), space=space)
+    stages = {(c.recipe.zero_stage, c.recipe.fsdp) for c in result.candidates}
+    assert {(0, "none"), (1, "none"), (2, "none"), (3, "none"), (0, "full_shard"), (0, "shard_grad_op")} <= stages
+    by = {(c.recipe.zero_stage, c.recipe.fsdp, c.recipe.per_device_train_batch_size, c.recipe.bf16): c
+          for c in result.candidates if c.recipe.offload == "none"}
+    ddp, z3, fsdp = by[0, "none", 8, True], by[3, "none", 8, True], by[0, "full_shard", 8, True]
+    # ZeRO-3 and FSDP full_shard shard the same categories: per-device memory is the same, and
+    # weights are halved on 2 devices (within rounding of one byte per category)
+    assert z3.device_total == fsdp.device_total < ddp.device_total
+    assert abs(z3.memory.anatomy.weights * 2 - ddp.memory.anatomy.weights) <= 2
+
+
+def test_pareto_front_by_hand() -> None:
+    class C:  # minimal stand-ins: (memory, speed)
+        def __init__(self, m: int, s: float) -> None:
+            self.device_total, self.samples_per_second = m, s
+
+    a, b, c, d = C(1, 1.0), C(2, 3.0), C(3, 2.0), C(4, 5.0)
+    assert pareto_front([d, c, b, a]) == [a, b, d]  # c is beaten by b (less memory, faster)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "anatomist", "plan", *args], capture_output=True, text=True,
+                          env=os.environ, timeout=300)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["bert-base-uncased", "--gpu", "Z80"], "unknown GPU 'Z80'"),
+        (["bert-base-uncased", "--gpu", "A100-80GB", "--global-batch-size", "10", "--gpus", "4"], "cannot be split"),
+        (["bert-base-uncased", "--gpu", "A100-80GB", "--optims", "lion"], "unknown optimizer"),
+        (["bert-base-uncased", "--gpu", "A100-80GB", "-o", "x.json"], "needs --emit"),
+    ],
+)
+def test_cli_bad_input_exit_2(args: list[str], message: str) -> None:
+    proc = _cli(*args)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_cli_json_and_emit(tiny, tmp_path: Path) -> None:
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY_BERT))
+    out = tmp_path / "ds.json"
+    proc = _cli(str(folder), "--seq-len", "64", "--gpu", "T4", "--global-batch-size", "16", "--optims",
+                "adamw_torch_fused", "--no-compile", "--json", "--emit", "deepspeed", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["candidates"] > 0 and data["feasible"] > 0 and data["best"]["memory"]["fits"]
+    ds = json.loads(out.read_text())
+    best = data["best"]["recipe"]
+    assert ds["train_micro_batch_size_per_gpu"] == best["per_device_train_batch_size"]
+    assert ds["train_batch_size"] == 16

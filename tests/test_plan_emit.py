@@ -1,0 +1,103 @@
+"""The emitted configs are accepted by the real libraries: transformers, accelerate, DeepSpeed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from anatomist.errors import InputError
+from anatomist.plan.emit import accelerate_config, deepspeed_config, render, trainer_snippet, write
+from anatomist.recipe import Recipe
+
+RECIPES = {
+    "plain": Recipe(per_device_train_batch_size=8, gradient_accumulation_steps=4),
+    "fp16-ckpt-adafactor": Recipe(per_device_train_batch_size=4, fp16=True, gradient_checkpointing=True, optim="adafactor"),
+    "bf16-zero2-offload": Recipe(bf16=True, zero_stage=2, offload="cpu"),
+    "zero3-compile": Recipe(zero_stage=3, torch_compile=True, fp16=True),
+    "fsdp": Recipe(fsdp="full_shard", bf16=True),
+}
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_trainer_kwargs_construct_training_arguments(name: str, tmp_path: Path) -> None:
+    from transformers import TrainingArguments
+
+    recipe = RECIPES[name]
+    path = tmp_path / "args.json"
+    written = write(recipe, "trainer", path)
+    kwargs = json.loads(path.read_text())
+    assert set(kwargs) <= set(TrainingArguments.__dataclass_fields__)
+    # fp16/bf16/tf32/compile/fsdp need a GPU (or a process group) to construct: check those by
+    # value, and construct the rest for real on this CPU-only machine.
+    gpu_only = {"fp16", "bf16", "tf32", "torch_compile", "fsdp"}
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                             **{k: v for k, v in kwargs.items() if k not in gpu_only})
+    assert args.per_device_train_batch_size == recipe.per_device_train_batch_size
+    assert args.gradient_accumulation_steps == recipe.gradient_accumulation_steps
+    assert args.gradient_checkpointing == recipe.gradient_checkpointing
+    assert args.optim.value == recipe.optim
+    assert kwargs["fp16"] == recipe.fp16 and kwargs["bf16"] == recipe.bf16
+    snippet = written[1].read_text()
+    compile(snippet, "snippet.py", "exec")  # valid Python
+    assert ("deepspeed=" in snippet) == bool(recipe.zero_stage)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_accelerate_config_loads_with_accelerate(name: str, tmp_path: Path) -> None:
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    recipe = RECIPES[name]
+    path = tmp_path / "accelerate.yaml"
+    write(recipe, "accelerate", path, num_gpus=2)
+    config = load_config_from_file(str(path))
+    assert config.num_processes == 2
+    assert config.mixed_precision == recipe.mixed_precision
+    expected = "DEEPSPEED" if recipe.zero_stage else "FSDP" if recipe.fsdp != "none" else "MULTI_GPU"
+    assert str(config.distributed_type).endswith(expected)
+    if recipe.zero_stage:
+        assert config.deepspeed_config["zero_stage"] == recipe.zero_stage
+        assert config.deepspeed_config["offload_optimizer_device"] == recipe.offload
+    if recipe.fsdp != "none":
+        assert config.fsdp_config["fsdp_sharding_strategy"] == "FULL_SHARD"
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_deepspeed_config_accepted_by_deepspeed(name: str) -> None:
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    recipe = RECIPES[name]
+    ds = DeepSpeedConfig(json.loads(render(recipe, "deepspeed", num_gpus=1)))
+    # 8 x 4 x 1 GPU = 32 (plain); 4 x 1 x 1 = 4 (the others)
+    assert ds.train_batch_size == recipe.per_device_train_batch_size * recipe.gradient_accumulation_steps
+    assert ds.zero_optimization_stage == recipe.zero_stage
+    assert ds.fp16_enabled == recipe.fp16 if hasattr(ds, "fp16_enabled") else ds.float16_config.enabled == recipe.fp16
+    if recipe.offload != "none":
+        assert ds.zero_config.offload_optimizer.device == "cpu"
+
+
+def test_transformers_reads_the_deepspeed_config() -> None:
+    pytest.importorskip("deepspeed")
+    from transformers.integrations import HfDeepSpeedConfig
+
+    config = HfDeepSpeedConfig(deepspeed_config(RECIPES["zero3-compile"], num_gpus=2))
+    assert config.is_zero3() and not config.is_offload()
+    assert HfDeepSpeedConfig(deepspeed_config(RECIPES["bf16-zero2-offload"])).is_offload()
+
+
+def test_emit_errors(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="unknown --emit target"):
+        render(Recipe(), "megatron")
+    with pytest.raises(InputError, match="does not exist"):
+        write(Recipe(), "deepspeed", tmp_path / "no" / "ds.json")
+
+
+def test_snippet_and_configs_by_hand() -> None:
+    recipe = Recipe(per_device_train_batch_size=16, gradient_accumulation_steps=2, zero_stage=2, offload="cpu", fp16=True)
+    ds = deepspeed_config(recipe, num_gpus=4)
+    assert ds["train_batch_size"] == 16 * 2 * 4  # = 128
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert accelerate_config(recipe, 4)["deepspeed_config"]["gradient_accumulation_steps"] == 2
+    assert "per_device_train_batch_size=16" in trainer_snippet(recipe)
