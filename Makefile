@@ -10,6 +10,7 @@ demo: setup
 	$(PY) -m anatomist estimate
 
 test: setup
+	@bash scripts/install_browser.sh
 	$(PY) -m pytest -q
 
 test-all: setup

@@ -97,3 +97,14 @@ def test_optimizer_choice_matches_the_trainer(tmp_path):
         assert bool(ours.defaults.get("fused")) == bool(kwargs.get("fused"))
         if optim == "sgd":
             assert ours.defaults["momentum"] == kwargs["momentum"]
+
+
+def test_categories_add_up_to_peak_and_device_total():
+    """bert-base fp32 once broke this identity through rounding after extrapolation."""
+    from anatomist.anatomy import TENSOR_CATEGORIES, MemoryCategory
+    from anatomist.estimate.memory import estimate_memory
+
+    anatomy = estimate_memory(load_workload("bert-base-uncased", seq_len=128), Recipe(per_device_train_batch_size=8),
+                              get_gpu("A100-80GB")).anatomy
+    assert sum(anatomy.category_bytes(c) for c in TENSOR_CATEGORIES) == anatomy.peak_allocated
+    assert sum(anatomy.category_bytes(c) for c in MemoryCategory) == anatomy.device_total

@@ -47,11 +47,9 @@ class PhasePeak:
     @classmethod
     def from_vector(cls, v: list[float]) -> PhasePeak:
         rounded = [max(0, round(x)) for x in v]
-        return cls(
-            allocated=rounded[0],
-            reserved=max(rounded[1], rounded[0]),
-            categories=dict(zip(TENSOR_CATEGORIES, rounded[2:], strict=True)),
-        )
+        categories = dict(zip(TENSOR_CATEGORIES, rounded[2:], strict=True))
+        allocated = sum(categories.values())  # equal to rounded[0] but for rounding
+        return cls(allocated=allocated, reserved=max(rounded[1], allocated), categories=categories)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -446,3 +444,8 @@ def _curves(trace: Trace) -> Curves:
         categories=np.asarray(rows, dtype=np.float64).reshape(len(rows), len(TENSOR_CATEGORIES)),
         reserve_ratio=max(1.0, allocator.peak_reserved / max(max(totals, default=0), 1)),
     )
+
+
+def phase_peaks(trace: Trace, phases: list[Phase]) -> dict[tuple[Phase, str], PhasePeak]:
+    """The peak of every (phase, segment) of a recorded trace (also used on real runs)."""
+    return _curves(trace).peaks(phases)

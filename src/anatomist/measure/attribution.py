@@ -36,7 +36,7 @@ import torch
 
 from anatomist.anatomy import TENSOR_CATEGORIES, MemoryCategory, Phase
 from anatomist.estimate.cuda_model import cuda_code_paths
-from anatomist.estimate.step import _phase_peaks
+from anatomist.estimate.step import phase_peaks
 from anatomist.estimate.tracer import MemoryTracer
 
 MEMORY_KEYS = (
@@ -188,7 +188,7 @@ class StepAttributor:
         return self.result
 
     def _cpu_result(self, tracer: MemoryTracer) -> dict[str, Any]:
-        peaks = _phase_peaks(tracer.trace, [Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER])
+        peaks = phase_peaks(tracer.trace, [Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER])
         (phase, _segment), peak = max(peaks.items(), key=lambda kv: kv[1].allocated)
         out: dict[str, Any] = {str(c): peak.categories[c] for c in TENSOR_CATEGORIES}
         out.update(
