@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-
 from bench_tiny import write_tiny_suite
 
 from anatomist.cli import main
