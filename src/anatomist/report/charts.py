@@ -9,7 +9,10 @@ https://jfly.uni-koeln.de/color/).
 
 from __future__ import annotations
 
+import functools
 import textwrap
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
 import matplotlib
 
@@ -42,9 +45,11 @@ CATEGORY_LABELS: dict[MemoryCategory, str] = {
     MemoryCategory.FUNCTIONALITY: "functionality-specific",
     MemoryCategory.RUNTIME_OVERHEAD: "runtime overhead",
 }
+P = ParamSpec("P")
+R = TypeVar("R")
 OP_CLASS_ORDER: tuple[str, ...] = tuple(c.value for c in OpClass)
 
-_STYLE = {
+_STYLE: Any = {  # Any: matplotlib types rcParams keys as a Literal of every name
     "font.size": 10,
     "axes.titlesize": 12,
     "axes.titleweight": "bold",
@@ -55,12 +60,23 @@ _STYLE = {
 }
 
 
+def _styled(chart: Callable[P, R]) -> Callable[P, R]:
+    """Draw `chart` under the report's style without touching the caller's global rcParams."""
+
+    @functools.wraps(chart)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        with matplotlib.rc_context(_STYLE):
+            return chart(*args, **kwargs)
+
+    return wrapper
+
+
 def _figure(width_in: float = 8.0, height_in: float = 4.2) -> Figure:
-    matplotlib.rcParams.update(_STYLE)
     # Figure() directly, not pyplot: no global figure registry, nothing to close or leak.
     return Figure(figsize=(width_in, height_in), dpi=100, layout="constrained")
 
 
+@_styled
 def memory_anatomy(results: list[RecipeResult]) -> Figure | None:
     """Stacked horizontal bars, one per recipe: the seven categories in GiB, GPU capacity as a line.
 
@@ -119,6 +135,7 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     return front
 
 
+@_styled
 def throughput_vs_memory(results: list[RecipeResult]) -> Figure | None:
     """Samples/s against device memory, one point per recipe, the Pareto front joined by a line."""
     rows = [r for r in results if r.ok and r.memory is not None and r.samples_per_second]
@@ -143,6 +160,7 @@ def throughput_vs_memory(results: list[RecipeResult]) -> Figure | None:
     return fig
 
 
+@_styled
 def predicted_vs_measured(results: list[RecipeResult]) -> Figure | None:
     """Parity plot: predicted vs measured device memory (and samples/s when both exist), ±5% band."""
     mem_rows = [r for r in results if r.measured_memory and r.predicted_memory]
@@ -180,6 +198,7 @@ def _parity(ax, pairs: list[tuple[float, float]], labels: list[str], what: str) 
     ax.legend(frameon=False, fontsize=8, loc="lower right")
 
 
+@_styled
 def op_class_shares(classes: dict[str, dict[str, float]] | None, device: str | None = None) -> Figure | None:
     """Side-by-side bars: each operation class's share of the FLOPs and of the time (percent)."""
     if not classes:

@@ -260,7 +260,7 @@ def _add_bench(data: ReportData, obj: dict[str, Any], source: str) -> None:
     if isinstance(version, int) and version < RESULTS_SCHEMA_VERSION:
         data.notices.append(
             f"{source} was written by an older anatomist (results schema {version}; this version reads "
-            f"{RESULTS_SCHEMA_VERSION}). It is shown as far as its keys allow; re-run `anatomist bench --resume` to refresh it."
+            f"{RESULTS_SCHEMA_VERSION}). It is shown as far as its keys allow; run the suite again with this version to refresh it."
         )
     elif isinstance(version, int) and version > RESULTS_SCHEMA_VERSION:
         data.notices.append(
