@@ -62,8 +62,10 @@ def trainer_snippet(recipe: Recipe, num_gpus: int = 1) -> str:
 
 def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = False) -> dict[str, Any]:
     """An accelerate config as `accelerate config` writes it (ClusterConfig keys)."""
+    # MULTI_GPU selects accelerate's torchrun launcher; with use_cpu the processes then run on
+    # CPU with gloo (accelerate's MULTI_CPU is the mpirun multi-node path, one process here).
     distributed = "DEEPSPEED" if recipe.zero_stage else "FSDP" if recipe.fsdp != "none" else (
-        "MULTI_CPU" if use_cpu and num_gpus > 1 else "MULTI_GPU" if num_gpus > 1 else "NO"
+        "MULTI_GPU" if num_gpus > 1 else "NO"
     )
     config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",

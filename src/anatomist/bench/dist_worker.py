@@ -1,0 +1,91 @@
+"""One process of a distributed bench run, started by `accelerate launch` (see distributed.py).
+
+Trains the workload's model for a few steps with the real `accelerate.Accelerator` (which
+wraps it in DDP, FSDP or DeepSpeed as the accelerate config says) and writes, per process,
+the bytes of the real tensors it holds by category, counted from the objects themselves:
+weights = the local parameters and buffers (sharded ones count their local shard),
+gradients = the local `.grad` tensors after backward, optimizer_states = the tensors in
+`optimizer.state`. This is exact for these three categories on CPU; activations and
+temporaries are not measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def _nbytes(tensors) -> int:  # noqa: ANN001
+    seen, total = set(), 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t  # DTensor (FSDP2) -> local shard
+        key = local.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += local.untyped_storage().nbytes()
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--recipe", required=True, help="recipe JSON")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    from accelerate import Accelerator
+
+    from anatomist.estimate.step import _make_batch
+    from anatomist.recipe import Recipe
+    from anatomist.workload import load_workload
+
+    recipe = Recipe.from_dict(json.loads(args.recipe))
+    workload = load_workload(args.model, seq_len=args.seq_len)
+    # Without CUDA the processes must ask for CPU explicitly to form a gloo group (MULTI_CPU).
+    accelerator = Accelerator(gradient_accumulation_steps=recipe.gradient_accumulation_steps, cpu=not torch.cuda.is_available())
+    torch.manual_seed(0)
+    model = workload.build_model(recipe.attn_implementation)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.train()
+    grads_bytes = 0
+    start = time.perf_counter()
+    for _ in range(args.steps * recipe.gradient_accumulation_steps):
+        with accelerator.accumulate(model):
+            loss = model(**_make_batch(workload, recipe.per_device_train_batch_size)).loss
+            accelerator.backward(loss)
+            grads_bytes = _nbytes([p.grad for p in model.parameters() if p.grad is not None])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    elapsed = time.perf_counter() - start
+    inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+    states = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    row = {
+        "rank": accelerator.process_index,
+        "num_processes": accelerator.num_processes,
+        "distributed_type": str(accelerator.distributed_type),
+        "memory": {
+            "weights": _nbytes(list(model.parameters()) + list(model.buffers())),
+            "gradients": grads_bytes,
+            "optimizer_states": _nbytes(states),
+        },
+        "tensor_counts": {
+            "weights": len(list(model.parameters())) + len(list(model.buffers())),
+            "gradients": sum(1 for p in model.parameters() if p.requires_grad),
+            "optimizer_states": len(states),
+        },
+        "train_runtime_s": elapsed,
+        "steps": args.steps,
+    }
+    Path(args.out, f"rank{accelerator.process_index}.json").write_text(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
