@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+import json
 import importlib
 from typing import Any
 
@@ -60,11 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if args.num_processes < 1:
         raise InputError(f"--num-processes must be at least 1, got {args.num_processes}")
     if args.num_processes > 1:
-        try:
-            distributed = importlib.import_module("anatomist.bench.distributed")
-        except ModuleNotFoundError:
-            raise InputError("--num-processes > 1 needs anatomist.bench.distributed, which this install lacks") from None
-        return int(distributed.run_distributed(args))
+        return _run_distributed(args)
     suite = load_suite(args.suite)
     names = [n.strip() for n in args.rows.split(",") if n.strip()] if args.rows else None
     rows = suite.select(names)
@@ -95,4 +93,20 @@ def run(args: argparse.Namespace) -> int:
         results = run_suite(plan, rows, store, resume=args.resume, on_row=on_row)
     if args.json:
         print_json({"rows": results})
+    return 0
+
+
+def _run_distributed(args: argparse.Namespace) -> int:
+    """--num-processes N: one recipe (--rows NAME) of --model MODEL through `accelerate launch`."""
+    names = [n.strip() for n in args.rows.split(",") if n.strip()] if args.rows else []
+    if args.model is None or len(names) != 1:
+        raise InputError("--num-processes > 1 runs one recipe on one model: give --model MODEL and --rows NAME")
+    try:
+        distributed = importlib.import_module("anatomist.bench.distributed")
+    except ModuleNotFoundError:
+        raise InputError("--num-processes > 1 needs anatomist.bench.distributed, which this install lacks") from None
+    (row,) = load_suite(args.suite).select(names)
+    result = distributed.run_distributed(args.model, row.recipe, args.num_processes)
+    json.dump(result, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")
     return 0
