@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from anatomist.anatomy import Phase
-from anatomist.estimate.flops import _record, _trace_at_depth, flops_per_step, step_ops
+from anatomist.estimate.flops import OpRecord, _passes, _record, _step_at_depth, _trace, flops_per_step, step_ops
 from anatomist.recipe import Recipe
 from anatomist.workload import Workload, load_workload
 
@@ -78,16 +78,31 @@ def test_sdpa_counts_attention_through_the_cuda_formula(tmp_path: Path) -> None:
     assert ops.unknown_ops() == []
 
 
+
 def test_depth_extrapolation_is_exact(tmp_path: Path) -> None:
     """Traced at 1 and 2 layers and extrapolated to 4 = traced at 4 directly."""
     w = tiny_bert(tmp_path, num_hidden_layers=4)
     recipe = Recipe(per_device_train_batch_size=2)
     extrapolated = step_ops(w, recipe)
-    calls, total = _trace_at_depth(w, recipe, 4)
+    calls, total = _step_at_depth(w, recipe, 4)
     direct = [_record(sig, float(n)) for sig, n in calls.items()]
     assert extrapolated.counter_flops == total
+    _assert_same_costs(extrapolated.records, direct)
+
+
+def test_batch_extrapolation_is_exact(tmp_path: Path) -> None:
+    """Passes at batch 8 extrapolated from the traces at 2 and 3 = traced at 8 directly."""
+    w = tiny_bert(tmp_path)
+    for recipe in (Recipe(per_device_train_batch_size=8), Recipe(per_device_train_batch_size=8, bf16=True,
+                                                                   gradient_checkpointing=True)):
+        extrapolated = _passes(w, recipe, 2)
+        direct = _trace(w, recipe, "passes", 2, 8)
+        assert extrapolated.ops == direct.ops
+        assert extrapolated.counter_flops == direct.counter_flops
+
+
+def _assert_same_costs(a: list[OpRecord], b: list[OpRecord]) -> None:
     for phase in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER):
-        assert sum(r.flops * r.count for r in extrapolated.records if r.phase is phase) == sum(
-            r.flops * r.count for r in direct if r.phase is phase)
-        assert sum(r.bytes * r.count for r in extrapolated.records if r.phase is phase) == pytest.approx(sum(
-            r.bytes * r.count for r in direct if r.phase is phase), rel=1e-6)
+        assert sum(r.flops * r.count for r in a if r.phase is phase) == sum(r.flops * r.count for r in b if r.phase is phase)
+        assert sum(r.bytes * r.count for r in a if r.phase is phase) == pytest.approx(
+            sum(r.bytes * r.count for r in b if r.phase is phase), rel=1e-6)

@@ -1,8 +1,8 @@
 """FLOPs and bytes moved by every ATen op of one training step, counted on fake tensors.
 
-The step is the one the memory estimator traces (`step.run_train_step`: forward under
-autocast, backward, recomputation under gradient checkpointing, clipping, optimizer step),
-run on FAKE tensors, so no GPU and no weights are needed. Two dispatch modes watch it:
+The step is the one the memory estimator traces (`step.py`: forward under autocast,
+backward, recomputation under gradient checkpointing, clipping, optimizer step), in its
+two parts (the passes of one micro-batch; the optimizer phase), run on FAKE tensors, so no GPU and no weights are needed. Two dispatch modes watch it:
 
 - `torch.utils.flop_counter.FlopCounterMode`, PyTorch's own counter: its total is the
   step's FLOPs (matrix products, convolutions, attention; 2 FLOPs per multiply-add);
@@ -12,6 +12,9 @@ run on FAKE tensors, so no GPU and no weights are needed. Two dispatch modes wat
 
 Depth: FLOPs, bytes and op counts are exactly linear in the number of repeated blocks, so
 the step is traced at 1 and 2 blocks and extrapolated: n(L) = n1 + (L - 1)(n2 - n1).
+Batch size: each op's FLOPs and bytes are affine in it, so batches above 3 are extrapolated
+op by op from the traces at 2 and 3 (`_passes`). A plan of hundreds of recipes thus needs a
+few traces per (checkpointing, precision, attention) and per optimizer.
 
 Known limitations: the CPU code paths stand in for CUDA's (`cuda_model.cuda_code_paths`),
 so a few ops differ from what CUDA runs (e.g. CPU's flash-attention kernel stands in for
@@ -26,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -41,7 +44,14 @@ from torch.utils.flop_counter import (
 
 from anatomist.anatomy import OpClass, Phase
 from anatomist.estimate.cuda_model import cuda_code_paths, fake_parameters
-from anatomist.estimate.step import lower_dtype, model_at_depth, num_layers, run_train_step
+from anatomist.estimate.step import (
+    create_state,
+    forward_backward,
+    lower_dtype,
+    model_at_depth,
+    num_layers,
+    optimizer_phase,
+)
 from anatomist.estimate.tracer import MemoryTracer
 from anatomist.profile.classes import base_name, classify, is_known, is_view
 from anatomist.recipe import Recipe
@@ -107,21 +117,28 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+Signature = tuple[Any, ...]
+"""(name, class, phase, dtype, flops, approx_flops, bytes, view, known) of one op call."""
+_COST_FIELDS = (4, 5, 6)
+"""The signature's per-call costs: flops, approx_flops, bytes."""
+
+
 class OpRecorder(MemoryTracer):
     """The estimator's tracer, also recording FLOPs and bytes of every op of the step."""
 
     def __init__(self, lower_precision_dtype: torch.dtype | None = None) -> None:
         super().__init__(lower_precision_dtype)
-        self.calls: Counter[tuple[Any, ...]] = Counter()
+        self.ops: list[Signature] = []
+        """The signature of every op of the step's phases, in call order."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if self.phase in STEP_PHASES:
-            self.calls[self._signature(func, args, kwargs, out)] += 1
+            self.ops.append(self._signature(func, args, kwargs, out))
         return out
 
-    def _signature(self, func: Any, args: Any, kwargs: Any, out: Any) -> tuple[Any, ...]:
+    def _signature(self, func: Any, args: Any, kwargs: Any, out: Any) -> Signature:
         name = base_name(str(func.name()))
         inputs = _tensors((args, kwargs))
         outputs = _tensors(out)
@@ -157,7 +174,38 @@ class StepOps:
         return sorted({r.name for r in self.records if not r.known})
 
 
-def _trace_at_depth(workload: Workload, recipe: Recipe, depth: int) -> tuple[Counter[tuple[Any, ...]], int]:
+Part = Literal["passes", "optimizer"]
+_PART_FIELDS: dict[Part, tuple[str, ...]] = {
+    "passes": ("gradient_checkpointing", "fp16", "bf16", "attn_implementation"),
+    "optimizer": ("optim", "fp16", "max_grad_norm"),
+}
+"""Recipe fields that change each part's ops: recipes that differ only in the optimizer share
+the passes' traces, and the other way round."""
+BATCH_TRACES = (2, 3)
+"""Batch sizes the passes are traced at when a larger one is asked for (not 1: at batch 1
+some copies are views, so the op sequence differs from every larger batch)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Trace:
+    ops: tuple[Signature, ...]
+    """Signatures in call order."""
+    counter_flops: int
+
+
+_traces: dict[tuple[Any, ...], _Trace] = {}
+
+
+def _trace(workload: Workload, recipe: Recipe, part: Part, depth: int, batch: int) -> _Trace:
+    """The ops of one part of the step at `depth` blocks: the passes of one micro-batch of
+    `batch` samples (forward, backward, recomputation), or the optimizer phase (unscale,
+    clip, step) after a first step has made the state. Cached."""
+    key = (
+        workload.config.to_json_string(use_diff=False), workload.task, workload.seq_len, part,
+        tuple(getattr(recipe, f) for f in _PART_FIELDS[part]), depth, batch if part == "passes" else 0,
+    )
+    if key in _traces:
+        return _traces[key]
     shallow = model_at_depth(workload, depth)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     attn = "sdpa" if recipe.attn_implementation == "flash_attention_2" else recipe.attn_implementation
@@ -167,12 +215,47 @@ def _trace_at_depth(workload: Workload, recipe: Recipe, depth: int) -> tuple[Cou
     lower = lower_dtype(recipe)
     recorder = OpRecorder(lower_precision_dtype=lower)
     params = list(model.parameters())
-    autocast = torch.autocast("cpu", dtype=lower) if lower is not None else contextlib.nullcontext()
     counter = FlopCounterMode(display=False, custom_mapping=CUSTOM_FLOPS)
-    one_micro_batch = recipe.replace(gradient_accumulation_steps=1)
     with fake_mode, counter, recorder, cuda_code_paths():
-        run_train_step(model, params, workload, one_micro_batch, recipe.per_device_train_batch_size, recorder, autocast)
-    return recorder.calls, counter.get_total_flops()
+        if part == "passes":
+            autocast = torch.autocast("cpu", dtype=lower) if lower is not None else contextlib.nullcontext()
+            one_micro_batch = recipe.replace(gradient_accumulation_steps=1)
+            forward_backward(model, params, workload, one_micro_batch, batch, recorder, autocast)
+        else:
+            recorder.phase = Phase.SETUP
+            optimizer, _ = create_state(params, recipe, recorder)
+            for p in params:
+                p.grad = torch.zeros_like(p)  # what backward leaves behind
+            optimizer_phase(params, optimizer, recipe, recorder)
+    _traces[key] = _Trace(ops=tuple(recorder.ops), counter_flops=counter.get_total_flops())
+    return _traces[key]
+
+
+def _passes(workload: Workload, recipe: Recipe, depth: int) -> _Trace:
+    """The passes at the recipe's batch size: traced up to BATCH_TRACES[-1], extrapolated
+    beyond. At any batch the passes run the same ops in the same order, and each op's FLOPs
+    and bytes are affine in the batch size (weights fixed, activations per sample), so the
+    two traces give every op's cost exactly. Where the sequences do not line up, it traces."""
+    batch = recipe.per_device_train_batch_size
+    if batch <= BATCH_TRACES[-1]:
+        return _trace(workload, recipe, "passes", depth, batch)
+    lo, hi = (_trace(workload, recipe, "passes", depth, b) for b in BATCH_TRACES)
+    steps = batch - BATCH_TRACES[0]
+    if len(lo.ops) != len(hi.ops):
+        return _trace(workload, recipe, "passes", depth, batch)
+    ops = []
+    for a, b in zip(lo.ops, hi.ops, strict=True):
+        if any(a[i] != b[i] for i in range(len(a)) if i not in _COST_FIELDS):
+            return _trace(workload, recipe, "passes", depth, batch)
+        ops.append(tuple(a[i] + steps * (b[i] - a[i]) if i in _COST_FIELDS else a[i] for i in range(len(a))))
+    return _Trace(ops=tuple(ops), counter_flops=lo.counter_flops + steps * (hi.counter_flops - lo.counter_flops))
+
+
+def _step_at_depth(workload: Workload, recipe: Recipe, depth: int) -> tuple[Counter[Signature], int]:
+    """Call counts of every op signature of one micro-batch and one optimizer step, and
+    FlopCounterMode's total, at `depth` blocks."""
+    passes, optimizer = _passes(workload, recipe, depth), _trace(workload, recipe, "optimizer", depth, 0)
+    return Counter(passes.ops) + Counter(optimizer.ops), passes.counter_flops + optimizer.counter_flops
 
 
 _cache: dict[tuple[Any, ...], StepOps] = {}
@@ -197,20 +280,16 @@ def step_ops(workload: Workload, recipe: Recipe) -> StepOps:
 def _step_ops(workload: Workload, recipe: Recipe) -> StepOps:
     layers = num_layers(workload)
     if layers <= 2:
-        calls, total = _trace_at_depth(workload, recipe, layers)
+        calls, total = _step_at_depth(workload, recipe, layers)
         records = [_record(sig, float(n)) for sig, n in calls.items()]
         counter_flops = float(total)
     else:
-        c1, t1 = _trace_at_depth(workload, recipe, 1)
-        c2, t2 = _trace_at_depth(workload, recipe, 2)
+        c1, t1 = _step_at_depth(workload, recipe, 1)
+        c2, t2 = _step_at_depth(workload, recipe, 2)
         records = _extrapolate(c1, c2, layers)
         counter_flops = float(t1 + (layers - 1) * (t2 - t1))
     records.sort(key=lambda r: (STEP_PHASES.index(r.phase), -r.flops * r.count, -r.bytes * r.count))
     return StepOps(records=records, counter_flops=counter_flops)
-
-
-# Signature fields: (name, class, phase, dtype, flops, approx_flops, bytes, view, known).
-_COST_FIELDS = (4, 5, 6)
 
 
 def _record(sig: tuple[Any, ...], count: float) -> OpRecord:

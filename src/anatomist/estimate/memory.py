@@ -26,7 +26,7 @@ from anatomist.estimate.sharding import shard
 from anatomist.estimate.cuda_model import cublas_workspace_bytes
 import numpy as np
 
-from anatomist.estimate.step import Mode, Part, PhasePeak, StepTrace, num_layers, trace_step
+from anatomist.estimate.step import Curves, Mode, Part, PhasePeak, StepTrace, num_layers, trace_step
 from anatomist.hardware import GPU
 from anatomist.recipe import Recipe
 from anatomist.workload import Workload
@@ -139,13 +139,13 @@ class _Model:
         """
         if phase is Phase.OPTIMIZER and self.optimizer is not None:
             curves = {d: self.optimizer[d].curves for d in TRACE_DEPTHS}
-            points = {d: (c.keys, c.allocated, c.categories) for d, c in curves.items()}
+            points = {d: (c, c.allocated, c.categories) for d, c in curves.items()}
             ratio = curves[TRACE_DEPTHS[1]].reserve_ratio
         else:
             points = {d: self._at_batch(d, batch) for d in TRACE_DEPTHS}
             ratio = self.passes[TRACE_DEPTHS[1], TRACE_BATCHES[1]].curves.reserve_ratio
         best_allocated, best_categories = -1.0, None
-        keys = dict.fromkeys(k for k in points[TRACE_DEPTHS[0]][0] if k[0] is phase)
+        keys = [k for k in points[TRACE_DEPTHS[0]][0].index if k[0] is phase]
         for key in keys:
             for allocated, categories in self._segment_at_depth(points, key, depth):
                 i = int(np.argmax(allocated))
@@ -162,12 +162,12 @@ class _Model:
         return peak
 
     def _segment_at_depth(
-        self, points: dict[int, tuple[list[Any], np.ndarray, np.ndarray]], key: tuple[Phase, str, int], depth: int
+        self, points: dict[int, tuple[Curves, np.ndarray, np.ndarray]], key: tuple[Phase, str, int], depth: int
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         lo_d, hi_d = TRACE_DEPTHS
         (k1, a1, c1), (k2, a2, c2) = points[lo_d], points[hi_d]
-        i1 = np.array([i for i, k in enumerate(k1) if k == key], dtype=np.int64)
-        i2 = np.array([i for i, k in enumerate(k2) if k == key], dtype=np.int64)
+        empty = np.empty(0, dtype=np.int64)
+        i1, i2 = k1.index.get(key, empty), k2.index.get(key, empty)
         if len(i1) == 0 or len(i2) == 0:
             return []
         if len(i1) == len(i2):
@@ -184,8 +184,8 @@ class _Model:
             (_affine(a1[i1], a2[j], depth, lo_d), _affine(c1[i1], c2[j], depth, lo_d)) for j in alignments
         ]
 
-    def _at_batch(self, depth: int, batch: int) -> tuple[list[Any], np.ndarray, np.ndarray]:
-        """The depth's curve (keys, allocated, categories) extrapolated to `batch` samples."""
+    def _at_batch(self, depth: int, batch: int) -> tuple[Curves, np.ndarray, np.ndarray]:
+        """The depth's curve (its points' keys, allocated, categories) extrapolated to `batch` samples."""
         lo, hi = (self.passes[depth, b].curves for b in TRACE_BATCHES)
         if lo.keys != hi.keys:
             raise RuntimeError(
@@ -194,7 +194,7 @@ class _Model:
             )
         allocated = _affine(lo.allocated, hi.allocated, batch, TRACE_BATCHES[0])
         categories = _affine(lo.categories, hi.categories, batch, TRACE_BATCHES[0])
-        return lo.keys, allocated, categories
+        return lo, allocated, categories
 
 
 def _fit(workload: Workload, recipe: Recipe, gpu: GPU, mode: Mode) -> _Model:

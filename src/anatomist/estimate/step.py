@@ -161,20 +161,20 @@ def trace_step(
             _inference_step(model, workload, batch_size, tracer, autocast)
             phases = [Phase.FORWARD]
         elif part == "forward-backward":
-            _forward_backward(model, params, workload, recipe, batch_size, tracer, autocast)
+            forward_backward(model, params, workload, recipe, batch_size, tracer, autocast)
             phases = [Phase.FORWARD, Phase.BACKWARD]
         else:
-            optimizer, state_bytes = _create_state(params, recipe, tracer)
+            optimizer, state_bytes = create_state(params, recipe, tracer)
             static = {MemoryCategory.OPTIMIZER_STATES: state_bytes}
             if part == "train-step":
-                _forward_backward(model, params, workload, recipe, batch_size, tracer, autocast)
+                forward_backward(model, params, workload, recipe, batch_size, tracer, autocast)
                 phases = [Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER]
             else:
                 for p in params:
                     p.grad = torch.zeros_like(p)  # what backward leaves behind
                 tracer.label_live([p.grad for p in params], MemoryCategory.GRADIENTS)
                 phases = [Phase.OPTIMIZER]
-            _optimizer_phase(params, optimizer, recipe, tracer)
+            optimizer_phase(params, optimizer, recipe, tracer)
     return StepTrace(
         phases=(curves := _curves(tracer.trace)).peaks(phases),
         curves=curves,
@@ -185,23 +185,7 @@ def trace_step(
     )
 
 
-def run_train_step(
-    model: torch.nn.Module,
-    params: list[torch.nn.Parameter],
-    workload: Workload,
-    recipe: Recipe,
-    batch_size: int,
-    tracer: MemoryTracer,
-    autocast: Any,
-) -> None:
-    """One steady-state training step: state set-up (phase SETUP), passes, optimizer step."""
-    tracer.phase = Phase.SETUP
-    optimizer, _ = _create_state(params, recipe, tracer)
-    _forward_backward(model, params, workload, recipe, batch_size, tracer, autocast)
-    _optimizer_phase(params, optimizer, recipe, tracer)
-
-
-def _create_state(
+def create_state(
     params: list[torch.nn.Parameter], recipe: Recipe, tracer: MemoryTracer
 ) -> tuple[torch.optim.Optimizer, int]:
     """The optimizer, with the state a first step creates (from zero gradients)."""
@@ -215,7 +199,7 @@ def _create_state(
     return optimizer, sum(round_size(t.untyped_storage().nbytes()) for t in states)
 
 
-def _optimizer_phase(
+def optimizer_phase(
     params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, recipe: Recipe, tracer: MemoryTracer
 ) -> None:
     """Unscale (fp16), clip and step, then free the gradients, as the Trainer does."""
@@ -230,7 +214,7 @@ def _optimizer_phase(
     optimizer.zero_grad(set_to_none=True)
 
 
-def _forward_backward(
+def forward_backward(
     model: torch.nn.Module,
     params: list[torch.nn.Parameter],
     workload: Workload,
@@ -377,6 +361,14 @@ class Curves:
     """[points, len(TENSOR_CATEGORIES)] the same bytes by category."""
     reserve_ratio: float
     """Peak reserved over peak live bytes of the allocator replay."""
+    index: dict[tuple[Phase, str, int], np.ndarray] = dataclasses.field(init=False)
+    """The positions of each key's points, in order."""
+
+    def __post_init__(self) -> None:
+        positions: dict[tuple[Phase, str, int], list[int]] = {}
+        for i, key in enumerate(self.keys):
+            positions.setdefault(key, []).append(i)
+        self.index = {key: np.array(where, dtype=np.int64) for key, where in positions.items()}
 
     def peaks(self, phases: list[Phase]) -> dict[tuple[Phase, str], PhasePeak]:
         """The peak of every (phase, segment) of `phases`."""
