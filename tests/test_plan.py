@@ -14,11 +14,12 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from anatomist.errors import InputError
+from anatomist.estimate.time import estimate_time
 from anatomist.hardware import get_gpu
 from anatomist.plan import SearchSpace, plan
 from anatomist.plan.search import pareto_front
 from anatomist.plan.space import SINGLE_GPU_SHARDING
-from anatomist.plan.throughput import fallback_time, flops_per_step, parameter_count
+from anatomist.plan.throughput import parameter_count, predict_time
 from anatomist.recipe import Recipe
 from anatomist.workload import load_workload
 
@@ -57,18 +58,24 @@ def test_global_batch_that_cannot_be_split_is_input_error() -> None:
         SearchSpace(global_batch_size=0)
 
 
-def test_fallback_flops_by_hand(tiny) -> None:
-    n = parameter_count(tiny)
-    # tokens = 64 seq x 4 batch x 2 accum = 512; per token 6N + 12 L h s = 6N + 12*2*64*64
-    expected = (6 * n + 12 * 2 * 64 * 64) * 512
-    r = Recipe(per_device_train_batch_size=4, gradient_accumulation_steps=2)
-    assert flops_per_step(tiny, r) == expected
-    # checkpointing recomputes the forward: x 8/6
-    assert flops_per_step(tiny, r.replace(gradient_checkpointing=True)) == round(expected * 4 / 3)
+def test_sharding_terms_of_the_time_model(tiny) -> None:
     gpu = get_gpu("A100-80GB")
-    fp32, bf16 = fallback_time(tiny, r, gpu), fallback_time(tiny, r.replace(bf16=True), gpu)
-    assert not fp32.calibrated
-    assert fp32.phases_s["compute"] / bf16.phases_s["compute"] == pytest.approx(312 / 19.5)  # dense peaks
+    r = Recipe(per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    one = estimate_time(tiny, r, gpu)
+    # One device, no sharding: the estimator's step, nothing added.
+    assert predict_time(tiny, r, gpu).step_s == pytest.approx(one.step_s)
+    # ZeRO-Offload: the GPU optimizer step is replaced by PCIe traffic and CPU Adam (fp32: 4 B down, 4 B up).
+    n = parameter_count(tiny)
+    offloaded = predict_time(tiny, r.replace(zero_stage=2, offload="cpu"), gpu)
+    assert offloaded.phases_s["optimizer"] == 0
+    assert offloaded.phases_s["offload"] == pytest.approx(n * 8 / 12e9 + n / 1e9)
+    # Two devices: ZeRO-1 halves the optimizer step; the all-reduce moves 2 x 1/2 x fp32 gradients.
+    zero1 = predict_time(tiny, r.replace(zero_stage=1), gpu, num_gpus=2)
+    assert zero1.phases_s["optimizer"] == pytest.approx(one.phases_s["optimizer"] / 2)
+    assert zero1.phases_s["communication"] == pytest.approx(2 * 0.5 * n * 4 / 100e9)
+    assert zero1.samples_per_second == pytest.approx(2 * 8 / zero1.step_s)
+    zero3 = predict_time(tiny, r.replace(zero_stage=3), gpu, num_gpus=2)
+    assert zero3.phases_s["communication"] == pytest.approx(1.5 * zero1.phases_s["communication"])
 
 
 def test_plan_picks_fastest_that_fits_and_explains(tiny) -> None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
-import json
 import importlib
+import json
+import sys
 from typing import Any
 
 from rich.live import Live

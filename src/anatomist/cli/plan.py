@@ -12,7 +12,8 @@ from anatomist.cli.render import console, gib
 from anatomist.errors import InputError
 from anatomist.hardware import get_gpu
 from anatomist.plan import DEFAULT_MARGIN, Plan, SearchSpace, plan
-from anatomist.plan.emit import TARGETS, render as render_emit, write
+from anatomist.plan.emit import TARGETS, write
+from anatomist.plan.emit import render as render_emit
 from anatomist.plan.space import DEFAULT_OPTIMS, precision_of, sharding_of
 from anatomist.recipe import OPTIMS
 from anatomist.workload import load_workload

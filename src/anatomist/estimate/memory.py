@@ -20,12 +20,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from anatomist.anatomy import TENSOR_CATEGORIES, MemoryAnatomy, MemoryCategory, Phase
-from anatomist.estimate.rules import BytesPerParamRule, bytes_per_param_rule
-from anatomist.estimate.sharding import shard
-from anatomist.estimate.cuda_model import cublas_workspace_bytes
 import numpy as np
 
+from anatomist.anatomy import TENSOR_CATEGORIES, MemoryAnatomy, MemoryCategory, Phase
+from anatomist.estimate.cuda_model import cublas_workspace_bytes
+from anatomist.estimate.rules import BytesPerParamRule, bytes_per_param_rule
+from anatomist.estimate.sharding import shard
 from anatomist.estimate.step import Curves, Mode, Part, PhasePeak, StepTrace, num_layers, trace_step
 from anatomist.hardware import GPU
 from anatomist.recipe import Recipe

@@ -2,13 +2,12 @@
 
 Memory comes from `estimate_memory` (fake-tensor traces, cached per trace-shaping fields, so
 batch size, accumulation and sharding variations are arithmetic); time from the time model
-(`throughput.resolve_time_model`). A recipe fits when its predicted device total (what
+(`throughput.predict_time`). A recipe fits when its predicted device total (what
 nvidia-smi would show) is at most (1 - margin) x the GPU's memory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -17,7 +16,7 @@ from anatomist.errors import InputError
 from anatomist.estimate.memory import MemoryEstimate, estimate_memory
 from anatomist.hardware import GPU, catalog
 from anatomist.plan.space import SearchSpace, enumerate_recipes, precisions_for
-from anatomist.plan.throughput import TimeModel, resolve_time_model
+from anatomist.plan.throughput import TimeModel, predict_time
 from anatomist.recipe import Recipe
 from anatomist.workload import Workload
 
@@ -158,13 +157,10 @@ def plan(
         raise InputError(f"--memory-margin must be in [0, 1), got {margin}")
     if objective not in ("throughput", "memory"):
         raise InputError(f"--objective must be throughput or memory, got {objective!r}")
-    calibrated = False
-    if time_model is None:
-        time_model, calibrated = resolve_time_model()
     limit = int(gpu.memory_bytes * (1 - margin))
-    evaluate = Evaluator(workload, gpu, space.num_gpus, limit, time_model)
+    evaluate = Evaluator(workload, gpu, space.num_gpus, limit, time_model or predict_time)
     candidates = [evaluate(r) for r in enumerate_recipes(space, gpu)]
-    calibrated = calibrated and all(c.time.calibrated for c in candidates)
+    calibrated = all(c.time.calibrated for c in candidates)
     feasible = [c for c in candidates if c.fits]
     if not feasible:
         raise InputError(explain_infeasible(workload, gpu, space, candidates, limit, margin))
@@ -178,7 +174,8 @@ def plan(
     notes = [f"memory margin: {margin:.0%} of {gpu.memory_bytes / GIB:.2f} GiB kept free; limit {limit / GIB:.2f} GiB"]
     notes += precision_notes
     if not calibrated:
-        notes.append("time: uncalibrated (FLOPs model, data/plan_throughput.toml); rankings, not measurements")
+        notes.append("time: uncalibrated (roofline placeholders in data/time_calibration.toml, not fitted on a GPU); "
+                     "a ranking, not a measurement")
     return Plan(
         workload=workload, gpu=gpu, space=space, objective=objective, margin=margin, limit_bytes=limit,
         candidates=candidates, pareto=front, best=best, time_calibrated=calibrated, notes=notes,
