@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
 import pytest
 
-from anatomist.estimate.time import calibration, estimate_time
+from anatomist.estimate.time import EFFICIENCY_GRID, TimedStep, calibration, estimate_time, fit_calibration
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.workload import Workload, load_workload
@@ -89,3 +90,22 @@ def test_estimate_json_has_time(workload: Workload) -> None:
     assert t["calibrated"] is False
     inference = estimate(workload, Recipe(per_device_train_batch_size=8), get_gpu(A100), mode="inference").to_dict()
     assert "time" not in inference
+
+
+def test_fit_calibration_recovers_known_factors(workload: Workload) -> None:
+    """Step times made with known factors (on grid points) give those factors back."""
+    gpu = get_gpu(A100)
+    truth = dataclasses.replace(
+        calibration(), contraction_tensor_core_efficiency=float(EFFICIENCY_GRID[50]),
+        bandwidth_efficiency=float(EFFICIENCY_GRID[40]), launch_overhead_s=7e-6,
+    )
+    recipes = [Recipe(per_device_train_batch_size=b, bf16=True, gradient_checkpointing=c) for b, c in ((1, False), (8, False), (4, True))]
+    steps = [TimedStep(workload=workload, recipe=r, gpu=gpu, step_s=estimate_time(workload, r, gpu, truth).step_s) for r in recipes]
+    fitted = fit_calibration(steps, source="synthetic")
+    assert fitted.calibrated and fitted.source == "synthetic"
+    assert fitted.contraction_tensor_core_efficiency == pytest.approx(truth.contraction_tensor_core_efficiency)
+    assert fitted.bandwidth_efficiency == pytest.approx(truth.bandwidth_efficiency)
+    assert fitted.launch_overhead_s == pytest.approx(7e-6, rel=1e-3)
+    assert fitted.contraction_fp32_efficiency == calibration().contraction_fp32_efficiency  # no fp32 step: kept
+    with pytest.raises(ValueError):
+        fit_calibration([], source="nothing")

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 
+import numpy as np
+
 from anatomist.anatomy import OpClass, Phase, TimeAnatomy
 from anatomist.estimate.flops import OpRecord, StepOps, step_ops
 from anatomist.hardware import GPU, Precision
@@ -62,14 +64,22 @@ def recipe_precision(recipe: Recipe, gpu: GPU) -> Precision:
     return "tf32" if recipe.tf32 and gpu.tf32 else "fp32"
 
 
-def _contraction_peak_flops(record: OpRecord, recipe: Recipe, gpu: GPU, cal: Calibration) -> float:
-    """FLOP/s an op's matrix product reaches: dtype peak x efficiency."""
+def _peak_seconds(record: OpRecord, recipe: Recipe, gpu: GPU) -> tuple[float, float, float]:
+    """(tensor-core, CUDA-core, memory) seconds of one call at 100% of the datasheet peaks.
+
+    A matrix product runs at the peak of its dtype: fp16/bf16 under autocast, TF32 where the
+    recipe allows it and the GPU has it (tensor cores), else fp32 (CUDA cores). The
+    approximate arithmetic of other ops runs on CUDA cores.
+    """
+    memory_s = record.bytes / (gpu.bandwidth_gbps * 1e9)
+    if record.flops <= 0:
+        return 0.0, record.approx_flops / (gpu.fp32_tflops * 1e12), memory_s
     if record.dtype in ("float16", "bfloat16"):
         precision: Precision = "fp16" if record.dtype == "float16" else "bf16"
     else:
         precision = "tf32" if recipe.tf32 and gpu.tf32 else "fp32"
-    efficiency = cal.contraction_fp32_efficiency if precision == "fp32" else cal.contraction_tensor_core_efficiency
-    return gpu.peak_tflops(precision) * 1e12 * efficiency
+    seconds = record.flops / (gpu.peak_tflops(precision) * 1e12)
+    return (0.0, seconds, memory_s) if precision == "fp32" else (seconds, 0.0, memory_s)
 
 
 def op_call_s(record: OpRecord, recipe: Recipe, gpu: GPU, cal: Calibration | None = None) -> float:
@@ -77,17 +87,17 @@ def op_call_s(record: OpRecord, recipe: Recipe, gpu: GPU, cal: Calibration | Non
     cal = cal or calibration()
     if record.view:
         return 0.0
-    memory_s = record.bytes / (gpu.bandwidth_gbps * 1e9 * cal.bandwidth_efficiency)
-    if record.flops > 0:
-        compute_s = record.flops / _contraction_peak_flops(record, recipe, gpu, cal)
-    else:  # the approximate arithmetic of other ops runs on CUDA cores
-        compute_s = record.approx_flops / (gpu.fp32_tflops * 1e12 * cal.contraction_fp32_efficiency)
-    return max(compute_s, memory_s) + cal.launch_overhead_s
+    tensor_core_s, cuda_core_s, memory_s = _peak_seconds(record, recipe, gpu)
+    compute_s = tensor_core_s / cal.contraction_tensor_core_efficiency + cuda_core_s / cal.contraction_fp32_efficiency
+    return max(compute_s, memory_s / cal.bandwidth_efficiency) + cal.launch_overhead_s
 
 
-def time_from_ops(ops: StepOps, workload: Workload, recipe: Recipe, gpu: GPU) -> TimeAnatomy:
-    """Add the per-op roofline times of `ops` up into a step's TimeAnatomy."""
-    cal = calibration()
+def time_from_ops(
+    ops: StepOps, workload: Workload, recipe: Recipe, gpu: GPU, cal: Calibration | None = None
+) -> TimeAnatomy:
+    """Add the per-op roofline times of `ops` up into a step's TimeAnatomy (`cal`: the
+    factors to use; default data/time_calibration.toml)."""
+    cal = cal or calibration()
     accumulation = recipe.gradient_accumulation_steps
     phases = dict.fromkeys((Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER), 0.0)
     classes = dict.fromkeys(OpClass, 0.0)
@@ -112,9 +122,67 @@ def time_from_ops(ops: StepOps, workload: Workload, recipe: Recipe, gpu: GPU) ->
     )
 
 
-def estimate_time(workload: Workload, recipe: Recipe, gpu: GPU) -> TimeAnatomy:
+def estimate_time(workload: Workload, recipe: Recipe, gpu: GPU, cal: Calibration | None = None) -> TimeAnatomy:
     """Predicted time of one optimizer step of `recipe` on `gpu` (see the module docstring)."""
-    return time_from_ops(step_ops(workload, recipe), workload, recipe, gpu)
+    return time_from_ops(step_ops(workload, recipe), workload, recipe, gpu, cal)
+
+
+@dataclass(frozen=True, slots=True)
+class TimedStep:
+    """A measured step for `fit_calibration`: what ran, where, and its seconds per optimizer step."""
+
+    workload: Workload
+    recipe: Recipe
+    gpu: GPU
+    step_s: float
+
+
+EFFICIENCY_GRID = np.geomspace(1e-3, 1.0, 61)
+
+
+def fit_calibration(steps: list[TimedStep], *, source: str) -> Calibration:
+    """The roofline factors that best predict `steps` (least squared relative error).
+
+    A grid over the contraction efficiency (one factor: tensor cores if any step runs its
+    matrix products on them, else CUDA cores; the other keeps its current value) and the
+    bandwidth efficiency; for each pair the launch overhead is the closed-form least-squares
+    solution (clipped at 0), a step's time being linear in it. `calibrated` is True: the
+    caller vouches that `steps` were measured.
+    """
+    if not steps:
+        raise ValueError("fit_calibration needs at least one measured step")
+    base = calibration()
+    tensor_cores = any(recipe_precision(s.recipe, s.gpu) != "fp32" for s in steps)
+    measured = np.array([s.step_s for s in steps])
+    peaks, repeats, launches = [], [], []
+    for s in steps:
+        records = [r for r in step_ops(s.workload, s.recipe).records if not r.view]
+        peaks.append(np.array([_peak_seconds(r, s.recipe, s.gpu) for r in records]).reshape(-1, 3))
+        repeats.append(np.array([r.count * (1 if r.phase is Phase.OPTIMIZER else s.recipe.gradient_accumulation_steps) for r in records]))
+        launches.append(repeats[-1].sum())
+    a = np.array(launches) / measured
+    best: tuple[float, float, float, float] | None = None  # error, contraction, bandwidth, launch
+    for contraction in EFFICIENCY_GRID:
+        tc = contraction if tensor_cores else base.contraction_tensor_core_efficiency
+        cuda = base.contraction_fp32_efficiency if tensor_cores else contraction
+        for bandwidth in EFFICIENCY_GRID:
+            rooflines = np.array([
+                rep @ np.maximum(p[:, 0] / tc + p[:, 1] / cuda, p[:, 2] / bandwidth)
+                for p, rep in zip(peaks, repeats, strict=True)
+            ])
+            # minimise sum(((roofline + L x launches) / measured - 1)^2) over L >= 0
+            r = rooflines / measured - 1
+            launch = max(0.0, float(-(a @ r) / (a @ a))) if a @ a > 0 else 0.0
+            error = float(np.sum((r + launch * a) ** 2))
+            if best is None or error < best[0]:
+                best = (error, float(contraction), float(bandwidth), launch)
+    assert best is not None
+    _, contraction, bandwidth, launch = best
+    return Calibration(
+        calibrated=True, source=source, bandwidth_efficiency=bandwidth, launch_overhead_s=launch,
+        contraction_tensor_core_efficiency=contraction if tensor_cores else base.contraction_tensor_core_efficiency,
+        contraction_fp32_efficiency=base.contraction_fp32_efficiency if tensor_cores else contraction,
+    )
 
 
 def achieved(flops_per_step: int, step_s: float, recipe: Recipe, gpu: GPU) -> tuple[float, float]:

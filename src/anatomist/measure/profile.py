@@ -20,6 +20,7 @@ import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -98,18 +99,14 @@ def _optimizer(model: torch.nn.Module, recipe: Recipe, cpu: bool) -> torch.optim
     return cls([p for p in model.parameters() if p.requires_grad], **kwargs)
 
 
-def profile_training(workload: Workload, recipe: Recipe, *, steps: int = 3) -> ProfileResult:
-    """Run `steps` profiled training steps (after one warm-up step) and report where time goes.
-
-    Raises:
-        InputError: a recipe this machine cannot run, or steps <= 0.
-    """
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    check_runnable(recipe, steps, device)
+def training_step(workload: Workload, recipe: Recipe, device: torch.device) -> Callable[[], None]:
+    """A real training step of the real model (random init) on `device`, as the Trainer runs it:
+    `gradient_accumulation_steps` micro-batches (forward under autocast, backward, loss-scaled
+    under fp16), unscale, clip, optimizer step, zero_grad. Each phase is a `record_function`
+    range and ends with a device synchronisation, so wall-clock timing of a call is honest."""
     cpu = device.type == "cpu"
-    attn = recipe.attn_implementation
     with contextlib.redirect_stderr(None):
-        model = workload.build_model(attn).to(device)
+        model = workload.build_model(recipe.attn_implementation).to(device)
     model.train()
     if recipe.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -141,6 +138,20 @@ def profile_training(workload: Workload, recipe: Recipe, *, steps: int = 3) -> P
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             sync()
+
+    return train_step
+
+
+def profile_training(workload: Workload, recipe: Recipe, *, steps: int = 3) -> ProfileResult:
+    """Run `steps` profiled training steps (after one warm-up step) and report where time goes.
+
+    Raises:
+        InputError: a recipe this machine cannot run, or steps <= 0.
+    """
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    check_runnable(recipe, steps, device)
+    cpu = device.type == "cpu"
+    train_step = training_step(workload, recipe, device)
 
     train_step()  # warm-up: optimizer state, allocator, kernels selection
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if not cpu else [])

@@ -61,12 +61,18 @@ class SearchSpace:
     optims: tuple[str, ...] = DEFAULT_OPTIMS
     compile_options: tuple[bool, ...] = (False, True)
     checkpointing_options: tuple[bool, ...] = (False, True)
+    shardings: tuple[str, ...] | None = None
+    """Names from SINGLE_GPU_SHARDING / MULTI_GPU_SHARDING; None: all of those for `num_gpus`."""
     base: Recipe = field(default_factory=Recipe)
     """Fields the search does not vary (dataloader workers, max_grad_norm ...)."""
 
     def __post_init__(self) -> None:
         if self.num_gpus <= 0:
             raise InputError(f"--gpus must be greater than 0, got {self.num_gpus}")
+        known = MULTI_GPU_SHARDING if self.num_gpus > 1 else SINGLE_GPU_SHARDING
+        unknown = [name for name in self.shardings or () if name not in known]
+        if unknown or self.shardings == ():
+            raise InputError(f"sharding options on {self.num_gpus} GPU(s) are {', '.join(known)}; got {', '.join(unknown) or 'none'}")
         if self.global_batch_size is not None:
             if self.global_batch_size <= 0:
                 raise InputError(f"--global-batch-size must be greater than 0, got {self.global_batch_size}")
@@ -90,7 +96,8 @@ class SearchSpace:
         return [(b, share // b) for b in sizes]
 
     def sharding_options(self) -> dict[str, dict[str, object]]:
-        return MULTI_GPU_SHARDING if self.num_gpus > 1 else SINGLE_GPU_SHARDING
+        known = MULTI_GPU_SHARDING if self.num_gpus > 1 else SINGLE_GPU_SHARDING
+        return {name: fields for name, fields in known.items() if self.shardings is None or name in self.shardings}
 
 
 def precisions_for(gpu: GPU) -> tuple[list[str], list[str]]:
