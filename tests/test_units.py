@@ -108,3 +108,17 @@ def test_categories_add_up_to_peak_and_device_total():
                               get_gpu("A100-80GB")).anatomy
     assert sum(anatomy.category_bytes(c) for c in TENSOR_CATEGORIES) == anatomy.peak_allocated
     assert sum(anatomy.category_bytes(c) for c in MemoryCategory) == anatomy.device_total
+
+
+def test_weights_are_fp32_whatever_the_config_dtype(tiny_model):
+    """transformers 5 builds a model in its config's dtype; mixed-precision recipes mean fp32
+    master weights, so the estimator builds fp32 (4 B/param) and casts per op, as CUDA autocast
+    does, SDPA included (rotary embeddings leave Llama's q and k in fp32)."""
+    from anatomist.estimate.flops import step_ops
+    from anatomist.estimate.memory import estimate_memory
+
+    workload = load_workload(str(tiny_model("llama", dtype="bfloat16", torch_dtype="bfloat16")), seq_len=32)
+    estimate = estimate_memory(workload, Recipe(per_device_train_batch_size=2), get_gpu("A100-80GB"))
+    assert estimate.anatomy.weights == pytest.approx(4 * estimate.parameters, rel=0.01)
+    fp16 = step_ops(workload, Recipe(per_device_train_batch_size=2, fp16=True))
+    assert {r.dtype for r in fp16.records if r.flops > 0} == {"float16"}

@@ -59,7 +59,13 @@ class Workload:
         return None
 
     def build_model(self, attn_implementation: str = "sdpa") -> Any:
-        """Instantiate the task model from the config (random init, no weights loaded)."""
+        """Instantiate the task model from the config (random init, no weights loaded).
+
+        The weights are fp32 whatever the config's `dtype` says (transformers 5 would build a
+        bf16 Llama): mixed precision keeps fp32 master weights and casts per op, which is what
+        the recipes' precisions mean (the seeds' bytes per parameter).
+        """
+        import torch
         import transformers
 
         auto = {
@@ -75,7 +81,8 @@ class Workload:
                 config.pad_token_id = 0  # decoder classifiers need one to find the last token
         try:
             return auto.from_config(
-                config, attn_implementation=attn_implementation, trust_remote_code=self.trust_remote_code
+                config, attn_implementation=attn_implementation, trust_remote_code=self.trust_remote_code,
+                dtype=torch.float32,
             )
         except ValueError as exc:
             first = str(exc).splitlines()[0]

@@ -10,7 +10,8 @@ the trace is steered onto the path whose saved tensors match CUDA's:
 - scaled_dot_product_attention: with dropout, CPU falls back to the math path, which keeps
   the [b, heads, s, s] probabilities; CUDA's flash and memory-efficient kernels keep only
   the output and a [b, heads, s] log-sum-exp (dropout is replayed from the RNG state). We
-  call the CPU flash kernel, which keeps exactly those.
+  call the CPU flash kernel, which keeps exactly those, on inputs cast as CUDA autocast
+  casts them.
 - optimizers: `foreach` is the default on CUDA only; the estimator passes it explicitly.
 - cuBLAS: its workspace comes from the caching allocator at the first matrix product
   (see `cublas_workspace_bytes`).
@@ -57,6 +58,13 @@ def _cuda_sdpa(
         # gradient; the math path keeps the probabilities, as CUDA's kernels then also may.
         return _original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                               scale=scale, enable_gqa=enable_gqa)
+    if torch.is_autocast_enabled("cpu"):
+        # CUDA autocast casts SDPA's inputs to the half dtype (its lower-precision list); called
+        # as the aten op below, CPU autocast would not. Rotary embeddings make Llama's q and k fp32.
+        dtype = torch.get_autocast_dtype("cpu")
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(dtype)
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         repeat = query.shape[-3] // key.shape[-3]
         key = key.repeat_interleave(repeat, dim=-3)

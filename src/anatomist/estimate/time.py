@@ -78,7 +78,8 @@ def _peak_seconds(record: OpRecord, recipe: Recipe, gpu: GPU) -> tuple[float, fl
         precision: Precision = "fp16" if record.dtype == "float16" else "bf16"
     else:
         precision = "tf32" if recipe.tf32 and gpu.tf32 else "fp32"
-    seconds = record.flops / (gpu.peak_tflops(precision) * 1e12)
+    # A GPU without tensor cores for the dtype still runs it, at most at its fp32 rate.
+    seconds = record.flops / ((gpu.peak_tflops(precision) or gpu.fp32_tflops) * 1e12)
     return (0.0, seconds, memory_s) if precision == "fp32" else (seconds, 0.0, memory_s)
 
 
