@@ -17,4 +17,10 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   fi
 fi
 "$VPY" -m pip install -q -e ".[dev]" 2>&1 | grep -v -e "^WARNING: Location" -e "^$" || true
+# DeepSpeed (an optional extra; its config and ZeRO tests need it) imports torch in its setup.py,
+# so it goes in after torch, without build isolation. If that fails, its tests are skipped.
+if ! "$VPY" -c "import deepspeed" >/dev/null 2>&1; then
+  "$VPY" -m pip install -q --no-build-isolation "deepspeed>=0.14" >/dev/null 2>&1 \
+    || echo "deepspeed could not be installed: its tests will be skipped"
+fi
 "$VPY" -c "import anatomist, torch, transformers; print(f'anatomist ready: torch {torch.__version__}, transformers {transformers.__version__}')"
