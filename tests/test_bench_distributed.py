@@ -45,3 +45,13 @@ def test_two_process_ddp_matches_prediction(tmp_path: Path) -> None:
 def test_needs_two_processes() -> None:
     with pytest.raises(InputError, match="at least 2"):
         run_distributed("bert-base-uncased", Recipe(), 1)
+
+
+def test_sharded_launch_needs_cuda_here() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the launch would run")
+    for recipe in (Recipe(fsdp="full_shard"), Recipe(zero_stage=2)):
+        with pytest.raises(InputError, match="need CUDA GPUs"):
+            run_distributed("bert-base-uncased", recipe, 2)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _root_error(stderr: str) -> str:
+    """The first exception line a worker printed (the launcher's own traceback comes after it)."""
+    errors = re.findall(r"^(?:\w+\.)*\w*(?:Error|Exception): .+$", stderr, flags=re.MULTILINE)
+    return errors[0] if errors else stderr[-2000:]
+
+
 def run_distributed(
     model: str,
     recipe: Recipe,
@@ -52,6 +59,14 @@ def run_distributed(
     """
     if num_processes < 2:
         raise InputError(f"num_processes must be at least 2 for a distributed run, got {num_processes}")
+    import torch
+
+    if recipe.sharding_stage or recipe.offload != "none":
+        if not torch.cuda.is_available():
+            raise InputError(
+                "DeepSpeed and FSDP launches need CUDA GPUs (accelerate's FSDP plugin refuses a CPU-only machine and "
+                "DeepSpeed's CPU backend needs oneCCL); on this machine run plain data parallel (no --zero-stage/--fsdp)"
+            )
     from anatomist.estimate.memory import estimate_memory
     from anatomist.workload import load_workload
 
@@ -64,7 +79,7 @@ def run_distributed(
                 "--recipe", json.dumps(recipe.to_dict()), "--steps", str(steps), "--out", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ, timeout=timeout_s)
         if proc.returncode:
-            raise RuntimeError(f"accelerate launch failed ({proc.returncode}): {proc.stderr[-2000:]}")
+            raise RuntimeError(f"accelerate launch failed ({proc.returncode}): {_root_error(proc.stderr)}")
         ranks = [json.loads(Path(tmp, f"rank{i}.json").read_text()) for i in range(num_processes)]
     workload = load_workload(model, seq_len=seq_len)
     predicted = estimate_memory(workload, recipe, gpu or get_gpu("A100-80GB"), num_gpus=num_processes).anatomy
