@@ -29,13 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"anatomist {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"anatomist.cli.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"anatomist.cli.{name}":
-                continue  # subcommand not built yet
-            raise
-        module.register(sub)
+        importlib.import_module(f"anatomist.cli.{name}").register(sub)
     return parser
 
 

@@ -12,9 +12,6 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from anatomist.bench.runner import make_plan, run_suite
-from anatomist.bench.store import open_results
-from anatomist.bench.suites import load_suite
 from anatomist.cli.common import print_json
 from anatomist.cli.render import MIB, console
 from anatomist.errors import InputError
@@ -59,6 +56,11 @@ def results_table(rows: list[dict[str, Any]], title: str) -> Table:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: every subcommand's module is imported to build the parser.
+    from anatomist.bench.runner import make_plan, run_suite
+    from anatomist.bench.store import open_results
+    from anatomist.bench.suites import load_suite
+
     if args.num_processes < 1:
         raise InputError(f"--num-processes must be at least 1, got {args.num_processes}")
     if args.num_processes > 1:
@@ -97,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_distributed(args: argparse.Namespace) -> int:
+    from anatomist.bench.suites import load_suite
+
     """--num-processes N: one recipe (--rows NAME) of --model MODEL through `accelerate launch`."""
     names = [n.strip() for n in args.rows.split(",") if n.strip()] if args.rows else []
     if args.model is None or len(names) != 1:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
 from anatomist.cli.common import add_model_flags, add_recipe_flags, print_json, recipe_from_args
 from anatomist.cli.render import console
-from anatomist.measure.profile import ProfileResult, profile_training
 from anatomist.workload import load_workload
+
+if TYPE_CHECKING:
+    from anatomist.measure.profile import ProfileResult
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,6 +28,8 @@ def run(args: argparse.Namespace) -> int:
     recipe = recipe_from_args(args)
     workload = load_workload(args.model, seq_len=args.seq_len, task=args.task,
                              trust_remote_code=args.trust_remote_code, allow_network=args.allow_network)
+    from anatomist.measure.profile import profile_training  # torch.profiler: only when profiling
+
     result = profile_training(workload, recipe, steps=args.steps)
     if args.json:
         print_json(result.to_dict())

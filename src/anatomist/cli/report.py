@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from anatomist.report import write_report
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="write one self-contained HTML report with charts")
@@ -17,6 +15,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from anatomist.report import write_report  # matplotlib: only when a report is made
+
     out = write_report(args.results if len(args.results) > 1 else args.results[0], args.output, png_dir=args.png)
     print(f"report written to {out}")
     return 0

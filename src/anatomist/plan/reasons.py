@@ -92,7 +92,8 @@ def explain(best: Candidate, evaluate: Evaluator, space: SearchSpace, objective:
         if objective == "throughput" and tied:
             why = f"ties on predicted speed with {', '.join(tied)}; chosen as the simpler/smaller"
         elif faster_blocked and not any(c.samples_per_second > best.samples_per_second for _, c in fitting):
-            why = f"{goal} that fits ({', '.join(faster_blocked)} would be faster but does not fit)"
+            verb = "does" if len(faster_blocked) == 1 else "do"
+            why = f"{goal} that fits ({', '.join(faster_blocked)} would be faster but {verb} not fit)"
         else:
             why = f"{goal} of the options that fit"
         # Keep the lines readable: the three alternatives nearest in speed are shown.
@@ -127,6 +128,6 @@ def explain_infeasible(
         f"no recipe fits {gpu.name}: the smallest of {len(candidates)} needs {_gib(need)} "
         f"(weights {_gib(what.weights)}, optimizer {_gib(what.optimizer_states)}, gradients {_gib(what.gradients)}, "
         f"activations {_gib(what.activations)}) but the limit is {_gib(limit)} "
-        f"({_gib(gpu.memory_bytes)} less the {margin:.0%} margin): short by {_gib(need - limit)}. "
+        f"({_gib(gpu.memory_bytes)} less the {margin * 100:.3g}% margin): short by {_gib(need - limit)}. "
         f"Would fit: {'; '.join(options) if options else 'nothing anatomist can model'}"
     )

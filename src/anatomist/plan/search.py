@@ -171,7 +171,7 @@ def plan(
     for c in front:
         if c is not best and not c.reasons:
             c.reasons = [f"Pareto front: {c.samples_per_second:.1f} samples/s at {c.device_total / GIB:.2f} GiB"]
-    notes = [f"memory margin: {margin:.0%} of {gpu.memory_bytes / GIB:.2f} GiB kept free; limit {limit / GIB:.2f} GiB"]
+    notes = [f"memory margin: {margin * 100:.3g}% of {gpu.memory_bytes / GIB:.2f} GiB kept free; limit {limit / GIB:.2f} GiB"]
     notes += precision_notes
     if not calibrated:
         notes.append("time: uncalibrated (roofline placeholders in data/time_calibration.toml, not fitted on a GPU); "
