@@ -40,9 +40,9 @@ def _fmt_pct(value: Any) -> str:
 
 def results_table(rows: list[dict[str, Any]], title: str) -> Table:
     table = Table(title=title)
-    for col in ("row", "status", "samples/s", "peak alloc MiB", "predicted MiB", "error", "reason"):
-        table.add_column(col, justify="right" if col not in ("row", "status", "reason") else "left",
-                         no_wrap=col != "reason", overflow="fold")
+    for col in ("row", "status", "samples/s", "peak alloc MiB", "predicted MiB", "error"):
+        table.add_column(col, justify="left" if col in ("row", "status") else "right", no_wrap=True)
+    table.add_column("reason", overflow="fold", min_width=16)
     for r in rows:
         measured = (r.get("measured") or {}).get("memory") or {}
         predicted = (r.get("predicted") or {}).get("memory") or {}

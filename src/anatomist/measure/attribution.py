@@ -17,8 +17,10 @@ Two ways of measuring, chosen by the device:
   the step, and the events are replayed through the same caching-allocator model
   (512-byte blocks) as the prediction, so that both are sized the same way. The step runs
   under `cuda_code_paths()`, i.e. dropout and SDPA take the kernels whose saved tensors
-  match CUDA's (the same math, the storage CUDA keeps). There is no reserved memory or
-  device total on CPU: those keys are None.
+  match CUDA's (the same math, the storage CUDA keeps), and optimizers left to choose their
+  implementation (`foreach=None`) take CUDA's default, foreach, instead of the CPU's
+  single-tensor loop (which keeps two parameter-sized temporaries where foreach keeps one).
+  There is no reserved memory or device total on CPU: those keys are None.
 - CUDA: the allocator's counters (`torch.cuda.max_memory_allocated`) are read and reset at
   each phase boundary; weights, gradients and optimizer states are summed from the tensors;
   activations are what forward left allocated; temporary is the rest of the peak.
@@ -30,6 +32,7 @@ Two ways of measuring, chosen by the device:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -51,6 +54,19 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
         st = t.untyped_storage()
         seen[st._cdata] = int(st.nbytes())
     return sum(seen.values())
+
+
+@contextlib.contextmanager
+def _cuda_default_foreach(optimizer: Any) -> Iterator[None]:
+    """Within this context, param groups with `foreach=None` run as on CUDA: foreach."""
+    groups = [g for g in getattr(optimizer, "param_groups", []) if "foreach" in g and g["foreach"] is None]
+    for group in groups:
+        group["foreach"] = True
+    try:
+        yield
+    finally:
+        for group in groups:
+            group["foreach"] = None
 
 
 def _optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
@@ -157,6 +173,7 @@ class StepAttributor:
         self._tracer = tracer
         self._exit = contextlib.ExitStack()
         self._exit.enter_context(cuda_code_paths())
+        self._exit.enter_context(_cuda_default_foreach(optimizer))
         self._exit.enter_context(tracer)
 
     def pre_optimizer(self) -> None:
