@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from anatomist.bench.worker import build_dataset, predict
+from anatomist.estimate.flops import flops_per_step
 from anatomist.measure import AnatomistCallback, track
 from anatomist.measure.monitor import device_snapshot
 from anatomist.recipe import Recipe
@@ -83,7 +84,9 @@ def test_track_plain_loop(tmp_path):
     model = workload.build_model("sdpa")
     optimizer = torch.optim.AdamW(model.parameters())
     batch = {"input_ids": torch.randint(100, 30000, (2, 16)), "labels": torch.tensor([0, 1])}
-    with track(model, optimizer, samples_per_step=2, tokens_per_sample=16, print_at_end=False) as t:
+    flops = flops_per_step(workload, Recipe(per_device_train_batch_size=2, optim="adamw_torch"))
+    with track(model, optimizer, samples_per_step=2, tokens_per_sample=16, print_at_end=False,
+               flops_per_step=flops, peak_flops=1e12) as t:
         for _ in range(4):
             t.step_begin()
             model(**batch).loss.backward()
@@ -95,6 +98,7 @@ def test_track_plain_loop(tmp_path):
     assert t.summary.memory["gradients"] == t.summary.memory["weights"] - sum(
         -(-b.untyped_storage().nbytes() // 512) * 512 for b in model.buffers())
     assert not model._forward_hooks and not model._forward_pre_hooks  # hooks removed
+    assert t.summary.mfu == pytest.approx(flops / t.summary.median_step_s / 1e12)
 
 
 def test_process_snapshot_without_gpu():

@@ -24,7 +24,7 @@ import torch
 
 from anatomist.errors import InputError
 from anatomist.measure.monitor import cuda_available
-from anatomist.measure.recorder import RunSummary
+from anatomist.measure.recorder import RunSummary, mfu_inputs
 from anatomist.recipe import Recipe
 from anatomist.workload import Workload, load_workload
 
@@ -79,7 +79,8 @@ def run_trainer(workload: Workload, recipe: Recipe, ds: Any, epochs: float, out_
     from anatomist.measure.callback import AnatomistCallback
 
     model = workload.build_model(recipe.attn_implementation)
-    callback = AnatomistCallback(tokens_per_sample=workload.seq_len, print_at_end=False)
+    flops, peak = mfu_inputs(workload, recipe)
+    callback = AnatomistCallback(tokens_per_sample=workload.seq_len, print_at_end=False, flops_per_step=flops, peak_flops=peak)
     args = recipe.to_training_arguments(
         out_dir, num_train_epochs=epochs, report_to="none", logging_strategy="no", save_strategy="no",
         disable_tqdm=True, use_cpu=not cuda_available(),
@@ -113,8 +114,10 @@ def run_accelerate(workload: Workload, recipe: Recipe, ds: Any, epochs: float, o
     model.train()
     samples_per_step = recipe.per_device_train_batch_size * recipe.gradient_accumulation_steps
     start = time.perf_counter()
+    flops, peak = mfu_inputs(workload, recipe)
     with track(accelerator.unwrap_model(model), optimizer, samples_per_step=samples_per_step,
-               tokens_per_sample=workload.seq_len, mixed_precision=recipe.mixed_precision, print_at_end=False) as t:
+               tokens_per_sample=workload.seq_len, mixed_precision=recipe.mixed_precision, print_at_end=False,
+               flops_per_step=flops, peak_flops=peak) as t:
         for _epoch in range(max(1, round(epochs))):
             for index, batch in enumerate(loader):
                 if index % recipe.gradient_accumulation_steps == 0:

@@ -28,7 +28,7 @@ class AnatomistCallback(TrainerCallback):
         attribute_step: optimizer step (0-based) whose memory is attributed; None: none.
         log_every: sample memory every N steps into the summary's history (0: never).
         print_at_end: print the summary table on stderr when training ends.
-        flops_per_step, peak_flops: for MFU (both needed; see anatomist.estimate.flops).
+        flops_per_step, peak_flops: for MFU (both needed; `anatomist.measure.mfu_inputs` gives them).
     """
 
     def __init__(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,10 @@ from anatomist.measure.monitor import (
     device_snapshot,
     measure_cuda_context_bytes,
 )
+
+if TYPE_CHECKING:
+    from anatomist.recipe import Recipe
+    from anatomist.workload import Workload
 
 
 @dataclass(kw_only=True, slots=True)
@@ -133,3 +137,18 @@ class Recorder:
             allocator=stats.to_dict() if stats else None, cuda_context_bytes=self.context_bytes, mfu=mfu,
             history=self.history,
         )
+
+
+def mfu_inputs(workload: Workload, recipe: Recipe) -> tuple[int | None, float | None]:
+    """What MFU needs: FLOPs of one optimizer step on one device (counted on fake tensors by
+    `anatomist.estimate.flops`) and the local GPU's dense peak FLOP/s for the recipe's
+    precision. (None, None) where there is no GPU, or one the catalog does not know."""
+    from anatomist.hardware import detect_local_gpu
+
+    gpu = detect_local_gpu()
+    if gpu is None:
+        return None, None
+    from anatomist.estimate.flops import flops_per_step
+    from anatomist.estimate.time import recipe_precision
+
+    return flops_per_step(workload, recipe), gpu.peak_tflops(recipe_precision(recipe, gpu)) * 1e12
