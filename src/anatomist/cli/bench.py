@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from typing import Any
@@ -99,18 +98,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_distributed(args: argparse.Namespace) -> int:
+    """--num-processes N: one recipe (--rows NAME) of --model MODEL through `accelerate launch`."""
+    from anatomist.bench.distributed import run_distributed
     from anatomist.bench.suites import load_suite
 
-    """--num-processes N: one recipe (--rows NAME) of --model MODEL through `accelerate launch`."""
     names = [n.strip() for n in args.rows.split(",") if n.strip()] if args.rows else []
     if args.model is None or len(names) != 1:
         raise InputError("--num-processes > 1 runs one recipe on one model: give --model MODEL and --rows NAME")
-    try:
-        distributed = importlib.import_module("anatomist.bench.distributed")
-    except ModuleNotFoundError:
-        raise InputError("--num-processes > 1 needs anatomist.bench.distributed, which this install lacks") from None
     (row,) = load_suite(args.suite).select(names)
-    result = distributed.run_distributed(args.model, row.recipe, args.num_processes)
+    result = run_distributed(args.model, row.recipe, args.num_processes)
     json.dump(result, sys.stdout, indent=2, default=str)
     sys.stdout.write("\n")
     return 0
