@@ -23,6 +23,22 @@ class MemoryCategory(enum.StrEnum):
     FUNCTIONALITY = "functionality"
     RUNTIME_OVERHEAD = "runtime_overhead"
 
+    @property
+    def label(self) -> str:
+        """The seeds' name of the component, for tables and charts."""
+        return _CATEGORY_LABELS[self]
+
+
+_CATEGORY_LABELS = {
+    MemoryCategory.WEIGHTS: "model weights",
+    MemoryCategory.OPTIMIZER_STATES: "optimizer states",
+    MemoryCategory.GRADIENTS: "gradients",
+    MemoryCategory.ACTIVATIONS: "forward activations",
+    MemoryCategory.TEMPORARY: "temporary buffers",
+    MemoryCategory.FUNCTIONALITY: "functionality-specific",
+    MemoryCategory.RUNTIME_OVERHEAD: "runtime overhead",
+}
+
 
 # Categories that live in the caching allocator (everything but the CUDA context).
 TENSOR_CATEGORIES: tuple[MemoryCategory, ...] = tuple(

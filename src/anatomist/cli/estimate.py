@@ -17,16 +17,6 @@ from anatomist.workload import load_workload
 DEFAULT_MODEL = "bert-large-uncased"
 DEFAULT_GPU = "V100-16GB"
 
-_LABELS = {
-    MemoryCategory.WEIGHTS: "model weights",
-    MemoryCategory.OPTIMIZER_STATES: "optimizer states",
-    MemoryCategory.GRADIENTS: "gradients",
-    MemoryCategory.ACTIVATIONS: "forward activations",
-    MemoryCategory.TEMPORARY: "temporary buffers",
-    MemoryCategory.FUNCTIONALITY: "functionality-specific",
-    MemoryCategory.RUNTIME_OVERHEAD: "runtime overhead",
-}
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("estimate", help="predict the memory (and time) of one step, offline")
@@ -104,7 +94,7 @@ def render(result: Estimate) -> None:
     }
     for category in MemoryCategory:
         value = a.category_bytes(category)
-        table.add_row(_LABELS[category], gib(value), f"{value / a.device_total:.0%}", rule_col.get(category, ""))
+        table.add_row(category.label, gib(value), f"{value / a.device_total:.0%}", rule_col.get(category, ""))
     table.add_section()
     table.add_row("[bold]device total[/] (nvidia-smi)", f"[bold]{gib(a.device_total)}[/]", "", "")
     out.print(table)

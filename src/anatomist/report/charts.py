@@ -36,15 +36,6 @@ CATEGORY_COLOURS: dict[MemoryCategory, str] = {
     MemoryCategory.FUNCTIONALITY: "#56B4E9",
     MemoryCategory.RUNTIME_OVERHEAD: "#999999",
 }
-CATEGORY_LABELS: dict[MemoryCategory, str] = {
-    MemoryCategory.WEIGHTS: "weights",
-    MemoryCategory.OPTIMIZER_STATES: "optimizer states",
-    MemoryCategory.GRADIENTS: "gradients",
-    MemoryCategory.ACTIVATIONS: "forward activations",
-    MemoryCategory.TEMPORARY: "temporary buffers",
-    MemoryCategory.FUNCTIONALITY: "functionality-specific",
-    MemoryCategory.RUNTIME_OVERHEAD: "runtime overhead",
-}
 P = ParamSpec("P")
 R = TypeVar("R")
 OP_CLASS_ORDER: tuple[str, ...] = tuple(c.value for c in OpClass)
@@ -92,7 +83,7 @@ def memory_anatomy(results: list[RecipeResult]) -> Figure | None:
     for category in MemoryCategory:
         widths = [(r.memory or {}).get(category.value, 0) / GIB for r in rows]
         ax.barh(ys, widths, left=lefts, height=0.62, color=CATEGORY_COLOURS[category],
-                label=CATEGORY_LABELS[category], edgecolor="white", linewidth=0.5)
+                label=category.label, edgecolor="white", linewidth=0.5)
         lefts = [a + w for a, w in zip(lefts, widths, strict=True)]
     for y, total in zip(ys, lefts, strict=True):
         ax.annotate(f"{total:.2f}", (total, y), textcoords="offset points", xytext=(3, -3), fontsize=8)

@@ -17,7 +17,7 @@ from typing import Any
 
 from anatomist import __version__
 from anatomist.anatomy import MemoryCategory
-from anatomist.report.charts import CATEGORY_LABELS, GIB, OP_CLASS_ORDER, pareto_front
+from anatomist.report.charts import GIB, OP_CLASS_ORDER, pareto_front
 from anatomist.report.load import RecipeResult, ReportData
 
 
@@ -117,7 +117,7 @@ def _source(path: str) -> str:
 
 def _memory_table(results: list[RecipeResult]) -> str:
     keys = [c.value for c in MemoryCategory] + ["peak_allocated", "peak_reserved", "device_total"]
-    header = ["recipe", "model", "device", "source", *[CATEGORY_LABELS[c] for c in MemoryCategory],
+    header = ["recipe", "model", "device", "source", *[c.label for c in MemoryCategory],
               "peak allocated", "peak reserved", "device total", "peak phase", "GPU capacity"]
     rows = []
     for i, r in enumerate(results):
