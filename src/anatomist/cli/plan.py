@@ -102,10 +102,11 @@ def render(result: Plan) -> None:
         table.add_row(*[f"{mark}{x}" for x in cells])
     out.print(table)
     best = result.best
+    batch, ckpt, precision, optim, compiled, sharding = _describe(best.recipe, result.space.num_gpus)
     out.print(
-        f"[bold]top pick[/]: {', '.join(_describe(best.recipe, result.space.num_gpus))}, attention "
-        f"{best.recipe.attn_implementation}: {gib(best.device_total)} of limit {gib(result.limit_bytes)}, "
-        f"{best.samples_per_second:.1f} samples/s predicted"
+        f"[bold]top pick[/]: batch {batch}, checkpointing {ckpt}, {precision}, {optim}, compile {compiled}, "
+        f"sharding {sharding}, attention {best.recipe.attn_implementation}: {gib(best.device_total)} of limit "
+        f"{gib(result.limit_bytes)}, {best.samples_per_second:.1f} samples/s predicted"
     )
     for reason in best.reasons:
         out.print(f"  - {reason}")
