@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from anatomist.anatomy import MemoryCategory
-from anatomist.report import charts
+from anatomist.report import charts, write_report
 from anatomist.report.load import load
 
 GIB = 2**30
@@ -57,3 +59,16 @@ def test_op_class_bars(fixtures: Path) -> None:
     fig = charts.op_class_shares(data.classes)
     heights = [p.get_height() for p in fig.axes[0].patches]
     assert heights == [99.8, 0.17, 0.03, 0.0, 61.0, 25.5, 13.5, 0.0]  # FLOPs bars, then time bars
+
+
+def test_cpu_bench_rows_chart_their_peak_allocated(fixtures: Path, tmp_path: Path) -> None:
+    """A CPU run has no device total: the charts use peak allocated bytes, on both sides of the parity plot."""
+    data = load(fixtures / "bench_cpu_seeds.jsonl")
+    ok = [r for r in data.results if r.ok]
+    assert len(ok) == 2 and all(r.measured_memory["device_total"] is None for r in ok)
+    fig = charts.throughput_vs_memory(data.results)
+    xs = sorted(x for x, _ in fig.axes[0].collections[0].get_offsets())
+    assert xs == pytest.approx(sorted(r.measured_memory["peak_allocated"] / 2**30 for r in ok))
+    parity = charts.predicted_vs_measured(data.results)
+    assert parity is not None and len(parity.axes) == 1  # CPU rows carry no predicted time
+    assert write_report(fixtures / "bench_cpu_seeds.jsonl", tmp_path / "cpu.html").exists()

@@ -21,7 +21,7 @@ matplotlib.use("Agg")  # before pyplot: files only, no display
 from matplotlib.figure import Figure  # noqa: E402
 
 from anatomist.anatomy import MemoryCategory, OpClass  # noqa: E402
-from anatomist.report.load import RecipeResult  # noqa: E402
+from anatomist.report.load import RecipeResult, comparable_peaks, peak_bytes  # noqa: E402
 
 GIB = 2**30
 PARITY_BAND_PCT = 5.0
@@ -129,10 +129,10 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
 @_styled
 def throughput_vs_memory(results: list[RecipeResult]) -> Figure | None:
     """Samples/s against device memory, one point per recipe, the Pareto front joined by a line."""
-    rows = [r for r in results if r.ok and r.memory is not None and r.samples_per_second]
+    rows = [r for r in results if r.ok and peak_bytes(r.memory) is not None and r.samples_per_second]
     if not rows:
         return None
-    points = [((r.memory or {})["device_total"] / GIB, float(r.samples_per_second or 0)) for r in rows]
+    points = [(peak_bytes(r.memory) / GIB, float(r.samples_per_second or 0)) for r in rows]  # type: ignore[operator]
     front = pareto_front(points)
     fig = _figure()
     ax = fig.add_subplot()
@@ -154,15 +154,14 @@ def throughput_vs_memory(results: list[RecipeResult]) -> Figure | None:
 @_styled
 def predicted_vs_measured(results: list[RecipeResult]) -> Figure | None:
     """Parity plot: predicted vs measured device memory (and samples/s when both exist), ±5% band."""
-    mem_rows = [r for r in results if r.measured_memory and r.predicted_memory]
+    mem_rows = [r for r in results if None not in comparable_peaks(r.predicted_memory, r.measured_memory)]
     if not mem_rows:
         return None
     speed_rows = [r for r in mem_rows if r.measured_samples_per_second and r.predicted_samples_per_second]
     fig = _figure(width_in=8.0 if speed_rows else 5.0, height_in=4.2)
     axes = fig.subplots(1, 2 if speed_rows else 1, squeeze=False)[0]
-    mem_pairs = [((r.predicted_memory or {})["device_total"] / GIB, (r.measured_memory or {})["device_total"] / GIB)
-                 for r in mem_rows]
-    _parity(axes[0], mem_pairs, [r.label for r in mem_rows], "device memory (GiB)")
+    mem_pairs = [tuple(b / GIB for b in comparable_peaks(r.predicted_memory, r.measured_memory)) for r in mem_rows]
+    _parity(axes[0], mem_pairs, [r.label for r in mem_rows], "peak memory (GiB)")  # type: ignore[arg-type]
     if speed_rows:
         pairs = [(float(r.predicted_samples_per_second or 0), float(r.measured_samples_per_second or 0)) for r in speed_rows]
         _parity(axes[1], pairs, [r.label for r in speed_rows], "samples / s")

@@ -18,7 +18,7 @@ from typing import Any
 from anatomist import __version__
 from anatomist.anatomy import MemoryCategory
 from anatomist.report.charts import GIB, OP_CLASS_ORDER, pareto_front
-from anatomist.report.load import RecipeResult, ReportData
+from anatomist.report.load import RecipeResult, ReportData, comparable_peaks, peak_bytes
 
 
 @dataclass(kw_only=True, slots=True)
@@ -132,19 +132,19 @@ def _memory_table(results: list[RecipeResult]) -> str:
 
 
 def _throughput_table(results: list[RecipeResult]) -> str:
-    rows_in = [r for r in results if r.samples_per_second]
-    front = set(pareto_front([((r.memory or {})["device_total"], float(r.samples_per_second or 0)) for r in rows_in]))
+    rows_in = [r for r in results if r.samples_per_second and peak_bytes(r.memory) is not None]
+    front = set(pareto_front([(peak_bytes(r.memory), float(r.samples_per_second or 0)) for r in rows_in]))
     rows = []
     for i, r in enumerate(rows_in):
-        mem = r.memory or {}
+        peak = peak_bytes(r.memory)
         sps = r.samples_per_second
         rows.append(
             f'<tr data-row="{i}" data-label="{escape(r.label)}"><td>{escape(r.label)}</td>'
-            + _num("device_total", mem["device_total"], _gib(mem["device_total"]))
+            + _num("device_total", peak, _gib(peak))
             + _num("samples_per_second", sps, f"{sps:.2f}")
             + f"<td>{'yes' if i in front else ''}</td></tr>"
         )
-    return _table("table-throughput", ["recipe", "device total (GiB)", "samples / s", "Pareto front"], rows)
+    return _table("table-throughput", ["recipe", "device total (GiB; CPU runs: peak allocated)", "samples / s", "Pareto front"], rows)
 
 
 def _pct_error(predicted: float | None, measured: float | None) -> str:
@@ -155,8 +155,8 @@ def _pct_error(predicted: float | None, measured: float | None) -> str:
 
 def _parity_table(results: list[RecipeResult]) -> str:
     rows = []
-    for i, r in enumerate(x for x in results if x.measured_memory and x.predicted_memory):
-        p, m = (r.predicted_memory or {})["device_total"], (r.measured_memory or {})["device_total"]
+    for i, r in enumerate(x for x in results if None not in comparable_peaks(x.predicted_memory, x.measured_memory)):
+        p, m = comparable_peaks(r.predicted_memory, r.measured_memory)
         ps, ms = r.predicted_samples_per_second, r.measured_samples_per_second
         rows.append(
             f'<tr data-row="{i}" data-label="{escape(r.label)}"><td>{escape(r.label)}</td>'
@@ -166,7 +166,7 @@ def _parity_table(results: list[RecipeResult]) -> str:
             + _num("measured_samples_per_second", ms, "" if ms is None else f"{ms:.2f}")
             + f'<td class="num">{_pct_error(ps, ms)}</td></tr>'
         )
-    header = ["recipe", "predicted device (GiB)", "measured device (GiB)", "error",
+    header = ["recipe", "predicted peak (GiB)", "measured peak (GiB)", "error",
               "predicted samples / s", "measured samples / s", "error"]
     return _table("table-parity", header, rows)
 

@@ -34,6 +34,22 @@ MEMORY_KEYS: tuple[str, ...] = tuple(c.value for c in MemoryCategory)
 Kind = Literal["estimate", "plan", "profile", "bench"]
 
 
+def peak_bytes(memory: dict[str, Any] | None) -> int | None:
+    """A recipe's memory on the charts: its device total (what nvidia-smi shows); a CPU run
+    has none, so its peak allocated bytes."""
+    if not memory:
+        return None
+    total = memory.get("device_total")
+    return total if total is not None else memory.get("peak_allocated")
+
+
+def comparable_peaks(predicted: dict[str, Any] | None, measured: dict[str, Any] | None) -> tuple[int | None, int | None]:
+    """Predicted and measured peaks on the same footing: device totals where the run has one,
+    else (a CPU run) peak allocated bytes on both sides."""
+    key = "device_total" if (measured or {}).get("device_total") is not None else "peak_allocated"
+    return (predicted or {}).get(key), (measured or {}).get(key)
+
+
 @dataclass(kw_only=True, slots=True)
 class RecipeResult:
     """One recipe's numbers, whichever command produced them."""
