@@ -122,3 +122,28 @@ def test_weights_are_fp32_whatever_the_config_dtype(tiny_model):
     assert estimate.anatomy.weights == pytest.approx(4 * estimate.parameters, rel=0.01)
     fp16 = step_ops(workload, Recipe(per_device_train_batch_size=2, fp16=True))
     assert {r.dtype for r in fp16.records if r.flops > 0} == {"float16"}
+
+
+@pytest.mark.parametrize(("stage", "per_param"), [(1, 4 + 12 / 4), (2, 2 + 14 / 4), (3, 16 / 4)])
+def test_deepspeed_mixed_precision_is_the_zero_papers_arithmetic(stage, per_param):
+    """ZeRO paper, Figure 1 (K = 12, N = 4 devices): stage 1 2+2+K/N, stage 2 2+(2+K)/N,
+    stage 3 (2+2+K)/N bytes per parameter, from a traced peak of fp32 weights + autocast copies
+    (6 B), fp32 gradients (4 B) and Adam moments (8 B)."""
+    from anatomist.anatomy import MemoryCategory as C
+    from anatomist.anatomy import Phase
+    from anatomist.estimate.sharding import shard
+    from anatomist.estimate.step import PhasePeak
+
+    n = 1 << 20
+    traced = {C.WEIGHTS: 6 * n, C.GRADIENTS: 4 * n, C.OPTIMIZER_STATES: 8 * n, C.ACTIVATIONS: 123,
+              C.TEMPORARY: 0, C.FUNCTIONALITY: 0}
+    peak = PhasePeak(allocated=sum(traced.values()), reserved=sum(traced.values()) + 1000, categories=traced)
+    out = shard(peak, Recipe(zero_stage=stage, bf16=True), n, 4, "train", Phase.BACKWARD)
+    states = out.categories[C.WEIGHTS] + out.categories[C.GRADIENTS] + out.categories[C.OPTIMIZER_STATES]
+    assert states == per_param * n
+    assert out.categories[C.ACTIVATIONS] == 123 and out.allocated == states + 123
+    assert out.reserved == round(out.allocated * peak.reserved / peak.allocated)  # the reserve keeps its ratio
+    if stage >= 2:  # ZeRO-Offload: master weights, moments and gradient partitions live on the host
+        offloaded = shard(peak, Recipe(zero_stage=stage, bf16=True, offload="cpu"), n, 4, "train", Phase.BACKWARD)
+        assert offloaded.categories[C.OPTIMIZER_STATES] == offloaded.categories[C.GRADIENTS] == 0
+        assert offloaded.categories[C.WEIGHTS] == (0 if stage == 3 else 2 * n)  # stage 3 offloads parameters too

@@ -227,7 +227,7 @@ def estimate_memory(
 
     def phases_at(b: int) -> dict[Phase, PhasePeak]:
         return {
-            phase: shard(model.phase_at(phase, depth, b), recipe, parameters, num_gpus, mode)
+            phase: shard(model.phase_at(phase, depth, b), recipe, parameters, num_gpus, mode, phase)
             for phase in model.phases()
         }
 

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import yaml
 
 from anatomist.errors import InputError
+from anatomist.estimate.sharding import BUCKET_ELEMENTS
 from anatomist.recipe import Recipe
 
 Target = Literal["trainer", "accelerate", "deepspeed"]
@@ -32,6 +33,10 @@ def deepspeed_config(recipe: Recipe, num_gpus: int = 1) -> dict[str, Any]:
             zero["offload_param"] = {"device": recipe.offload, "pin_memory": True}
     if recipe.zero_stage >= 2:
         zero.update({"overlap_comm": True, "contiguous_gradients": True})
+    if recipe.zero_stage >= 1:
+        zero.update({"reduce_bucket_size": BUCKET_ELEMENTS, "allgather_bucket_size": BUCKET_ELEMENTS})
+    if recipe.zero_stage == 3:
+        zero["stage3_prefetch_bucket_size"] = BUCKET_ELEMENTS
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
