@@ -1,7 +1,7 @@
 # The two quick-start targets: `make demo` and `make test` (both set up .venv first).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-all lint bench-speed
+.PHONY: setup demo test test-all test-gpu lint bench-speed
 
 setup:
 	@bash scripts/setup.sh
@@ -15,6 +15,9 @@ test: setup
 
 test-all: setup
 	$(PY) -m pytest -q -m "not gpu"
+
+test-gpu: setup
+	$(PY) -m pytest -q -m gpu
 
 lint: setup
 	$(PY) -m ruff check src tests
