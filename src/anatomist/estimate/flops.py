@@ -2,7 +2,8 @@
 
 The step is the one the memory estimator traces (`step.py`: forward under autocast,
 backward, recomputation under gradient checkpointing, clipping, optimizer step), in its
-two parts (the passes of one micro-batch; the optimizer phase), run on FAKE tensors, so no GPU and no weights are needed. Two dispatch modes watch it:
+two parts (the passes of one micro-batch; the optimizer phase), run on FAKE tensors, so no
+GPU and no weights are needed. Two dispatch modes watch it:
 
 - `torch.utils.flop_counter.FlopCounterMode`, PyTorch's own counter: its total is the
   step's FLOPs (matrix products, convolutions, attention; 2 FLOPs per multiply-add);
