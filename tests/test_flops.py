@@ -106,3 +106,20 @@ def _assert_same_costs(a: list[OpRecord], b: list[OpRecord]) -> None:
         assert sum(r.flops * r.count for r in a if r.phase is phase) == sum(r.flops * r.count for r in b if r.phase is phase)
         assert sum(r.bytes * r.count for r in a if r.phase is phase) == pytest.approx(
             sum(r.bytes * r.count for r in b if r.phase is phase), rel=1e-6)
+
+
+def test_mixture_of_experts_grouped_products(tmp_path: Path) -> None:
+    """transformers 5 runs a Mixtral layer's experts as two grouped products over the routed
+    rows: 2 x 16 tokens x top-2 = 64 rows; gate+up 64 -> 256, down 128 -> 64."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "vocab_size": 100, "max_position_embeddings": 64, "dtype": "bfloat16",
+    }))
+    ops = step_ops(load_workload(str(tmp_path), seq_len=16), Recipe(per_device_train_batch_size=2))
+    grouped = {(r.phase, r.flops): r.count for r in ops.records if r.name == "_grouped_mm"}
+    gate_up, down = 2 * 64 * 64 * 256, 2 * 64 * 128 * 64
+    # forward: once per layer; backward: the input's and the weights' gradients, same FLOPs each
+    assert grouped == {(Phase.FORWARD, gate_up): 2, (Phase.FORWARD, down): 2,
+                       (Phase.BACKWARD, gate_up): 4, (Phase.BACKWARD, down): 4}
+    assert all(r.op_class.value == "contraction" for r in ops.records if r.name == "_grouped_mm")

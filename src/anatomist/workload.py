@@ -63,7 +63,9 @@ class Workload:
 
         The weights are fp32 whatever the config's `dtype` says (transformers 5 would build a
         bf16 Llama): mixed precision keeps fp32 master weights and casts per op, which is what
-        the recipes' precisions mean (the seeds' bytes per parameter).
+        the recipes' precisions mean (the seeds' bytes per parameter). Mixture-of-Experts
+        models keep the config's dtype: transformers 5 runs their experts through
+        `grouped_mm`, which takes bf16 weights only, so they train in bf16 whatever the recipe.
         """
         import torch
         import transformers
@@ -79,10 +81,10 @@ class Workload:
             config.num_labels = self.num_labels
             if getattr(config, "pad_token_id", None) is None:
                 config.pad_token_id = 0  # decoder classifiers need one to find the last token
+        dtype = {} if self.is_moe else {"dtype": torch.float32}  # from_config's default: the config's dtype
         try:
             return auto.from_config(
-                config, attn_implementation=attn_implementation, trust_remote_code=self.trust_remote_code,
-                dtype=torch.float32,
+                config, attn_implementation=attn_implementation, trust_remote_code=self.trust_remote_code, **dtype
             )
         except ValueError as exc:
             first = str(exc).splitlines()[0]

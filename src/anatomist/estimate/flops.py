@@ -71,11 +71,26 @@ def _cpu_flash_backward_flop(grad_out: Any, query: Any, key: Any, value: Any, *a
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
+def _grouped_mm_flop(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """Mixture-of-Experts' grouped matrix product: every row of the input goes through one
+    group's matrix, so the FLOPs are those of one (rows x k) @ (k x n) product. Backward's
+    weight gradient is (k x rows) @ (rows x n) split by group into an (groups, k, n) output."""
+    if len(a_shape) == 2 and len(b_shape) == 3:  # (rows, k) @ (groups, k, n)
+        return 2 * a_shape[0] * a_shape[1] * b_shape[2]
+    if len(a_shape) == 2 and len(b_shape) == 2:  # (k, rows) @ (rows, n) -> (groups, k, n)
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    if len(a_shape) == 3 and len(b_shape) == 3:  # (groups, m, k) @ (groups, k, n)
+        return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
+    return 0
+
+
 CUSTOM_FLOPS: dict[Any, Any] = {
     _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flop,
     _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flop,
+    _aten._grouped_mm: _grouped_mm_flop,
 }
-"""FLOP formulas (on shapes) for the CPU stand-ins of CUDA kernels that flop_counter does not know."""
+"""FLOP formulas (on shapes) for what flop_counter does not know: the CPU stand-ins of CUDA
+kernels and the grouped matrix product of Mixture-of-Experts layers."""
 
 _FLOP_FORMULAS = {**flop_registry, **{k: shape_wrapper(v) for k, v in CUSTOM_FLOPS.items()}}
 
