@@ -128,7 +128,7 @@ def detect_local_gpu() -> GPU | None:
         total = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
     finally:
         pynvml.nvmlShutdown()
-    match = _match_catalog(name, total)
+    match = match_catalog(name, total)
     if match is None:
         return None
     return GPU(**{**_fields(match), "name": f"{match.name} ({name})", "memory_bytes": total, "detected": True})
@@ -138,7 +138,7 @@ def _fields(gpu: GPU) -> dict[str, object]:
     return {f: getattr(gpu, f) for f in GPU.__slots__}  # type: ignore[attr-defined]
 
 
-def _match_catalog(nvml_name: str, total_bytes: int) -> GPU | None:
+def match_catalog(nvml_name: str, total_bytes: int) -> GPU | None:
     """Map an NVML name such as 'NVIDIA H100 80GB HBM3' to the closest catalog entry."""
     lowered = nvml_name.lower()
     candidates = []

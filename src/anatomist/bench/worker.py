@@ -190,6 +190,8 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
     recipe = Recipe.from_dict(spec["recipe"])
     row: dict[str, Any] = {
         "suite": spec["suite"], "name": spec["name"], "model": spec["model_label"], "recipe": recipe.to_dict(),
+        "workload": {"model": spec["model"], "model_config": spec.get("model_config"), "seq_len": spec["seq_len"],
+                     "task": "sequence-classification"},
         "loop": spec["loop"], "device": device_info(), "versions": versions(), "status": "ok", "reason": None,
         "measured": {}, "predicted": {}, "error_pct": {}, "notes": [],
     }

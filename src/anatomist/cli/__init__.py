@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from anatomist import __version__
 from anatomist.errors import InputError
 
-SUBCOMMAND_MODULES = ("estimate", "plan", "bench", "profile", "report", "catalog")
+SUBCOMMAND_MODULES = ("estimate", "plan", "bench", "calibrate", "profile", "report", "catalog")
 
 
 class _Parser(argparse.ArgumentParser):

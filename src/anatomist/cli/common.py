@@ -67,3 +67,17 @@ def positive_int(name: str, value: int | None) -> int | None:
     if value is not None and value <= 0:
         raise InputError(f"{name} must be greater than 0, got {value}")
     return value
+
+
+def add_calibration_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--calibration", metavar="FILE", default=None,
+                   help="time-model factors fitted by `anatomist calibrate` (default: the shipped, uncalibrated ones)")
+
+
+def calibration_from_args(args: argparse.Namespace) -> Any:
+    """The Calibration of --calibration FILE, or None for the shipped factors."""
+    if args.calibration is None:
+        return None
+    from anatomist.estimate.time import load_calibration
+
+    return load_calibration(args.calibration)

@@ -7,7 +7,14 @@ import argparse
 from rich.table import Table
 
 from anatomist.anatomy import MemoryCategory, TimeAnatomy
-from anatomist.cli.common import add_model_flags, add_recipe_flags, print_json, recipe_from_args
+from anatomist.cli.common import (
+    add_calibration_flag,
+    add_model_flags,
+    add_recipe_flags,
+    calibration_from_args,
+    print_json,
+    recipe_from_args,
+)
 from anatomist.cli.render import GIB, console, gib
 from anatomist.errors import InputError
 from anatomist.estimate import Estimate, estimate
@@ -29,6 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", type=int, default=1, metavar="N", help="devices ZeRO shards across")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout, nothing else")
     p.add_argument("--report", metavar="PATH", help="also write an HTML report")
+    add_calibration_flag(p)
     p.add_argument("--ignore-missing-packages", action="store_true",
                    help="estimate a recipe whose optional package (bitsandbytes, flash-attn...) is not installed here")
     p.set_defaults(handler=run)
@@ -37,6 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def build_estimate(args: argparse.Namespace) -> Estimate:
     recipe = recipe_from_args(args)
     gpu = get_gpu(args.gpu)
+    calibration = calibration_from_args(args)
     if args.gpus <= 0:
         raise InputError(f"--gpus must be greater than 0, got {args.gpus}")
     if recipe.bf16 and not gpu.bf16:
@@ -53,7 +62,7 @@ def build_estimate(args: argparse.Namespace) -> Estimate:
         args.model, seq_len=args.seq_len, task=args.task,
         trust_remote_code=args.trust_remote_code, allow_network=args.allow_network,
     )
-    return estimate(workload, recipe, gpu, mode=args.mode, num_gpus=args.gpus)
+    return estimate(workload, recipe, gpu, mode=args.mode, num_gpus=args.gpus, calibration=calibration)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,11 +121,11 @@ def render(result: Estimate) -> None:
     for note in mem.notes:
         out.print(f"  - {note}")
     if result.time is not None:
-        render_time(result.time)
+        render_time(result.time, result.extra["time_calibration"])
     _ = GIB
 
 
-def render_time(t: TimeAnatomy) -> None:
+def render_time(t: TimeAnatomy, calibration_source: str) -> None:
     """The predicted step time, its split by phase and by operation class."""
     out = console()
     table = Table(title="Time anatomy of one step (roofline)", title_justify="left")
@@ -132,3 +141,5 @@ def render_time(t: TimeAnatomy) -> None:
     out.print("classes: " + ", ".join(f"{k} {v / t.step_s:.0%}" for k, v in t.classes_s.items()))
     if not t.calibrated:
         out.print("[yellow]time figures are UNCALIBRATED: efficiency factors are placeholders, not measured on a GPU[/]")
+    else:
+        out.print(f"time factors: {calibration_source}")

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from rich.table import Table
 
-from anatomist.cli.common import add_model_flags, print_json
+from anatomist.cli.common import add_calibration_flag, add_model_flags, calibration_from_args, print_json
 from anatomist.cli.render import console, gib
 from anatomist.errors import InputError
 from anatomist.hardware import get_gpu
@@ -15,6 +16,7 @@ from anatomist.plan import DEFAULT_MARGIN, Plan, SearchSpace, plan
 from anatomist.plan.emit import TARGETS, write
 from anatomist.plan.emit import render as render_emit
 from anatomist.plan.space import DEFAULT_OPTIMS, precision_of, sharding_of
+from anatomist.plan.throughput import predict_time
 from anatomist.recipe import OPTIMS
 from anatomist.workload import load_workload
 
@@ -35,11 +37,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--emit", choices=TARGETS, default=None, help="write the top pick for this library")
     p.add_argument("-o", "--output", metavar="PATH", default=None, help="file for --emit (default: stdout)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON on stdout, nothing else")
+    add_calibration_flag(p)
     p.set_defaults(handler=run)
 
 
 def build_plan(args: argparse.Namespace) -> Plan:
     gpu = get_gpu(args.gpu)
+    calibration = calibration_from_args(args)
     optims = tuple(o.strip() for o in args.optims.split(",") if o.strip())
     unknown = [o for o in optims if o not in OPTIMS]
     if unknown or not optims:
@@ -50,7 +54,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
     )
     workload = load_workload(args.model, seq_len=args.seq_len, task=args.task,
                              trust_remote_code=args.trust_remote_code, allow_network=args.allow_network)
-    return plan(workload, gpu, space=space, objective=args.objective, margin=args.memory_margin)
+    time_model = functools.partial(predict_time, calibration=calibration) if calibration else None
+    return plan(workload, gpu, space=space, objective=args.objective, margin=args.memory_margin, time_model=time_model)
 
 
 def run(args: argparse.Namespace) -> int:

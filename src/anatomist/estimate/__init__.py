@@ -7,7 +7,8 @@ from typing import Any
 
 from anatomist.estimate.memory import MemoryEstimate, estimate_memory
 from anatomist.estimate.step import Mode
-from anatomist.estimate.time import estimate_time
+from anatomist.estimate.time import Calibration, estimate_time
+from anatomist.estimate.time import calibration as default_calibration
 from anatomist.hardware import GPU
 from anatomist.recipe import Recipe
 from anatomist.workload import Workload
@@ -50,8 +51,14 @@ class Estimate:
         return out
 
 
-def estimate(workload: Workload, recipe: Recipe, gpu: GPU, *, mode: Mode = "train", num_gpus: int = 1) -> Estimate:
-    """Predict memory (and, where available, time) of one step of `recipe` on `gpu`."""
+def estimate(
+    workload: Workload, recipe: Recipe, gpu: GPU, *, mode: Mode = "train", num_gpus: int = 1,
+    calibration: Calibration | None = None,
+) -> Estimate:
+    """Predict memory (and, in training, time) of one step of `recipe` on `gpu`; `calibration`:
+    the time model's factors (default: the shipped data/time_calibration.toml)."""
     memory = estimate_memory(workload, recipe, gpu, mode=mode, num_gpus=num_gpus)
-    time = estimate_time(workload, recipe, gpu) if mode == "train" else None
-    return Estimate(workload=workload, recipe=recipe, gpu=gpu, mode=mode, memory=memory, time=time)
+    time = estimate_time(workload, recipe, gpu, calibration) if mode == "train" else None
+    source = (calibration or default_calibration()).source
+    return Estimate(workload=workload, recipe=recipe, gpu=gpu, mode=mode, memory=memory, time=time,
+                    extra={"time_calibration": source})

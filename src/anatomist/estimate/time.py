@@ -22,14 +22,17 @@ costed as the ops the trace records.
 
 from __future__ import annotations
 
+import json
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cache
 from importlib import resources
+from pathlib import Path
 
 import numpy as np
 
 from anatomist.anatomy import OpClass, Phase, TimeAnatomy
+from anatomist.errors import InputError
 from anatomist.estimate.flops import OpRecord, StepOps, step_ops
 from anatomist.hardware import GPU, Precision
 from anatomist.recipe import Recipe
@@ -53,6 +56,44 @@ class Calibration:
 def calibration() -> Calibration:
     raw = tomllib.loads(resources.files("anatomist.data").joinpath("time_calibration.toml").read_text())
     return Calibration(**raw)
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    """A calibration file as `anatomist calibrate` writes it (`--calibration FILE`).
+
+    Raises:
+        InputError: missing, not TOML, or without the factors.
+    """
+    p = Path(path)
+    try:
+        raw = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise InputError(f"calibration file {str(p)!r} does not exist") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, IsADirectoryError) as exc:
+        raise InputError(f"{p}: not a calibration file ({exc})") from None
+    names = [f.name for f in fields(Calibration)]
+    missing = [n for n in names if n not in raw]
+    if missing:
+        raise InputError(f"{p}: not a calibration file (missing {', '.join(missing)}); write one with `anatomist calibrate`")
+    cal = Calibration(**{n: raw[n] for n in names})
+    factors = (cal.contraction_tensor_core_efficiency, cal.contraction_fp32_efficiency, cal.bandwidth_efficiency)
+    if not all(isinstance(f, (int, float)) and 0 < f <= 1 for f in factors) or cal.launch_overhead_s < 0:
+        raise InputError(f"{p}: efficiencies must be in (0, 1] and the launch overhead >= 0")
+    return cal
+
+
+def calibration_toml(cal: Calibration) -> str:
+    """`cal` as a calibration file (the format of data/time_calibration.toml)."""
+    return "\n".join([
+        "# Efficiency factors of anatomist's roofline time model; use with --calibration FILE.",
+        f"calibrated = {str(cal.calibrated).lower()}",
+        f"source = {json.dumps(cal.source)}",
+        f"contraction_tensor_core_efficiency = {cal.contraction_tensor_core_efficiency!r}",
+        f"contraction_fp32_efficiency = {cal.contraction_fp32_efficiency!r}",
+        f"bandwidth_efficiency = {cal.bandwidth_efficiency!r}",
+        f"launch_overhead_s = {cal.launch_overhead_s!r}",
+        "",
+    ])
 
 
 def recipe_precision(recipe: Recipe, gpu: GPU) -> Precision:

@@ -25,7 +25,7 @@ from importlib import resources
 from typing import Any, Protocol
 
 from anatomist.anatomy import TimeAnatomy
-from anatomist.estimate.time import estimate_time
+from anatomist.estimate.time import Calibration, estimate_time
 from anatomist.hardware import GPU
 from anatomist.recipe import Recipe
 from anatomist.workload import Workload
@@ -77,9 +77,11 @@ def communication_s(workload: Workload, recipe: Recipe, *, num_gpus: int = 1) ->
     return volume / (constants()["interconnect"]["bus_gbps"] * 1e9)
 
 
-def predict_time(workload: Workload, recipe: Recipe, gpu: GPU, *, num_gpus: int = 1) -> TimeAnatomy:
+def predict_time(
+    workload: Workload, recipe: Recipe, gpu: GPU, *, num_gpus: int = 1, calibration: Calibration | None = None
+) -> TimeAnatomy:
     """One optimizer step of `recipe` on `num_gpus` data-parallel devices (module docstring)."""
-    one = estimate_time(workload, recipe, gpu)
+    one = estimate_time(workload, recipe, gpu, calibration)
     phases = dict(one.phases_s)
     if recipe.offload != "none":
         phases["optimizer"] = 0.0

@@ -1,0 +1,103 @@
+"""`anatomist calibrate`: fit the time model to bench rows, and use it with --calibration.
+
+No GPU here, so the GPU rows below are SYNTHETIC: their step times are made by the time
+model itself with known factors (grid points of the fit), and the test checks that the
+calibration gives those factors back through the whole path (results file -> workloads ->
+fit -> calibration file -> estimate). Real CPU rows must be refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from anatomist.bench.calibrate import calibrate
+from anatomist.errors import InputError
+from anatomist.estimate.time import EFFICIENCY_GRID, calibration, estimate_time, load_calibration
+from anatomist.hardware import get_gpu
+from anatomist.recipe import Recipe
+from anatomist.workload import load_workload
+
+FIXTURES = Path(__file__).parent / "fixtures"
+CONFIG = {
+    "model_type": "bert", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "intermediate_size": 1024, "vocab_size": 1000, "max_position_embeddings": 256, "type_vocab_size": 2,
+}
+H100 = {"name": "NVIDIA H100 80GB HBM3", "kind": "cuda", "memory_bytes": 85_520_809_984}
+TRUTH = dataclasses.replace(
+    calibration(), contraction_tensor_core_efficiency=float(EFFICIENCY_GRID[45]),
+    bandwidth_efficiency=float(EFFICIENCY_GRID[50]), launch_overhead_s=4e-6,
+)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "anatomist", *args], capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def gpu_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("calibrate")
+    (folder / "config.json").write_text(json.dumps(CONFIG))
+    workload = load_workload(str(folder), seq_len=128, task="sequence-classification")
+    gpu = get_gpu("H100-SXM")
+    lines = [json.dumps({"anatomist_results": 1})]
+    for name, recipe in {"bs1": Recipe(per_device_train_batch_size=1, bf16=True),
+                         "bs16": Recipe(per_device_train_batch_size=16, bf16=True),
+                         "bs8-ckpt": Recipe(per_device_train_batch_size=8, bf16=True, gradient_checkpointing=True),
+                         "oom": Recipe(per_device_train_batch_size=64)}.items():
+        step_s = estimate_time(workload, recipe, gpu, TRUTH).step_s
+        lines.append(json.dumps({
+            "name": name, "model": "synthetic", "recipe": recipe.to_dict(), "device": H100, "versions": {},
+            "status": "oom" if name == "oom" else "ok", "reason": None, "predicted": {}, "error_pct": {},
+            "workload": {"model": None, "model_config": CONFIG, "seq_len": 128, "task": "sequence-classification"},
+            "measured": {} if name == "oom" else {"time": {"median_step_s": step_s, "steps": 10}},
+        }))
+    path = folder / "synthetic-h100.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_calibration_recovers_the_factors_from_a_results_file(gpu_results: Path) -> None:
+    result = calibrate(gpu_results)
+    cal = result.calibration
+    assert result.gpu == "H100-SXM" and [r["name"] for r in result.rows] == ["bs1", "bs16", "bs8-ckpt"]  # not the OOM
+    assert cal.calibrated and "3 bench rows" in cal.source
+    assert cal.contraction_tensor_core_efficiency == pytest.approx(TRUTH.contraction_tensor_core_efficiency)
+    assert cal.bandwidth_efficiency == pytest.approx(TRUTH.bandwidth_efficiency)
+    assert cal.launch_overhead_s == pytest.approx(4e-6, rel=1e-3)
+    assert all(abs(r["error_pct"]) < 0.1 for r in result.rows)
+
+
+def test_cli_writes_a_calibration_that_estimate_and_plan_use(gpu_results: Path, tmp_path: Path) -> None:
+    out = tmp_path / "h100.toml"
+    run = _cli("calibrate", str(gpu_results), "-o", str(out))
+    assert run.returncode == 0, run.stderr
+    assert "bs16" in run.stdout and load_calibration(out).calibrated
+    model = gpu_results.parent
+    est = _cli("estimate", str(model), "--gpu", "H100-SXM", "--bf16", "--seq-len", "128", "--calibration", str(out), "--json")
+    assert est.returncode == 0, est.stderr
+    time = json.loads(est.stdout)["time"]
+    assert time["calibrated"] is True
+    workload = load_workload(str(model), seq_len=128)
+    expected = estimate_time(workload, Recipe(per_device_train_batch_size=4, bf16=True), get_gpu("H100-SXM"), TRUTH)
+    assert time["step_s"] == pytest.approx(expected.step_s, rel=1e-6)
+
+
+def test_cpu_rows_and_bad_files_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="no finished GPU row"):
+        calibrate(FIXTURES / "bench_cpu_seeds.jsonl")
+    run = _cli("calibrate", str(FIXTURES / "bench_cpu_seeds.jsonl"))
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text("calibrated = true\n")
+    with pytest.raises(InputError, match="missing"):
+        load_calibration(bad)
+    run = _cli("estimate", "--calibration", str(bad))
+    assert run.returncode == 2 and "not a calibration file" in run.stderr
