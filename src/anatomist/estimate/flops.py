@@ -124,6 +124,10 @@ class OpRecord:
     known: bool
     """False when op_classes.toml does not list the op (it is then `other`)."""
 
+    def calls_per_step(self, accumulation: int) -> float:
+        """Calls in one optimizer step: the passes repeat per micro-batch, the optimizer step runs once."""
+        return self.count * (1 if self.phase is Phase.OPTIMIZER else accumulation)
+
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
@@ -185,6 +189,10 @@ class StepOps:
 
     def flops(self, phase: Phase | None = None) -> float:
         return sum(r.flops * r.count for r in self.records if phase is None or r.phase is phase)
+
+    def flops_per_step(self, accumulation: int) -> int:
+        """FLOPs of one optimizer step of `accumulation` micro-batches."""
+        return round(accumulation * (self.flops(Phase.FORWARD) + self.flops(Phase.BACKWARD)) + self.flops(Phase.OPTIMIZER))
 
     def unknown_ops(self) -> list[str]:
         return sorted({r.name for r in self.records if not r.known})
@@ -354,6 +362,4 @@ def flops_per_step(workload: Workload, recipe: Recipe) -> int:
     Counted by PyTorch's flop_counter formulas on the real model code (2 FLOPs per
     multiply-add; matrix products, convolutions and attention only, the MFU convention).
     """
-    ops = step_ops(workload, recipe)
-    micro = ops.flops(Phase.FORWARD) + ops.flops(Phase.BACKWARD)
-    return round(recipe.gradient_accumulation_steps * micro + ops.flops(Phase.OPTIMIZER))
+    return step_ops(workload, recipe).flops_per_step(recipe.gradient_accumulation_steps)

@@ -144,12 +144,11 @@ def time_from_ops(
     phases = dict.fromkeys((Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER), 0.0)
     classes = dict.fromkeys(OpClass, 0.0)
     for record in ops.records:
-        repeats = record.count * (1 if record.phase is Phase.OPTIMIZER else accumulation)
-        seconds = op_call_s(record, recipe, gpu, cal) * repeats
+        seconds = op_call_s(record, recipe, gpu, cal) * record.calls_per_step(accumulation)
         phases[record.phase] += seconds
         classes[record.op_class] += seconds
     step_s = sum(phases.values())
-    flops = round(accumulation * (ops.flops(Phase.FORWARD) + ops.flops(Phase.BACKWARD)) + ops.flops(Phase.OPTIMIZER))
+    flops = ops.flops_per_step(accumulation)
     samples = recipe.per_device_train_batch_size * accumulation
     peak = gpu.peak_tflops(recipe_precision(recipe, gpu)) * 1e12
     return TimeAnatomy(
@@ -200,7 +199,7 @@ def fit_calibration(steps: list[TimedStep], *, source: str) -> Calibration:
     for s in steps:
         records = [r for r in step_ops(s.workload, s.recipe).records if not r.view]
         peaks.append(np.array([_peak_seconds(r, s.recipe, s.gpu) for r in records]).reshape(-1, 3))
-        repeats.append(np.array([r.count * (1 if r.phase is Phase.OPTIMIZER else s.recipe.gradient_accumulation_steps) for r in records]))
+        repeats.append(np.array([r.calls_per_step(s.recipe.gradient_accumulation_steps) for r in records]))
         launches.append(repeats[-1].sum())
     a = np.array(launches) / measured
     best: tuple[float, float, float, float] | None = None  # error, contraction, bandwidth, launch

@@ -185,10 +185,9 @@ def _summarise(events: Any, workload: Workload, recipe: Recipe, steps: int, devi
     accumulation = recipe.gradient_accumulation_steps
     class_flops = dict.fromkeys(OpClass, 0.0)
     for r in ops.records:
-        repeats = r.count * (1 if r.phase is Phase.OPTIMIZER else accumulation)
-        class_flops[r.op_class] += (r.flops + r.approx_flops) * repeats
+        class_flops[r.op_class] += (r.flops + r.approx_flops) * r.calls_per_step(accumulation)
     all_flops = sum(class_flops.values()) or 1.0
-    flops_per_step = round(sum(r.flops * r.count * (1 if r.phase is Phase.OPTIMIZER else accumulation) for r in ops.records))
+    flops_per_step = ops.flops_per_step(accumulation)
     phases = {f"{p}_s": phase_us[p] / steps / 1e6 for p in PHASES}
     step_s = sum(phases.values())
     achieved = flops_per_step / step_s / 1e12
