@@ -39,32 +39,21 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert re.search(message, lines[0]), lines[0]
 
 
-def test_malformed_config_names_the_field(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "bert", "hidden_size": -3}')
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ('{"model_type": "bert", "hidden_size": -3}', "field hidden_size must be a positive integer"),
+        ('{"hidden_size": 64}', "field model_type is missing"),
+        ("{hidden_size: 64", "not valid JSON"),
+        ('{"model_type": "my-own-arch", "auto_map": {"AutoConfig": "x.Y"}}', "--trust-remote-code"),
+    ],
+    ids=["negative-field", "no-model-type", "not-json", "remote-code"],
+)
+def test_bad_config_names_what_is_wrong(tmp_path, config, message):
+    (tmp_path / "config.json").write_text(config)
     result = run("estimate", str(tmp_path))
     assert result.returncode == 2
-    assert "field hidden_size must be a positive integer" in result.stderr
-
-
-def test_config_without_model_type(tmp_path):
-    (tmp_path / "config.json").write_text('{"hidden_size": 64}')
-    result = run("estimate", str(tmp_path))
-    assert result.returncode == 2
-    assert "field model_type is missing" in result.stderr
-
-
-def test_config_that_is_not_json(tmp_path):
-    (tmp_path / "config.json").write_text("{hidden_size: 64")
-    result = run("estimate", str(tmp_path))
-    assert result.returncode == 2
-    assert "not valid JSON" in result.stderr
-
-
-def test_remote_code_is_refused_without_the_flag(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "my-own-arch", "auto_map": {"AutoConfig": "x.Y"}}')
-    result = run("estimate", str(tmp_path))
-    assert result.returncode == 2
-    assert "--trust-remote-code" in result.stderr
+    assert message in result.stderr
 
 
 def test_recipe_file_with_unknown_key(tmp_path):
