@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from anatomist.errors import InputError
 from anatomist.recipe import ATTN_IMPLEMENTATIONS, OFFLOADS, OPTIMS, Recipe
+
+if TYPE_CHECKING:
+    from anatomist.estimate.time import Calibration
 
 _RECIPE_FLAGS = [
     # (flag, field, kwargs)
@@ -74,7 +77,7 @@ def add_calibration_flag(p: argparse.ArgumentParser) -> None:
                    help="time-model factors fitted by `anatomist calibrate` (default: the shipped, uncalibrated ones)")
 
 
-def calibration_from_args(args: argparse.Namespace) -> Any:
+def calibration_from_args(args: argparse.Namespace) -> Calibration | None:
     """The Calibration of --calibration FILE, or None for the shipped factors."""
     if args.calibration is None:
         return None
