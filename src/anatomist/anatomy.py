@@ -11,6 +11,10 @@ import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+GIB = 2**30
+MIB = 2**20
+"""Binary units: memory figures are printed in GiB and MiB, as nvidia-smi and PyTorch count."""
+
 
 class MemoryCategory(enum.StrEnum):
     """The six components of the seeds' "Anatomy of Model's Memory", plus the runtime's own."""

@@ -11,8 +11,9 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from anatomist.anatomy import MIB
 from anatomist.cli.common import print_json
-from anatomist.cli.render import MIB, console
+from anatomist.cli.render import console
 from anatomist.errors import InputError
 
 

@@ -6,7 +6,7 @@ import argparse
 
 from rich.table import Table
 
-from anatomist.anatomy import MemoryCategory, TimeAnatomy
+from anatomist.anatomy import GIB, MemoryCategory, TimeAnatomy
 from anatomist.cli.common import (
     add_calibration_flag,
     add_model_flags,
@@ -15,7 +15,7 @@ from anatomist.cli.common import (
     print_json,
     recipe_from_args,
 )
-from anatomist.cli.render import GIB, console, gib
+from anatomist.cli.render import console, gib
 from anatomist.errors import InputError
 from anatomist.estimate import Estimate, estimate
 from anatomist.hardware import get_gpu

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-GIB = 2**30
-MIB = 2**20
+from anatomist.anatomy import GIB
 
 
 def gib(nbytes: int | float) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from anatomist.anatomy import MemoryAnatomy, Phase
+from anatomist.anatomy import GIB, MemoryAnatomy, Phase
 from anatomist.recipe import Recipe
 
 OPTIMIZER_BYTES_PER_PARAM: dict[str, float | None] = {
@@ -50,7 +50,6 @@ class BytesPerParamRule:
 
     def explain(self, traced: MemoryAnatomy) -> Iterator[str]:
         """One line per component where the trace at the peak differs from the rule by > 5%."""
-        gib = 2**30
 
         def differs(rule: int, got: int) -> bool:
             return abs(got - rule) > 0.05 * max(rule, 1)
@@ -67,7 +66,7 @@ class BytesPerParamRule:
                 why = "ZeRO-3 shards the weights across devices"
             else:
                 why = "buffers (position ids, masks) and rounding to 512-byte blocks add to the parameters"
-            yield f"weights: rule {self.weights_per_param:g} B/param = {self.weights_bytes / gib:.2f} GiB, traced {traced.weights / gib:.2f} GiB at the peak: {why}"
+            yield f"weights: rule {self.weights_per_param:g} B/param = {self.weights_bytes / GIB:.2f} GiB, traced {traced.weights / GIB:.2f} GiB at the peak: {why}"
         if self.optimizer_bytes is not None and differs(self.optimizer_bytes, traced.optimizer_states):
             if traced.optimizer_states == 0:
                 why = f"the peak is in the first step's {traced.peak_phase}, before the optimizer has made its state"
@@ -75,10 +74,10 @@ class BytesPerParamRule:
                 why = "8-bit optimizers keep fp32 state for parameters under 4096 elements and an fp32 scale per 256-element block"
             else:
                 why = "ZeRO shards or offloads the optimizer state"
-            yield f"optimizer states: rule {self.optimizer_per_param:g} B/param = {self.optimizer_bytes / gib:.2f} GiB, traced {traced.optimizer_states / gib:.2f} GiB"+ f": {why}"
+            yield f"optimizer states: rule {self.optimizer_per_param:g} B/param = {self.optimizer_bytes / GIB:.2f} GiB, traced {traced.optimizer_states / GIB:.2f} GiB"+ f": {why}"
         elif self.optimizer_bytes is None:
             yield (
-                f"optimizer states: the rule gives no figure for this optimizer; traced {traced.optimizer_states / gib:.2f} GiB "
+                f"optimizer states: the rule gives no figure for this optimizer; traced {traced.optimizer_states / GIB:.2f} GiB "
                 "(Adafactor keeps row and column factors of each matrix, not a full second moment)"
             )
         if self.gradients_per_param and differs(self.gradients_bytes, traced.gradients):
@@ -86,7 +85,7 @@ class BytesPerParamRule:
                 why = f"at the peak ({traced.peak_phase}) gradients exist only for the layers backward has reached (set_to_none frees them each step)"
             else:
                 why = "ZeRO-2/3 shards the gradients across devices"
-            yield f"gradients: rule 4 B/param = {self.gradients_bytes / gib:.2f} GiB, traced {traced.gradients / gib:.2f} GiB: {why}"
+            yield f"gradients: rule 4 B/param = {self.gradients_bytes / GIB:.2f} GiB, traced {traced.gradients / GIB:.2f} GiB: {why}"
 
 
 def bytes_per_param_rule(recipe: Recipe, parameters: int, mode: str) -> BytesPerParamRule:

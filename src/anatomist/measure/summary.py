@@ -5,14 +5,14 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from anatomist.anatomy import MIB
 from anatomist.measure.recorder import RunSummary
 
-_MIB = 2**20
 _CATEGORIES = ("weights", "optimizer_states", "gradients", "activations", "temporary", "functionality")
 
 
 def _mib(value: int | None) -> str:
-    return "n/a" if value is None else f"{value / _MIB:,.1f} MiB"
+    return "n/a" if value is None else f"{value / MIB:,.1f} MiB"
 
 
 def summary_table(summary: RunSummary) -> Table:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from anatomist.anatomy import GIB, MIB
 from anatomist.hardware import GPU
-from anatomist.plan.search import GIB, SPEED_TIE, Candidate, Evaluator, SearchSpace, smallest_fitting_gpu
+from anatomist.plan.search import SPEED_TIE, Candidate, Evaluator, SearchSpace, smallest_fitting_gpu
 from anatomist.plan.space import PRECISIONS, precision_of, precisions_for, sharding_of
 from anatomist.recipe import Recipe
 from anatomist.workload import Workload
@@ -21,7 +22,7 @@ Alternatives = Callable[[Recipe], list[tuple[str, Recipe]]]
 
 def _gib(n: int) -> str:
     """GiB (2**30), or MiB (2**20) below 1 GiB so that small models still read."""
-    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / 2**20:.1f} MiB"
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / MIB:.1f} MiB"
 
 
 def _compare(best: Candidate, alt_label: str, alt: Candidate, limit: int) -> str:

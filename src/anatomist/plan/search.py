@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from anatomist.anatomy import TimeAnatomy
+from anatomist.anatomy import GIB, TimeAnatomy
 from anatomist.errors import InputError
 from anatomist.estimate.memory import MemoryEstimate, estimate_memory
 from anatomist.hardware import GPU, catalog
@@ -24,7 +24,6 @@ Objective = Literal["throughput", "memory"]
 DEFAULT_MARGIN = 0.10
 """Share of the GPU's memory kept free: the allocator's fragmentation varies run to run and
 the prediction has an error (see the benchmark tables); 10% is the default safety margin."""
-GIB = 2**30
 
 
 @dataclass(kw_only=True, slots=True)

@@ -20,10 +20,9 @@ matplotlib.use("Agg")  # before pyplot: files only, no display
 
 from matplotlib.figure import Figure  # noqa: E402
 
-from anatomist.anatomy import MemoryCategory, OpClass  # noqa: E402
+from anatomist.anatomy import GIB, MemoryCategory, OpClass  # noqa: E402
 from anatomist.report.load import RecipeResult, comparable_peaks, peak_bytes  # noqa: E402
 
-GIB = 2**30
 PARITY_BAND_PCT = 5.0
 """DESIGN.md's quality bar: predicted memory within 5% of the measured peak."""
 

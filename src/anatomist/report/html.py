@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from anatomist import __version__
-from anatomist.anatomy import MemoryCategory
-from anatomist.report.charts import GIB, OP_CLASS_ORDER, pareto_front
+from anatomist.anatomy import GIB, MemoryCategory
+from anatomist.report.charts import OP_CLASS_ORDER, pareto_front
 from anatomist.report.load import RecipeResult, ReportData, comparable_peaks, peak_bytes
 
 
