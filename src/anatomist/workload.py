@@ -46,6 +46,10 @@ class Workload:
     def model_type(self) -> str:
         return str(self.config.model_type)
 
+    def trace_key(self) -> tuple[Any, ...]:
+        """What decides the model a trace builds and the inputs it feeds: the caches' key."""
+        return (self.config.to_json_string(use_diff=False), self.task, self.num_labels, self.seq_len)
+
     @property
     def is_moe(self) -> bool:
         return bool(_moe_counts(self.config))

@@ -225,8 +225,8 @@ def _trace(workload: Workload, recipe: Recipe, part: Part, depth: int, batch: in
     `batch` samples (forward, backward, recomputation), or the optimizer phase (unscale,
     clip, step) after a first step has made the state. Cached."""
     key = (
-        workload.config.to_json_string(use_diff=False), workload.task, workload.seq_len, part,
-        tuple(getattr(recipe, f) for f in _PART_FIELDS[part]), depth, batch if part == "passes" else 0,
+        *workload.trace_key(), part, tuple(getattr(recipe, f) for f in _PART_FIELDS[part]), depth,
+        batch if part == "passes" else 0,
     )
     if key in _traces:
         return _traces[key]
@@ -292,10 +292,7 @@ def step_ops(workload: Workload, recipe: Recipe) -> StepOps:
     Cached per model config and the recipe fields that change the ops (not accumulation:
     it repeats the micro-batch, which the time model multiplies).
     """
-    key = (
-        workload.config.to_json_string(use_diff=False), workload.task, workload.seq_len,
-        tuple(getattr(recipe, f) for f in _TRACE_FIELDS),
-    )
+    key = (*workload.trace_key(), tuple(getattr(recipe, f) for f in _TRACE_FIELDS))
     if key not in _cache:
         _cache[key] = _step_ops(workload, recipe)
     return _cache[key]

@@ -72,9 +72,7 @@ class MemoryEstimate:
 
 def _trace(workload: Workload, recipe: Recipe, depth: int, batch: int, gpu: GPU, part: Part) -> StepTrace:
     key = (
-        workload.task,
-        workload.seq_len,
-        workload.config.to_json_string(use_diff=False),
+        *workload.trace_key(),
         part,
         tuple(getattr(recipe, f) for f in _PART_FIELDS[part]),
         min(recipe.gradient_accumulation_steps, 2) if part == "forward-backward" else 1,

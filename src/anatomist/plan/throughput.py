@@ -42,14 +42,14 @@ def constants() -> dict[str, Any]:
     return tomllib.loads(resources.files("anatomist.data").joinpath("plan_throughput.toml").read_text())
 
 
-_PARAMS: dict[tuple[str, str], int] = {}
+_PARAMS: dict[tuple[Any, ...], int] = {}
 
 
 def parameter_count(workload: Workload) -> int:
     """Parameters of the task model, built on the meta device (no memory, no weights)."""
     import torch
 
-    key = (workload.task, workload.config.to_json_string(use_diff=False))
+    key = workload.trace_key()
     if key not in _PARAMS:
         with torch.device("meta"), contextlib.redirect_stderr(None):
             model = workload.build_model("sdpa")
