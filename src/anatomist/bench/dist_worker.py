@@ -42,7 +42,7 @@ def main() -> None:
 
     from accelerate import Accelerator
 
-    from anatomist.estimate.step import _make_batch
+    from anatomist.estimate.step import make_batch
     from anatomist.recipe import Recipe
     from anatomist.workload import load_workload
 
@@ -59,7 +59,7 @@ def main() -> None:
     start = time.perf_counter()
     for _ in range(args.steps * recipe.gradient_accumulation_steps):
         with accelerator.accumulate(model):
-            loss = model(**_make_batch(workload, recipe.per_device_train_batch_size)).loss
+            loss = model(**make_batch(workload, recipe.per_device_train_batch_size)).loss
             accelerator.backward(loss)
             grads_bytes = _nbytes([p.grad for p in model.parameters() if p.grad is not None])
             optimizer.step()

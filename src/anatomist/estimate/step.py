@@ -95,7 +95,7 @@ def lower_dtype(recipe: Recipe) -> torch.dtype | None:
     return torch.float16 if recipe.fp16 else torch.bfloat16 if recipe.bf16 else None
 
 
-def _make_batch(workload: Workload, batch_size: int) -> dict[str, torch.Tensor]:
+def make_batch(workload: Workload, batch_size: int) -> dict[str, torch.Tensor]:
     """Inputs as the seeds' dataset gives them: random token ids, labels for the task."""
     shape = (batch_size, workload.seq_len)
     ids = torch.randint(100, 30000, shape) if workload.config.vocab_size > 30000 else torch.randint(
@@ -238,7 +238,7 @@ def forward_backward(
     for micro in range(min(recipe.gradient_accumulation_steps, 2)):
         tracer.micro_step = micro
         tracer.phase, tracer.segment = Phase.FORWARD, "pre"
-        batch = _make_batch(workload, batch_size)
+        batch = make_batch(workload, batch_size)
         with autocast:
             loss = model(**batch).loss
         loss = loss / recipe.gradient_accumulation_steps
@@ -314,7 +314,7 @@ def _inference_step(
 ) -> None:
     model.eval()
     tracer.phase = Phase.FORWARD
-    batch = _make_batch(workload, batch_size)
+    batch = make_batch(workload, batch_size)
     batch.pop("labels")
     kwargs: dict[str, Any] = {}
     if workload.task == "causal-lm":

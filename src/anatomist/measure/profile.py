@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from anatomist.anatomy import OpClass, Phase
 from anatomist.errors import InputError
 from anatomist.estimate.flops import step_ops
-from anatomist.estimate.step import _make_batch
+from anatomist.estimate.step import make_batch
 from anatomist.hardware import detect_local_gpu
 from anatomist.profile.classes import classify, is_known
 from anatomist.recipe import Recipe
@@ -118,7 +118,7 @@ def training_step(workload: Workload, recipe: Recipe, device: torch.device) -> C
 
     def train_step() -> None:
         for _ in range(recipe.gradient_accumulation_steps):
-            batch = {k: v.to(device) for k, v in _make_batch(workload, recipe.per_device_train_batch_size).items()}
+            batch = {k: v.to(device) for k, v in make_batch(workload, recipe.per_device_train_batch_size).items()}
             with record_function("forward"):
                 with autocast:
                     loss = model(**batch).loss / recipe.gradient_accumulation_steps
