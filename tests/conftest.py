@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The trace cache of a test run lives in a folder of its own, never in the user's cache.
+os.environ.setdefault("ANATOMIST_CACHE_DIR", tempfile.mkdtemp(prefix="anatomist-test-cache-"))
 
 TINY_CONFIGS: dict[str, dict] = {
     "bert": {

@@ -12,9 +12,9 @@ import pytest
 
 from anatomist.anatomy import TENSOR_CATEGORIES, MemoryCategory
 from anatomist.estimate.memory import estimate_memory
-from anatomist.estimate.step import trace_step
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
+from anatomist.trace.step import trace_step
 from anatomist.workload import load_workload
 
 GPU = get_gpu("A100-80GB")
@@ -36,8 +36,9 @@ def _measured(workload, recipe):
         workload, recipe, depth=None, batch_size=BATCH, compute_capability=GPU.compute_capability,
         part="train-step", fake=False,
     )
-    key = max(real.phases, key=lambda k: real.phases[k].allocated)
-    return key[0], real.phases[key]
+    peaks = real.peaks()
+    key = max(peaks, key=lambda k: peaks[k].allocated)
+    return key[0], peaks[key]
 
 
 @pytest.mark.parametrize("model", ["bert", "gpt2", "llama"])

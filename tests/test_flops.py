@@ -7,11 +7,16 @@ import os
 from pathlib import Path
 
 import pytest
+from torch.utils.flop_counter import FlopCounterMode
 
 from anatomist.anatomy import Phase
-from anatomist.estimate.flops import OpRecord, _passes, _record, _step_at_depth, _trace, flops_per_step, step_ops
+from anatomist.estimate.flops import OpRecord, _record, _step_at_depth, flops_per_step, passes_ops, step_ops
 from anatomist.recipe import Recipe
+from anatomist.trace.ops import CUSTOM_FLOPS
+from anatomist.trace.step import trace_part, trace_step
 from anatomist.workload import Workload, load_workload
+
+CC = "8.0"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -51,8 +56,8 @@ def test_hand_formula_eager(tmp_path: Path) -> None:
     assert ops.flops(Phase.BACKWARD) == 2 * FORWARD
     assert ops.flops(Phase.OPTIMIZER) == 0
     assert flops_per_step(w, recipe) == 3 * FORWARD == 3_552_000
-    # Our per-op records add up to PyTorch's own FlopCounterMode total.
-    assert ops.counter_flops == ops.flops()
+    # Our per-op records add up to PyTorch's own FlopCounterMode total over the same passes.
+    assert _counter_flops(w, recipe) == ops.flops(Phase.FORWARD) + ops.flops(Phase.BACKWARD)
 
 
 def test_accumulation_multiplies_micro_batches(tmp_path: Path) -> None:
@@ -73,21 +78,28 @@ def test_sdpa_counts_attention_through_the_cuda_formula(tmp_path: Path) -> None:
     w = tiny_bert(tmp_path)
     ops = step_ops(w, Recipe(per_device_train_batch_size=2, attn_implementation="sdpa"))
     assert ops.flops(Phase.FORWARD) == FORWARD
-    assert ops.counter_flops == ops.flops()
+    assert _counter_flops(w, Recipe(per_device_train_batch_size=2)) == ops.flops(Phase.FORWARD) + ops.flops(Phase.BACKWARD)
     assert any(r.name.startswith("_scaled_dot_product") and r.flops > 0 for r in ops.records)
     assert ops.unknown_ops() == []
 
 
 
+def _counter_flops(w: Workload, recipe: Recipe) -> int:
+    """PyTorch's FlopCounterMode over one micro-batch's passes of the full model, traced directly."""
+    counter = FlopCounterMode(display=False, custom_mapping=CUSTOM_FLOPS)
+    trace_step(w, recipe, depth=None, batch_size=recipe.per_device_train_batch_size, compute_capability=CC,
+               observers=(counter,))
+    return counter.get_total_flops()
+
+
 def test_depth_extrapolation_is_exact(tmp_path: Path) -> None:
-    """Traced at 1 and 2 layers and extrapolated to 4 = traced at 4 directly."""
-    w = tiny_bert(tmp_path, num_hidden_layers=4)
+    """Traced at 2 and 3 layers and extrapolated to 5 = traced at 5 directly."""
+    w = tiny_bert(tmp_path, num_hidden_layers=5)
     recipe = Recipe(per_device_train_batch_size=2)
-    extrapolated = step_ops(w, recipe)
-    calls, total = _step_at_depth(w, recipe, 4)
-    direct = [_record(sig, float(n)) for sig, n in calls.items()]
-    assert extrapolated.counter_flops == total
+    extrapolated = step_ops(w, recipe, CC)
+    direct = [_record(sig, float(n)) for sig, n in _step_at_depth(w, recipe, 5, CC).items()]
     _assert_same_costs(extrapolated.records, direct)
+    assert extrapolated.flops(Phase.FORWARD) + extrapolated.flops(Phase.BACKWARD) == _counter_flops(w, recipe)
 
 
 def test_batch_extrapolation_is_exact(tmp_path: Path) -> None:
@@ -95,10 +107,9 @@ def test_batch_extrapolation_is_exact(tmp_path: Path) -> None:
     w = tiny_bert(tmp_path)
     for recipe in (Recipe(per_device_train_batch_size=8), Recipe(per_device_train_batch_size=8, bf16=True,
                                                                    gradient_checkpointing=True)):
-        extrapolated = _passes(w, recipe, 2)
-        direct = _trace(w, recipe, "passes", 2, 8)
-        assert extrapolated.ops == direct.ops
-        assert extrapolated.counter_flops == direct.counter_flops
+        extrapolated = passes_ops(w, recipe, 2, CC)
+        direct = trace_part(w, recipe, "forward-backward", depth=2, batch_size=8, compute_capability=CC).ops
+        assert extrapolated == direct
 
 
 def _assert_same_costs(a: list[OpRecord], b: list[OpRecord]) -> None:

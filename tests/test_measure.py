@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from anatomist.anatomy import TENSOR_CATEGORIES, MemoryAnatomy
 from anatomist.bench.worker import build_dataset, predict
 from anatomist.estimate.flops import flops_per_step
 from anatomist.measure import AnatomistCallback, track
@@ -48,15 +49,15 @@ def test_callback_summary_on_tiny_trainer_run(tmp_path, capsys):
     assert summary.samples_per_second > 0 and summary.tokens_per_second == pytest.approx(summary.samples_per_second * 16)
     assert summary.device["source"] == "process" and summary.device["peak_bytes"] > 0
     memory = summary.memory
-    assert memory["peak_allocated"] == sum(memory[k] for k in (
-        "weights", "optimizer_states", "gradients", "activations", "temporary", "functionality"))
+    assert isinstance(memory, MemoryAnatomy)  # the type the estimator returns
+    assert memory.peak_allocated == sum(memory.category_bytes(c) for c in TENSOR_CATEGORIES)
     assert "run summary" in capsys.readouterr().err
 
 
 def test_measured_categories_line_up_with_prediction(tmp_path):
     workload = _workload(tmp_path)
     recipe = Recipe(per_device_train_batch_size=4)
-    measured = _train(workload, recipe, tmp_path).memory
+    measured = _train(workload, recipe, tmp_path).memory.to_dict()
     predicted, _notes = predict(workload, recipe)
     weights = _param_bytes(workload)
     # AdamW keeps exp_avg + exp_avg_sq (2 x fp32 params) + a step scalar per param: ~2 x weights
@@ -71,7 +72,7 @@ def test_measured_categories_line_up_with_prediction(tmp_path):
 def test_activations_measured_at_a_backward_peak(tmp_path):
     workload = _workload(tmp_path, seq_len=64)
     recipe = Recipe(per_device_train_batch_size=64, attn_implementation="eager")
-    measured = _train(workload, recipe, tmp_path, num_samples=128).memory
+    measured = _train(workload, recipe, tmp_path, num_samples=128).memory.to_dict()
     predicted, _ = predict(workload, recipe)
     # eager attention keeps [b, heads, s, s] = 64*2*64*64*4 B = 2 MiB of probabilities per layer (and more)
     assert measured["peak_phase"] in ("forward", "backward")
@@ -95,7 +96,7 @@ def test_track_plain_loop(tmp_path):
             optimizer.zero_grad(set_to_none=True)
             t.step_end()
     assert t.summary.steps == 4 and len(t.recorder.step_times_s) == 3  # the attributed step is left out
-    assert t.summary.memory["gradients"] == t.summary.memory["weights"] - sum(
+    assert t.summary.memory.gradients == t.summary.memory.weights - sum(
         -(-b.untyped_storage().nbytes() // 512) * 512 for b in model.buffers())
     assert not model._forward_hooks and not model._forward_pre_hooks  # hooks removed
     assert t.summary.mfu == pytest.approx(flops / t.summary.median_step_s / 1e12)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from anatomist.anatomy import OpClass
-from anatomist.profile.classes import base_name, classify, is_known, is_view, lookup
+from anatomist.op_classes import base_name, classify, is_known, is_view, lookup
 
 
 @pytest.mark.parametrize("op", ["aten::mm", "aten::addmm.default", "aten::bmm", "aten::linear",

@@ -26,12 +26,12 @@ import torch
 
 from anatomist.anatomy import TimeAnatomy
 from anatomist.estimate.flops import step_ops
-from anatomist.estimate.step import trace_step
 from anatomist.estimate.time import TimedStep, fit_calibration, time_from_ops
 from anatomist.hardware import GPU, get_gpu
 from anatomist.measure.profile import training_step
 from anatomist.plan import SearchSpace, plan
 from anatomist.recipe import Recipe
+from anatomist.trace.step import trace_step
 from anatomist.workload import Workload, load_workload
 
 CONFIG = {
@@ -61,7 +61,7 @@ def best_step_s(workload: Workload, recipes: list[Recipe]) -> list[float]:
 def measured_peak(workload: Workload, recipe: Recipe, compute_capability: str) -> int:
     real = trace_step(workload, recipe, depth=None, batch_size=recipe.per_device_train_batch_size,
                       compute_capability=compute_capability, part="train-step", fake=False)
-    return max(p.allocated for p in real.phases.values())
+    return max(p.allocated for p in real.peaks().values())
 
 
 def cpu_device(memory_bytes: int) -> GPU:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from anatomist.errors import InputError
-from anatomist.estimate.allocator import CachingAllocator, round_size, segment_size
 from anatomist.estimate.rules import bytes_per_param_rule
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
+from anatomist.trace.allocator import CachingAllocator, round_size, segment_size
 from anatomist.workload import load_workload
 
 
@@ -85,7 +85,7 @@ def test_optimizer_choice_matches_the_trainer(tmp_path):
     import torch
     from transformers import Trainer, TrainingArguments
 
-    from anatomist.estimate.optimizers import build_optimizer
+    from anatomist.trace.optimizers import build_optimizer
 
     params = [torch.nn.Parameter(torch.zeros(4))]
     for optim in ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd"):
@@ -132,7 +132,7 @@ def test_deepspeed_mixed_precision_is_the_zero_papers_arithmetic(stage, per_para
     from anatomist.anatomy import MemoryCategory as C
     from anatomist.anatomy import Phase
     from anatomist.estimate.sharding import shard
-    from anatomist.estimate.step import PhasePeak
+    from anatomist.trace.records import PhasePeak
 
     n = 1 << 20
     traced = {C.WEIGHTS: 6 * n, C.GRADIENTS: 4 * n, C.OPTIMIZER_STATES: 8 * n, C.ACTIVATIONS: 123,

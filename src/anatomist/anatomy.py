@@ -15,6 +15,11 @@ GIB = 2**30
 MIB = 2**20
 """Binary units: memory figures are printed in GiB and MiB, as nvidia-smi and PyTorch count."""
 
+DEFAULT_MEMORY_MARGIN = 0.10
+"""Share of the GPU's memory kept free when deciding whether a recipe fits (`estimate` and
+`plan` alike, `--memory-margin`): the allocator's fragmentation varies run to run and the
+prediction has an error (see the benchmark tables)."""
+
 
 class MemoryCategory(enum.StrEnum):
     """The six components of the seeds' "Anatomy of Model's Memory", plus the runtime's own."""
@@ -76,6 +81,11 @@ class MemoryAnatomy:
     to `peak_allocated`. `runtime_overhead` is what the device holds beyond that: the CUDA
     context plus the caching allocator's rounding and cached-but-free blocks, so that all
     seven categories add up to `device_total` (what nvidia-smi shows).
+
+    The same type holds a prediction (`anatomist.estimate`) and a measurement
+    (`anatomist.measure`: bench rows, the Trainer callback, `track()`). A measurement on the
+    CPU has no caching allocator and no CUDA context: `runtime_overhead`, `peak_reserved`
+    and `device_total` are None there; a prediction always has them.
     """
 
     weights: int
@@ -90,19 +100,20 @@ class MemoryAnatomy:
     """Everything else live at the peak: intermediate results freed once used."""
     functionality: int
     """Feature-specific memory: library workspaces (cuBLAS), loss-scaler state, KV cache."""
-    runtime_overhead: int
+    runtime_overhead: int | None
     """CUDA context (outside the allocator) + allocator reserve (peak_reserved - peak_allocated)."""
     peak_allocated: int
     """Live tensor bytes at the peak (what torch.cuda.max_memory_allocated reports)."""
-    peak_reserved: int
+    peak_reserved: int | None
     """Bytes the caching allocator holds at the peak (torch.cuda.max_memory_reserved)."""
-    device_total: int
+    device_total: int | None
     """What nvidia-smi would show: peak_reserved + runtime_overhead."""
     peak_phase: Phase
     """The phase of the step in which the peak happens."""
 
     def category_bytes(self, category: MemoryCategory) -> int:
-        return int(getattr(self, category.value))
+        """Bytes of `category` (0 where a measurement has no figure for it)."""
+        return int(getattr(self, category.value) or 0)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

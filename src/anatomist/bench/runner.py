@@ -24,7 +24,7 @@ from anatomist.workload import load_workload
 
 
 @dataclass(kw_only=True, slots=True)
-class Plan:
+class SuiteRun:
     """What the suite will run here: the model, the data shape, CPU or GPU."""
 
     suite: Suite
@@ -36,7 +36,7 @@ class Plan:
     on_cpu: bool
 
 
-def make_plan(suite: Suite, model: str | None = None) -> Plan:
+def prepare_suite(suite: Suite, model: str | None = None) -> SuiteRun:
     """The suite's configuration on this machine: the full one on a GPU, the small one on CPU.
 
     Raises:
@@ -53,7 +53,7 @@ def make_plan(suite: Suite, model: str | None = None) -> Plan:
     else:
         label = (f"{suite.model} stand-in for CPU: {config['model_type']} hidden {config.get('hidden_size')}, "
                  f"{config.get('num_hidden_layers')} layers")
-    return Plan(suite=suite, model=name, model_label=label, model_config=config, seq_len=seq_len,
+    return SuiteRun(suite=suite, model=name, model_label=label, model_config=config, seq_len=seq_len,
                 num_samples=int(cpu.get("num_samples", suite.num_samples)), on_cpu=on_cpu)
 
 
@@ -65,22 +65,22 @@ def _parent_device() -> dict[str, Any]:
     return {"name": snap.name, "kind": "cuda", "memory_bytes": snap.total_bytes}
 
 
-def base_row(plan: Plan, row: Row) -> dict[str, Any]:
+def base_row(run: SuiteRun, row: Row) -> dict[str, Any]:
     """The fields every row has, whatever happens to the run."""
     return {
-        "suite": plan.suite.name, "name": row.name, "model": plan.model_label, "recipe": row.recipe.to_dict(),
+        "suite": run.suite.name, "name": row.name, "model": run.model_label, "recipe": row.recipe.to_dict(),
         "loop": row.loop, "device": _parent_device(), "versions": versions(), "status": "skipped", "reason": None,
         "measured": {}, "predicted": {}, "error_pct": {}, "notes": [],
     }
 
 
-def run_row_isolated(plan: Plan, row: Row, *, timeout_s: float | None = None) -> dict[str, Any]:
+def run_row_isolated(run: SuiteRun, row: Row, *, timeout_s: float | None = None) -> dict[str, Any]:
     """Run `row` in a fresh `python -m anatomist.bench.worker` process; never raises for a failed run."""
-    result = base_row(plan, row)
+    result = base_row(run, row)
     spec = {
-        "suite": plan.suite.name, "name": row.name, "model": plan.model, "model_label": plan.model_label,
-        "model_config": plan.model_config, "seq_len": plan.seq_len, "num_samples": plan.num_samples,
-        "num_train_epochs": plan.suite.num_train_epochs, "recipe": row.recipe.to_dict(), "loop": row.loop,
+        "suite": run.suite.name, "name": row.name, "model": run.model, "model_label": run.model_label,
+        "model_config": run.model_config, "seq_len": run.seq_len, "num_samples": run.num_samples,
+        "num_train_epochs": run.suite.num_train_epochs, "recipe": row.recipe.to_dict(), "loop": row.loop,
     }
     with tempfile.TemporaryDirectory(prefix="anatomist-row-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "row.json"
@@ -102,7 +102,7 @@ def run_row_isolated(plan: Plan, row: Row, *, timeout_s: float | None = None) ->
 
 
 def run_suite(
-    plan: Plan,
+    run: SuiteRun,
     rows: list[Row],
     store: ResultsFile,
     *,
@@ -113,7 +113,7 @@ def run_suite(
 
     `on_row(row, reused)` is called after each row (reused: taken from the file by --resume).
     """
-    done = {r["name"]: r for r in store.rows if r.get("suite") == plan.suite.name} if resume else {}
+    done = {r["name"]: r for r in store.rows if r.get("suite") == run.suite.name} if resume else {}
     out = []
     for row in rows:
         if row.name in done:
@@ -121,12 +121,12 @@ def run_suite(
             if on_row:
                 on_row(done[row.name], True)
             continue
-        reason = row.skip_reason(has_cuda=not plan.on_cpu)
+        reason = row.skip_reason(has_cuda=not run.on_cpu)
         if reason is not None:
-            result = base_row(plan, row)
+            result = base_row(run, row)
             result["reason"] = reason
         else:
-            result = run_row_isolated(plan, row)
+            result = run_row_isolated(run, row)
         store.append(result)
         out.append(result)
         if on_row:

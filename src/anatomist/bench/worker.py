@@ -11,6 +11,7 @@ binary labels through `transformers.Trainer` (or a plain Accelerate loop), measu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import sys
@@ -140,9 +141,10 @@ def run_accelerate(workload: Workload, recipe: Recipe, ds: Any, epochs: float, o
 
 def predict(workload: Workload, recipe: Recipe) -> tuple[dict[str, Any], list[str]]:
     """The estimator's prediction for this row on this device, and notes on how it was made."""
-    from anatomist.estimate import estimate_memory
-    from anatomist.estimate.cuda_model import cublas_workspace_bytes
+    from anatomist.estimate.memory import estimate_memory
+    from anatomist.estimate.time import estimate_time
     from anatomist.hardware import detect_local_gpu, get_gpu
+    from anatomist.trace.cuda_model import cublas_workspace_bytes
 
     notes: list[str] = []
     gpu = detect_local_gpu() if cuda_available() else None
@@ -151,24 +153,20 @@ def predict(workload: Workload, recipe: Recipe) -> tuple[dict[str, Any], list[st
     on_cpu = gpu is None
     if gpu is None:
         gpu = get_gpu(CPU_REFERENCE_GPU)
-    memory = estimate_memory(workload, recipe, gpu).anatomy.to_dict()
+    anatomy = estimate_memory(workload, recipe, gpu).anatomy
     if on_cpu:
         # The tensor categories only: CPU has no cuBLAS workspace, no reserve, no context.
         workspace = cublas_workspace_bytes(gpu.compute_capability)
-        live_workspaces = (memory["functionality"] // workspace) * workspace
-        memory["functionality"] -= live_workspaces
-        memory["peak_allocated"] -= live_workspaces
-        memory.update(runtime_overhead=None, peak_reserved=None, device_total=None)
+        live_workspaces = (anatomy.functionality // workspace) * workspace
+        anatomy = dataclasses.replace(
+            anatomy, functionality=anatomy.functionality - live_workspaces,
+            peak_allocated=anatomy.peak_allocated - live_workspaces,
+            runtime_overhead=None, peak_reserved=None, device_total=None,
+        )
         notes.append(f"CPU: predicted with {CPU_REFERENCE_GPU}'s code paths, tensor categories only "
                      "(cuBLAS workspaces removed; reserved/device total have no CPU analogue)")
-    time_pred: dict[str, Any] = {}
-    if not on_cpu:
-        try:
-            from anatomist.estimate.time import estimate_time  # built by another engineer
-
-            time_pred = estimate_time(workload, recipe, gpu).to_dict()
-        except ImportError:
-            notes.append("no time prediction: anatomist.estimate.time is not available")
+    memory = anatomy.to_dict()
+    time_pred = estimate_time(workload, recipe, gpu).to_dict() if not on_cpu else {}
     return {"memory": memory, "time": time_pred}, notes
 
 
@@ -214,7 +212,7 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
                 "samples_per_second": summary.samples_per_second,
                 "tokens_per_second": summary.tokens_per_second,
                 "trainer_samples_per_second": float(metrics["train_samples_per_second"]),
-                "memory": summary.memory,
+                "memory": summary.memory.to_dict() if summary.memory is not None else None,
                 "time": {"median_step_s": summary.median_step_s, "steps": summary.steps},
                 "device_memory": summary.device, "allocator": summary.allocator,
                 "cuda_context_bytes": summary.cuda_context_bytes,

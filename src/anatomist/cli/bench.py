@@ -57,7 +57,7 @@ def results_table(rows: list[dict[str, Any]], title: str) -> Table:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here, not at the top: every subcommand's module is imported to build the parser.
-    from anatomist.bench.runner import make_plan, run_suite
+    from anatomist.bench.runner import prepare_suite, run_suite
     from anatomist.bench.store import open_results
     from anatomist.bench.suites import load_suite
 
@@ -68,12 +68,12 @@ def run(args: argparse.Namespace) -> int:
     suite = load_suite(args.suite)
     names = [n.strip() for n in args.rows.split(",") if n.strip()] if args.rows else None
     rows = suite.select(names)
-    plan = make_plan(suite, args.model)
+    run = prepare_suite(suite, args.model)
     store = open_results(args.results)  # validates an existing file before anything runs
     err = console(stderr=True)
-    if plan.on_cpu:
+    if run.on_cpu:
         err.print(f"[bold]No GPU here:[/] running suite {suite.name!r} on its small CPU configuration "
-                  f"({plan.model_label}, {plan.num_samples} samples of {plan.seq_len} tokens); "
+                  f"({run.model_label}, {run.num_samples} samples of {run.seq_len} tokens); "
                   "no GPU figure is measured.")
     finished: list[dict[str, Any]] = []
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             progress.advance(task)
             live.update(view())
 
-        results = run_suite(plan, rows, store, resume=args.resume, on_row=on_row)
+        results = run_suite(run, rows, store, resume=args.resume, on_row=on_row)
     if args.json:
         print_json({"rows": results})
     return 0

@@ -7,6 +7,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
+from anatomist.anatomy import DEFAULT_MEMORY_MARGIN
 from anatomist.errors import InputError
 from anatomist.recipe import ATTN_IMPLEMENTATIONS, OFFLOADS, OPTIMS, Recipe
 
@@ -70,6 +71,24 @@ def positive_int(name: str, value: int | None) -> int | None:
     if value is not None and value <= 0:
         raise InputError(f"{name} must be greater than 0, got {value}")
     return value
+
+
+def add_cache_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-cache", action="store_true",
+                   help="neither read nor write the on-disk trace cache (env ANATOMIST_NO_CACHE=1 does the same)")
+
+
+def apply_cache_flag(args: argparse.Namespace) -> None:
+    """Turn the disk trace cache off for this process when --no-cache was given."""
+    if getattr(args, "no_cache", False):
+        from anatomist.trace.cache import set_disk_cache
+
+        set_disk_cache(False)
+
+
+def add_margin_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--memory-margin", type=float, default=DEFAULT_MEMORY_MARGIN, metavar="FRACTION",
+                   help=f"share of GPU memory kept free when deciding what fits (default {DEFAULT_MEMORY_MARGIN})")
 
 
 def add_calibration_flag(p: argparse.ArgumentParser) -> None:

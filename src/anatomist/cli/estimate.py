@@ -3,23 +3,29 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from anatomist.anatomy import GIB, MemoryCategory, TimeAnatomy
+from anatomist.anatomy import MemoryCategory, TimeAnatomy
 from anatomist.cli.common import (
+    add_cache_flag,
     add_calibration_flag,
+    add_margin_flag,
     add_model_flags,
     add_recipe_flags,
+    apply_cache_flag,
     calibration_from_args,
     print_json,
     recipe_from_args,
 )
 from anatomist.cli.render import console, gib
 from anatomist.errors import InputError
-from anatomist.estimate import Estimate, estimate
 from anatomist.hardware import get_gpu
 from anatomist.workload import load_workload
+
+if TYPE_CHECKING:
+    from anatomist.estimate.predict import Estimate
 
 DEFAULT_MODEL = "bert-large-uncased"
 DEFAULT_GPU = "V100-16GB"
@@ -37,12 +43,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout, nothing else")
     p.add_argument("--report", metavar="PATH", help="also write an HTML report")
     add_calibration_flag(p)
+    add_margin_flag(p)
+    add_cache_flag(p)
     p.add_argument("--ignore-missing-packages", action="store_true",
                    help="estimate a recipe whose optional package (bitsandbytes, flash-attn...) is not installed here")
     p.set_defaults(handler=run)
 
 
 def build_estimate(args: argparse.Namespace) -> Estimate:
+    from anatomist.estimate.predict import estimate
+
+    apply_cache_flag(args)
     recipe = recipe_from_args(args)
     gpu = get_gpu(args.gpu)
     calibration = calibration_from_args(args)
@@ -62,7 +73,8 @@ def build_estimate(args: argparse.Namespace) -> Estimate:
         args.model, seq_len=args.seq_len, task=args.task,
         trust_remote_code=args.trust_remote_code, allow_network=args.allow_network,
     )
-    return estimate(workload, recipe, gpu, mode=args.mode, num_gpus=args.gpus, calibration=calibration)
+    return estimate(workload, recipe, gpu, mode=args.mode, num_gpus=args.gpus, calibration=calibration,
+                    margin=args.memory_margin)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,7 +122,8 @@ def render(result: Estimate) -> None:
     fits = "[green]fits[/]" if mem.fits else "[red]does not fit[/]"
     out.print(
         f"peak in [bold]{a.peak_phase}[/]: allocated {gib(a.peak_allocated)}, reserved {gib(a.peak_reserved)}, "
-        f"device {gib(a.device_total)} of {gib(result.gpu.memory_bytes)}: {fits}; "
+        f"device {gib(a.device_total)} of {gib(mem.limit_bytes)} usable "
+        f"({gib(result.gpu.memory_bytes)} less the {result.margin:.0%} margin): {fits}; "
         f"largest batch that fits: [bold]{mem.max_batch_size}[/]"
     )
     if rule.total_per_param is not None:
@@ -122,7 +135,6 @@ def render(result: Estimate) -> None:
         out.print(f"  - {note}")
     if result.time is not None:
         render_time(result.time, result.extra["time_calibration"])
-    _ = GIB
 
 
 def render_time(t: TimeAnatomy, calibration_source: str) -> None:

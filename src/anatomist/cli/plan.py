@@ -5,20 +5,30 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from anatomist.cli.common import add_calibration_flag, add_model_flags, calibration_from_args, print_json
+from anatomist.cli.common import (
+    add_cache_flag,
+    add_calibration_flag,
+    add_margin_flag,
+    add_model_flags,
+    apply_cache_flag,
+    calibration_from_args,
+    print_json,
+)
 from anatomist.cli.render import console, gib
 from anatomist.errors import InputError
 from anatomist.hardware import get_gpu
-from anatomist.plan import DEFAULT_MARGIN, Plan, SearchSpace, plan
 from anatomist.plan.emit import TARGETS, write
 from anatomist.plan.emit import render as render_emit
-from anatomist.plan.space import DEFAULT_OPTIMS, precision_of, sharding_of
-from anatomist.plan.throughput import predict_time
+from anatomist.plan.space import DEFAULT_OPTIMS, SearchSpace, precision_of, sharding_of
 from anatomist.recipe import OPTIMS
 from anatomist.workload import load_workload
+
+if TYPE_CHECKING:
+    from anatomist.plan.search import Plan
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,8 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="samples per optimizer step over all GPUs (default: any batch, no accumulation)")
     p.add_argument("--gpus", type=int, default=1, metavar="N", help="data-parallel GPUs (adds ZeRO 1/2/3 and FSDP)")
     p.add_argument("--objective", choices=["throughput", "memory"], default="throughput")
-    p.add_argument("--memory-margin", type=float, default=DEFAULT_MARGIN, metavar="FRACTION",
-                   help=f"share of GPU memory kept free (default {DEFAULT_MARGIN})")
+    add_margin_flag(p)
     p.add_argument("--optims", default=",".join(DEFAULT_OPTIMS), metavar="A,B",
                    help=f"optimizers to search (default {','.join(DEFAULT_OPTIMS)}; known: {', '.join(OPTIMS)})")
     p.add_argument("--no-compile", action="store_true", help="do not consider torch.compile")
@@ -38,10 +47,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", metavar="PATH", default=None, help="file for --emit (default: stdout)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON on stdout, nothing else")
     add_calibration_flag(p)
+    add_cache_flag(p)
     p.set_defaults(handler=run)
 
 
 def build_plan(args: argparse.Namespace) -> Plan:
+    from anatomist.plan.search import plan
+    from anatomist.plan.throughput import predict_time
+
+    apply_cache_flag(args)
     gpu = get_gpu(args.gpu)
     calibration = calibration_from_args(args)
     optims = tuple(o.strip() for o in args.optims.split(",") if o.strip())

@@ -1,13 +1,10 @@
 """Predict the memory anatomy of a training or inference step, offline.
 
-A step is traced (see `step.py`) in two parts, forward/backward and optimizer, on models
-cut to 2 and 3 blocks (the first block differs from the rest: it reads the embeddings), at 2 and 3 samples per pass. Every figure of a segment's peak is
-affine in depth and batch size (each block and each sample adds the same tensors), so four
-small traces give the full model at any batch size. The peak phase is
-chosen after extrapolation. A test checks this against a full-depth trace.
-
-Within one depth, the traces at batch 1 and 2 run the same ops, so their allocation
-curves are extrapolated point by point to the wanted batch size before the peak is taken.
+From the estimator's traces (`traces.py`: the passes at 2 and 3 blocks and 2 and 3 samples,
+the optimizer at 2 and 3 blocks): within one depth, the traces at the two batch sizes run
+the same ops, so their allocation curves are extrapolated point by point to the wanted
+batch size; then segment by segment to the full depth. The peak phase is chosen after
+extrapolation. A test checks this against a full-depth trace.
 
 The caching allocator's reserve (rounding, cached free blocks) does not extrapolate block
 by block; the ratio of peak reserved to peak allocated of the deepest, largest trace is
@@ -22,24 +19,18 @@ from typing import Any
 
 import numpy as np
 
-from anatomist.anatomy import TENSOR_CATEGORIES, MemoryAnatomy, MemoryCategory, Phase
-from anatomist.estimate.cuda_model import cublas_workspace_bytes
+from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, TENSOR_CATEGORIES, MemoryAnatomy, MemoryCategory, Phase
+from anatomist.errors import InputError
 from anatomist.estimate.rules import BytesPerParamRule, bytes_per_param_rule
 from anatomist.estimate.sharding import shard
-from anatomist.estimate.step import Curves, Mode, Part, PhasePeak, StepTrace, num_layers, trace_step
+from anatomist.estimate.traces import TRACE_BATCHES, TRACE_DEPTHS, Mode, affine, step_traces
 from anatomist.hardware import GPU
 from anatomist.recipe import Recipe
+from anatomist.trace.records import Curves, PhasePeak, StepTrace
+from anatomist.trace.step import num_layers
 from anatomist.workload import Workload
 
 MAX_BATCH_SEARCH = 1 << 16
-
-# Recipe fields that change each part's trace (batch size and accumulation beyond 2 do not).
-_PART_FIELDS = {
-    "forward-backward": ("gradient_checkpointing", "fp16", "bf16", "attn_implementation"),
-    "inference": ("fp16", "bf16", "attn_implementation"),
-    "optimizer": ("optim", "fp16", "max_grad_norm"),
-}
-_cache: dict[tuple[Any, ...], StepTrace] = {}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -51,7 +42,9 @@ class MemoryEstimate:
     trainable_parameters: int
     fits: bool
     max_batch_size: int
-    """Largest per-device batch size whose predicted device_total fits the GPU (0: none)."""
+    """Largest per-device batch size whose predicted device_total fits within `limit_bytes` (0: none)."""
+    limit_bytes: int
+    """The GPU's memory less the margin kept free: what `fits` compares the device total with."""
     rule: BytesPerParamRule
     phase_peaks: dict[str, int] = field(default_factory=dict)
     """Predicted peak allocated bytes of each phase."""
@@ -64,38 +57,11 @@ class MemoryEstimate:
             "trainable_parameters": self.trainable_parameters,
             "fits": self.fits,
             "max_batch_size": self.max_batch_size,
+            "limit_bytes": self.limit_bytes,
             "bytes_per_param_rule": asdict(self.rule),
             "phase_peaks": self.phase_peaks,
             "notes": self.notes,
         }
-
-
-def _trace(workload: Workload, recipe: Recipe, depth: int, batch: int, gpu: GPU, part: Part) -> StepTrace:
-    key = (
-        *workload.trace_key(),
-        part,
-        tuple(getattr(recipe, f) for f in _PART_FIELDS[part]),
-        min(recipe.gradient_accumulation_steps, 2) if part == "forward-backward" else 1,
-        depth,
-        batch if part != "optimizer" else 1,
-        cublas_workspace_bytes(gpu.compute_capability),
-    )
-    if key not in _cache:
-        _cache[key] = trace_step(
-            workload, recipe, depth=depth, batch_size=batch, compute_capability=gpu.compute_capability, part=part
-        )
-    return _cache[key]
-
-
-TRACE_DEPTHS = (2, 3)
-TRACE_BATCHES = (2, 3)
-"""Batch sizes of the traces: not 1, where size-1 dimensions make some copies views, so the
-op sequence (and the curve) differs from every larger batch."""
-
-
-def _affine(f_lo: float, f_hi: float, x: int, lo: int) -> float:
-    """The value at x of the line through (lo, f_lo) and (lo + 1, f_hi)."""
-    return f_lo + (x - lo) * (f_hi - f_lo)
 
 
 @dataclass(slots=True)
@@ -108,7 +74,7 @@ class _Model:
     """The optimizer traces by depth; None in inference."""
 
     def _linear(self, f1: float, f2: float, depth: int) -> float:
-        return _affine(f1, f2, depth, TRACE_DEPTHS[0])
+        return affine(f1, f2, depth, TRACE_DEPTHS[0])
 
     def parameters(self, depth: int, trainable: bool = False) -> int:
         t1, t2 = (self.passes[d, TRACE_BATCHES[0]] for d in TRACE_DEPTHS)
@@ -123,7 +89,7 @@ class _Model:
         return round(self._linear(f1, f2, depth))
 
     def phases(self) -> list[Phase]:
-        phases = list(dict.fromkeys(p for p, _ in self.passes[TRACE_DEPTHS[0], TRACE_BATCHES[0]].phases))
+        phases = list(self.passes[TRACE_DEPTHS[0], TRACE_BATCHES[0]].phases)
         return phases + ([Phase.OPTIMIZER] if self.optimizer else [])
 
     def phase_at(self, phase: Phase, depth: int, batch: int) -> PhasePeak:
@@ -149,7 +115,7 @@ class _Model:
                 i = int(np.argmax(allocated))
                 if allocated[i] > best_allocated:
                     best_allocated, best_categories = float(allocated[i]), categories[i]
-        peak = PhasePeak.from_vector([best_allocated, 0.0, *(best_categories if best_categories is not None else [0.0] * len(TENSOR_CATEGORIES))])
+        peak = PhasePeak.from_vector(best_allocated, best_categories if best_categories is not None else [0.0] * len(TENSOR_CATEGORIES))
         # Fragmentation does not extrapolate block by block; its ratio to the peak does, roughly.
         peak.reserved = max(peak.allocated, round(peak.allocated * ratio))
         if phase is not Phase.OPTIMIZER:
@@ -175,11 +141,11 @@ class _Model:
         else:  # no point-wise match: extrapolate the segment peaks
             j1, j2 = i1[np.argmax(a1[i1])], i2[np.argmax(a2[i2])]
             return [(
-                np.array([_affine(a1[j1], a2[j2], depth, lo_d)]),
-                _affine(c1[j1], c2[j2], depth, lo_d)[None, :],
+                np.array([affine(a1[j1], a2[j2], depth, lo_d)]),
+                affine(c1[j1], c2[j2], depth, lo_d)[None, :],
             )]
         return [
-            (_affine(a1[i1], a2[j], depth, lo_d), _affine(c1[i1], c2[j], depth, lo_d)) for j in alignments
+            (affine(a1[i1], a2[j], depth, lo_d), affine(c1[i1], c2[j], depth, lo_d)) for j in alignments
         ]
 
     def _at_batch(self, depth: int, batch: int) -> tuple[Curves, np.ndarray, np.ndarray]:
@@ -190,20 +156,30 @@ class _Model:
                 f"the traced op sequence changed between batch {TRACE_BATCHES[0]} and {TRACE_BATCHES[1]}; "
                 "cannot extrapolate in batch size"
             )
-        allocated = _affine(lo.allocated, hi.allocated, batch, TRACE_BATCHES[0])
-        categories = _affine(lo.categories, hi.categories, batch, TRACE_BATCHES[0])
+        allocated = affine(lo.allocated, hi.allocated, batch, TRACE_BATCHES[0])
+        categories = affine(lo.categories, hi.categories, batch, TRACE_BATCHES[0])
         return lo, allocated, categories
 
 
 def _fit(workload: Workload, recipe: Recipe, gpu: GPU, mode: Mode) -> _Model:
-    part: Part = "forward-backward" if mode == "train" else "inference"
-    passes = {(d, b): _trace(workload, recipe, d, b, gpu, part) for d in TRACE_DEPTHS for b in TRACE_BATCHES}
-    optimizer = {d: _trace(workload, recipe, d, 1, gpu, "optimizer") for d in TRACE_DEPTHS} if mode == "train" else None
-    return _Model(passes, optimizer)
+    traces = step_traces(workload, recipe, gpu.compute_capability, mode)
+    return _Model(traces.passes, traces.optimizer)
+
+
+def memory_limit_bytes(gpu: GPU, margin: float) -> int:
+    """The most a recipe's device total may be on `gpu` with `margin` of its memory kept free.
+
+    Raises:
+        InputError: a margin outside [0, 1).
+    """
+    if not 0 <= margin < 1:
+        raise InputError(f"--memory-margin must be in [0, 1), got {margin}")
+    return int(gpu.memory_bytes * (1 - margin))
 
 
 def estimate_memory(
-    workload: Workload, recipe: Recipe, gpu: GPU, *, mode: Mode = "train", num_gpus: int = 1
+    workload: Workload, recipe: Recipe, gpu: GPU, *, mode: Mode = "train", num_gpus: int = 1,
+    margin: float = DEFAULT_MEMORY_MARGIN,
 ) -> MemoryEstimate:
     """Predict the memory anatomy of one step of `recipe` on `gpu`.
 
@@ -213,10 +189,12 @@ def estimate_memory(
         gpu: the target GPU (capacity, CUDA context size, cuBLAS workspace size).
         mode: "train" for a full optimizer step, "inference" for one forward pass.
         num_gpus: devices that DeepSpeed ZeRO shards across (1: no sharding).
+        margin: share of the GPU's memory kept free when deciding `fits` and `max_batch_size`.
 
     Returns:
         A MemoryEstimate whose anatomy categories add up to device_total.
     """
+    limit = memory_limit_bytes(gpu, margin)
     model = _fit(workload, recipe, gpu, mode)
     depth = num_layers(workload)
     batch = recipe.per_device_train_batch_size
@@ -251,13 +229,14 @@ def estimate_memory(
     def total_at(b: int) -> int:
         return max(p.reserved for p in phases_at(b).values()) + gpu.cuda_context_bytes
 
-    max_batch = _max_batch_size(total_at, gpu.memory_bytes)
+    max_batch = _max_batch_size(total_at, limit)
     rule = bytes_per_param_rule(recipe, parameters, mode)
     return MemoryEstimate(
         anatomy=anatomy,
         parameters=parameters,
         trainable_parameters=trainable,
-        fits=device_total <= gpu.memory_bytes,
+        fits=device_total <= limit,
+        limit_bytes=limit,
         max_batch_size=max_batch,
         rule=rule,
         phase_peaks={str(p): v.allocated for p, v in phases.items()},

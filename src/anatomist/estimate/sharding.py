@@ -33,8 +33,8 @@ layers, and under offload the gradient buckets on their way to the host. NOT val
 from __future__ import annotations
 
 from anatomist.anatomy import MemoryCategory, Phase
-from anatomist.estimate.step import PhasePeak
 from anatomist.recipe import Recipe
+from anatomist.trace.records import PhasePeak
 
 HALF_BYTES = 2
 MASTER_WEIGHT_BYTES = 4

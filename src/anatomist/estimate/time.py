@@ -165,7 +165,7 @@ def time_from_ops(
 
 def estimate_time(workload: Workload, recipe: Recipe, gpu: GPU, cal: Calibration | None = None) -> TimeAnatomy:
     """Predicted time of one optimizer step of `recipe` on `gpu` (see the module docstring)."""
-    return time_from_ops(step_ops(workload, recipe), workload, recipe, gpu, cal)
+    return time_from_ops(step_ops(workload, recipe, gpu.compute_capability), workload, recipe, gpu, cal)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +197,7 @@ def fit_calibration(steps: list[TimedStep], *, source: str) -> Calibration:
     measured = np.array([s.step_s for s in steps])
     peaks, repeats, launches = [], [], []
     for s in steps:
-        records = [r for r in step_ops(s.workload, s.recipe).records if not r.view]
+        records = [r for r in step_ops(s.workload, s.recipe, s.gpu.compute_capability).records if not r.view]
         peaks.append(np.array([_peak_seconds(r, s.recipe, s.gpu) for r in records]).reshape(-1, 3))
         repeats.append(np.array([r.calls_per_step(s.recipe.gradient_accumulation_steps) for r in records]))
         launches.append(repeats[-1].sum())

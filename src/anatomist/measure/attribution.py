@@ -13,7 +13,7 @@ as in the estimator's trace); hooks mark the phases:
 
 Two ways of measuring, chosen by the device:
 
-- CPU: `MemoryTracer` (the estimator's own TorchDispatchMode) watches the REAL storages of
+- CPU: `StepTracer` (the estimator's own TorchDispatchMode) watches the REAL storages of
   the step, and the events are replayed through the same caching-allocator model
   (512-byte blocks) as the prediction, so that both are sized the same way. The step runs
   under `cuda_code_paths()`, i.e. dropout and SDPA take the kernels whose saved tensors
@@ -37,15 +37,10 @@ from typing import Any
 
 import torch
 
-from anatomist.anatomy import TENSOR_CATEGORIES, MemoryCategory, Phase
-from anatomist.estimate.cuda_model import cuda_code_paths
-from anatomist.estimate.step import phase_peaks
-from anatomist.estimate.tracer import MemoryTracer
-
-MEMORY_KEYS = (
-    "weights", "optimizer_states", "gradients", "activations", "temporary", "functionality", "runtime_overhead",
-    "peak_allocated", "peak_reserved", "device_total", "peak_phase",
-)
+from anatomist.anatomy import TENSOR_CATEGORIES, MemoryAnatomy, MemoryCategory, Phase
+from anatomist.trace.cuda_model import cuda_code_paths
+from anatomist.trace.records import curves_of
+from anatomist.trace.tracer import StepTracer
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -97,9 +92,9 @@ class StepAttributor:
         self.lower = lower_precision_dtype
         self.context_bytes = cuda_context_bytes
         self.active = False
-        self.result: dict[str, Any] | None = None
+        self.result: MemoryAnatomy | None = None
         self._handles: list[Any] = []
-        self._tracer: MemoryTracer | None = None
+        self._tracer: StepTracer | None = None
         self._exit: contextlib.ExitStack | None = None
         self._phase = Phase.SETUP
         self._cuda_peaks: dict[Phase, int] = {}
@@ -162,7 +157,7 @@ class StepAttributor:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             return
-        tracer = MemoryTracer(lower_precision_dtype=self.lower)
+        tracer = StepTracer(lower_precision_dtype=self.lower)
         for t in [*self.model.parameters(), *self.model.buffers()]:
             tracer.register(t, MemoryCategory.WEIGHTS)
         for t in _optimizer_tensors(optimizer):
@@ -187,8 +182,8 @@ class StepAttributor:
         if self._phase is not Phase.OPTIMIZER:
             self._enter_phase(Phase.OPTIMIZER)
 
-    def end(self, optimizer: Any) -> dict[str, Any]:
-        """Stop attributing; return the measured memory dict (the estimate's memory keys)."""
+    def end(self, optimizer: Any) -> MemoryAnatomy:
+        """Stop attributing; return the measured anatomy (the estimate's type and categories)."""
         self.active = False
         for h in self._handles:
             h.remove()
@@ -204,17 +199,16 @@ class StepAttributor:
         self._tracer = None
         return self.result
 
-    def _cpu_result(self, tracer: MemoryTracer) -> dict[str, Any]:
-        peaks = phase_peaks(tracer.trace, [Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER])
+    def _cpu_result(self, tracer: StepTracer) -> MemoryAnatomy:
+        peaks = curves_of(tracer.trace).peaks([Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER])
         (phase, _segment), peak = max(peaks.items(), key=lambda kv: kv[1].allocated)
-        out: dict[str, Any] = {str(c): peak.categories[c] for c in TENSOR_CATEGORIES}
-        out.update(
+        return MemoryAnatomy(
+            **{str(c): peak.categories[c] for c in TENSOR_CATEGORIES},
             runtime_overhead=None, peak_allocated=peak.allocated, peak_reserved=None, device_total=None,
-            peak_phase=str(phase),
+            peak_phase=phase,
         )
-        return out
 
-    def _cuda_result(self, states: list[torch.Tensor]) -> dict[str, Any]:
+    def _cuda_result(self, states: list[torch.Tensor]) -> MemoryAnatomy:
         self._enter_phase(Phase.SETUP)  # closes the optimizer phase's peak
         peaks = {p: v for p, v in self._cuda_peaks.items() if p is not Phase.SETUP}
         phase = max(peaks, key=peaks.__getitem__) if peaks else Phase.FORWARD
@@ -226,9 +220,9 @@ class StepAttributor:
         activations = min(self._forward_kept, rest) if phase is not Phase.OPTIMIZER else 0
         reserved = int(self._reserved_peak)
         total = reserved + self.context_bytes if self.context_bytes is not None else None
-        return {
-            "weights": weights, "optimizer_states": opt, "gradients": grads, "activations": activations,
-            "temporary": rest - activations, "functionality": 0,
-            "runtime_overhead": (total - peak) if total is not None else None,
-            "peak_allocated": peak, "peak_reserved": reserved, "device_total": total, "peak_phase": str(phase),
-        }
+        return MemoryAnatomy(
+            weights=weights, optimizer_states=opt, gradients=grads, activations=activations,
+            temporary=rest - activations, functionality=0,
+            runtime_overhead=(total - peak) if total is not None else None,
+            peak_allocated=peak, peak_reserved=reserved, device_total=total, peak_phase=phase,
+        )

@@ -29,10 +29,10 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from anatomist.anatomy import OpClass, Phase
 from anatomist.errors import InputError
 from anatomist.estimate.flops import step_ops
-from anatomist.estimate.step import make_batch
 from anatomist.hardware import detect_local_gpu
-from anatomist.profile.classes import classify, is_known
+from anatomist.op_classes import classify, is_known
 from anatomist.recipe import Recipe
+from anatomist.trace.step import make_batch
 from anatomist.workload import Workload
 
 PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
@@ -181,7 +181,8 @@ def _summarise(events: Any, workload: Workload, recipe: Recipe, steps: int, devi
     total_us = sum(by_op.values())
     if total_us <= 0:
         raise RuntimeError("the profiler recorded no ATen op time; cannot split the step by class")
-    ops = step_ops(workload, recipe)
+    gpu = detect_local_gpu() if not cpu else None
+    ops = step_ops(workload, recipe, *([gpu.compute_capability] if gpu is not None else []))
     accumulation = recipe.gradient_accumulation_steps
     class_flops = dict.fromkeys(OpClass, 0.0)
     for r in ops.records:
@@ -192,7 +193,6 @@ def _summarise(events: Any, workload: Workload, recipe: Recipe, steps: int, devi
     step_s = sum(phases.values())
     achieved = flops_per_step / step_s / 1e12
     mfu = None
-    gpu = detect_local_gpu() if not cpu else None
     if gpu is not None:
         from anatomist.estimate.time import recipe_precision
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from anatomist.anatomy import MemoryAnatomy
 from anatomist.measure.attribution import StepAttributor
 from anatomist.measure.monitor import (
     allocator_stats,
@@ -38,8 +39,8 @@ class RunSummary:
     """Samples per optimizer step / median step time, the attributed step left out."""
     tokens_per_second: float | None
     median_step_s: float | None
-    memory: dict[str, Any] | None
-    """The attributed step's memory (the estimate's keys); None when no step was attributed."""
+    memory: MemoryAnatomy | None
+    """The attributed step's memory (the estimate's type); None when no step was attributed."""
     device: dict[str, Any]
     """NVML device memory (GPU) or the process's resident memory (CPU): `source` says which."""
     allocator: dict[str, Any] | None
@@ -49,7 +50,9 @@ class RunSummary:
     """Every `log_every` steps: step, step_s and memory in use."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["memory"] = self.memory.to_dict() if self.memory is not None else None
+        return out
 
 
 class Recorder:
@@ -84,7 +87,7 @@ class Recorder:
         self.step_times_s: list[float] = []
         self.history: list[dict[str, Any]] = []
         self.attributor: StepAttributor | None = None
-        self.memory: dict[str, Any] | None = None
+        self.memory: MemoryAnatomy | None = None
         self._steps = 0
         self._t0 = time.perf_counter()
         self._step_t0: float | None = None
@@ -151,4 +154,4 @@ def mfu_inputs(workload: Workload, recipe: Recipe) -> tuple[int | None, float | 
     from anatomist.estimate.flops import flops_per_step
     from anatomist.estimate.time import recipe_precision
 
-    return flops_per_step(workload, recipe), gpu.peak_tflops(recipe_precision(recipe, gpu)) * 1e12
+    return flops_per_step(workload, recipe, gpu.compute_capability), gpu.peak_tflops(recipe_precision(recipe, gpu)) * 1e12

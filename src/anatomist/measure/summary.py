@@ -5,10 +5,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from anatomist.anatomy import MIB
+from anatomist.anatomy import MIB, TENSOR_CATEGORIES
 from anatomist.measure.recorder import RunSummary
-
-_CATEGORIES = ("weights", "optimizer_states", "gradients", "activations", "temporary", "functionality")
 
 
 def _mib(value: int | None) -> str:
@@ -27,12 +25,13 @@ def summary_table(summary: RunSummary) -> Table:
         table.add_row("tokens/s", f"{summary.tokens_per_second:,.0f}")
     if summary.mfu is not None:
         table.add_row("MFU", f"{summary.mfu:.1%}")
-    if summary.memory is not None:
-        table.add_row(f"peak allocated ({summary.memory['peak_phase']})", _mib(summary.memory["peak_allocated"]))
-        for name in _CATEGORIES:
-            table.add_row(f"  {name.replace('_', ' ')}", _mib(summary.memory[name]))
-        if summary.memory.get("peak_reserved") is not None:
-            table.add_row("peak reserved", _mib(summary.memory["peak_reserved"]))
+    memory = summary.memory
+    if memory is not None:
+        table.add_row(f"peak allocated ({memory.peak_phase})", _mib(memory.peak_allocated))
+        for category in TENSOR_CATEGORIES:
+            table.add_row(f"  {category.label}", _mib(memory.category_bytes(category)))
+        if memory.peak_reserved is not None:
+            table.add_row("peak reserved", _mib(memory.peak_reserved))
     device = summary.device
     if device["source"] == "nvml":
         table.add_row(f"device memory used ({device['name']}, NVML)", _mib(device["used_bytes"]))

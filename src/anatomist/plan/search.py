@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from anatomist.anatomy import GIB, TimeAnatomy
+from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, GIB, TimeAnatomy
 from anatomist.errors import InputError
-from anatomist.estimate.memory import MemoryEstimate, estimate_memory
+from anatomist.estimate.memory import MemoryEstimate, estimate_memory, memory_limit_bytes
 from anatomist.hardware import GPU, catalog
 from anatomist.plan.space import SearchSpace, enumerate_recipes, precisions_for
 from anatomist.plan.throughput import TimeModel, predict_time
@@ -21,11 +21,6 @@ from anatomist.recipe import Recipe
 from anatomist.workload import Workload
 
 Objective = Literal["throughput", "memory"]
-DEFAULT_MARGIN = 0.10
-"""Share of the GPU's memory kept free: the allocator's fragmentation varies run to run and
-the prediction has an error (see the benchmark tables); 10% is the default safety margin."""
-
-
 @dataclass(kw_only=True, slots=True)
 class Candidate:
     """One recipe with its predictions."""
@@ -93,17 +88,16 @@ class Plan:
 class Evaluator:
     """Predicts (and remembers) memory and time of recipes for one workload, GPU and device count."""
 
-    def __init__(self, workload: Workload, gpu: GPU, num_gpus: int, limit_bytes: int, time_model: TimeModel) -> None:
-        self.workload, self.gpu, self.num_gpus, self.limit_bytes = workload, gpu, num_gpus, limit_bytes
+    def __init__(self, workload: Workload, gpu: GPU, num_gpus: int, margin: float, time_model: TimeModel) -> None:
+        self.workload, self.gpu, self.num_gpus, self.margin = workload, gpu, num_gpus, margin
         self.time_model = time_model
         self.seen: dict[Recipe, Candidate] = {}
 
     def __call__(self, recipe: Recipe) -> Candidate:
         if recipe not in self.seen:
-            memory = estimate_memory(self.workload, recipe, self.gpu, num_gpus=self.num_gpus)
+            memory = estimate_memory(self.workload, recipe, self.gpu, num_gpus=self.num_gpus, margin=self.margin)
             time = self.time_model(self.workload, recipe, self.gpu, num_gpus=self.num_gpus)
-            fits = memory.anatomy.device_total <= self.limit_bytes
-            self.seen[recipe] = Candidate(recipe=recipe, memory=memory, time=time, fits=fits)
+            self.seen[recipe] = Candidate(recipe=recipe, memory=memory, time=time, fits=memory.fits)
         return self.seen[recipe]
 
 
@@ -140,7 +134,7 @@ def plan(
     *,
     space: SearchSpace | None = None,
     objective: Objective = "throughput",
-    margin: float = DEFAULT_MARGIN,
+    margin: float = DEFAULT_MEMORY_MARGIN,
     time_model: TimeModel | None = None,
 ) -> Plan:
     """Search `space` for the fastest (or smallest) recipe that fits `gpu` with `margin` kept free.
@@ -152,12 +146,10 @@ def plan(
     from anatomist.plan.reasons import explain, explain_infeasible
 
     space = space or SearchSpace()
-    if not 0 <= margin < 1:
-        raise InputError(f"--memory-margin must be in [0, 1), got {margin}")
+    limit = memory_limit_bytes(gpu, margin)
     if objective not in ("throughput", "memory"):
         raise InputError(f"--objective must be throughput or memory, got {objective!r}")
-    limit = int(gpu.memory_bytes * (1 - margin))
-    evaluate = Evaluator(workload, gpu, space.num_gpus, limit, time_model or predict_time)
+    evaluate = Evaluator(workload, gpu, space.num_gpus, margin, time_model or predict_time)
     candidates = [evaluate(r) for r in enumerate_recipes(space, gpu)]
     calibrated = all(c.time.calibrated for c in candidates)
     feasible = [c for c in candidates if c.fits]

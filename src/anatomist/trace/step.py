@@ -1,6 +1,7 @@
-"""Trace one training (or inference) step of a real Transformers model on fake tensors.
+"""Drive one training (or inference) step of a real Transformers model under the tracer.
 
-The step is the Trainer's: forward under autocast, loss / accumulation steps, backward
+What prediction and measurement share: building the model cut to a depth, the inputs, and
+the step itself. The step is the Trainer's: forward under autocast, loss / accumulation steps, backward
 (loss-scaled under fp16), gradient clipping, optimizer step, zero_grad(set_to_none=True).
 The optimizer state a first step would create is made before the traced step, so the step
 is a steady-state one; two micro-batches run when gradients accumulate, so that a forward
@@ -12,59 +13,23 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from anatomist.anatomy import TENSOR_CATEGORIES, MemoryCategory, Phase
-from anatomist.estimate.allocator import CachingAllocator, round_size
-from anatomist.estimate.cuda_model import cublas_workspace_bytes, cuda_code_paths, fake_parameters
-from anatomist.estimate.optimizers import build_optimizer
-from anatomist.estimate.tracer import MemoryTracer, Trace
+from anatomist.anatomy import MemoryCategory, Phase
 from anatomist.recipe import Recipe
+from anatomist.trace.allocator import round_size
+from anatomist.trace.cuda_model import cublas_workspace_bytes, cuda_code_paths, fake_parameters
+from anatomist.trace.optimizers import build_optimizer
+from anatomist.trace.records import StepTrace, curves_of
+from anatomist.trace.tracer import StepTracer
 from anatomist.workload import Workload
 
 Mode = Literal["train", "inference"]
 
 LAYER_COUNT_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers")
-SEGMENTS = ("pre", "blocks", "post")
-
-
-@dataclass(kw_only=True, slots=True)
-class PhasePeak:
-    """The highest allocated bytes within one phase, what was live then, and the reserve."""
-
-    allocated: int
-    reserved: int
-    categories: dict[MemoryCategory, int]
-
-    def as_vector(self) -> list[float]:
-        return [self.allocated, self.reserved, *(self.categories[c] for c in TENSOR_CATEGORIES)]
-
-    @classmethod
-    def from_vector(cls, v: list[float]) -> PhasePeak:
-        rounded = [max(0, round(x)) for x in v]
-        categories = dict(zip(TENSOR_CATEGORIES, rounded[2:], strict=True))
-        allocated = sum(categories.values())  # equal to rounded[0] but for rounding
-        return cls(allocated=allocated, reserved=max(rounded[1], allocated), categories=categories)
-
-
-@dataclass(kw_only=True, slots=True)
-class StepTrace:
-    """What one traced step at a given depth and batch size came to."""
-
-    phases: dict[tuple[Phase, str], PhasePeak]
-    """Peak of each (phase, segment): segments are before, inside and after the repeated blocks."""
-    parameters: int
-    trainable_parameters: int
-    op_count: int
-    curves: Curves
-    """The allocation curve, for extrapolation in batch size."""
-    static_bytes: dict[MemoryCategory, int] = dataclasses.field(default_factory=dict)
-    """Bytes alive through the whole step that the trace made at set-up (optimizer state)."""
 
 
 def model_at_depth(workload: Workload, num_layers: int) -> Workload:
@@ -108,6 +73,43 @@ def make_batch(workload: Workload, batch_size: int) -> dict[str, torch.Tensor]:
 
 Part = Literal["forward-backward", "optimizer", "inference", "train-step"]
 
+PART_FIELDS: dict[str, tuple[str, ...]] = {
+    "forward-backward": ("gradient_checkpointing", "fp16", "bf16", "attn_implementation"),
+    "inference": ("fp16", "bf16", "attn_implementation"),
+    "optimizer": ("optim", "fp16", "max_grad_norm"),
+}
+"""The recipe fields that change each part's trace. Recipes that differ only in the
+optimizer share the passes' traces and the other way round; batch size, accumulation beyond
+2 micro-batches and sharding change no trace (they are arithmetic on it)."""
+
+
+def part_key(workload: Workload, recipe: Recipe, part: Part, depth: int | None, batch_size: int,
+             compute_capability: str) -> tuple[Any, ...]:
+    """Everything that decides the trace of `part`: the key of the trace caches."""
+    micro_batches = min(recipe.gradient_accumulation_steps, 2) if part == "forward-backward" else 1
+    return (
+        *workload.trace_key(), part, tuple(getattr(recipe, f) for f in PART_FIELDS[part]), micro_batches,
+        depth, batch_size if part != "optimizer" else 1, cublas_workspace_bytes(compute_capability),
+    )
+
+
+def trace_part(workload: Workload, recipe: Recipe, part: Part, *, depth: int, batch_size: int,
+               compute_capability: str, use_cache: bool = True) -> StepTrace:
+    """The fake-tensor trace of one part of a step (see `trace_step`), with its ops recorded.
+
+    Served from the trace cache (memory, then disk: `trace.cache`) when the same part was
+    traced before with everything that shapes it equal (`part_key`).
+    """
+    from anatomist.trace import cache
+
+    def run() -> StepTrace:
+        return trace_step(workload, recipe, depth=depth, batch_size=batch_size,
+                          compute_capability=compute_capability, part=part, record_ops=True)
+
+    if not use_cache:
+        return run()
+    return cache.get_or_trace(part_key(workload, recipe, part, depth, batch_size, compute_capability), run)
+
 
 def trace_step(
     workload: Workload,
@@ -118,6 +120,8 @@ def trace_step(
     compute_capability: str,
     part: Part = "forward-backward",
     fake: bool = True,
+    record_ops: bool = False,
+    observers: tuple[Any, ...] = (),
 ) -> StepTrace:
     """Trace one part of a step of `workload` cut to `depth` blocks (None: the full model).
 
@@ -128,8 +132,11 @@ def trace_step(
       optimizer: unscale, clip and step over gradients of every parameter, after a first
         step has created the state.
     "train-step" runs the whole steady-state step in one go (state, passes, optimizer), as
-    the Trainer does; with `fake=False` it runs on real CPU tensors, which is what the
-    accuracy tests measure against.
+    the Trainer does; with `fake=False` it runs on real CPU tensors.
+
+    Args:
+        record_ops: also record each op's cost signature (for the FLOPs and time model).
+        observers: further dispatch modes to run inside the trace (e.g. a FlopCounterMode).
     """
     shallow = model_at_depth(workload, depth) if depth is not None else workload
     attn = "sdpa" if recipe.attn_implementation == "flash_attention_2" else recipe.attn_implementation
@@ -141,7 +148,7 @@ def trace_step(
     else:
         model = shallow.build_model(attn)
     lower = lower_dtype(recipe)
-    tracer = MemoryTracer(lower_precision_dtype=lower)
+    tracer = StepTracer(lower_precision_dtype=lower, record_ops=record_ops)
     params = [p for p in model.parameters()]
     for p in params:
         tracer.register(p, MemoryCategory.WEIGHTS)
@@ -150,7 +157,9 @@ def trace_step(
     workspace = cublas_workspace_bytes(compute_capability)
     autocast = torch.autocast("cpu", dtype=lower) if lower is not None else contextlib.nullcontext()
     static: dict[MemoryCategory, int] = {}
-    with fake_mode, tracer, cuda_code_paths():
+    with contextlib.ExitStack() as modes:
+        for mode in (fake_mode, *observers, tracer, cuda_code_paths()):
+            modes.enter_context(mode)
         # cuBLAS workspaces live from the first matrix product on: one for the main thread's
         # handle and, in training, one for the autograd engine's device thread. A steady-state
         # step starts with both.
@@ -176,8 +185,9 @@ def trace_step(
                 phases = [Phase.OPTIMIZER]
             optimizer_phase(params, optimizer, recipe, tracer)
     return StepTrace(
-        phases=(curves := _curves(tracer.trace)).peaks(phases),
-        curves=curves,
+        phases=phases,
+        curves=curves_of(tracer.trace),
+        ops=tuple(tracer.trace.ops),
         parameters=sum(p.numel() for p in params),
         trainable_parameters=sum(p.numel() for p in params if p.requires_grad),
         op_count=tracer.trace.op_count,
@@ -186,7 +196,7 @@ def trace_step(
 
 
 def create_state(
-    params: list[torch.nn.Parameter], recipe: Recipe, tracer: MemoryTracer
+    params: list[torch.nn.Parameter], recipe: Recipe, tracer: StepTracer
 ) -> tuple[torch.optim.Optimizer, int]:
     """The optimizer, with the state a first step creates (from zero gradients)."""
     optimizer = build_optimizer(recipe, params)
@@ -200,7 +210,7 @@ def create_state(
 
 
 def optimizer_phase(
-    params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, recipe: Recipe, tracer: MemoryTracer
+    params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, recipe: Recipe, tracer: StepTracer
 ) -> None:
     """Unscale (fp16), clip and step, then free the gradients, as the Trainer does."""
     tracer.phase, tracer.segment = Phase.OPTIMIZER, "pre"
@@ -220,7 +230,7 @@ def forward_backward(
     workload: Workload,
     recipe: Recipe,
     batch_size: int,
-    tracer: MemoryTracer,
+    tracer: StepTracer,
     autocast: Any,
 ) -> None:
     model.train()
@@ -271,7 +281,7 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
     return None
 
 
-def _watch_blocks(model: torch.nn.Module, tracer: MemoryTracer) -> None:
+def _watch_blocks(model: torch.nn.Module, tracer: StepTracer) -> None:
     """Mark the segments "pre", "blocks", "post" of forward and backward through hooks.
 
     Forward enters "blocks" at the first block's input and "post" after the last block.
@@ -310,7 +320,7 @@ def _watch_blocks(model: torch.nn.Module, tracer: MemoryTracer) -> None:
 
 
 def _inference_step(
-    model: torch.nn.Module, workload: Workload, batch_size: int, tracer: MemoryTracer, autocast: Any
+    model: torch.nn.Module, workload: Workload, batch_size: int, tracer: StepTracer, autocast: Any
 ) -> None:
     model.eval()
     tracer.phase = Phase.FORWARD
@@ -340,104 +350,3 @@ def _cache_tensors(cache: Any) -> list[Any]:
     if hasattr(cache, "to_legacy_cache"):
         return list(cache.to_legacy_cache())
     return list(cache) if isinstance(cache, (list, tuple)) else []
-
-
-@dataclass(kw_only=True, slots=True)
-class Curves:
-    """Allocated bytes after every allocation of a trace, in total and per category.
-
-    Traces of the same model and depth at two batch sizes run the same ops, so their
-    curves line up event by event, and each point is affine in the batch size.
-    """
-
-    keys: list[tuple[Phase, str, int]]
-    """(phase, segment, micro-step) of each point."""
-    allocated: np.ndarray
-    """[points] live bytes (each tensor rounded to the allocator's 512 B) after the allocation.
-
-    The allocator's own `allocated` also counts the slack of cached blocks it did not
-    split, which depends on the whole history of the process; it is left to the reserve."""
-    categories: np.ndarray
-    """[points, len(TENSOR_CATEGORIES)] the same bytes by category."""
-    reserve_ratio: float
-    """Peak reserved over peak live bytes of the allocator replay."""
-    index: dict[tuple[Phase, str, int], np.ndarray] = dataclasses.field(init=False)
-    """The positions of each key's points, in order."""
-
-    def __post_init__(self) -> None:
-        positions: dict[tuple[Phase, str, int], list[int]] = {}
-        for i, key in enumerate(self.keys):
-            positions.setdefault(key, []).append(i)
-        self.index = {key: np.array(where, dtype=np.int64) for key, where in positions.items()}
-
-    def peaks(self, phases: list[Phase]) -> dict[tuple[Phase, str], PhasePeak]:
-        """The peak of every (phase, segment) of `phases`."""
-        return peaks_of(self.keys, self.allocated, self.categories, self.reserve_ratio, phases)
-
-
-def peaks_of(
-    keys: list[tuple[Phase, str, int]],
-    allocated: np.ndarray,
-    categories: np.ndarray,
-    reserve_ratio: float,
-    phases: list[Phase],
-) -> dict[tuple[Phase, str], PhasePeak]:
-    out: dict[tuple[Phase, str], PhasePeak] = {}
-    best: dict[tuple[Phase, str], int] = {}
-    for i, (phase, segment, _micro) in enumerate(keys):
-        key = (phase, segment)
-        if phase in phases and (key not in best or allocated[i] > allocated[best[key]]):
-            best[key] = i
-    for key, i in best.items():
-        value = int(round(float(allocated[i])))
-        out[key] = PhasePeak(
-            allocated=value,
-            reserved=round(value * reserve_ratio),
-            categories={c: int(round(float(categories[i, j]))) for j, c in enumerate(TENSOR_CATEGORIES)},
-        )
-    for phase in phases:
-        for segment in SEGMENTS:
-            out.setdefault(
-                (phase, segment), PhasePeak(allocated=0, reserved=0, categories=dict.fromkeys(TENSOR_CATEGORIES, 0))
-            )
-    return out
-
-
-def _curves(trace: Trace) -> Curves:
-    """Replay the events through the allocator model, recording the curve after each allocation."""
-    allocator = CachingAllocator()
-    blocks: dict[int, Any] = {}
-    index = {c: j for j, c in enumerate(TENSOR_CATEGORIES)}
-    current = [0] * len(TENSOR_CATEGORIES)
-    keys: list[tuple[Phase, str, int]] = []
-    totals: list[int] = []
-    rows: list[list[int]] = []
-    live = 0
-    for event in trace.events:
-        category = index[trace.allocations[event.alloc_id].category]
-        if event.nbytes > 0:
-            blocks[event.alloc_id] = allocator.malloc(event.nbytes)
-            size = round_size(event.nbytes)
-            current[category] += size
-            live += size
-            keys.append((event.phase, event.segment, event.micro_step))
-            totals.append(live)
-            rows.append(list(current))
-        else:
-            block = blocks.pop(event.alloc_id, None)
-            if block is not None:
-                size = round_size(-event.nbytes)
-                current[category] -= size
-                live -= size
-                allocator.free(block)
-    return Curves(
-        keys=keys,
-        allocated=np.asarray(totals, dtype=np.float64),
-        categories=np.asarray(rows, dtype=np.float64).reshape(len(rows), len(TENSOR_CATEGORIES)),
-        reserve_ratio=max(1.0, allocator.peak_reserved / max(max(totals, default=0), 1)),
-    )
-
-
-def phase_peaks(trace: Trace, phases: list[Phase]) -> dict[tuple[Phase, str], PhasePeak]:
-    """The peak of every (phase, segment) of a recorded trace (also used on real runs)."""
-    return _curves(trace).peaks(phases)

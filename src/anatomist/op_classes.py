@@ -66,6 +66,7 @@ def _lookup(name: str) -> OpClass | None:
     return None
 
 
+@cache
 def lookup(op_name: str) -> OpClass | None:
     """The class of `op_name`, or None when the table does not know it."""
     name = base_name(op_name)
@@ -91,6 +92,7 @@ def is_known(op_name: str) -> bool:
     return lookup(op_name) is not None or is_view(op_name)
 
 
+@cache
 def is_view(op_name: str) -> bool:
     """True for ops that only re-view storage: no kernel, no bytes moved."""
     return base_name(op_name) in table().views

@@ -1,9 +1,12 @@
-"""Record every tensor allocation and free of a step, with its phase and category.
+"""Record every tensor allocation and free of a step, with its phase and category, and the
+cost of every op.
 
-`MemoryTracer` is a TorchDispatchMode: each ATen op's outputs are inspected and a new
-storage becomes an allocation event; a weakref callback on the storage becomes the free
-event. It works the same on fake tensors (prediction: shapes only, no data, no device) and
-on real ones (measurement on CPU), which is what the accuracy tests compare.
+`StepTracer` is a TorchDispatchMode: each ATen op's outputs are inspected and a new storage
+becomes an allocation event; a weakref callback on the storage becomes the free event. With
+`record_ops`, each op of the step's phases also leaves its cost signature (FLOPs, bytes,
+class: `ops.op_signature`), so one trace serves the memory and the time prediction. It works
+the same on fake tensors (prediction: shapes only, no data, no device) and on real ones
+(measurement on CPU).
 
 Categories are settled after the fact, as PyTorch's mem_tracker does: an allocation made in
 forward and still alive when forward ends is an activation; a storage that ends up as a
@@ -14,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,44 +24,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from anatomist.anatomy import MemoryCategory, Phase
+from anatomist.trace.ops import op_signature
+from anatomist.trace.records import Allocation, Event, Trace
 
 _aten = torch.ops.aten
-
-
-@dataclass(slots=True)
-class Allocation:
-    """One storage's life: its size, when it was made and what it turned out to be."""
-
-    alloc_id: int
-    nbytes: int
-    phase: Phase
-    category: MemoryCategory = MemoryCategory.TEMPORARY
-    fixed: bool = False
-    """True once the category is settled (weights, gradients, states are not re-labelled)."""
-    op: str = ""
-    """The ATen op that made it ("" for registered tensors)."""
-
-
-@dataclass(slots=True)
-class Event:
-    """An allocation (`nbytes` > 0) or free (`nbytes` < 0) in program order."""
-
-    alloc_id: int
-    nbytes: int
-    phase: Phase
-    segment: str = "pre"
-    """Where in the phase: "pre" (before the repeated blocks), "blocks", "post" (after them)."""
-    micro_step: int = 0
-    """Which micro-batch of an accumulating step (0 or 1)."""
-
-
-@dataclass(slots=True)
-class Trace:
-    """What a tracer recorded: the allocations and the ordered alloc/free events."""
-
-    allocations: dict[int, Allocation] = field(default_factory=dict)
-    events: list[Event] = field(default_factory=list)
-    op_count: int = 0
 
 
 def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -69,16 +37,22 @@ def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
-class MemoryTracer(TorchDispatchMode):
-    """Watches storages appear and die while a step runs.
+STEP_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
+
+
+class StepTracer(TorchDispatchMode):
+    """Watches storages appear and die while a step runs, and (optionally) what each op costs.
 
     Args:
         lower_precision_dtype: dtype of the autocast copies of fp32 weights; casts of a
             registered weight into it are counted as weights (the seeds' 6 B/param).
+        record_ops: also record the cost signature of every op of the first micro-batch's
+            forward and backward and of the optimizer step (`Trace.ops`).
     """
 
-    def __init__(self, lower_precision_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, lower_precision_dtype: torch.dtype | None = None, *, record_ops: bool = False) -> None:
         super().__init__()
+        self.record_ops = record_ops
         self.trace = Trace()
         self.phase = Phase.SETUP
         self.segment = "pre"
@@ -155,6 +129,8 @@ class MemoryTracer(TorchDispatchMode):
                 self.trace.allocations[alloc_id].op = func.__name__
                 if is_weight_cast:
                     self.set_category(alloc_id, MemoryCategory.WEIGHTS)
+        if self.record_ops and self.micro_step == 0 and self.phase in STEP_PHASES:
+            self.trace.ops.append(op_signature(func, args, kwargs, out, self.phase))
         return out
 
     def _add(self, st: torch.UntypedStorage, key: int) -> int:

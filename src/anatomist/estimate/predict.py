@@ -1,0 +1,67 @@
+"""`estimate()`: the memory and time prediction of one recipe, as one result object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from anatomist.anatomy import DEFAULT_MEMORY_MARGIN
+from anatomist.estimate.memory import MemoryEstimate, estimate_memory
+from anatomist.estimate.time import Calibration, estimate_time
+from anatomist.estimate.time import calibration as default_calibration
+from anatomist.estimate.traces import Mode
+from anatomist.hardware import GPU
+from anatomist.recipe import Recipe
+from anatomist.workload import Workload
+
+
+@dataclass(kw_only=True, slots=True)
+class Estimate:
+    """Everything `anatomist estimate` reports: one object, serialised as is by --json."""
+
+    workload: Workload
+    recipe: Recipe
+    gpu: GPU
+    mode: Mode
+    margin: float
+    """Share of the GPU's memory kept free when deciding what fits."""
+    memory: MemoryEstimate
+    time: Any | None = None
+    """A TimeAnatomy once the time prediction exists for this recipe."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "model": self.workload.name,
+            "task": self.workload.task,
+            "seq_len": self.workload.seq_len,
+            "mode": self.mode,
+            "parameters": self.memory.parameters,
+            "trainable_parameters": self.memory.trainable_parameters,
+            "recipe": self.recipe.to_dict(),
+            "gpu": {"name": self.gpu.name, "memory_bytes": self.gpu.memory_bytes},
+            "memory": self.memory.anatomy.to_dict(),
+            "fits": self.memory.fits,
+            "memory_margin": self.margin,
+            "limit_bytes": self.memory.limit_bytes,
+            "max_batch_size": self.memory.max_batch_size,
+            "bytes_per_param_rule": self.memory.to_dict()["bytes_per_param_rule"],
+            "phase_peaks": self.memory.phase_peaks,
+            "notes": self.memory.notes,
+        }
+        if self.time is not None:
+            out["time"] = self.time.to_dict()
+        return out
+
+
+def estimate(
+    workload: Workload, recipe: Recipe, gpu: GPU, *, mode: Mode = "train", num_gpus: int = 1,
+    calibration: Calibration | None = None, margin: float = DEFAULT_MEMORY_MARGIN,
+) -> Estimate:
+    """Predict memory (and, in training, time) of one step of `recipe` on `gpu`; `calibration`:
+    the time model's factors (default: the shipped data/time_calibration.toml)."""
+    memory = estimate_memory(workload, recipe, gpu, mode=mode, num_gpus=num_gpus, margin=margin)
+    time = estimate_time(workload, recipe, gpu, calibration) if mode == "train" else None
+    source = (calibration or default_calibration()).source
+    return Estimate(workload=workload, recipe=recipe, gpu=gpu, mode=mode, margin=margin, memory=memory, time=time,
+                    extra={"time_calibration": source})

@@ -1,0 +1,183 @@
+"""The trace cache: traces kept in memory for the process and on disk across processes.
+
+A trace depends only on what `step.part_key` names (the model config, task, sequence length,
+the recipe fields that shape that part, depth, batch size, the cuBLAS workspace size); the
+disk key adds the anatomist, torch and transformers versions and a digest of this package's
+own source, so a changed tracer never reads an old trace.
+
+On disk: one zlib-compressed pickle per trace in the user cache folder
+(`platformdirs.user_cache_dir("anatomist")/traces`, or `$ANATOMIST_CACHE_DIR/traces`),
+written to a temporary file and renamed into place (atomic: two processes writing the same
+trace both leave a whole file), pruned least recently used first beyond `MAX_DISK_BYTES`. An unreadable
+entry is ignored with a warning and traced again. The pickles hold only anatomist's own
+plain types (`records.py`) and numpy arrays, and are read only from that private folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import pickle
+import sys
+import tempfile
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from anatomist.trace.records import StepTrace
+
+MAX_MEMORY_ENTRIES = 256
+"""Traces kept in memory per process (a bert-large trace is about 1 MB)."""
+MAX_DISK_BYTES = 512 * 2**20
+"""Size of the disk cache beyond which the least recently written traces are deleted."""
+_SUFFIX = ".trace"
+
+_memory: OrderedDict[tuple[Any, ...], StepTrace] = OrderedDict()
+_disk_enabled = os.environ.get("ANATOMIST_NO_CACHE", "") in ("", "0")
+
+
+def set_disk_cache(enabled: bool) -> None:
+    """Turn the disk cache on or off for this process (`--no-cache`; env ANATOMIST_NO_CACHE=1)."""
+    global _disk_enabled
+    _disk_enabled = enabled
+
+
+def disk_cache_enabled() -> bool:
+    return _disk_enabled
+
+
+def cache_dir() -> Path:
+    """Where traces are stored: $ANATOMIST_CACHE_DIR/traces, else the platform's user cache."""
+    root = os.environ.get("ANATOMIST_CACHE_DIR")
+    if not root:
+        import platformdirs
+
+        root = platformdirs.user_cache_dir("anatomist", appauthor=False)
+    return Path(root) / "traces"
+
+
+@cache
+def _code_digest() -> str:
+    """Digest of the trace package's source (and the data files it reads): a changed tracer
+    or op table invalidates every stored trace."""
+    digest = hashlib.sha256()
+    here = Path(__file__).parent
+    for path in sorted(here.glob("*.py")) + [here.parent / "op_classes.py", here.parent / "data" / "op_classes.toml"]:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+@cache
+def _versions() -> tuple[str, ...]:
+    import torch
+    import transformers
+
+    from anatomist import __version__
+
+    return (__version__, torch.__version__, transformers.__version__, _code_digest())
+
+
+def disk_key(key: tuple[Any, ...]) -> str:
+    """The file name of a trace: a digest of its key and the software that traced it."""
+    return hashlib.sha256(repr((_versions(), key)).encode()).hexdigest()[:40]
+
+
+def get_or_trace(key: tuple[Any, ...], trace: Callable[[], StepTrace]) -> StepTrace:
+    """The trace of `key`: from memory, else from disk, else `trace()` (then stored in both)."""
+    if key in _memory:
+        _memory.move_to_end(key)
+        return _memory[key]
+    found = _load(key) if _disk_enabled else None
+    if found is None:
+        found = trace()
+        if _disk_enabled:
+            _store(key, found)
+    _memory[key] = found
+    while len(_memory) > MAX_MEMORY_ENTRIES:
+        _memory.popitem(last=False)
+    return found
+
+
+def clear_memory() -> None:
+    """Forget the traces held in this process (the disk cache stays)."""
+    _memory.clear()
+
+
+def _load(key: tuple[Any, ...]) -> StepTrace | None:
+    path = cache_dir() / (disk_key(key) + _SUFFIX)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        _warn(f"cannot read the trace cache entry {path} ({exc}); tracing again")
+        return None
+    try:
+        value = pickle.loads(zlib.decompress(data))
+    except Exception as exc:  # noqa: BLE001 - any damage to the file means: trace again
+        _warn(f"ignoring an unreadable trace cache entry {path} ({type(exc).__name__}); tracing again")
+        return None
+    if not isinstance(value, StepTrace):
+        _warn(f"ignoring a trace cache entry of the wrong type {path}; tracing again")
+        return None
+    with _suppress_os_errors():
+        os.utime(path)  # pruning deletes the least recently used first
+    return value
+
+
+def _store(key: tuple[Any, ...], value: StepTrace) -> None:
+    folder = cache_dir()
+    data = zlib.compress(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), 1)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=_SUFFIX)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, folder / (disk_key(key) + _SUFFIX))
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        _warn(f"cannot write the trace cache in {folder} ({exc}); continuing without it")
+        return
+    _prune(folder)
+
+
+def _prune(folder: Path) -> None:
+    """Delete the oldest traces while the folder holds more than MAX_DISK_BYTES."""
+    entries = []
+    for path in folder.glob("*" + _SUFFIX):
+        try:
+            stat = path.stat()
+        except OSError:
+            continue  # removed by another process meanwhile
+        entries.append((stat.st_mtime, stat.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= MAX_DISK_BYTES:
+            break
+        path.unlink(missing_ok=True)
+        total -= size
+
+
+@contextlib.contextmanager
+def _suppress_os_errors() -> Iterator[None]:
+    try:
+        yield
+    except OSError:
+        pass
+
+
+_warned: set[str] = set()
+
+
+def _warn(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        print(f"anatomist: warning: {message}", file=sys.stderr)

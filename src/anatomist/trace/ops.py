@@ -1,0 +1,96 @@
+"""What one ATen op of a traced step costs: FLOPs, bytes moved, operation class.
+
+FLOPs come from PyTorch's own per-op formulas (`torch.utils.flop_counter.flop_registry`: 2
+FLOPs per multiply-add; matrix products, convolutions, attention), plus `CUSTOM_FLOPS` for
+what it does not know (the CPU stand-ins of CUDA's attention kernels, Mixture-of-Experts'
+grouped products). Ops without a formula get an approximate per-element count by class
+(data/op_classes.toml). Bytes moved are input + output tensor bytes (0 for views).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
+
+from anatomist.anatomy import OpClass, Phase
+from anatomist.op_classes import base_name, classify, is_known, is_view
+from anatomist.trace.records import Signature
+
+_aten = torch.ops.aten
+
+
+def _cpu_flash_flop(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """CPU flash attention: the same two batched products as CUDA's SDPA kernels."""
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_flash_backward_flop(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+def _grouped_mm_flop(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """Mixture-of-Experts' grouped matrix product: every row of the input goes through one
+    group's matrix, so the FLOPs are those of one (rows x k) @ (k x n) product. Backward's
+    weight gradient is (k x rows) @ (rows x n) split by group into an (groups, k, n) output."""
+    if len(a_shape) == 2 and len(b_shape) == 3:  # (rows, k) @ (groups, k, n)
+        return 2 * a_shape[0] * a_shape[1] * b_shape[2]
+    if len(a_shape) == 2 and len(b_shape) == 2:  # (k, rows) @ (rows, n) -> (groups, k, n)
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    if len(a_shape) == 3 and len(b_shape) == 3:  # (groups, m, k) @ (groups, k, n)
+        return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
+    return 0
+
+
+CUSTOM_FLOPS: dict[Any, Any] = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flop,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flop,
+    _aten._grouped_mm: _grouped_mm_flop,
+}
+"""FLOP formulas (on shapes) for what flop_counter does not know: the CPU stand-ins of CUDA
+kernels and the grouped matrix product of Mixture-of-Experts layers. Pass it as
+`FlopCounterMode(custom_mapping=CUSTOM_FLOPS)` to count the same way."""
+
+_FLOP_FORMULAS = {**flop_registry, **{k: shape_wrapper(v) for k, v in CUSTOM_FLOPS.items()}}
+
+
+@cache
+def per_element_flops() -> dict[OpClass, int]:
+    """Approximate FLOPs per output element of non-contraction ops (data/op_classes.toml)."""
+    raw = tomllib.loads(resources.files("anatomist.data").joinpath("op_classes.toml").read_text())
+    return {OpClass(k): int(v) for k, v in raw["flops_per_element"].items()}
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def op_signature(func: Any, args: Any, kwargs: Any, out: Any, phase: Phase) -> Signature:
+    """The cost signature of one call of `func` in `phase` (see `Signature`)."""
+    name = base_name(str(func.name()))
+    inputs = _tensors((args, kwargs))
+    outputs = _tensors(out)
+    view = is_view(name) or bool(getattr(func, "is_view", False))
+    formula = _FLOP_FORMULAS.get(func._overloadpacket)
+    flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+    op_class = OpClass.OTHER if phase is Phase.OPTIMIZER else classify(name)
+    floating = [t for t in inputs if t.is_floating_point()] or [t for t in outputs if t.is_floating_point()]
+    dtype = str(floating[0].dtype).removeprefix("torch.") if floating else "none"
+    approx = 0
+    if flops == 0 and not view and op_class is not OpClass.CONTRACTION:
+        approx = per_element_flops().get(op_class, 0) * sum(t.numel() for t in outputs if t.is_floating_point())
+    moved = 0
+    if not view:
+        moved = _nbytes(inputs) + _nbytes(outputs)
+        if not outputs:  # in-place ops that return nothing (foreach): they write their first argument
+            moved += _nbytes(_tensors(args[0])) if args else 0
+    return (name, op_class, phase, dtype, flops, approx, moved, view, is_known(name))

@@ -1,0 +1,193 @@
+"""What a traced step records and what it comes to, as plain data (numpy, no torch).
+
+A trace is a list of allocation and free events (`Trace`) plus the cost signature of every
+op (`Signature`). Replayed through the caching-allocator model it becomes `Curves`: the live
+bytes after every allocation, in total and per memory category, from which the peak of each
+phase and segment is read (`PhasePeak`). `StepTrace` bundles what the estimator keeps of one
+traced part of a step. None of these types needs torch, so a trace cache hit can be read
+without importing it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from anatomist.anatomy import TENSOR_CATEGORIES, MemoryCategory, OpClass, Phase
+from anatomist.trace.allocator import CachingAllocator, round_size
+
+SEGMENTS = ("pre", "blocks", "post")
+"""Where in a phase an event happens: before, inside and after the repeated blocks."""
+
+Signature = tuple[str, OpClass, Phase, str, int, int, int, bool, bool]
+"""One op call: (name, class, phase, dtype, flops, approx_flops, bytes, view, known)."""
+COST_FIELDS = (4, 5, 6)
+"""The signature's per-call costs: flops, approx_flops, bytes."""
+
+
+@dataclass(slots=True)
+class Allocation:
+    """One storage's life: its size, when it was made and what it turned out to be."""
+
+    alloc_id: int
+    nbytes: int
+    phase: Phase
+    category: MemoryCategory = MemoryCategory.TEMPORARY
+    fixed: bool = False
+    """True once the category is settled (weights, gradients, states are not re-labelled)."""
+    op: str = ""
+    """The ATen op that made it ("" for registered tensors)."""
+
+
+@dataclass(slots=True)
+class Event:
+    """An allocation (`nbytes` > 0) or free (`nbytes` < 0) in program order."""
+
+    alloc_id: int
+    nbytes: int
+    phase: Phase
+    segment: str = "pre"
+    """Where in the phase: "pre" (before the repeated blocks), "blocks", "post" (after them)."""
+    micro_step: int = 0
+    """Which micro-batch of an accumulating step (0 or 1)."""
+
+
+@dataclass(slots=True)
+class Trace:
+    """What a tracer recorded: the allocations, the ordered alloc/free events, the ops."""
+
+    allocations: dict[int, Allocation] = dataclasses.field(default_factory=dict)
+    events: list[Event] = dataclasses.field(default_factory=list)
+    ops: list[Signature] = dataclasses.field(default_factory=list)
+    """The cost signature of every op of the first micro-batch and the optimizer step, in order."""
+    op_count: int = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class PhasePeak:
+    """The highest allocated bytes within one phase, what was live then, and the reserve."""
+
+    allocated: int
+    reserved: int
+    categories: dict[MemoryCategory, int]
+
+    @classmethod
+    def from_vector(cls, allocated: float, categories: np.ndarray | list[float]) -> PhasePeak:
+        rounded = [max(0, round(float(x))) for x in categories]
+        by_category = dict(zip(TENSOR_CATEGORIES, rounded, strict=True))
+        total = sum(by_category.values())  # equal to allocated but for rounding
+        return cls(allocated=total, reserved=total, categories=by_category)
+
+
+@dataclass(kw_only=True, slots=True)
+class Curves:
+    """Allocated bytes after every allocation of a trace, in total and per category.
+
+    Traces of the same model and depth at two batch sizes run the same ops, so their
+    curves line up event by event, and each point is affine in the batch size.
+    """
+
+    keys: list[tuple[Phase, str, int]]
+    """(phase, segment, micro-step) of each point."""
+    allocated: np.ndarray
+    """[points] live bytes (each tensor rounded to the allocator's 512 B) after the allocation.
+
+    The allocator's own `allocated` also counts the slack of cached blocks it did not
+    split, which depends on the whole history of the process; it is left to the reserve."""
+    categories: np.ndarray
+    """[points, len(TENSOR_CATEGORIES)] the same bytes by category."""
+    reserve_ratio: float
+    """Peak reserved over peak live bytes of the allocator replay."""
+    index: dict[tuple[Phase, str, int], np.ndarray] = dataclasses.field(init=False)
+    """The positions of each key's points, in order."""
+
+    def __post_init__(self) -> None:
+        positions: dict[tuple[Phase, str, int], list[int]] = {}
+        for i, key in enumerate(self.keys):
+            positions.setdefault(key, []).append(i)
+        self.index = {key: np.array(where, dtype=np.int64) for key, where in positions.items()}
+
+    def __getstate__(self) -> dict[str, Any]:  # `index` is derived: not pickled
+        return {"keys": self.keys, "allocated": self.allocated, "categories": self.categories,
+                "reserve_ratio": self.reserve_ratio}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        self.__post_init__()
+
+    def peaks(self, phases: list[Phase]) -> dict[tuple[Phase, str], PhasePeak]:
+        """The peak of every (phase, segment) of `phases` (zero where a segment has no point)."""
+        best: dict[tuple[Phase, str], int] = {}
+        for i, (phase, segment, _micro) in enumerate(self.keys):
+            key = (phase, segment)
+            if phase in phases and (key not in best or self.allocated[i] > self.allocated[best[key]]):
+                best[key] = i
+        out: dict[tuple[Phase, str], PhasePeak] = {}
+        for key, i in best.items():
+            peak = PhasePeak.from_vector(self.allocated[i], self.categories[i])
+            peak.reserved = round(peak.allocated * self.reserve_ratio)
+            out[key] = peak
+        for phase in phases:
+            for segment in SEGMENTS:
+                out.setdefault((phase, segment), PhasePeak.from_vector(0, [0] * len(TENSOR_CATEGORIES)))
+        return out
+
+
+def curves_of(trace: Trace) -> Curves:
+    """Replay the events through the allocator model, recording the curve after each allocation."""
+    allocator = CachingAllocator()
+    blocks: dict[int, Any] = {}
+    index = {c: j for j, c in enumerate(TENSOR_CATEGORIES)}
+    current = [0] * len(TENSOR_CATEGORIES)
+    keys: list[tuple[Phase, str, int]] = []
+    totals: list[int] = []
+    rows: list[list[int]] = []
+    live = 0
+    for event in trace.events:
+        category = index[trace.allocations[event.alloc_id].category]
+        if event.nbytes > 0:
+            blocks[event.alloc_id] = allocator.malloc(event.nbytes)
+            size = round_size(event.nbytes)
+            current[category] += size
+            live += size
+            keys.append((event.phase, event.segment, event.micro_step))
+            totals.append(live)
+            rows.append(list(current))
+        else:
+            block = blocks.pop(event.alloc_id, None)
+            if block is not None:
+                size = round_size(-event.nbytes)
+                current[category] -= size
+                live -= size
+                allocator.free(block)
+    return Curves(
+        keys=keys,
+        allocated=np.asarray(totals, dtype=np.float64),
+        categories=np.asarray(rows, dtype=np.float64).reshape(len(rows), len(TENSOR_CATEGORIES)),
+        reserve_ratio=max(1.0, allocator.peak_reserved / max(max(totals, default=0), 1)),
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class StepTrace:
+    """What one traced part of a step, at one depth and batch size, came to."""
+
+    phases: list[Phase]
+    """The phases of the step this trace covers, in order."""
+    curves: Curves
+    """The allocation curve, for extrapolation in depth and batch size."""
+    ops: tuple[Signature, ...]
+    """The cost signature of every op of one micro-batch (passes) or the optimizer step, in order."""
+    parameters: int
+    trainable_parameters: int
+    op_count: int
+    static_bytes: dict[MemoryCategory, int] = dataclasses.field(default_factory=dict)
+    """Bytes alive through the whole step that the trace made at set-up (optimizer state)."""
+
+    def peaks(self) -> dict[tuple[Phase, str], PhasePeak]:
+        """The peak of every (phase, segment) of the traced phases."""
+        return self.curves.peaks(self.phases)
