@@ -1,10 +1,25 @@
-"""GPU catalog (data/gpus.toml) and detection of the local GPU through NVML."""
+"""GPU catalog (data/gpus.toml), looked up by the names people write and by the names NVML reports.
+
+Three ways to name a GPU, three entry points:
+
+- `get_gpu(name)`: what a user writes after `--gpu` ("4090", "a100 80gb", "H100-80GB",
+  "rtx 6000 ada"); an ambiguous or unknown name is an InputError with the candidates.
+- `match_catalog(nvml_name, total_bytes)`: what `nvmlDeviceGetName` returns ("NVIDIA H100 80GB
+  HBM3", "Tesla V100-SXM2-16GB"), with the device's memory to tell apart variants whose name
+  does not say their size.
+- `detect_local_gpu()`: the GPU of this machine, through NVML, matched as above.
+
+Both matchers work on the same word tokens (`name_tokens`), so "L4" never matches "L40S" and
+"RTX A6000" never matches "RTX 6000 Ada Generation": words are compared whole, never as
+substrings.
+"""
 
 from __future__ import annotations
 
 import difflib
+import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
 from typing import Literal
@@ -35,7 +50,11 @@ class GPU:
     """Memory outside the caching allocator: CUDA context, kernels."""
     cuda_context_source: str
     source: str
+    """Where every figure of the entry comes from (datasheet URL; dense or sparse)."""
     aliases: tuple[str, ...] = ()
+    """Other names `get_gpu` accepts as they are (case, spaces and underscores aside)."""
+    nvml_names: tuple[str, ...] = ()
+    """What `nvmlDeviceGetName` returns for this GPU, exactly; `match_catalog` matches on these."""
     detected: bool = False
     """True when this entry describes the GPU found on this machine through NVML."""
 
@@ -71,7 +90,12 @@ class GPU:
 
 @cache
 def catalog() -> dict[str, GPU]:
-    """All GPUs of the shipped catalog, by canonical name."""
+    """All GPUs of the shipped catalog, by canonical name.
+
+    Raises:
+        ValueError: the data file is inconsistent: two entries that NVML would name alike have
+            the same memory, so nothing could tell them apart (a bug in gpus.toml, not user input).
+    """
     raw = tomllib.loads(resources.files("anatomist.data").joinpath("gpus.toml").read_text())
     defaults = raw["defaults"]
     gpus = {}
@@ -80,8 +104,62 @@ def catalog() -> dict[str, GPU]:
         spec.setdefault("cuda_context_bytes", defaults["cuda_context_bytes"])
         spec.setdefault("cuda_context_source", defaults["cuda_context_source"])
         spec["aliases"] = tuple(spec.get("aliases", ()))
+        spec["nvml_names"] = tuple(spec.get("nvml_names", ()))
         gpus[name] = GPU(name=name, **spec)
+    seen: dict[tuple[frozenset[str], int], str] = {}
+    for gpu in gpus.values():
+        for nvml_name in gpu.nvml_names:
+            key = (nvml_identity(nvml_name), gpu.memory_bytes)
+            if seen.setdefault(key, gpu.name) != gpu.name:
+                raise ValueError(f"gpus.toml: {seen[key]} and {gpu.name} have the same NVML identity and memory")
     return gpus
+
+
+# --- names -------------------------------------------------------------------------------------
+
+_BRANDS = frozenset({"nvidia", "geforce", "tesla"})
+"""Words that do not tell GPUs apart (drivers have written "Tesla" and "NVIDIA" for the same card)."""
+_MEMORY_TYPES = frozenset({"hbm2", "hbm2e", "hbm3", "hbm3e", "gddr6", "gddr6x", "gddr7"})
+_FORMS = frozenset({"pcie", "nvl"})
+"""Form factors that must be asked for by name: without one, a name means the SXM part."""
+_SIZE = re.compile(r"\d+gb")
+
+
+def name_tokens(name: str) -> tuple[str, ...]:
+    """The words of a GPU name, normalized so that the ways people and drivers write one name agree.
+
+    Lower case; split at anything that is not a letter or digit; brand words dropped; a size
+    written "80GB", "80 GB", "80GiB" or "144G" becomes "80gb"/"144gb"; "sxm2"/"sxm4"/"sxm5"
+    become "sxm". Example: "NVIDIA A100-SXM4-80GB" -> ("a100", "sxm", "80gb").
+    """
+    text = re.sub(r"(?<![a-z0-9])(\d+)\s*(?:gib|gb|g)(?![a-z0-9])", r"\1gb", name.lower())
+    tokens = []
+    for token in re.split(r"[^a-z0-9]+", text):
+        if not token or token in _BRANDS:
+            continue
+        tokens.append("sxm" if re.fullmatch(r"sxm\d*", token) else token)
+    return tuple(tokens)
+
+
+def nvml_identity(nvml_name: str) -> frozenset[str]:
+    """The words of an NVML name that say which product it is, without size, memory type or SXM.
+
+    "NVIDIA A100-SXM4-40GB" and "NVIDIA A100-SXM4-80GB" share the identity {"a100"} (memory
+    tells them apart); "NVIDIA A100-PCIE-40GB" is {"a100", "pcie"}; "NVIDIA L40S" is {"l40s"},
+    never {"l4"}.
+    """
+    return frozenset(
+        t for t in name_tokens(nvml_name) if t != "sxm" and t not in _MEMORY_TYPES and not _SIZE.fullmatch(t)
+    )
+
+
+@cache
+def _vocabulary() -> dict[str, frozenset[str]]:
+    """Every word each catalog GPU is known by: its name, its aliases and its NVML names."""
+    return {
+        gpu.name: frozenset(t for n in (gpu.name, *gpu.aliases, *gpu.nvml_names) for t in name_tokens(n))
+        for gpu in catalog().values()
+    }
 
 
 def _key(name: str) -> str:
@@ -89,30 +167,85 @@ def _key(name: str) -> str:
 
 
 def get_gpu(name: str) -> GPU:
-    """Look a GPU up by name or alias, case-insensitively; `local` means the detected GPU.
+    """Look a GPU up by the name a user writes; `local` (or `auto`) means the detected GPU.
+
+    The rule, in order:
+
+    1. A catalog name or alias, case, spaces and underscores aside ("A100_80GB", "rtx4090").
+    2. Otherwise the words of `name` (see `name_tokens`) must all be words of exactly one
+       entry's names, aliases or NVML names: "4090" -> RTX-4090, "rtx 6000 ada" ->
+       RTX-6000-Ada, "a100 80gb" -> A100-80GB, "NVIDIA H100 80GB HBM3" -> H100-SXM.
+    3. PCIe and NVL parts are only chosen when the name says "pcie" or "nvl": a bare "h100"
+       is the H100 SXM 80GB (the one clouds rent most), "h100 pcie" and "h100 nvl" the others;
+       likewise "a100 80gb" is the SXM part.
 
     Raises:
-        InputError: unknown name (with the closest known names).
+        InputError: the name fits several entries ("ambiguous GPU 'a100': A100-40GB,
+            A100-80GB; say which") or none (with the closest names).
     """
     if _key(name) in ("local", "auto"):
         local = detect_local_gpu()
         if local is None:
             raise InputError("--gpu local: no NVIDIA GPU found through NVML on this machine; name one (see `anatomist gpus`)")
         return local
-    by_key = {}
-    for gpu in catalog().values():
-        by_key[_key(gpu.name)] = gpu
-        for alias in gpu.aliases:
-            by_key[_key(alias)] = gpu
-    if _key(name) in by_key:
-        return by_key[_key(name)]
-    close = difflib.get_close_matches(_key(name), list(by_key), n=3, cutoff=0.5)
-    hint = f"; did you mean {', '.join(by_key[c].name for c in close)}?" if close else ""
-    raise InputError(f"unknown GPU {name!r}{hint} (known: {', '.join(catalog())})")
+    gpus = catalog()
+    for gpu in gpus.values():
+        if _key(name) in {_key(n) for n in (gpu.name, *gpu.aliases)}:
+            return gpu
+    words = set(name_tokens(name))
+    vocabulary = _vocabulary()
+    fits = [
+        g for g in gpus.values()
+        if words and words <= vocabulary[g.name] and (vocabulary[g.name] & _FORMS) <= words
+    ]
+    if len(fits) == 1:
+        return fits[0]
+    if fits:
+        raise InputError(f"ambiguous GPU {name!r}: {', '.join(g.name for g in fits)}; say which")
+    raise InputError(f"unknown GPU {name!r}{_suggestion(name, words)}")
+
+
+def _suggestion(name: str, words: set[str]) -> str:
+    """'; did you mean A, B? (all: `anatomist gpus`)' or, with nothing close, the whole catalog."""
+    vocabulary = _vocabulary()
+    product_words = {w for w in words if not _SIZE.fullmatch(w)}
+    close = [g for g, vocab in vocabulary.items() if product_words & vocab - {"rtx", "sxm"}]
+    if not close:
+        keys = {_key(n): g.name for g in catalog().values() for n in (g.name, *g.aliases)}
+        close = list(dict.fromkeys(keys[k] for k in difflib.get_close_matches(_key(name), list(keys), n=3, cutoff=0.5)))
+    if close:
+        return f"; did you mean {', '.join(close)}? (all: `anatomist gpus`)"
+    return f" (known: {', '.join(catalog())})"
+
+
+def match_catalog(nvml_name: str, total_bytes: int) -> GPU | None:
+    """The catalog entry for a device NVML names `nvml_name` with `total_bytes` of memory, or None.
+
+    The NVML name's identity (`nvml_identity`) must equal the identity of one of an entry's
+    `nvml_names`: words are compared whole, so "NVIDIA L40S" is not the L4 and "NVIDIA GeForce
+    RTX 4090 D" is not the 4090. Where several entries share the identity (A100 40GB and 80GB,
+    GH200 96GB and 144GB), a size written in the name decides ("A100-SXM4-80GB"), else the
+    entry whose memory is nearest `total_bytes`.
+
+    Known limitations: a GPU, or a spelling, that no entry lists returns None rather than a
+    guess; add its NVML name to `nvml_names` in data/gpus.toml.
+    """
+    identity = nvml_identity(nvml_name)
+    same = [g for g in catalog().values() if identity in {nvml_identity(n) for n in g.nvml_names}]
+    sizes = {t for t in name_tokens(nvml_name) if _SIZE.fullmatch(t)}
+    if sizes:
+        vocabulary = _vocabulary()
+        same = [g for g in same if sizes <= vocabulary[g.name]] or same
+    return min(same, key=lambda g: abs(g.memory_bytes - total_bytes), default=None)
+
+
+# --- detection ---------------------------------------------------------------------------------
 
 
 def detect_local_gpu() -> GPU | None:
-    """The local GPU via NVML (nvidia-ml-py), matched to the catalog by name; None without one."""
+    """The local GPU via NVML (nvidia-ml-py), matched to the catalog (`match_catalog`); None
+    without an NVIDIA GPU or when the catalog does not know it. The entry keeps its catalog
+    figures but takes NVML's total memory, and its name says both ("H100-SXM (NVIDIA H100 80GB HBM3)")."""
     try:
         import pynvml
 
@@ -131,25 +264,4 @@ def detect_local_gpu() -> GPU | None:
     match = match_catalog(name, total)
     if match is None:
         return None
-    return GPU(**{**_fields(match), "name": f"{match.name} ({name})", "memory_bytes": total, "detected": True})
-
-
-def _fields(gpu: GPU) -> dict[str, object]:
-    return {f: getattr(gpu, f) for f in GPU.__slots__}  # type: ignore[attr-defined]
-
-
-def match_catalog(nvml_name: str, total_bytes: int) -> GPU | None:
-    """Map an NVML name such as 'NVIDIA H100 80GB HBM3' to the closest catalog entry."""
-    lowered = nvml_name.lower()
-    candidates = []
-    for gpu in catalog().values():
-        family = gpu.name.split("-")[0].lower().replace("rtx", "")
-        if family and family in lowered.replace("rtx ", ""):
-            candidates.append(gpu)
-    if "pcie" in lowered:
-        candidates = [g for g in candidates if "pcie" in g.name.lower()] or candidates
-    elif candidates:
-        candidates = [g for g in candidates if "pcie" not in g.name.lower()] or candidates
-    if not candidates:
-        return None
-    return min(candidates, key=lambda g: abs(g.memory_bytes - total_bytes))
+    return replace(match, name=f"{match.name} ({name})", memory_bytes=total, detected=True)

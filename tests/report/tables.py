@@ -6,13 +6,16 @@ from html.parser import HTMLParser
 
 
 class TableReader(HTMLParser):
-    """Collects {table id: [{data-key: data-value, "label": data-label}, ...]} from the report."""
+    """Collects {table id: [{data-key: data-value, "label": data-label}, ...]} from the report,
+    the images, and the header (`about`: {data-key: text shown})."""
 
     def __init__(self) -> None:
         super().__init__()
         self.tables: dict[str, list[dict[str, str]]] = {}
         self.images: list[dict[str, str]] = []
+        self.about: dict[str, str] = {}
         self._table: str | None = None
+        self._about_key: str | None = None
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         a = {k: v or "" for k, v in attrs}
@@ -25,10 +28,19 @@ class TableReader(HTMLParser):
             self.tables[self._table][-1][a["data-key"]] = a["data-value"]
         elif tag == "img":
             self.images.append(a)
+        elif tag == "dd" and "data-key" in a:
+            self._about_key = a["data-key"]
+            self.about[self._about_key] = ""
+
+    def handle_data(self, data: str) -> None:
+        if self._about_key:
+            self.about[self._about_key] += data
 
     def handle_endtag(self, tag: str) -> None:
         if tag == "table":
             self._table = None
+        elif tag == "dd":
+            self._about_key = None
 
 
 def read_tables(html: str) -> TableReader:

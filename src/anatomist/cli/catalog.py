@@ -29,7 +29,9 @@ def run_gpus(args: argparse.Namespace) -> int:
     gpus = list(catalog().values())
     local = detect_local_gpu()
     if args.json:
-        print_json({"gpus": [g.to_dict() for g in gpus], "detected": local.to_dict() if local else None})
+        rows = [{**g.to_dict(), "aliases": list(g.aliases), "nvml_names": list(g.nvml_names), "source": g.source,
+                 "cuda_context_source": g.cuda_context_source} for g in gpus]
+        print_json({"gpus": rows, "detected": local.to_dict() if local else None})
         return 0
     table = Table(title="GPU catalog (dense peaks; sources in data/gpus.toml)", title_justify="left")
     for column in ("name", "memory", "fp32", "tf32", "fp16", "bf16", "bandwidth", "CUDA context"):
@@ -38,12 +40,18 @@ def run_gpus(args: argparse.Namespace) -> int:
         table.add_row(
             g.name, gib(g.memory_bytes), f"{g.fp32_tflops:g}", f"{g.tf32_tflops:g}" if g.tf32 else "-",
             f"{g.fp16_tflops:g}", f"{g.bf16_tflops:g}" if g.bf16 else "-", f"{g.bandwidth_gbps:g} GB/s",
-            gib(g.cuda_context_bytes),
+            gib(g.cuda_context_bytes) + (" *" if _assumed(g.cuda_context_source) else ""),
         )
     out = console()
     out.print(table)
     out.print("TFLOP/s, dense. " + (f"Detected here: {local.name}" if local else "No NVIDIA GPU detected here (NVML)."))
+    if any(_assumed(g.cuda_context_source) for g in gpus):
+        out.print("* CUDA context assumed, not measured on that GPU (data/gpus.toml says why)")
     return 0
+
+
+def _assumed(source: str) -> bool:
+    return source.startswith("assumption")
 
 
 def run_models(args: argparse.Namespace) -> int:

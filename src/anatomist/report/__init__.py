@@ -15,8 +15,9 @@ from typing import Any
 
 from anatomist.errors import InputError
 from anatomist.report import charts
+from anatomist.report.about import subtitle
 from anatomist.report.html import Chart, render_html
-from anatomist.report.load import ReportData, load
+from anatomist.report.load import ReportData, comparable_peaks, load
 
 __all__ = ["ReportData", "build_charts", "load", "write_report"]
 
@@ -34,19 +35,24 @@ def build_charts(data: ReportData) -> list[Chart]:
     has_recipes = bool({"estimate", "plan", "bench"} & set(data.kinds))
     wanted = {"memory": has_recipes, "throughput": has_recipes, "parity": "bench" in data.kinds,
               "classes": "profile" in data.kinds}
+    compared = [r for r in data.results if None not in comparable_peaks(r.predicted_memory, r.measured_memory)]
     specs = [
-        ("memory", "Memory anatomy per recipe", charts.memory_anatomy(data.results), no_recipes),
-        ("throughput", "Throughput vs peak memory", charts.throughput_vs_memory(data.results),
+        ("memory", "Memory anatomy per recipe", data.ok_results, charts.memory_anatomy(data.results), no_recipes),
+        ("throughput", "Throughput vs peak memory", data.ok_results, charts.throughput_vs_memory(data.results),
          "No throughput in the input: estimates without a time prediction and failed runs have none."),
-        ("parity", "Predicted vs measured", charts.predicted_vs_measured(data.results),
+        ("parity", "Predicted vs measured", compared, charts.predicted_vs_measured(data.results),
          "Nothing measured to compare with: parity needs bench results with both predicted and measured memory."),
-        ("classes", "Operation classes: FLOPs vs time", charts.op_class_shares(data.classes, data.profile_device),
+        ("classes", "Operation classes: FLOPs vs time", [], charts.op_class_shares(data.classes, data.profile_device),
          "No operation classes: they come from `anatomist profile --json`."),
     ]
     out = []
-    for key, title, fig, reason in specs:
+    for key, title, results, fig, reason in specs:
         if not wanted[key]:
             continue
+        if results:  # the alt text and heading say what the chart is about, as its subtitle does
+            title = f"{title}: {subtitle(results)}"
+        elif key == "classes" and data.profile_device:
+            title = f"{title}: {data.profile_device}"
         png = None
         if fig is not None:
             buf = io.BytesIO()

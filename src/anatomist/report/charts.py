@@ -21,6 +21,7 @@ matplotlib.use("Agg")  # before pyplot: files only, no display
 from matplotlib.figure import Figure  # noqa: E402
 
 from anatomist.anatomy import GIB, MemoryCategory, OpClass  # noqa: E402
+from anatomist.report.about import distinguishing, subtitle  # noqa: E402
 from anatomist.report.load import RecipeResult, comparable_peaks, peak_bytes  # noqa: E402
 
 PARITY_BAND_PCT = 5.0
@@ -66,6 +67,15 @@ def _figure(width_in: float = 8.0, height_in: float = 4.2) -> Figure:
     return Figure(figsize=(width_in, height_in), dpi=100, layout="constrained")
 
 
+def _title(fig: Figure, ax, title: str, sub: str | None) -> None:  # type: ignore[no-untyped-def]
+    """The chart's name in bold, and under it, smaller, what it is about (model, GPU...)."""
+    fig.suptitle(title, fontweight="bold", x=0.02, ha="left")
+    if sub:
+        # ~13 characters of 8.5 pt text per inch of figure: wrap rather than run off a narrow chart
+        ax.set_title(textwrap.fill(sub, int(fig.get_figwidth() * 13)), loc="left", fontsize=8.5, color="#555",
+                     fontweight="normal")
+
+
 @_styled
 def memory_anatomy(results: list[RecipeResult]) -> Figure | None:
     """Stacked horizontal bars, one per recipe: the seven categories in GiB, GPU capacity as a line.
@@ -90,9 +100,10 @@ def memory_anatomy(results: list[RecipeResult]) -> Figure | None:
         ax.axvline(capacity / GIB, color="black", linestyle=("--", ":", "-.")[i % 3], linewidth=1.2,
                    label=f"{names}: {capacity / GIB:.1f} GiB")
     mixed = len({r.memory_source for r in rows}) > 1
-    ax.set_yticks(ys, [f"{r.label} ({r.memory_source})" if mixed else r.label for r in rows])
+    label = distinguishing(rows)
+    ax.set_yticks(ys, [f"{label(r)} ({r.memory_source})" if mixed else label(r) for r in rows])
     ax.set_xlabel("GiB on the device at the step's peak")
-    ax.set_title("Memory anatomy per recipe", loc="left")
+    _title(fig, ax, "Memory anatomy per recipe", subtitle(rows))
     ax.grid(axis="y", visible=False)
     fig.legend(loc="outside lower center", ncols=4, frameon=False, fontsize=8.5)
     return fig
@@ -138,14 +149,15 @@ def throughput_vs_memory(results: list[RecipeResult]) -> Figure | None:
     ax.scatter([p[0] for p in points], [p[1] for p in points], s=36, color="#0072B2", alpha=0.6, label="recipe")
     ax.plot([points[i][0] for i in front], [points[i][1] for i in front], "-o", color="#D55E00",
             linewidth=1.5, markersize=7, label="Pareto front")
+    label = distinguishing(rows)
     for i in front:
-        ax.annotate(rows[i].label, points[i], textcoords="offset points", xytext=(6, 4), fontsize=8)
+        ax.annotate(label(rows[i]), points[i], textcoords="offset points", xytext=(6, 4), fontsize=8)
     for capacity, names in _capacities(rows):
         ax.axvline(capacity / GIB, color="black", linestyle="--", linewidth=1.0, label=f"{names}: {capacity / GIB:.1f} GiB")
     sources = {"measured" if r.measured_samples_per_second is not None else "predicted" for r in rows}
     ax.set_xlabel("device memory at the peak (GiB)")
     ax.set_ylabel(f"samples / s ({' and '.join(sorted(sources))})")
-    ax.set_title("Throughput vs peak memory")
+    _title(fig, ax, "Throughput vs peak memory", subtitle(rows))
     ax.legend(frameon=False, fontsize=8.5, loc="best")
     return fig
 
@@ -160,11 +172,12 @@ def predicted_vs_measured(results: list[RecipeResult]) -> Figure | None:
     fig = _figure(width_in=8.0 if speed_rows else 5.0, height_in=4.2)
     axes = fig.subplots(1, 2 if speed_rows else 1, squeeze=False)[0]
     mem_pairs = [tuple(b / GIB for b in comparable_peaks(r.predicted_memory, r.measured_memory)) for r in mem_rows]
-    _parity(axes[0], mem_pairs, [r.label for r in mem_rows], "peak memory (GiB)")  # type: ignore[arg-type]
+    label = distinguishing(mem_rows)
+    _parity(axes[0], mem_pairs, [label(r) for r in mem_rows], "peak memory (GiB)")  # type: ignore[arg-type]
     if speed_rows:
         pairs = [(float(r.predicted_samples_per_second or 0), float(r.measured_samples_per_second or 0)) for r in speed_rows]
-        _parity(axes[1], pairs, [r.label for r in speed_rows], "samples / s")
-    fig.suptitle("Predicted vs measured", fontweight="bold")
+        _parity(axes[1], pairs, [label(r) for r in speed_rows], "samples / s")
+    _title(fig, axes[0], "Predicted vs measured", subtitle(mem_rows))
     return fig
 
 
@@ -206,9 +219,7 @@ def op_class_shares(classes: dict[str, dict[str, float]] | None, device: str | N
     ax.set_xticks(xs, names)
     ax.set_ylabel("percent of the step")
     ax.set_ylim(0, max([*flops, *time, 1.0]) * 1.15)
-    fig.suptitle("Operation classes: FLOPs vs time", fontweight="bold", x=0.02, ha="left")
-    if device:
-        ax.set_title(textwrap.shorten(device, 90), loc="left", fontsize=8.5, color="#555", fontweight="normal")
+    _title(fig, ax, "Operation classes: FLOPs vs time", device)
     ax.grid(axis="x", visible=False)
     ax.legend(frameon=False)
     return fig

@@ -17,6 +17,7 @@ from typing import Any
 
 from anatomist import __version__
 from anatomist.anatomy import GIB, MemoryCategory
+from anatomist.report.about import describe
 from anatomist.report.charts import OP_CLASS_ORDER, pareto_front
 from anatomist.report.load import RecipeResult, ReportData, comparable_peaks, peak_bytes
 
@@ -36,6 +37,8 @@ _CSS = """
 body{font-family:-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:2em auto;max-width:1100px;color:#222;padding:0 1em}
 h1{margin-bottom:.2em}h2{margin-top:1.8em;border-bottom:1px solid #ddd;padding-bottom:.2em}
 .meta{color:#666;font-size:.9em}
+.about{display:grid;grid-template-columns:max-content 1fr;gap:.15em 1em;margin:.8em 0}
+.about dt{font-weight:600}.about dd{margin:0}
 .notices{background:#fff4e5;border-left:4px solid #E69F00;padding:.6em 1em;margin:1em 0}
 .notices p{margin:.3em 0}
 img.chart{max-width:100%;height:auto;display:block;margin:.5em 0}
@@ -64,6 +67,7 @@ def render_html(data: ReportData, charts: list[Chart]) -> str:
         f'<p class="meta">From {", ".join(_source(s) for s in data.sources) or "(nothing)"} '
         f"({escape(', '.join(data.kinds))}); anatomist {escape(__version__)}, {now}. "
         "Memory in GiB (2<sup>30</sup> bytes).</p>",
+        _about(data),
     ]
     if data.notices:
         parts.append('<div class="notices" id="notices">')
@@ -93,6 +97,12 @@ def render_html(data: ReportData, charts: list[Chart]) -> str:
         parts.append("</section>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _about(data: ReportData) -> str:
+    """The header: model, parameters, sequence length, batch, recipe and GPU of the inputs."""
+    rows = "".join(f'<dt>{escape(f.label)}</dt><dd data-key="{f.key}">{escape(f.text)}</dd>' for f in describe(data))
+    return f'<dl class="about" id="about">{rows}</dl>'
 
 
 def _num(key: str, value: Any, text: str) -> str:

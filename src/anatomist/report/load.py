@@ -61,6 +61,9 @@ class RecipeResult:
     status: str
     """"predicted" for estimate/plan entries; bench's "ok" | "oom" | "error" | "skipped"."""
     reason: str | None = None
+    parameters: int | None = None
+    """The model's parameter count, where the input says it (estimate does; bench rows do not)."""
+    seq_len: int | None = None
     gpu_name: str | None = None
     gpu_memory_bytes: int | None = None
     predicted_memory: dict[str, Any] | None = None
@@ -223,6 +226,8 @@ def _from_estimate(obj: dict[str, Any], notices: list[str]) -> RecipeResult:
         model=str(obj.get("model", "?")),
         recipe=recipe,
         status="predicted",
+        parameters=_int(obj.get("parameters")),
+        seq_len=_int(obj.get("seq_len")),
         gpu_name=gpu.get("name"),
         gpu_memory_bytes=gpu.get("memory_bytes"),
         predicted_memory=_memory(obj.get("memory"), "estimate", notices),
@@ -247,6 +252,7 @@ def _add_plan(data: ReportData, obj: dict[str, Any]) -> None:
         data.results.append(RecipeResult(
             label=label, model=str(obj.get("model", entry.get("model", "?"))), recipe=recipe, status="predicted",
             reason="; ".join(entry.get("reasons") or []) or None,
+            parameters=_int(obj.get("parameters")), seq_len=_int(obj.get("seq_len")),
             gpu_name=gpu.get("name"), gpu_memory_bytes=gpu.get("memory_bytes"),
             predicted_memory=_memory(entry.get("memory"), "plan entry", data.notices),
             predicted_samples_per_second=time.get("samples_per_second"),
@@ -321,6 +327,8 @@ def _from_bench_row(row: dict[str, Any], index: int, notices: list[str]) -> Reci
         recipe=recipe,
         status=status,
         reason=row.get("reason"),
+        parameters=_int(row.get("parameters")),
+        seq_len=_int((row.get("workload") or {}).get("seq_len", row.get("seq_len"))),
         gpu_name=device.get("name"),
         gpu_memory_bytes=device.get("memory_bytes") or device.get("total_memory_bytes"),
         measured_memory=_memory(measured.get("memory"), f"row {row.get('name', index + 1)} (measured)", notices) if ok else None,
@@ -328,6 +336,11 @@ def _from_bench_row(row: dict[str, Any], index: int, notices: list[str]) -> Reci
         measured_samples_per_second=measured.get("samples_per_second") if ok else None,
         predicted_samples_per_second=(predicted.get("time") or {}).get("samples_per_second"),
     )
+
+
+def _int(value: Any) -> int | None:
+    """An integer field of the input, or None where it is missing or not a number."""
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def _memory(mem: Any, where: str, notices: list[str], *, quiet: bool = False) -> dict[str, Any] | None:
