@@ -22,11 +22,11 @@ context once a training step's kernels are loaded, which is what stays beside th
 
 
 def fmt(name: str, value: float | None) -> str:
-    """A figure for people: MiB for bytes, ms for seconds, as is otherwise."""
+    """A figure for people: bytes below 1 MiB, else MiB; ms for seconds; as is otherwise."""
     if value is None:
         return "-"
     if name.endswith("_bytes"):
-        return f"{value / MIB:,.1f} MiB"
+        return f"{int(value):,} B" if abs(value) < MIB else f"{value / MIB:,.2f} MiB"
     if name.endswith("_s"):
         return f"{value * 1e3:,.2f} ms"
     return f"{value:,.2f}"
@@ -48,7 +48,7 @@ def table_lines(rows: list[dict[str, Any]]) -> list[str]:
                                                                r["status"], note)) + " |")
             continue
         for name, q in numbered.items():
-            err = "-" if q.get("error_pct") is None else f"{q['error_pct']:+.1f}"
+            err = "-" if q.get("error_pct") is None else f"{q['error_pct']:+.2f}"
             lines.append("| " + " | ".join(_cell(x) for x in (
                 r["part"], r["name"], name, fmt(name, q.get("predicted")), fmt(name, q.get("measured")), err,
                 r["status"], note)) + " |")

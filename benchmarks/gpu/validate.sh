@@ -40,8 +40,10 @@ else
     export PYTHONPATH="$repo/src:$site:${PYTHONPATH#"$repo/src:"}"
   fi
   echo "validate.sh: installing anatomist from $repo (editable, no dependencies)" >&2
-  if ! "$py" -m pip install -q --no-deps --no-build-isolation --no-index -e "$repo" >&2; then
-    echo "validate.sh: pip install failed; running from $repo/src through PYTHONPATH instead" >&2
+  pip_log=${TMPDIR:-/tmp}/anatomist-pip-install.log
+  if ! "$py" -m pip install -q --no-deps --no-build-isolation --no-index -e "$repo" >"$pip_log" 2>&1; then
+    # e.g. a setuptools older than pyproject.toml's build requirement, and no network to get one
+    echo "validate.sh: pip install failed ($pip_log); running from $repo/src through PYTHONPATH instead" >&2
   fi
   "$py" -c "import datasets" 2>/dev/null \
     || echo "validate.sh: warning: no 'datasets' here: part c's bench rows will fail; carry it (README.md)" >&2
