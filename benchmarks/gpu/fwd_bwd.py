@@ -226,6 +226,29 @@ def build(workload: Any, attn: str, weights: str, device: Device) -> Any:
     return model.train()
 
 
+def measure_cell(model: Any, workload: Any, cell: Cell, device: Device) -> tuple[Measured | None, tuple[str, str] | None]:
+    """The cell's measurement, or (status, reason) of its failure: an OOM, or any crash."""
+    from anatomist.estimate.step import make_batch
+
+    try:
+        batch = {k: v.to(device.torch_device) for k, v in make_batch(workload, cell.batch).items()}
+        return measure_model(model, batch, device, autocast=cell.weights == "fp32-autocast"), None
+    except torch.cuda.OutOfMemoryError as exc:
+        return None, ("oom", f"out of memory: {str(exc).splitlines()[0]}")
+    except Exception as exc:  # noqa: BLE001 - a crash is a recorded result; the grid goes on
+        return None, ("error", f"{type(exc).__name__}: {str(exc)[:300]}")
+
+
+def attention_or_oom(cell: Cell, workload: Any, device: Device) -> dict[str, Any]:
+    """`attention_probe`, or why it has no figure (eager scores can outgrow the model's own step)."""
+    try:
+        return attention_probe(cell, workload.config, workload.task == "causal-lm", device)
+    except torch.cuda.OutOfMemoryError as exc:
+        failure = {"oom": str(exc).splitlines()[0]}
+    device.free_all()
+    return failure
+
+
 def run(args: argparse.Namespace) -> None:
     from anatomist.hardware import detect_local_gpu, get_gpu
     from anatomist.workload import load_workload
@@ -249,8 +272,6 @@ def run(args: argparse.Namespace) -> None:
 def run_cells(args: argparse.Namespace, log: ResultsLog, device: Device, model: Any, workload: Any,
               cells: list[Cell], gpu: Any) -> None:
     """One setting's batch sizes, ascending: after an OOM the larger ones are recorded as skipped."""
-    from anatomist.estimate.step import make_batch
-
     oom_at: int | None = None
     for cell in cells:
         row: dict[str, Any] = {"part": PART, "unit": args.unit, "attempt": args.attempt, "name": cell.name,
@@ -260,22 +281,16 @@ def run_cells(args: argparse.Namespace, log: ResultsLog, device: Device, model: 
         if oom_at is not None:
             log.row(**row, status="skipped", reason=f"batch {oom_at} ran out of memory", details=details)
             continue
-        try:
-            batch = {k: v.to(device.torch_device) for k, v in make_batch(workload, cell.batch).items()}
-            measured = measure_model(model, batch, device, autocast=cell.weights == "fp32-autocast")
-            del batch
-            details["attention"] = attention_probe(cell, workload.config, workload.task == "causal-lm", device)
-        except torch.cuda.OutOfMemoryError as exc:
-            oom_at = cell.batch
+        measured, failure = measure_cell(model, workload, cell, device)
+        if failure is not None:  # the exception (and the tensors its frames held) is gone by now
             model.zero_grad(set_to_none=True)
             device.free_all()
-            log.row(**row, status="oom", reason=f"out of memory: {str(exc).splitlines()[0]}", details=details)
+            status, reason = failure
+            oom_at = cell.batch if status == "oom" else None
+            log.row(**row, status=status, reason=reason, details=details)
             continue
-        except Exception as exc:  # noqa: BLE001 - a crash is a recorded result; the grid goes on
-            model.zero_grad(set_to_none=True)
-            device.free_all()
-            log.row(**row, status="error", reason=f"{type(exc).__name__}: {str(exc)[:300]}", details=details)
-            continue
+        assert measured is not None
+        details["attention"] = attention_or_oom(cell, workload, device)
         predicted, why_not = predicted_or_reason(workload, cell, gpu, dry_run=args.dry_run)
         details["measured"] = asdict(measured)
         reason = f"dry-run: CUDA counters not read (no GPU), times are CPU times; {why_not or 'predicted'}" \

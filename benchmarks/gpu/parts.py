@@ -26,8 +26,11 @@ SEEDS_DRY_RUN_ROWS = ("fp16",)
 """A dry run's seeds row: skipped on the CPU for needing CUDA, so the CLI, its --json rows and
 their conversion run end to end without a worker (a CPU row takes ~30 s of a 2-core CPU and
 is what tests/test_bench_cli.py covers; the conversion of measured figures is unit-tested)."""
-FWD_BWD_MODELS = (("bert-large-uncased", "encoder"), ("gpt2", "decoder"), ("Llama-3.2-1B", "decoder"))
+FWD_BWD_MODELS = ("bert-large-uncased", "gpt2", "Llama-3.2-1B")
+"""An encoder (the seeds' model) and two decoders (learned positions, GQA + RoPE): catalog configs."""
 FWD_BWD_GRID = {"batches": "1,4,16", "seq_lens": "128,512,1024,2048"}
+FWD_BWD_WEIGHTS = ("bf16", "fp32-autocast")
+"""fwd_bwd.py's weights modes: pure bf16 weights, and fp32 weights under bf16 autocast."""
 DRY_RUN_LLAMA = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
                  "num_key_value_heads": 1, "intermediate_size": 64, "vocab_size": 512,
                  "max_position_embeddings": 64, "tie_word_embeddings": False}
@@ -35,6 +38,8 @@ DRY_RUN_LLAMA = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 
 
 @dataclass(frozen=True, slots=True)
 class Part:
+    """A part of the validation: its letter, what it checks, and how to list its units."""
+
     name: str
     title: str
     units: Callable[[Context], list[Unit]]
@@ -153,17 +158,18 @@ def bench_units(ctx: Context) -> list[Unit]:
 
 
 def fwd_bwd_units(ctx: Context) -> list[Unit]:
+    """One unit per model and weights mode on a GPU (a few minutes each); one tiny model in a dry run."""
     if ctx.dry_run:
         folder = ctx.out_dir / "configs" / "tiny-llama"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "config.json").write_text(json.dumps(DRY_RUN_LLAMA))
-        models = [(str(folder), "tiny-llama")]
         grid = ["--batches", "2", "--seq-lens", "16", "--dry-run"]
-    else:
-        models = [(m, m) for m, _ in FWD_BWD_MODELS]
-        grid = ["--batches", FWD_BWD_GRID["batches"], "--seq-lens", FWD_BWD_GRID["seq_lens"]]
-    return [Unit(part="d", name=name, expected_s=150, cap_s=420, run=partial(run_fwd_bwd, model=model, grid=grid))
-            for model, name in models]
+        return [Unit(part="d", name="tiny-llama", expected_s=60, cap_s=300,
+                     run=partial(run_fwd_bwd, model=str(folder), grid=grid))]
+    grid = ["--batches", FWD_BWD_GRID["batches"], "--seq-lens", FWD_BWD_GRID["seq_lens"]]
+    return [Unit(part="d", name=f"{model}/{weights}", expected_s=120, cap_s=420,
+                 run=partial(run_fwd_bwd, model=model, grid=[*grid, "--weights", weights]))
+            for model in FWD_BWD_MODELS for weights in FWD_BWD_WEIGHTS]
 
 
 def run_fwd_bwd(ctx: Context, unit: Unit, attempt: str, timeout_s: float, *, model: str, grid: list[str]) -> Outcome:

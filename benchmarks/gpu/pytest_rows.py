@@ -58,6 +58,9 @@ class _Spy:
         return run
 
 
+_SPY = pytest.StashKey[_Spy]()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     spy = _Spy()
@@ -75,9 +78,6 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
         for obj, name, old in saved:
             setattr(obj, name, old)
         item.stash[_SPY] = spy
-
-
-_SPY = pytest.StashKey[_Spy]()
 
 
 def _log() -> tuple[ResultsLog, str, str]:
