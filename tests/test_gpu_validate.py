@@ -6,10 +6,15 @@ built from configs: no CUDA, no network, no weights. These tests run it as a use
 a fresh interpreter), then check what it wrote: rows that parse and say "dry-run", a markdown
 table with the expected columns, a GPU-catalog snippet that is valid TOML, and that a second run
 skips the units already done while `--redo` runs a part again.
+
+What only a GPU produces (numbers) is checked on made-up inputs instead: a bench row's figures
+becoming compared quantities, part a's figures becoming a gpus.toml snippet and table lines, and
+the pytest plugin catching the prediction and the measurement of a GPU test case.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -109,25 +114,74 @@ def test_second_run_skips_done_units_and_redo_runs_again(dry_run: Path, tmp_path
     assert list(out.glob("bench.*.jsonl")), "--redo c keeps the old bench results aside"
 
 
-SCRIPT_MODULES = ("parts", "results", "runner")
+SCRIPT_MODULES = ("parts", "results", "runner", "report")
 
 
-def test_bench_rows_become_compared_quantities(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The scripts' modules have plain names (parts, results, runner): imported for this test only.
+@pytest.fixture
+def scripts(monkeypatch: pytest.MonkeyPatch):
+    """The scripts' modules (plain names: parts, results, ...) importable for one test, then gone."""
     monkeypatch.syspath_prepend(str(SCRIPT.parent))
     for name in SCRIPT_MODULES:
         monkeypatch.delitem(sys.modules, name, raising=False)
-    try:
-        from parts import bench_row_to_quantities
+    yield importlib.import_module
+    for name in SCRIPT_MODULES:
+        sys.modules.pop(name, None)
 
-        row = {"measured": {"samples_per_second": 10.0, "memory": {"peak_allocated": 1000, "peak_reserved": 1200}},
-               "predicted": {"memory": {"peak_allocated": 1100, "peak_reserved": 1200, "device_total": 2000},
-                             "time": {"samples_per_second": 8.0}}}
-        q = bench_row_to_quantities(row)
-    finally:
-        for name in SCRIPT_MODULES:
-            sys.modules.pop(name, None)
+
+def test_bench_rows_become_compared_quantities(scripts) -> None:
+    row = {"measured": {"samples_per_second": 10.0, "memory": {"peak_allocated": 1000, "peak_reserved": 1200}},
+           "predicted": {"memory": {"peak_allocated": 1100, "peak_reserved": 1200, "device_total": 2000},
+                         "time": {"samples_per_second": 8.0}}}
+    q = scripts("parts").bench_row_to_quantities(row)
     assert q["peak_allocated_bytes"] == {"predicted": 1100, "measured": 1000, "error_pct": 10.0}  # (1100-1000)/1000
     assert q["peak_reserved_bytes"]["error_pct"] == 0.0
     assert q["device_total_bytes"] == {"predicted": 2000, "measured": None, "error_pct": None}
     assert q["samples_per_second"]["error_pct"] == -20.0  # (8-10)/10
+
+
+def test_gpu_figures_make_a_catalog_snippet_and_table_lines(scripts, tmp_path: Path) -> None:
+    results, report = scripts("results"), scripts("report")
+    log = results.ResultsLog(path=tmp_path / "results.jsonl")
+    log.append({"record": "env", "mode": "gpu", "versions": {"cuda": "13.0", "torch": "2.11.0"},
+                "device": {"name": "NVIDIA H100 80GB HBM3", "slug": "H100-80GB-HBM3", "driver": "580.1",
+                           "catalog_name": "H100-SXM", "memory_bytes": 85520809984}})
+    context_bytes = 600 * 2**20 + 4096
+    log.row(part="a", unit="overhead", attempt="1", name="after-training-step", status="ok", mode="gpu",
+            quantities={"outside_allocator_bytes": results.quantity(500 * 2**20, context_bytes)},
+            details={"model": "bert-base-uncased"})
+    snippet = tomllib.loads(report.write_snippet(log, tmp_path).read_text())
+    entry = snippet["gpus"]["H100-SXM"]
+    assert entry["cuda_context_bytes"] == context_bytes
+    assert "driver 580.1" in entry["cuda_context_source"] and "torch 2.11.0" in entry["cuda_context_source"]
+    table = report.write_table(log, tmp_path, {"a": "done"}).read_text()
+    # 500 MiB predicted, 600.0039 MiB measured: -16.67 %
+    assert "| a | after-training-step | outside_allocator_bytes | 500.00 MiB | 600.00 MiB | -16.67 | ok |" in table
+
+
+FAKE_GPU_TEST = """
+import subprocess, sys
+from types import SimpleNamespace
+
+def estimate_memory():
+    return SimpleNamespace(anatomy=SimpleNamespace(peak_allocated=110, peak_reserved=150))
+
+def test_case():
+    predicted = estimate_memory().anatomy
+    out = subprocess.run([sys.executable, "-c", "print('{\\"allocated\\": 100, \\"reserved\\": 120}')"],
+                         capture_output=True, text=True, check=True).stdout
+    assert predicted.peak_allocated < 0, out
+"""
+
+
+def test_pytest_plugin_catches_the_numbers_a_gpu_test_compares(tmp_path: Path) -> None:
+    (tmp_path / "test_fake_gpu.py").write_text(FAKE_GPU_TEST)
+    env = {**os.environ, "PYTHONPATH": str(SCRIPT.parent), "VALIDATE_RESULTS": str(tmp_path / "r.jsonl"),
+           "VALIDATE_ATTEMPT": "1", "VALIDATE_MODE": "gpu"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "pytest_rows", "-p", "no:cacheprovider",
+                           str(tmp_path / "test_fake_gpu.py")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout[-2000:]  # the fake case fails on purpose
+    (row,) = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert row["status"] == "failed" and row["reason"].startswith("AssertionError")
+    assert row["quantities"]["peak_allocated_bytes"] == {"predicted": 110, "measured": 100, "error_pct": 10.0}
+    assert row["quantities"]["peak_reserved_bytes"]["error_pct"] == 25.0  # (150 - 120) / 120
