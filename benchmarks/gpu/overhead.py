@@ -220,12 +220,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
     log, dry = ResultsLog(path=args.results), args.dry_run
+    meter = Meter(dry)  # NVML's baseline first: before anything of this process can touch CUDA
     mode = "dry-run" if dry else "gpu"
     from anatomist.estimate.cuda_model import cublas_workspace_bytes
 
     gpu = catalog_gpu(dry)
     context_predicted = gpu.cuda_context_bytes
-    meter = Meter(dry)  # NVML's baseline: before this process creates its CUDA context
     device = torch.device("cpu" if dry else "cuda")
 
     def stage(name: str, quantities: dict[str, Any], details: dict[str, Any]) -> None:
