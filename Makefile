@@ -1,7 +1,7 @@
 # The two quick-start targets: `make demo` and `make test` (both set up .venv first).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-all test-gpu lint bench-speed
+.PHONY: setup demo test test-all test-gpu lint bench-speed validate-gpu validate-gpu-dry-run
 
 setup:
 	@bash scripts/setup.sh
@@ -25,3 +25,11 @@ lint: setup
 
 bench-speed: setup
 	$(PY) benchmarks/estimate_speed.py
+
+# Every GPU check in one resumable command, on a machine with a CUDA GPU (its python3, or
+# PYTHON=...): results in benchmarks/gpu/<device>/. ARGS="--part a" etc.; see benchmarks/gpu/README.md.
+validate-gpu:
+	bash benchmarks/gpu/validate.sh $(ARGS)
+
+validate-gpu-dry-run: setup
+	PYTHON=$(PY) bash benchmarks/gpu/validate.sh --dry-run $(ARGS)
