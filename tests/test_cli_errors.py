@@ -22,7 +22,9 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
         (["estimate", "--optim", "adam9000"], "unknown optim 'adam9000'"),
         (["estimate", "--seq-len", "4096"], "seq_len 4096 is above bert-large-uncased's maximum of 512"),
         (["estimate", "--gpu", "a1000"], "unknown GPU 'a1000'"),
-        (["estimate", "--optim", "adamw_bnb_8bit"], "needs bitsandbytes"),
+        (["estimate", "--dtype", "int4"], "unknown dtype 'int4'; known: auto, float32, bfloat16, float16"),
+        (["estimate", "--dtype", "float16", "--fp16"], "PyTorch refuses to unscale fp16 gradients"),
+        (["estimate", "--dtype", "bfloat16", "--gpu", "T4"], "--dtype bfloat16 needs an Ampere or newer GPU"),
         (["estimate", "--offload", "cpu"], "offload=cpu needs DeepSpeed ZeRO"),
         (["estimate", "--recipe", "/nonexistent.yaml"], "recipe file '/nonexistent.yaml' does not exist"),
         (["estimate", "--batch-size", "four"], "invalid int value"),
@@ -62,3 +64,18 @@ def test_recipe_file_with_unknown_key(tmp_path):
     result = run("estimate", "--recipe", str(path))
     assert result.returncode == 2
     assert "unknown recipe field(s) learning_rte" in result.stderr
+
+
+def test_a_prediction_does_not_need_the_methods_package():
+    """bitsandbytes is not installed here: the estimate proceeds and says what training will need."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        pytest.skip("bitsandbytes is installed here")
+    result = run("estimate", "--optim", "adamw_bnb_8bit", "--json")
+    assert result.returncode == 0, result.stderr
+    assert "training this recipe needs bitsandbytes" in result.stderr
+    assert result.stderr.count("bitsandbytes") == 2  # one line: the package and its pip command
+    import json
+
+    assert json.loads(result.stdout)["recipe"]["optim"] == "adamw_bnb_8bit"

@@ -110,18 +110,51 @@ def test_categories_add_up_to_peak_and_device_total():
     assert sum(anatomy.category_bytes(c) for c in MemoryCategory) == anatomy.device_total
 
 
-def test_weights_are_fp32_whatever_the_config_dtype(tiny_model):
-    """transformers 5 builds a model in its config's dtype; mixed-precision recipes mean fp32
-    master weights, so the estimator builds fp32 (4 B/param) and casts per op, as CUDA autocast
-    does, SDPA included (rotary embeddings leave Llama's q and k in fp32)."""
+def test_the_load_dtype_follows_the_config_unless_given(tiny_model):
+    """transformers 5 loads a checkpoint in its config's dtype (`dtype="auto"`): a bf16 config
+    trains in pure bf16 (weights, gradients and AdamW moments at 2 B/param each); --dtype
+    float32 gives fp32 master weights (4 B/param) that fp16 autocast casts per op (SDPA too:
+    rotary embeddings leave Llama's q and k in fp32)."""
     from anatomist.estimate.flops import step_ops
     from anatomist.estimate.memory import estimate_memory
 
     workload = load_workload(str(tiny_model("llama", dtype="bfloat16", torch_dtype="bfloat16")), seq_len=32)
-    estimate = estimate_memory(workload, Recipe(per_device_train_batch_size=2), get_gpu("A100-80GB"))
-    assert estimate.anatomy.weights == pytest.approx(4 * estimate.parameters, rel=0.01)
-    fp16 = step_ops(workload, Recipe(per_device_train_batch_size=2, fp16=True))
+    gpu = get_gpu("A100-80GB")
+    auto = estimate_memory(workload, Recipe(per_device_train_batch_size=2, optim="adamw_torch"), gpu)
+    # 512-byte rounding per tensor weighs on a tiny model: 2%
+    assert auto.anatomy.weights == pytest.approx(2 * auto.parameters, rel=0.02)
+    # 2 moments x 2 B, plus AdamW's fp32 `step` counter per parameter tensor (512 B each, rounded)
+    tensors = 3 + 9 * 4  # embeddings, final norm, lm_head + 9 per block x 4 blocks
+    assert auto.anatomy.optimizer_states == pytest.approx(4 * auto.parameters + 512 * tensors, rel=0.01)
+    assert auto.rule.total_per_param == 2 + 2 + 4
+    fp32 = estimate_memory(workload, Recipe(per_device_train_batch_size=2, dtype="float32"), gpu)
+    assert fp32.anatomy.weights == pytest.approx(4 * fp32.parameters, rel=0.01)
+    fp16 = step_ops(workload, Recipe(per_device_train_batch_size=2, dtype="float32", fp16=True))
     assert {r.dtype for r in fp16.records if r.flops > 0} == {"float16"}
+
+
+def test_defaults_are_the_trainers_own():
+    """Every Recipe field TrainingArguments has defaults to TrainingArguments' own value."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    trainer = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
+    recipe = Recipe()
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "fp16", "bf16", "optim",
+                 "torch_compile", "dataloader_num_workers", "dataloader_pin_memory", "max_grad_norm"):
+        assert getattr(recipe, name) == trainer[name], name
+    assert recipe.gradient_checkpointing is bool(trainer["gradient_checkpointing"])
+    assert recipe.dtype == "auto"
+
+
+@pytest.mark.parametrize(("recipe", "message"), [
+    ({"dtype": "float16", "fp16": True}, "PyTorch refuses to unscale fp16 gradients"),
+    ({"dtype": "int8"}, "unknown dtype 'int8'; known: auto, float32, bfloat16, float16"),
+])
+def test_refused_dtype_combinations(recipe, message):
+    with pytest.raises(InputError, match=message):
+        Recipe(**recipe)
 
 
 @pytest.mark.parametrize(("stage", "per_param"), [(1, 4 + 12 / 4), (2, 2 + 14 / 4), (3, 16 / 4)])

@@ -1,4 +1,10 @@
-"""Recipe: the training knobs of the seeds' methods table, named as in TrainingArguments."""
+"""Recipe: the training knobs of the seeds' methods table, named as in TrainingArguments.
+
+The defaults are today's: every field that TrainingArguments has takes the installed
+transformers' own default (read from the dataclass the first time a Recipe is made, not
+copied: e.g. `optim` is `adamw_torch_fused` with torch >= 2.8), and `dtype` is
+`from_pretrained`'s default, "auto" (the checkpoint's dtype).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import dataclasses
 import importlib.util
 import json
 from dataclasses import dataclass, fields
+from functools import cache
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -22,14 +29,35 @@ Optim = Literal[
 AttnImplementation = Literal["eager", "sdpa", "flash_attention_2"]
 Offload = Literal["none", "cpu", "nvme"]
 Fsdp = Literal["none", "full_shard", "shard_grad_op"]
+LoadDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 OPTIMS: tuple[str, ...] = get_args(Optim)
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttnImplementation)
 OFFLOADS: tuple[str, ...] = get_args(Offload)
 FSDP_MODES: tuple[str, ...] = get_args(Fsdp)
+LOAD_DTYPES: tuple[str, ...] = get_args(LoadDtype)
+HALF_DTYPES = ("bfloat16", "float16")
 
 # The package each optimizer needs at run time (the estimator needs none of them).
 OPTIM_PACKAGES: dict[str, str] = {"adamw_bnb_8bit": "bitsandbytes", "adamw_torch_8bit": "torchao"}
+
+
+@cache
+def trainer_defaults() -> dict[str, Any]:
+    """The installed transformers' TrainingArguments defaults, by field name."""
+    from transformers import TrainingArguments
+
+    return {f.name: f.default for f in fields(TrainingArguments) if f.default is not dataclasses.MISSING}
+
+
+def _trainer_default(name: str, *, when_none: Any = None) -> Any:
+    """A field whose default is TrainingArguments' own (`when_none` where that is None)."""
+
+    def default() -> Any:
+        value = trainer_defaults()[name]
+        return when_none if value is None else value
+
+    return dataclasses.field(default_factory=default)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -40,35 +68,40 @@ class Recipe:
         >>> Recipe(per_device_train_batch_size=1, gradient_accumulation_steps=4, fp16=True)
     """
 
-    per_device_train_batch_size: int = 4
+    per_device_train_batch_size: int = _trainer_default("per_device_train_batch_size")
     """Samples per forward/backward pass on each device."""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = _trainer_default("gradient_accumulation_steps")
     """Micro-batches whose gradients are summed before one optimizer step."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = _trainer_default("gradient_checkpointing", when_none=False)
     """Recompute each layer's activations in backward instead of keeping them."""
-    fp16: bool = False
-    """fp16 mixed precision (autocast + GradScaler), fp32 master weights."""
-    bf16: bool = False
-    """bf16 mixed precision (autocast), fp32 master weights; Ampere or newer."""
-    tf32: bool = False
+    dtype: LoadDtype = "auto"
+    """The dtype the weights are loaded in, as `from_pretrained(dtype=...)`: "auto" is the
+    config's dtype (float32 where it names none). Half-precision weights train in pure half
+    precision: gradients and optimizer states in that dtype, no fp32 master weights."""
+    fp16: bool = _trainer_default("fp16")
+    """fp16 autocast + GradScaler (mixed precision: fp32 master weights when loaded in float32)."""
+    bf16: bool = _trainer_default("bf16")
+    """bf16 autocast (mixed precision: fp32 master weights when loaded in float32); Ampere or newer."""
+    tf32: bool = _trainer_default("tf32", when_none=False)
     """Allow TF32 tensor cores for fp32 matrix products; Ampere or newer."""
-    optim: Optim = "adamw_torch"
+    optim: Optim = _trainer_default("optim")
     """Optimizer, as TrainingArguments.optim names it."""
     attn_implementation: AttnImplementation = "sdpa"
-    """Attention kernel: eager keeps the [b, heads, s, s] probabilities, sdpa/flash do not."""
-    torch_compile: bool = False
+    """Attention kernel (the model's, transformers' default sdpa): eager keeps the [b, heads, s, s]
+    probabilities, sdpa/flash do not."""
+    torch_compile: bool = _trainer_default("torch_compile")
     """Compile the model with torch.compile (inductor)."""
-    dataloader_num_workers: int = 0
+    dataloader_num_workers: int = _trainer_default("dataloader_num_workers")
     """DataLoader worker processes feeding the GPU."""
-    dataloader_pin_memory: bool = True
+    dataloader_pin_memory: bool = _trainer_default("dataloader_pin_memory")
     """Stage batches in page-locked host memory for faster host-to-device copies."""
     zero_stage: Literal[0, 1, 2, 3] = 0
     """DeepSpeed ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also weights."""
     offload: Offload = "none"
     """Where DeepSpeed ZeRO offloads optimizer states (and, at stage 3, parameters)."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = _trainer_default("max_grad_norm")
     """Gradient clipping, as the Trainer does by default (0 turns it off)."""
-    fsdp: Fsdp = "none"
+    fsdp: Fsdp = _trainer_default("fsdp", when_none="none")
     """PyTorch FSDP sharding across data-parallel devices (TrainingArguments.fsdp): full_shard
     shards weights, gradients and optimizer states (like ZeRO-3); shard_grad_op shards
     gradients and optimizer states (like ZeRO-2). Exclusive with DeepSpeed ZeRO."""
@@ -84,6 +117,14 @@ class Recipe:
             )
         if self.fp16 and self.bf16:
             raise InputError("fp16 and bf16 are mutually exclusive: choose one mixed precision")
+        if self.dtype not in LOAD_DTYPES:
+            raise InputError(f"unknown dtype {self.dtype!r}; known: {', '.join(LOAD_DTYPES)}")
+        if self.dtype == "float16" and self.fp16:
+            raise InputError(
+                "fp16 (GradScaler) cannot train float16-loaded weights: PyTorch refuses to unscale fp16 "
+                "gradients; load in float32 for fp16 mixed precision (--dtype float32 --fp16), or use "
+                "--dtype bfloat16 [--bf16]"
+            )
         if self.optim not in OPTIMS:
             raise InputError(f"unknown optim {self.optim!r}; known: {', '.join(OPTIMS)}")
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
@@ -115,7 +156,13 @@ class Recipe:
 
     @property
     def mixed_precision(self) -> Literal["no", "fp16", "bf16"]:
+        """The autocast the Trainer runs (`--fp16`/`--bf16`), whatever the weights' dtype."""
         return "fp16" if self.fp16 else "bf16" if self.bf16 else "no"
+
+    @property
+    def half_weights(self) -> bool:
+        """True when the weights are loaded in bf16 or fp16 ("auto" must be resolved first)."""
+        return self.dtype in HALF_DTYPES
 
     def replace(self, **changes: Any) -> Recipe:
         return dataclasses.replace(self, **changes)
@@ -130,9 +177,10 @@ class Recipe:
         unknown = sorted(set(data) - known)
         if unknown:
             raise InputError(f"{source}: unknown recipe field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        defaults = cls()
         for f in fields(cls):
             if f.name in data:
-                _check_type(f.name, data[f.name], f.default, source)
+                _check_type(f.name, data[f.name], getattr(defaults, f.name), source)
         return cls(**data)
 
     @classmethod

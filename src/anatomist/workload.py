@@ -13,9 +13,12 @@ from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from anatomist.errors import InputError
+
+if TYPE_CHECKING:
+    from anatomist.recipe import Recipe
 
 Task = Literal["sequence-classification", "causal-lm", "seq2seq-lm", "masked-lm"]
 TASKS: tuple[str, ...] = ("sequence-classification", "causal-lm", "seq2seq-lm", "masked-lm")
@@ -62,15 +65,32 @@ class Workload:
                 return value
         return None
 
-    def build_model(self, attn_implementation: str = "sdpa") -> Any:
-        """Instantiate the task model from the config (random init, no weights loaded).
+    @property
+    def config_dtype(self) -> str:
+        """The dtype the config names (`dtype`, or `torch_dtype` in older configs), else float32:
+        what `from_pretrained(dtype="auto")` loads the weights in."""
+        value = getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None)
+        name = str(value).removeprefix("torch.") if value is not None else "float32"
+        return name if name in ("float32", "bfloat16", "float16") else "float32"
 
-        The weights are fp32 whatever the config's `dtype` says (transformers 5 would build a
-        bf16 Llama): mixed precision keeps fp32 master weights and casts per op, which is what
-        the recipes' precisions mean (the seeds' bytes per parameter). Mixture-of-Experts
-        models keep the config's dtype: transformers 5 runs their experts through
-        `grouped_mm`, which takes bf16 weights only, so they train in bf16 whatever the recipe.
+    def weights_dtype(self, requested: str) -> str:
+        """The dtype the weights load in for `requested` ("auto": the config's).
+
+        Raises:
+            InputError: a dtype this model's code rejects (Mixture-of-Experts layers run their
+                experts through `grouped_mm`, which takes bf16 only).
         """
+        dtype = self.config_dtype if requested == "auto" else requested
+        if self.is_moe and dtype != "bfloat16":
+            raise InputError(
+                f"{self.name}: its Mixture-of-Experts layers run grouped_mm, which takes bfloat16 weights only; "
+                f"--dtype {requested} would load them in {dtype}: use --dtype bfloat16"
+            )
+        return dtype
+
+    def build_model(self, attn_implementation: str = "sdpa", dtype: str = "auto") -> Any:
+        """Instantiate the task model from the config (random init, no weights loaded) with its
+        weights in `dtype` (`from_pretrained`'s meaning; "auto" is the config's dtype)."""
         import torch
         import transformers
 
@@ -85,10 +105,11 @@ class Workload:
             config.num_labels = self.num_labels
             if getattr(config, "pad_token_id", None) is None:
                 config.pad_token_id = 0  # decoder classifiers need one to find the last token
-        dtype = {} if self.is_moe else {"dtype": torch.float32}  # from_config's default: the config's dtype
+        torch_dtype = getattr(torch, self.weights_dtype(dtype))
         try:
             return auto.from_config(
-                config, attn_implementation=attn_implementation, trust_remote_code=self.trust_remote_code, **dtype
+                config, attn_implementation=attn_implementation, trust_remote_code=self.trust_remote_code,
+                dtype=torch_dtype,
             )
         except ValueError as exc:
             first = str(exc).splitlines()[0]
@@ -236,3 +257,14 @@ def _moe_counts(config: Any) -> tuple[int, int] | None:
     if experts and per_token:
         return int(per_token), int(experts)
     return None
+
+
+def resolve_dtype(workload: Workload, recipe: Recipe) -> Recipe:
+    """`recipe` with its load dtype made concrete for `workload` ("auto" -> the config's).
+
+    Raises:
+        InputError: a dtype the model's code rejects, or one that with the recipe's precision
+            flags makes a combination PyTorch refuses (Recipe's own validation).
+    """
+    dtype = workload.weights_dtype(recipe.dtype)
+    return recipe if dtype == recipe.dtype else recipe.replace(dtype=dtype)

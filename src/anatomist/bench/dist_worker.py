@@ -51,7 +51,7 @@ def main() -> None:
     # Without CUDA the processes must ask for CPU explicitly to form a gloo group (MULTI_CPU).
     accelerator = Accelerator(gradient_accumulation_steps=recipe.gradient_accumulation_steps, cpu=not torch.cuda.is_available())
     torch.manual_seed(0)
-    model = workload.build_model(recipe.attn_implementation)
+    model = workload.build_model(recipe.attn_implementation, recipe.dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()

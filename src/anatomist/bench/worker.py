@@ -79,7 +79,7 @@ def run_trainer(workload: Workload, recipe: Recipe, ds: Any, epochs: float, out_
 
     from anatomist.measure.callback import AnatomistCallback
 
-    model = workload.build_model(recipe.attn_implementation)
+    model = workload.build_model(recipe.attn_implementation, recipe.dtype)
     flops, peak = mfu_inputs(workload, recipe)
     callback = AnatomistCallback(tokens_per_sample=workload.seq_len, print_at_end=False, flops_per_step=flops, peak_flops=peak)
     args = recipe.to_training_arguments(
@@ -105,7 +105,7 @@ def run_accelerate(workload: Workload, recipe: Recipe, ds: Any, epochs: float, o
     cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(recipe.to_training_arguments(out_dir, report_to="none"))
     accelerator = Accelerator(mixed_precision=recipe.mixed_precision,
                               gradient_accumulation_steps=recipe.gradient_accumulation_steps, cpu=not cuda_available())
-    model = workload.build_model(recipe.attn_implementation)
+    model = workload.build_model(recipe.attn_implementation, recipe.dtype)
     if recipe.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     optimizer = cls(model.parameters(), **kwargs)

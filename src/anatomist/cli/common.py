@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN
 from anatomist.errors import InputError
-from anatomist.recipe import ATTN_IMPLEMENTATIONS, OFFLOADS, OPTIMS, Recipe
+from anatomist.recipe import ATTN_IMPLEMENTATIONS, LOAD_DTYPES, OFFLOADS, OPTIMS, Recipe
 
 if TYPE_CHECKING:
     from anatomist.estimate.time import Calibration
@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 _RECIPE_FLAGS = [
     # (flag, field, kwargs)
     ("--per-device-train-batch-size", "per_device_train_batch_size", {"type": int, "metavar": "N"}),
+    ("--dtype", "dtype", {"metavar": "|".join(LOAD_DTYPES),
+                          "help": "load dtype, as from_pretrained(dtype=...); auto = the config's (default)"}),
     ("--gradient-accumulation-steps", "gradient_accumulation_steps", {"type": int, "metavar": "N"}),
     ("--optim", "optim", {"metavar": "NAME", "help": f"one of {', '.join(OPTIMS)}"}),
     ("--attn-implementation", "attn_implementation", {"metavar": "NAME", "help": f"one of {', '.join(ATTN_IMPLEMENTATIONS)}"}),
@@ -40,9 +42,9 @@ def add_recipe_flags(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, dest=field, action=argparse.BooleanOptionalAction, default=None)
 
 
-def recipe_from_args(args: argparse.Namespace) -> Recipe:
-    """The recipe file (if any) overridden by the flags given on the command line."""
-    base = Recipe.from_file(args.recipe) if getattr(args, "recipe", None) else Recipe()
+def recipe_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) -> Recipe:
+    """The recipe file (if any), else `base` over the defaults, overridden by the flags given."""
+    base = Recipe.from_file(args.recipe) if getattr(args, "recipe", None) else Recipe(**(base or {}))
     changes: dict[str, Any] = {}
     for _, field, _ in _RECIPE_FLAGS:
         if getattr(args, field, None) is not None:
@@ -60,6 +62,19 @@ def add_model_flags(parser: argparse.ArgumentParser, *, model_required: bool = T
     parser.add_argument("--task", default=None, choices=["sequence-classification", "causal-lm", "seq2seq-lm", "masked-lm"])
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code from the Hub")
     parser.add_argument("--allow-network", action="store_true", help="let transformers ask the Hub for the config")
+
+
+def warn(message: str) -> None:
+    """One line on stderr that does not stop the command."""
+    print(f"anatomist: note: {message}", file=sys.stderr)
+
+
+def note_missing_packages(recipe: Recipe) -> None:
+    """A prediction needs none of the recipe's packages: say once what the training machine will."""
+    missing = recipe.missing_packages()
+    if missing:
+        warn(f"training this recipe needs {', '.join(missing)}, not installed here "
+             f"(pip install {' '.join(missing)} on the training machine); the prediction does not need it")
 
 
 def print_json(data: Any) -> None:

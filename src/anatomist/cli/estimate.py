@@ -16,8 +16,10 @@ from anatomist.cli.common import (
     add_recipe_flags,
     apply_cache_flag,
     calibration_from_args,
+    note_missing_packages,
     print_json,
     recipe_from_args,
+    warn,
 )
 from anatomist.cli.render import console, gib
 from anatomist.errors import InputError
@@ -26,15 +28,19 @@ from anatomist.workload import load_workload
 
 if TYPE_CHECKING:
     from anatomist.estimate.predict import Estimate
+    from anatomist.recipe import Recipe
 
 DEFAULT_MODEL = "bert-large-uncased"
 DEFAULT_GPU = "V100-16GB"
+SEEDS_RECIPE = {"per_device_train_batch_size": 4}
+"""What the seeds' experiment names beyond today's defaults (bert-large-uncased, seq 512, V100)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("estimate", help="predict the memory (and time) of one step, offline")
-    p.add_argument("model", metavar="MODEL", nargs="?", default=DEFAULT_MODEL,
-                   help=f"catalog name, Hub id in the local cache, or path (default {DEFAULT_MODEL})")
+    p.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                   help=f"catalog name, Hub id in the local cache, or path (default: the seeds' case, {DEFAULT_MODEL} "
+                        f"at batch {SEEDS_RECIPE['per_device_train_batch_size']})")
     add_model_flags(p, model_required=False)
     add_recipe_flags(p)
     p.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME", help=f"target GPU (default {DEFAULT_GPU}; 'local' = detected)")
@@ -45,16 +51,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_calibration_flag(p)
     add_margin_flag(p)
     add_cache_flag(p)
-    p.add_argument("--ignore-missing-packages", action="store_true",
-                   help="estimate a recipe whose optional package (bitsandbytes, flash-attn...) is not installed here")
+    # Kept for scripts written against 0.1: a prediction never needs the method's package now.
+    p.add_argument("--ignore-missing-packages", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(handler=run)
 
 
 def build_estimate(args: argparse.Namespace) -> Estimate:
     from anatomist.estimate.predict import estimate
+    from anatomist.workload import resolve_dtype
 
     apply_cache_flag(args)
-    recipe = recipe_from_args(args)
+    # Without MODEL: the seeds' experiment, with the batch size the seeds name.
+    seeds_case = args.model is None
+    recipe = recipe_from_args(args, base=SEEDS_RECIPE if seeds_case else None)
     gpu = get_gpu(args.gpu)
     calibration = calibration_from_args(args)
     if args.gpus <= 0:
@@ -63,16 +72,17 @@ def build_estimate(args: argparse.Namespace) -> Estimate:
         raise InputError(f"bf16 needs an Ampere or newer GPU; {gpu.name} has none (use --fp16)")
     if recipe.tf32 and not gpu.tf32:
         raise InputError(f"tf32 needs an Ampere or newer GPU; {gpu.name} has none")
-    missing = recipe.missing_packages()
-    if missing and not args.ignore_missing_packages:
-        raise InputError(
-            f"this recipe needs {', '.join(missing)}, not installed here (pip install {' '.join(missing)}); "
-            "pass --ignore-missing-packages to estimate for another machine"
-        )
+    if recipe.dtype == "bfloat16" and not gpu.bf16:
+        raise InputError(f"--dtype bfloat16 needs an Ampere or newer GPU; {gpu.name} has none (use --dtype float16 or float32)")
+    note_missing_packages(recipe)
     workload = load_workload(
-        args.model, seq_len=args.seq_len, task=args.task,
+        args.model or DEFAULT_MODEL, seq_len=args.seq_len, task=args.task,
         trust_remote_code=args.trust_remote_code, allow_network=args.allow_network,
     )
+    recipe = resolve_dtype(workload, recipe)
+    if recipe.dtype == "bfloat16" and not gpu.bf16:
+        warn(f"{workload.name} loads in bfloat16 (its config's dtype) but {gpu.name} has no bf16 tensor cores: "
+             "it runs emulated and slowly there; --dtype float16 or float32 is the usual choice")
     return estimate(workload, recipe, gpu, mode=args.mode, num_gpus=args.gpus, calibration=calibration,
                     margin=args.memory_margin)
 
@@ -98,6 +108,7 @@ def render(result: Estimate) -> None:
     out.print(
         f"[bold]{w.name}[/] ({w.task}, {mem.parameters / 1e6:,.1f} M parameters), seq {w.seq_len}, "
         f"batch {result.recipe.per_device_train_batch_size} x {result.recipe.gradient_accumulation_steps} accumulation, "
+        f"weights {result.recipe.dtype}{_autocast(result.recipe)}, "
         f"{result.mode} on [bold]{result.gpu.name}[/] ({gib(result.gpu.memory_bytes)})"
     )
     table = Table(title="Memory anatomy at the peak", title_justify="left")
@@ -155,3 +166,7 @@ def render_time(t: TimeAnatomy, calibration_source: str) -> None:
         out.print("[yellow]time figures are UNCALIBRATED: efficiency factors are placeholders, not measured on a GPU[/]")
     else:
         out.print(f"time factors: {calibration_source}")
+
+
+def _autocast(recipe: Recipe) -> str:
+    return f" + {recipe.mixed_precision} autocast" if recipe.mixed_precision != "no" else ""

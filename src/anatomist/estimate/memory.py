@@ -28,7 +28,7 @@ from anatomist.hardware import GPU
 from anatomist.recipe import Recipe
 from anatomist.trace.records import Curves, PhasePeak, StepTrace
 from anatomist.trace.step import num_layers
-from anatomist.workload import Workload
+from anatomist.workload import Workload, resolve_dtype
 
 MAX_BATCH_SEARCH = 1 << 16
 
@@ -195,6 +195,7 @@ def estimate_memory(
         A MemoryEstimate whose anatomy categories add up to device_total.
     """
     limit = memory_limit_bytes(gpu, margin)
+    recipe = resolve_dtype(workload, recipe)
     model = _fit(workload, recipe, gpu, mode)
     depth = num_layers(workload)
     batch = recipe.per_device_train_batch_size
@@ -263,7 +264,12 @@ def _max_batch_size(total_at: Any, capacity: int) -> int:
 
 
 def _notes(workload: Workload, recipe: Recipe, anatomy: MemoryAnatomy, rule: BytesPerParamRule) -> list[str]:
-    notes = list(rule.explain(anatomy))
+    notes = list(rule.explain(anatomy, recipe))
+    if recipe.half_weights:
+        notes.append(
+            f"weights loaded in {recipe.dtype}: pure {recipe.dtype} training (gradients and optimizer states "
+            "in that dtype, no fp32 master weights); --dtype float32 gives the fp32 / mixed-precision figure"
+        )
     if recipe.torch_compile:
         notes.append(
             "torch.compile: traced as eager code; inductor fuses element-wise ops and usually keeps "

@@ -12,7 +12,7 @@ from anatomist.estimate.time import calibration as default_calibration
 from anatomist.estimate.traces import Mode
 from anatomist.hardware import GPU
 from anatomist.recipe import Recipe
-from anatomist.workload import Workload
+from anatomist.workload import Workload, resolve_dtype
 
 
 @dataclass(kw_only=True, slots=True)
@@ -60,6 +60,7 @@ def estimate(
 ) -> Estimate:
     """Predict memory (and, in training, time) of one step of `recipe` on `gpu`; `calibration`:
     the time model's factors (default: the shipped data/time_calibration.toml)."""
+    recipe = resolve_dtype(workload, recipe)
     memory = estimate_memory(workload, recipe, gpu, mode=mode, num_gpus=num_gpus, margin=margin)
     time = estimate_time(workload, recipe, gpu, calibration) if mode == "train" else None
     source = (calibration or default_calibration()).source

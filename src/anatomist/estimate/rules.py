@@ -1,11 +1,17 @@
 """The seeds' bytes-per-parameter rule, and where the traced figures differ from it.
 
-From "Model training anatomy" (Hugging Face Transformers docs):
+From "Model training anatomy" (Hugging Face Transformers docs), for fp32-loaded weights:
   weights    4 B/param (fp32 training), 6 B/param (mixed precision: fp32 + half copy)
   optimizer  8 B/param (AdamW), 2 B/param (8-bit AdamW), 4 B/param (SGD with momentum)
   gradients  4 B/param (always fp32)
 so mixed-precision AdamW needs 18 B/param, and mixed-precision inference 6 B/param,
 plus activations.
+
+The rows the seeds (2022) do not have: weights loaded in bf16/fp16 (transformers 5's
+`dtype="auto"` for most LLM checkpoints) train in pure half precision: weights 2, gradients 2
+(in the parameters' dtype), AdamW 4 (both moments in the parameters' dtype), SGD 2; 8-bit
+AdamW stays 2 (uint8 codes). So bf16 AdamW is 2 + 2 + 4 = 8 B/param, with or without
+`--bf16` autocast on top (no half copies to make: the weights already are).
 """
 
 from __future__ import annotations
@@ -48,8 +54,9 @@ class BytesPerParamRule:
     def gradients_bytes(self) -> int:
         return round(self.gradients_per_param * self.parameters)
 
-    def explain(self, traced: MemoryAnatomy) -> Iterator[str]:
-        """One line per component where the trace at the peak differs from the rule by > 5%."""
+    def explain(self, traced: MemoryAnatomy, recipe: Recipe) -> Iterator[str]:
+        """One line per component where the trace at the peak differs from the rule by > 5%,
+        with the reason; a method the recipe does not use is never the reason."""
 
         def differs(rule: int, got: int) -> bool:
             return abs(got - rule) > 0.05 * max(rule, 1)
@@ -62,8 +69,10 @@ class BytesPerParamRule:
                 )
                 if traced.peak_phase is Phase.OPTIMIZER:
                     why = "the peak is in the optimizer step, when the half-precision copies are already freed"
-            elif traced.weights < self.weights_bytes:
-                why = "ZeRO-3 shards the weights across devices"
+            elif traced.weights < self.weights_bytes and recipe.sharding_stage >= 3:
+                why = "ZeRO-3 / FSDP full_shard shards the weights across devices"
+            elif traced.weights < self.weights_bytes and recipe.zero_stage and recipe.mixed_precision != "no":
+                why = "DeepSpeed casts the model to half precision (the fp32 master copy is in the optimizer states)"
             else:
                 why = "buffers (position ids, masks) and rounding to 512-byte blocks add to the parameters"
             yield f"weights: rule {self.weights_per_param:g} B/param = {self.weights_bytes / GIB:.2f} GiB, traced {traced.weights / GIB:.2f} GiB at the peak: {why}"
@@ -72,8 +81,12 @@ class BytesPerParamRule:
                 why = f"the peak is in the first step's {traced.peak_phase}, before the optimizer has made its state"
             elif self.optimizer_per_param == 2 and traced.optimizer_states > self.optimizer_bytes:
                 why = "8-bit optimizers keep fp32 state for parameters under 4096 elements and an fp32 scale per 256-element block"
+            elif recipe.zero_stage and recipe.mixed_precision != "no" and traced.optimizer_states > self.optimizer_bytes:
+                why = "DeepSpeed keeps fp32 master weights (4 B/param) with the optimizer states"
+            elif recipe.sharding_stage >= 1 or recipe.offload != "none":
+                why = "ZeRO / FSDP shards or offloads the optimizer state"
             else:
-                why = "ZeRO shards or offloads the optimizer state"
+                why = "step counters and buffers kept per parameter tensor, rounded to 512-byte blocks"
             yield f"optimizer states: rule {self.optimizer_per_param:g} B/param = {self.optimizer_bytes / GIB:.2f} GiB, traced {traced.optimizer_states / GIB:.2f} GiB"+ f": {why}"
         elif self.optimizer_bytes is None:
             yield (
@@ -83,22 +96,36 @@ class BytesPerParamRule:
         if self.gradients_per_param and differs(self.gradients_bytes, traced.gradients):
             if traced.gradients < self.gradients_bytes and traced.peak_phase is not Phase.OPTIMIZER:
                 why = f"at the peak ({traced.peak_phase}) gradients exist only for the layers backward has reached (set_to_none frees them each step)"
+            elif recipe.sharding_stage >= 2 or recipe.offload != "none":
+                why = "ZeRO-2/3 / FSDP shards (or offloads) the gradients"
+            elif recipe.zero_stage and recipe.mixed_precision != "no":
+                why = "DeepSpeed keeps the gradients in half precision"
             else:
-                why = "ZeRO-2/3 shards the gradients across devices"
-            yield f"gradients: rule 4 B/param = {self.gradients_bytes / GIB:.2f} GiB, traced {traced.gradients / GIB:.2f} GiB: {why}"
+                why = "gradients of frozen or tied parameters are not kept, and sizes round to 512-byte blocks"
+            yield (f"gradients: rule {self.gradients_per_param:g} B/param = {self.gradients_bytes / GIB:.2f} GiB, "
+                   f"traced {traced.gradients / GIB:.2f} GiB: {why}")
+
+
+HALF_OPTIMIZER_BYTES_PER_PARAM: dict[str, float | None] = {**OPTIMIZER_BYTES_PER_PARAM, "adamw_torch": 4,
+                                                           "adamw_torch_fused": 4, "sgd": 2}
+"""With half-precision weights the optimizer keeps its moments in the weights' dtype (8-bit codes stay 1 B)."""
 
 
 def bytes_per_param_rule(recipe: Recipe, parameters: int, mode: str) -> BytesPerParamRule:
-    mixed = recipe.fp16 or recipe.bf16
-    weights = 6.0 if mixed else 4.0
+    """The rule's bytes per parameter for `recipe` (its `dtype` resolved: not "auto")."""
+    if recipe.half_weights:
+        weights, gradients, table = 2.0, 2.0, HALF_OPTIMIZER_BYTES_PER_PARAM
+    else:
+        weights = 6.0 if recipe.mixed_precision != "no" else 4.0
+        gradients, table = 4.0, OPTIMIZER_BYTES_PER_PARAM
     if mode == "inference":
         return BytesPerParamRule(
             parameters=parameters, weights_per_param=weights, optimizer_per_param=0.0,
             gradients_per_param=0.0, total_per_param=weights,
         )
-    optimizer = OPTIMIZER_BYTES_PER_PARAM[recipe.optim]
-    total = None if optimizer is None else weights + optimizer + 4.0
+    optimizer = table[recipe.optim]
+    total = None if optimizer is None else weights + optimizer + gradients
     return BytesPerParamRule(
         parameters=parameters, weights_per_param=weights, optimizer_per_param=optimizer,
-        gradients_per_param=4.0, total_per_param=total,
+        gradients_per_param=gradients, total_per_param=total,
     )

@@ -36,7 +36,7 @@ from anatomist.errors import InputError
 from anatomist.estimate.flops import OpRecord, StepOps, step_ops
 from anatomist.hardware import GPU, Precision
 from anatomist.recipe import Recipe
-from anatomist.workload import Workload
+from anatomist.workload import Workload, resolve_dtype
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -97,10 +97,11 @@ def calibration_toml(cal: Calibration) -> str:
 
 
 def recipe_precision(recipe: Recipe, gpu: GPU) -> Precision:
-    """The dtype whose dense peak the recipe's matrix products run at (the MFU denominator)."""
-    if recipe.fp16:
+    """The dtype whose dense peak the recipe's matrix products run at (the MFU denominator):
+    the autocast dtype, else the weights' dtype (`recipe.dtype` resolved: not "auto")."""
+    if recipe.fp16 or recipe.dtype == "float16":
         return "fp16"
-    if recipe.bf16:
+    if recipe.bf16 or recipe.dtype == "bfloat16":
         return "bf16"
     return "tf32" if recipe.tf32 and gpu.tf32 else "fp32"
 
@@ -165,6 +166,7 @@ def time_from_ops(
 
 def estimate_time(workload: Workload, recipe: Recipe, gpu: GPU, cal: Calibration | None = None) -> TimeAnatomy:
     """Predicted time of one optimizer step of `recipe` on `gpu` (see the module docstring)."""
+    recipe = resolve_dtype(workload, recipe)
     return time_from_ops(step_ops(workload, recipe, gpu.compute_capability), workload, recipe, gpu, cal)
 
 

@@ -33,7 +33,7 @@ from anatomist.hardware import detect_local_gpu
 from anatomist.op_classes import classify, is_known
 from anatomist.recipe import Recipe
 from anatomist.trace.step import make_batch
-from anatomist.workload import Workload
+from anatomist.workload import Workload, resolve_dtype
 
 PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
 TOP_OPS = 10
@@ -106,7 +106,7 @@ def training_step(workload: Workload, recipe: Recipe, device: torch.device) -> C
     range and ends with a device synchronisation, so wall-clock timing of a call is honest."""
     cpu = device.type == "cpu"
     with contextlib.redirect_stderr(None):
-        model = workload.build_model(recipe.attn_implementation).to(device)
+        model = workload.build_model(recipe.attn_implementation, recipe.dtype).to(device)
     model.train()
     if recipe.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -149,6 +149,7 @@ def profile_training(workload: Workload, recipe: Recipe, *, steps: int = 3) -> P
         InputError: a recipe this machine cannot run, or steps <= 0.
     """
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    recipe = resolve_dtype(workload, recipe)
     check_runnable(recipe, steps, device)
     cpu = device.type == "cpu"
     train_step = training_step(workload, recipe, device)

@@ -153,5 +153,8 @@ def mfu_inputs(workload: Workload, recipe: Recipe) -> tuple[int | None, float | 
         return None, None
     from anatomist.estimate.flops import flops_per_step
     from anatomist.estimate.time import recipe_precision
+    from anatomist.workload import resolve_dtype
+
+    recipe = resolve_dtype(workload, recipe)
 
     return flops_per_step(workload, recipe, gpu.compute_capability), gpu.peak_tflops(recipe_precision(recipe, gpu)) * 1e12

@@ -26,8 +26,9 @@ class Blockwise8bitAdamLayout(torch.optim.Optimizer):
 
     Memory per large parameter of n elements: 2 x n bytes of codes + 2 x 4 x ceil(n/256)
     bytes of scales, about 2.03 B/param (the seeds' "2 bytes per parameter"). Smaller
-    parameters keep fp32 moments (8 B/param). The arithmetic is not that of 8-bit Adam; only
-    the memory is.
+    parameters keep fp32 moments (8 B/param), whatever the parameters' dtype (bitsandbytes'
+    `Optimizer2State.init_state` allocates them as float32). The arithmetic is not that of
+    8-bit Adam; only the memory is.
     """
 
     def __init__(self, params: Iterable[torch.Tensor], lr: float = 1e-3) -> None:
@@ -49,8 +50,8 @@ class Blockwise8bitAdamLayout(torch.optim.Optimizer):
                         state["absmax1"] = torch.zeros(blocks, dtype=torch.float32)
                         state["absmax2"] = torch.zeros(blocks, dtype=torch.float32)
                     else:
-                        state["exp_avg"] = torch.zeros_like(p)
-                        state["exp_avg_sq"] = torch.zeros_like(p)
+                        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
                     state["step"] = torch.zeros((), dtype=torch.float32)
                 # The fused kernels update parameter and state in place: no temporaries.
                 p.add_(p.grad, alpha=-group["lr"])

@@ -25,7 +25,7 @@ from anatomist.trace.cuda_model import cublas_workspace_bytes, cuda_code_paths, 
 from anatomist.trace.optimizers import build_optimizer
 from anatomist.trace.records import StepTrace, curves_of
 from anatomist.trace.tracer import StepTracer
-from anatomist.workload import Workload
+from anatomist.workload import Workload, resolve_dtype
 
 Mode = Literal["train", "inference"]
 
@@ -74,9 +74,9 @@ def make_batch(workload: Workload, batch_size: int) -> dict[str, torch.Tensor]:
 Part = Literal["forward-backward", "optimizer", "inference", "train-step"]
 
 PART_FIELDS: dict[str, tuple[str, ...]] = {
-    "forward-backward": ("gradient_checkpointing", "fp16", "bf16", "attn_implementation"),
-    "inference": ("fp16", "bf16", "attn_implementation"),
-    "optimizer": ("optim", "fp16", "max_grad_norm"),
+    "forward-backward": ("dtype", "gradient_checkpointing", "fp16", "bf16", "attn_implementation"),
+    "inference": ("dtype", "fp16", "bf16", "attn_implementation"),
+    "optimizer": ("dtype", "optim", "fp16", "max_grad_norm"),
 }
 """The recipe fields that change each part's trace. Recipes that differ only in the
 optimizer share the passes' traces and the other way round; batch size, accumulation beyond
@@ -86,6 +86,7 @@ optimizer share the passes' traces and the other way round; batch size, accumula
 def part_key(workload: Workload, recipe: Recipe, part: Part, depth: int | None, batch_size: int,
              compute_capability: str) -> tuple[Any, ...]:
     """Everything that decides the trace of `part`: the key of the trace caches."""
+    recipe = resolve_dtype(workload, recipe)
     micro_batches = min(recipe.gradient_accumulation_steps, 2) if part == "forward-backward" else 1
     return (
         *workload.trace_key(), part, tuple(getattr(recipe, f) for f in PART_FIELDS[part]), micro_batches,
@@ -138,15 +139,16 @@ def trace_step(
         record_ops: also record each op's cost signature (for the FLOPs and time model).
         observers: further dispatch modes to run inside the trace (e.g. a FlopCounterMode).
     """
+    recipe = resolve_dtype(workload, recipe)
     shallow = model_at_depth(workload, depth) if depth is not None else workload
     attn = "sdpa" if recipe.attn_implementation == "flash_attention_2" else recipe.attn_implementation
     fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     if fake:
         with torch.device("meta"), contextlib.redirect_stderr(None):
-            model = shallow.build_model(attn)
+            model = shallow.build_model(attn, recipe.dtype)
         fake_parameters(model, fake_mode)
     else:
-        model = shallow.build_model(attn)
+        model = shallow.build_model(attn, recipe.dtype)
     lower = lower_dtype(recipe)
     tracer = StepTracer(lower_precision_dtype=lower, record_ops=record_ops)
     params = [p for p in model.parameters()]
