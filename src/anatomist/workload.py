@@ -1,8 +1,13 @@
 """Workload: which model (config only, never weights), which task head, which inputs.
 
 MODEL resolves, in this order, from a local directory or config.json, the shipped catalog
-(`anatomist models`), and the local Hugging Face cache. The network is used only when the
-caller passes `allow_network=True`; remote model code runs only with `trust_remote_code=True`.
+(`anatomist models`, by file name or Hub id), and the local Hugging Face cache. The network is
+used only when the caller passes `allow_network=True`; remote model code runs only with
+`trust_remote_code=True`.
+
+The catalog is `anatomist/data/models/NAME.json`: the model's Hub config.json plus one key,
+`"_anatomist"`, that names the Hub repo, the parameter count its authors publish and where each
+came from (see data/models/README.md). That key is stripped before transformers sees the config.
 """
 
 from __future__ import annotations
@@ -10,18 +15,15 @@ from __future__ import annotations
 import difflib
 import json
 from dataclasses import dataclass, field
-from functools import cache
-from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
 from anatomist.errors import InputError
+from anatomist.model_catalog import METADATA_KEY, catalog_entries, find_entry
 
 Task = Literal["sequence-classification", "causal-lm", "seq2seq-lm", "masked-lm"]
 TASKS: tuple[str, ...] = ("sequence-classification", "causal-lm", "seq2seq-lm", "masked-lm")
 
-# Leading organisation prefixes that name the same catalog entry on the Hub.
-_HUB_PREFIXES = ("google-bert/", "openai-community/", "google-t5/", "meta-llama/", "qwen/", "mistralai/")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,12 +54,14 @@ class Workload:
 
     @property
     def is_moe(self) -> bool:
-        return bool(_moe_counts(self.config))
+        return moe_counts(self.config) is not None
 
     @property
     def max_positions(self) -> int | None:
+        """Longest sequence the config's position embeddings allow, None where nothing limits it."""
+        config = self.config.get_text_config()
         for attr in ("max_position_embeddings", "n_positions"):
-            value = getattr(self.config, attr, None)
+            value = getattr(config, attr, None)
             if isinstance(value, int) and value > 0:
                 return value
         return None
@@ -96,26 +100,8 @@ class Workload:
 
 
 def catalog_names() -> list[str]:
-    """The models shipped as configs in anatomist/data/models."""
-    return sorted(_catalog_files())
-
-
-@cache
-def _catalog_files() -> dict[str, Any]:
-    folder = resources.files("anatomist.data").joinpath("models")
-    return {entry.name.removesuffix(".json"): entry for entry in folder.iterdir() if entry.name.endswith(".json")}
-
-
-def _catalog_key(name: str) -> str | None:
-    lowered = name.lower()
-    for prefix in _HUB_PREFIXES:
-        lowered = lowered.removeprefix(prefix)
-    by_lower = {n.lower(): n for n in _catalog_files()}
-    if lowered in by_lower:
-        return by_lower[lowered]
-    # "Mistral-7B" -> "Mistral-7B-v0.1", "Mixtral-8x7B" -> "Mixtral-8x7B-v0.1"
-    prefixed = [n for low, n in by_lower.items() if low.startswith(lowered + "-v")]
-    return prefixed[0] if len(prefixed) == 1 else None
+    """The models shipped as configs in anatomist/data/models (`anatomist models`)."""
+    return list(catalog_entries())
 
 
 def load_workload(
@@ -161,10 +147,9 @@ def _resolve_config(model: str, *, trust_remote_code: bool, allow_network: bool)
     path = Path(model).expanduser()
     if path.exists():
         return _config_from_path(path, trust_remote_code), "local"
-    key = _catalog_key(model)
-    if key is not None:
-        data = json.loads(_catalog_files()[key].read_text())
-        return _config_from_dict(data, f"catalog entry {key}", trust_remote_code), "catalog"
+    entry = find_entry(model)
+    if entry is not None:
+        return config_from_dict(dict(entry.config), f"catalog entry {entry.name}", trust_remote_code), "catalog"
     hub_config = _config_from_hub(model, trust_remote_code=trust_remote_code, allow_network=allow_network)
     if hub_config is not None:
         return hub_config
@@ -185,12 +170,18 @@ def _config_from_path(path: Path, trust_remote_code: bool) -> Any:
         raise InputError(f"{file}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(data, dict):
         raise InputError(f"{file}: a config.json must hold a JSON object")
-    return _config_from_dict(data, str(file), trust_remote_code)
+    return config_from_dict(data, str(file), trust_remote_code)
 
 
-def _config_from_dict(data: dict[str, Any], where: str, trust_remote_code: bool) -> Any:
+def config_from_dict(data: dict[str, Any], where: str, trust_remote_code: bool) -> Any:
+    """Build the transformers config a config.json describes (the catalog's own key dropped).
+
+    Raises:
+        InputError: one line naming the field and the value.
+    """
     from transformers import CONFIG_MAPPING
 
+    data = {k: v for k, v in data.items() if k != METADATA_KEY}
     model_type = data.get("model_type")
     if not model_type:
         raise InputError(f"{where}: field model_type is missing; it names the architecture (e.g. \"bert\", \"llama\")")
@@ -229,9 +220,15 @@ def _config_from_hub(model: str, *, trust_remote_code: bool, allow_network: bool
     return config, "hub" if allow_network else "hf-cache"
 
 
-def _moe_counts(config: Any) -> tuple[int, int] | None:
-    """(experts per token, experts) for Mixture-of-Experts configs, else None."""
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+def moe_counts(config: Any) -> tuple[int, int] | None:
+    """(experts per token, routed experts) for a Mixture-of-Experts config, else None.
+
+    The expert count goes by num_local_experts (Mixtral, gpt-oss), num_experts (Qwen-MoE) or
+    n_routed_experts (DeepSeek); shared experts are not counted.
+    """
+    config = config.get_text_config()
+    experts = (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+               or getattr(config, "n_routed_experts", None))
     per_token = getattr(config, "num_experts_per_tok", None)
     if experts and per_token:
         return int(per_token), int(experts)

@@ -1,0 +1,87 @@
+"""The shipped catalog: every entry names its Hub repo and published size, and builds to that size.
+
+Each entry is built on the meta device (no memory, no weights) with the class its checkpoint
+uses, and its parameter count must land within the entry's tolerance (0.5% unless it says
+otherwise) of the count its authors publish: a mistyped field (a wrong intermediate_size, a
+layer too many, untied embeddings) moves the count by more than that.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from anatomist.model_catalog import catalog_entries, find_entry
+from anatomist.workload import config_from_dict, load_workload
+
+ENTRIES = sorted(catalog_entries())
+
+
+def checkpoint_parameters(name: str) -> int:
+    """Parameters of the entry's checkpoint class built on the meta device, tied weights once.
+
+    The class is the config's `architectures[0]` (what the Hub checkpoint holds), else the causal
+    LM, else the bare model. transformers 5 ties T5's lm_head to the shared embedding whatever the
+    config says (configuration_t5.py); a checkpoint whose config says tie_word_embeddings=false
+    stores it apart, so it is counted apart.
+    """
+    import torch
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    entry = catalog_entries()[name]
+    config = config_from_dict(dict(entry.config), name, trust_remote_code=False)
+    architectures = entry.config.get("architectures") or []
+    with torch.device("meta"):
+        if architectures and hasattr(transformers, architectures[0]):
+            model = getattr(transformers, architectures[0])._from_config(config)
+        elif type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        else:
+            model = transformers.AutoModel.from_config(config)
+    count = model.num_parameters()
+    output, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    if entry.config.get("tie_word_embeddings") is False and output is not None and output.weight is embeddings.weight:
+        count += output.weight.numel()
+    return count
+
+
+def test_every_entry_names_its_hub_repo_and_sources():
+    for entry in catalog_entries().values():
+        assert "/" in entry.hub_id, entry.name
+        assert entry.parameters > 0, entry.name
+        assert entry.parameters_source and entry.config_source, entry.name
+        assert 0 < entry.tolerance <= 0.01, entry.name  # 1% at most: looser catches no mistyped field
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_built_model_matches_the_published_parameter_count(name):
+    from transformers import CONFIG_MAPPING
+
+    entry = catalog_entries()[name]
+    if entry.model_type not in CONFIG_MAPPING:
+        pytest.skip(f"model_type {entry.model_type!r} is not in the installed transformers")
+    built = checkpoint_parameters(name)
+    error = abs(built - entry.parameters) / entry.parameters
+    assert error <= entry.tolerance, (
+        f"{name}: built {built:,} vs published {entry.parameters:,} ({error:.3%} > {entry.tolerance:.1%})"
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "name"),
+    [
+        ("meta-llama/Llama-3.2-1B", "Llama-3.2-1B"),
+        ("llama-3.2-1b", "Llama-3.2-1B"),
+        ("google-bert/bert-large-uncased", "bert-large-uncased"),
+        ("mistralai/Mixtral-8x7B", "Mixtral-8x7B-v0.1"),
+    ],
+)
+def test_entries_resolve_by_name_and_hub_id(model, name):
+    assert find_entry(model).name == name
+    assert load_workload(model).source == "catalog"
+
+
+def test_catalog_metadata_never_reaches_transformers():
+    config = load_workload("Llama-3.2-1B").config
+    assert not hasattr(config, "_anatomist")
+    assert "_anatomist" not in config.to_json_string()
