@@ -24,6 +24,13 @@ from anatomist.model_catalog import METADATA_KEY, catalog_entries, find_entry
 Task = Literal["sequence-classification", "causal-lm", "seq2seq-lm", "masked-lm"]
 TASKS: tuple[str, ...] = ("sequence-classification", "causal-lm", "seq2seq-lm", "masked-lm")
 
+# The sizes the estimator builds from: each must be a positive integer where the config has it.
+# Canonical transformers names; a config class may store them under its own (GPT-2's n_layer).
+ESTIMATOR_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+
+# Models whose position ids start after the padding index (RobertaEmbeddings'
+# create_position_ids_from_input_ids), so max_position_embeddings - pad_token_id - 1 tokens fit.
+_POSITIONS_AFTER_PADDING = ("roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "data2vec-text", "xmod")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -63,6 +70,9 @@ class Workload:
         for attr in ("max_position_embeddings", "n_positions"):
             value = getattr(config, attr, None)
             if isinstance(value, int) and value > 0:
+                pad = getattr(config, "pad_token_id", None)
+                if self.model_type in _POSITIONS_AFTER_PADDING and isinstance(pad, int) and 0 <= pad < value - 1:
+                    return value - pad - 1  # RoBERTa: 514 embeddings, padding_idx 1 -> 512 tokens
                 return value
         return None
 
@@ -174,7 +184,20 @@ def _config_from_path(path: Path, trust_remote_code: bool) -> Any:
 
 
 def config_from_dict(data: dict[str, Any], where: str, trust_remote_code: bool) -> Any:
-    """Build the transformers config a config.json describes (the catalog's own key dropped).
+    """Build the transformers config a config.json describes, refusing what would break the estimate.
+
+    Refuses only what the estimate cannot work with: an architecture transformers does not know
+    (naming its model_type), one that needs remote code without `trust_remote_code`, a config
+    transformers itself rejects, and a non-positive layer count, hidden size, head count or
+    vocabulary size (ESTIMATOR_FIELDS, named as the config spells them). Every other field is
+    transformers' business: a config it builds is never refused here (ALBERT's gap_size of 0,
+    DeBERTa-v3's type_vocab_size of 0 and max_relative_positions of -1 are what those models use).
+
+    Args:
+        data: config.json's content; the catalog's own key (METADATA_KEY) is dropped.
+        where: what to name in messages (a file path, "catalog entry NAME").
+        trust_remote_code: whether a config whose model_type only remote code defines may be
+            built (from `where`'s folder, which must hold that code).
 
     Raises:
         InputError: one line naming the field and the value.
@@ -185,19 +208,70 @@ def config_from_dict(data: dict[str, Any], where: str, trust_remote_code: bool) 
     model_type = data.get("model_type")
     if not model_type:
         raise InputError(f"{where}: field model_type is missing; it names the architecture (e.g. \"bert\", \"llama\")")
-    if "auto_map" in data and not trust_remote_code and model_type not in CONFIG_MAPPING:
-        raise InputError(f"{where}: this model needs remote code (auto_map); rerun with --trust-remote-code if you trust it")
     if model_type not in CONFIG_MAPPING:
-        raise InputError(f"{where}: field model_type={model_type!r} is not an architecture transformers knows")
+        if "auto_map" in data:
+            if not trust_remote_code:
+                raise InputError(f"{where}: model_type={model_type!r} needs the model's own code (auto_map); "
+                                 "rerun with --trust-remote-code if you trust it")
+            return _check_estimator_fields(_remote_config(where), where)
+        raise InputError(_unknown_architecture(where, str(model_type), CONFIG_MAPPING))
     config_cls = CONFIG_MAPPING[model_type]
-    for name, value in data.items():
-        if name.endswith(("_size", "_layers", "_heads")) and not (isinstance(value, int) and value > 0):
-            if value is not None:
-                raise InputError(f"{where}: field {name} must be a positive integer, got {value!r}")
+    _check_estimator_fields(data, where, attribute_map=getattr(config_cls, "attribute_map", {}))
     try:
-        return config_cls.from_dict({k: v for k, v in data.items() if k != "model_type"})
-    except (TypeError, ValueError) as exc:
-        raise InputError(f"{where}: invalid config: {str(exc).splitlines()[0]}") from None
+        config = config_cls.from_dict({k: v for k, v in data.items() if k != "model_type"})
+    except Exception as exc:  # transformers raises TypeError, ValueError or huggingface_hub's StrictDataclassError
+        if not isinstance(exc, (TypeError, ValueError)) and type(exc).__name__ not in _CONFIG_ERRORS:
+            raise
+        raise InputError(f"{where}: invalid config: {_one_line(exc)}") from None
+    return _check_estimator_fields(config, where)
+
+
+# huggingface_hub's @strict validation errors (transformers 5 configs are strict dataclasses)
+_CONFIG_ERRORS = ("StrictDataclassError", "StrictDataclassFieldValidationError", "StrictDataclassDefinitionError")
+
+
+def _check_estimator_fields(config: Any, where: str, attribute_map: dict[str, str] | None = None) -> Any:
+    """Refuse a non-positive ESTIMATOR_FIELDS value; `config` is a dict (raw JSON) or a built config.
+
+    On a built config the text model's fields are checked (a vision-language model keeps them in
+    text_config), encoder-decoder models also by their decoder depth. Fields the config does not
+    have are left to transformers' defaults.
+    """
+    if isinstance(config, dict):
+        fields = {attribute_map.get(name, name) if attribute_map else name: name for name in ESTIMATOR_FIELDS}
+        values = {spelled: config.get(spelled) for spelled in fields}
+    else:
+        text = config.get_text_config()
+        mapping = getattr(text, "attribute_map", {}) or {}
+        names = list(ESTIMATOR_FIELDS) + (["num_decoder_layers"] if getattr(config, "is_encoder_decoder", False) else [])
+        values = {mapping.get(name, name): getattr(text, name, None) for name in names}
+    for spelled, value in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise InputError(f"{where}: field {spelled} must be a positive integer, got {value!r}")
+    return config
+
+
+def _remote_config(where: str) -> Any:
+    from transformers import AutoConfig
+
+    folder = Path(where).parent
+    try:
+        return AutoConfig.from_pretrained(folder, trust_remote_code=True, local_files_only=True)
+    except (OSError, ValueError, ImportError) as exc:
+        raise InputError(f"{where}: cannot load its remote config code from {folder}: {_one_line(exc)}") from None
+
+
+def _unknown_architecture(where: str, model_type: str, known: Any) -> str:
+    import transformers
+
+    close = difflib.get_close_matches(model_type, list(known.keys()), n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; a newer transformers may know it"
+    return f"{where}: unknown architecture model_type={model_type!r} (transformers {transformers.__version__}){hint}"
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return " ".join(lines[:2]) if lines else type(exc).__name__
 
 
 def _config_from_hub(model: str, *, trust_remote_code: bool, allow_network: bool) -> tuple[Any, str] | None:
@@ -217,7 +291,7 @@ def _config_from_hub(model: str, *, trust_remote_code: bool, allow_network: bool
         if "trust_remote_code" in message:
             raise InputError(f"{model}: needs remote code; rerun with --trust-remote-code if you trust it") from None
         raise InputError(f"{model}: invalid config: {message}") from None
-    return config, "hub" if allow_network else "hf-cache"
+    return _check_estimator_fields(config, model), "hub" if allow_network else "hf-cache"
 
 
 def moe_counts(config: Any) -> tuple[int, int] | None:
