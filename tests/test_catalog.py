@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from anatomist.model_catalog import catalog_entries, find_entry
+from anatomist.model_catalog import catalog_entries, find_entry, summarize
 from anatomist.workload import config_from_dict, load_workload
 
 ENTRIES = sorted(catalog_entries())
@@ -70,8 +70,9 @@ def test_built_model_matches_the_published_parameter_count(name):
 @pytest.mark.parametrize(
     ("model", "name"),
     [
-        ("meta-llama/Llama-3.2-1B", "Llama-3.2-1B"),
-        ("llama-3.2-1b", "Llama-3.2-1B"),
+        ("Qwen/Qwen3-8B", "Qwen3-8B"),
+        ("qwen3-30b-a3b", "Qwen3-30B-A3B"),
+        ("openai/gpt-oss-20b", "gpt-oss-20b"),
         ("google-bert/bert-large-uncased", "bert-large-uncased"),
         ("mistralai/Mixtral-8x7B", "Mixtral-8x7B-v0.1"),
     ],
@@ -82,6 +83,18 @@ def test_entries_resolve_by_name_and_hub_id(model, name):
 
 
 def test_catalog_metadata_never_reaches_transformers():
-    config = load_workload("Llama-3.2-1B").config
+    config = load_workload("Qwen3-8B").config
     assert not hasattr(config, "_anatomist")
     assert "_anatomist" not in config.to_json_string()
+
+
+def test_summary_of_moe_encoder_decoder_and_text_models():
+    moe = summarize(catalog_entries()["Qwen3-30B-A3B"])
+    assert (moe.family, moe.layers, moe.experts, moe.experts_per_token, moe.is_moe) == ("qwen3_moe", 48, 128, 8, True)
+    assert summarize(catalog_entries()["DeepSeek-V2-Lite"]).experts == 64  # n_routed_experts
+    t5 = summarize(catalog_entries()["t5-efficient-small-el32"])
+    assert (t5.layers, t5.decoder_layers) == (32, 6)
+    gemma = summarize(catalog_entries()["gemma-3-27b-pt-text"])
+    assert (gemma.family, gemma.layers, gemma.context_length, gemma.is_moe) == ("gemma3_text", 62, 131072, False)
+    # RoBERTa's position ids start after the padding index: 514 embeddings hold 512 tokens
+    assert summarize(catalog_entries()["roberta-large"]).context_length == 512
