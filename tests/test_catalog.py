@@ -8,8 +8,11 @@ layer too many, untied embeddings) moves the count by more than that.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from anatomist.cli import main
 from anatomist.model_catalog import catalog_entries, find_entry, summarize
 from anatomist.workload import config_from_dict, load_workload
 
@@ -98,3 +101,19 @@ def test_summary_of_moe_encoder_decoder_and_text_models():
     assert (gemma.family, gemma.layers, gemma.context_length, gemma.is_moe) == ("gemma3_text", 62, 131072, False)
     # RoBERTa's position ids start after the padding index: 514 embeddings hold 512 tokens
     assert summarize(catalog_entries()["roberta-large"]).context_length == 512
+
+
+def test_models_command_lists_family_size_layers_context_and_moe(capsys, monkeypatch):
+    assert main(["models", "--json"]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)["models"]}
+    assert set(rows) == set(ENTRIES)
+    llama = rows["Llama-3.3-70B-Instruct"]
+    assert llama["hub_id"] == "meta-llama/Llama-3.3-70B-Instruct"
+    assert (llama["family"], llama["parameters"], llama["layers"], llama["context_length"], llama["moe"]) == (
+        "llama", 70_553_706_496, 80, 131072, False)
+    assert rows["gpt-oss-20b"]["moe"] and rows["gpt-oss-20b"]["experts"] == 32
+
+    monkeypatch.setenv("COLUMNS", "200")  # one row per line
+    assert main(["models"]) == 0
+    table = capsys.readouterr().out
+    assert "Qwen3-30B-A3B" in table and "8 of 128 experts" in table and "32+6" in table
