@@ -131,3 +131,16 @@ def test_roberta_positions_start_after_the_padding_index(tmp_path, capsys):
         "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 514, "pad_token_id": 1})
     assert load_workload(str(path)).max_positions == 512
     assert "seq_len 513 is above" in estimate_error(capsys, str(path), "--seq-len", "513")
+
+
+@pytest.mark.parametrize(
+    ("model", "task"),
+    [
+        ("ModernBERT-base", "sequence-classification"),  # no causal-LM class in transformers
+        ("roberta-large", "sequence-classification"),  # has RobertaForCausalLM, still an encoder
+        ("Qwen3-8B", "causal-lm"),
+        ("flan-t5-base", "seq2seq-lm"),
+    ],
+)
+def test_default_task_follows_the_architecture(model, task):
+    assert load_workload(model).task == task

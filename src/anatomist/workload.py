@@ -28,6 +28,9 @@ TASKS: tuple[str, ...] = ("sequence-classification", "causal-lm", "seq2seq-lm", 
 # Canonical transformers names; a config class may store them under its own (GPT-2's n_layer).
 ESTIMATOR_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
 
+# Encoders that transformers also gives a causal-LM class (BertLMHeadModel, ...): still encoders.
+_ENCODER_TYPES = ("bert", "roberta", "deberta", "deberta-v2", "distilbert", "albert", "electra")
+
 # Models whose position ids start after the padding index (RobertaEmbeddings'
 # create_position_ids_from_input_ids), so max_position_embeddings - pad_token_id - 1 tokens fit.
 _POSITIONS_AFTER_PADDING = ("roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "data2vec-text", "xmod")
@@ -146,10 +149,16 @@ def load_workload(
 
 
 def _default_task(config: Any) -> Task:
+    """seq2seq-lm for encoder-decoders; sequence classification (the seeds' experiment) for encoders,
+    known by model_type, by a masked-LM checkpoint, or by having no causal-LM class; else causal-lm."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
     if getattr(config, "is_encoder_decoder", False):
         return "seq2seq-lm"
-    if config.model_type in ("bert", "roberta", "deberta", "deberta-v2", "distilbert", "albert", "electra"):
-        return "sequence-classification"  # the seeds' experiment
+    architectures = getattr(config, "architectures", None) or []
+    if (config.model_type in _ENCODER_TYPES or any(a.endswith("ForMaskedLM") for a in architectures)
+            or type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING):
+        return "sequence-classification"
     return "causal-lm"
 
 
