@@ -61,7 +61,7 @@ def catalog_entries() -> dict[str, CatalogEntry]:
     """
     folder = resources.files("anatomist.data").joinpath("models")
     entries = {}
-    for file in sorted(folder.iterdir(), key=lambda f: f.name.lower()):
+    for file in sorted(folder.iterdir(), key=lambda f: f.name.lower().removesuffix(".json")):
         if file.name.endswith(".json"):
             entry = _entry(file.name.removesuffix(".json"), json.loads(file.read_text()))
             entries[entry.name] = entry
