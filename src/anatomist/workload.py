@@ -1,8 +1,13 @@
 """Workload: which model (config only, never weights), which task head, which inputs.
 
 MODEL resolves, in this order, from a local directory or config.json, the shipped catalog
-(`anatomist models`), and the local Hugging Face cache. The network is used only when the
-caller passes `allow_network=True`; remote model code runs only with `trust_remote_code=True`.
+(`anatomist models`, by file name or Hub id), and the local Hugging Face cache. The network is
+used only when the caller passes `allow_network=True`; remote model code runs only with
+`trust_remote_code=True`.
+
+The catalog is `anatomist/data/models/NAME.json`: the model's Hub config.json plus one key,
+`"_anatomist"`, that names the Hub repo, the parameter count its authors publish and where each
+came from (see data/models/README.md). That key is stripped before transformers sees the config.
 """
 
 from __future__ import annotations
@@ -10,12 +15,11 @@ from __future__ import annotations
 import difflib
 import json
 from dataclasses import dataclass, field
-from functools import cache
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from anatomist.errors import InputError
+from anatomist.model_catalog import METADATA_KEY, catalog_entries, find_entry
 
 if TYPE_CHECKING:
     from anatomist.recipe import Recipe
@@ -23,8 +27,16 @@ if TYPE_CHECKING:
 Task = Literal["sequence-classification", "causal-lm", "seq2seq-lm", "masked-lm"]
 TASKS: tuple[str, ...] = ("sequence-classification", "causal-lm", "seq2seq-lm", "masked-lm")
 
-# Leading organisation prefixes that name the same catalog entry on the Hub.
-_HUB_PREFIXES = ("google-bert/", "openai-community/", "google-t5/", "meta-llama/", "qwen/", "mistralai/")
+# The sizes the estimator builds from: each must be a positive integer where the config has it.
+# Canonical transformers names; a config class may store them under its own (GPT-2's n_layer).
+ESTIMATOR_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+
+# Encoders that transformers also gives a causal-LM class (BertLMHeadModel, ...): still encoders.
+_ENCODER_TYPES = ("bert", "roberta", "deberta", "deberta-v2", "distilbert", "albert", "electra")
+
+# Models whose position ids start after the padding index (RobertaEmbeddings'
+# create_position_ids_from_input_ids), so max_position_embeddings - pad_token_id - 1 tokens fit.
+_POSITIONS_AFTER_PADDING = ("roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "data2vec-text", "xmod")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -55,13 +67,18 @@ class Workload:
 
     @property
     def is_moe(self) -> bool:
-        return bool(_moe_counts(self.config))
+        return moe_counts(self.config) is not None
 
     @property
     def max_positions(self) -> int | None:
+        """Longest sequence the config's position embeddings allow, None where nothing limits it."""
+        config = self.config.get_text_config()
         for attr in ("max_position_embeddings", "n_positions"):
-            value = getattr(self.config, attr, None)
+            value = getattr(config, attr, None)
             if isinstance(value, int) and value > 0:
+                pad = getattr(config, "pad_token_id", None)
+                if self.model_type in _POSITIONS_AFTER_PADDING and isinstance(pad, int) and 0 <= pad < value - 1:
+                    return value - pad - 1  # RoBERTa: 514 embeddings, padding_idx 1 -> 512 tokens
                 return value
         return None
 
@@ -117,26 +134,8 @@ class Workload:
 
 
 def catalog_names() -> list[str]:
-    """The models shipped as configs in anatomist/data/models."""
-    return sorted(_catalog_files())
-
-
-@cache
-def _catalog_files() -> dict[str, Any]:
-    folder = resources.files("anatomist.data").joinpath("models")
-    return {entry.name.removesuffix(".json"): entry for entry in folder.iterdir() if entry.name.endswith(".json")}
-
-
-def _catalog_key(name: str) -> str | None:
-    lowered = name.lower()
-    for prefix in _HUB_PREFIXES:
-        lowered = lowered.removeprefix(prefix)
-    by_lower = {n.lower(): n for n in _catalog_files()}
-    if lowered in by_lower:
-        return by_lower[lowered]
-    # "Mistral-7B" -> "Mistral-7B-v0.1", "Mixtral-8x7B" -> "Mixtral-8x7B-v0.1"
-    prefixed = [n for low, n in by_lower.items() if low.startswith(lowered + "-v")]
-    return prefixed[0] if len(prefixed) == 1 else None
+    """The models shipped as configs in anatomist/data/models (`anatomist models`)."""
+    return list(catalog_entries())
 
 
 def load_workload(
@@ -171,10 +170,16 @@ def load_workload(
 
 
 def _default_task(config: Any) -> Task:
+    """seq2seq-lm for encoder-decoders; sequence classification (the seeds' experiment) for encoders,
+    known by model_type, by a masked-LM checkpoint, or by having no causal-LM class; else causal-lm."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
     if getattr(config, "is_encoder_decoder", False):
         return "seq2seq-lm"
-    if config.model_type in ("bert", "roberta", "deberta", "deberta-v2", "distilbert", "albert", "electra"):
-        return "sequence-classification"  # the seeds' experiment
+    architectures = getattr(config, "architectures", None) or []
+    if (config.model_type in _ENCODER_TYPES or any(a.endswith("ForMaskedLM") for a in architectures)
+            or type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING):
+        return "sequence-classification"
     return "causal-lm"
 
 
@@ -182,10 +187,9 @@ def _resolve_config(model: str, *, trust_remote_code: bool, allow_network: bool)
     path = Path(model).expanduser()
     if path.exists():
         return _config_from_path(path, trust_remote_code), "local"
-    key = _catalog_key(model)
-    if key is not None:
-        data = json.loads(_catalog_files()[key].read_text())
-        return _config_from_dict(data, f"catalog entry {key}", trust_remote_code), "catalog"
+    entry = find_entry(model)
+    if entry is not None:
+        return config_from_dict(dict(entry.config), f"catalog entry {entry.name}", trust_remote_code), "catalog"
     hub_config = _config_from_hub(model, trust_remote_code=trust_remote_code, allow_network=allow_network)
     if hub_config is not None:
         return hub_config
@@ -206,28 +210,98 @@ def _config_from_path(path: Path, trust_remote_code: bool) -> Any:
         raise InputError(f"{file}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(data, dict):
         raise InputError(f"{file}: a config.json must hold a JSON object")
-    return _config_from_dict(data, str(file), trust_remote_code)
+    return config_from_dict(data, str(file), trust_remote_code)
 
 
-def _config_from_dict(data: dict[str, Any], where: str, trust_remote_code: bool) -> Any:
+def config_from_dict(data: dict[str, Any], where: str, trust_remote_code: bool) -> Any:
+    """Build the transformers config a config.json describes, refusing what would break the estimate.
+
+    Refuses only what the estimate cannot work with: an architecture transformers does not know
+    (naming its model_type), one that needs remote code without `trust_remote_code`, a config
+    transformers itself rejects, and a non-positive layer count, hidden size, head count or
+    vocabulary size (ESTIMATOR_FIELDS, named as the config spells them). Every other field is
+    transformers' business: a config it builds is never refused here (ALBERT's gap_size of 0,
+    DeBERTa-v3's type_vocab_size of 0 and max_relative_positions of -1 are what those models use).
+
+    Args:
+        data: config.json's content; the catalog's own key (METADATA_KEY) is dropped.
+        where: what to name in messages (a file path, "catalog entry NAME").
+        trust_remote_code: whether a config whose model_type only remote code defines may be
+            built (from `where`'s folder, which must hold that code).
+
+    Raises:
+        InputError: one line naming the field and the value.
+    """
     from transformers import CONFIG_MAPPING
 
+    data = {k: v for k, v in data.items() if k != METADATA_KEY}
     model_type = data.get("model_type")
     if not model_type:
         raise InputError(f"{where}: field model_type is missing; it names the architecture (e.g. \"bert\", \"llama\")")
-    if "auto_map" in data and not trust_remote_code and model_type not in CONFIG_MAPPING:
-        raise InputError(f"{where}: this model needs remote code (auto_map); rerun with --trust-remote-code if you trust it")
     if model_type not in CONFIG_MAPPING:
-        raise InputError(f"{where}: field model_type={model_type!r} is not an architecture transformers knows")
+        if "auto_map" in data:
+            if not trust_remote_code:
+                raise InputError(f"{where}: model_type={model_type!r} needs the model's own code (auto_map); "
+                                 "rerun with --trust-remote-code if you trust it")
+            return _check_estimator_fields(_remote_config(where), where)
+        raise InputError(_unknown_architecture(where, str(model_type), CONFIG_MAPPING))
     config_cls = CONFIG_MAPPING[model_type]
-    for name, value in data.items():
-        if name.endswith(("_size", "_layers", "_heads")) and not (isinstance(value, int) and value > 0):
-            if value is not None:
-                raise InputError(f"{where}: field {name} must be a positive integer, got {value!r}")
+    _check_estimator_fields(data, where, attribute_map=getattr(config_cls, "attribute_map", {}))
     try:
-        return config_cls.from_dict({k: v for k, v in data.items() if k != "model_type"})
-    except (TypeError, ValueError) as exc:
-        raise InputError(f"{where}: invalid config: {str(exc).splitlines()[0]}") from None
+        config = config_cls.from_dict({k: v for k, v in data.items() if k != "model_type"})
+    except Exception as exc:  # transformers raises TypeError, ValueError or huggingface_hub's StrictDataclassError
+        if not isinstance(exc, (TypeError, ValueError)) and type(exc).__name__ not in _CONFIG_ERRORS:
+            raise
+        raise InputError(f"{where}: invalid config: {_one_line(exc)}") from None
+    return _check_estimator_fields(config, where)
+
+
+# huggingface_hub's @strict validation errors (transformers 5 configs are strict dataclasses)
+_CONFIG_ERRORS = ("StrictDataclassError", "StrictDataclassFieldValidationError", "StrictDataclassDefinitionError")
+
+
+def _check_estimator_fields(config: Any, where: str, attribute_map: dict[str, str] | None = None) -> Any:
+    """Refuse a non-positive ESTIMATOR_FIELDS value; `config` is a dict (raw JSON) or a built config.
+
+    On a built config the text model's fields are checked (a vision-language model keeps them in
+    text_config), encoder-decoder models also by their decoder depth. Fields the config does not
+    have are left to transformers' defaults.
+    """
+    if isinstance(config, dict):
+        fields = {attribute_map.get(name, name) if attribute_map else name: name for name in ESTIMATOR_FIELDS}
+        values = {spelled: config.get(spelled) for spelled in fields}
+    else:
+        text = config.get_text_config()
+        mapping = getattr(text, "attribute_map", {}) or {}
+        names = list(ESTIMATOR_FIELDS) + (["num_decoder_layers"] if getattr(config, "is_encoder_decoder", False) else [])
+        values = {mapping.get(name, name): getattr(text, name, None) for name in names}
+    for spelled, value in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise InputError(f"{where}: field {spelled} must be a positive integer, got {value!r}")
+    return config
+
+
+def _remote_config(where: str) -> Any:
+    from transformers import AutoConfig
+
+    folder = Path(where).parent
+    try:
+        return AutoConfig.from_pretrained(folder, trust_remote_code=True, local_files_only=True)
+    except (OSError, ValueError, ImportError) as exc:
+        raise InputError(f"{where}: cannot load its remote config code from {folder}: {_one_line(exc)}") from None
+
+
+def _unknown_architecture(where: str, model_type: str, known: Any) -> str:
+    import transformers
+
+    close = difflib.get_close_matches(model_type, list(known.keys()), n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; a newer transformers may know it"
+    return f"{where}: unknown architecture model_type={model_type!r} (transformers {transformers.__version__}){hint}"
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return " ".join(lines[:2]) if lines else type(exc).__name__
 
 
 def _config_from_hub(model: str, *, trust_remote_code: bool, allow_network: bool) -> tuple[Any, str] | None:
@@ -247,12 +321,18 @@ def _config_from_hub(model: str, *, trust_remote_code: bool, allow_network: bool
         if "trust_remote_code" in message:
             raise InputError(f"{model}: needs remote code; rerun with --trust-remote-code if you trust it") from None
         raise InputError(f"{model}: invalid config: {message}") from None
-    return config, "hub" if allow_network else "hf-cache"
+    return _check_estimator_fields(config, model), "hub" if allow_network else "hf-cache"
 
 
-def _moe_counts(config: Any) -> tuple[int, int] | None:
-    """(experts per token, experts) for Mixture-of-Experts configs, else None."""
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+def moe_counts(config: Any) -> tuple[int, int] | None:
+    """(experts per token, routed experts) for a Mixture-of-Experts config, else None.
+
+    The expert count goes by num_local_experts (Mixtral, gpt-oss), num_experts (Qwen-MoE) or
+    n_routed_experts (DeepSeek); shared experts are not counted.
+    """
+    config = config.get_text_config()
+    experts = (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+               or getattr(config, "n_routed_experts", None))
     per_token = getattr(config, "num_experts_per_tok", None)
     if experts and per_token:
         return int(per_token), int(experts)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from rich.table import Table
 
@@ -55,28 +54,29 @@ def _assumed(source: str) -> bool:
 
 
 def run_models(args: argparse.Namespace) -> int:
-    from importlib import resources
+    from anatomist.model_catalog import catalog_entries, summarize
 
-    from anatomist.workload import catalog_names
-
-    rows = []
-    for name in catalog_names():
-        data = json.loads(resources.files("anatomist.data").joinpath("models", f"{name}.json").read_text())
-        layers = data.get("num_hidden_layers") or data.get("n_layer") or data.get("num_layers")
-        hidden = data.get("hidden_size") or data.get("n_embd") or data.get("d_model")
-        experts = data.get("num_local_experts")
-        rows.append({"name": name, "model_type": data["model_type"], "layers": layers, "hidden_size": hidden,
-                     "experts": experts})
+    rows = [summarize(entry) for entry in catalog_entries().values()]
     if args.json:
-        print_json({"models": rows})
+        print_json({"models": [r.to_dict() for r in rows]})
         return 0
-    table = Table(title="Model catalog (config.json only, no weights)", title_justify="left")
-    for column in ("name", "type", "layers", "hidden", "experts"):
-        table.add_column(column)
+    table = Table(title="Model catalog (config.json only, no weights; sources in data/models)", title_justify="left")
+    for column in ("name", "Hub id", "family", "parameters", "layers", "context", "MoE"):
+        table.add_column(column, justify="right" if column in ("parameters", "layers", "context") else "left")
     for r in rows:
-        table.add_row(r["name"], r["model_type"], str(r["layers"]), str(r["hidden_size"]), str(r["experts"] or "-"))
-    console().print(table)
+        layers = f"{r.layers}+{r.decoder_layers}" if r.decoder_layers is not None else str(r.layers)
+        moe = f"{r.experts_per_token} of {r.experts} experts" if r.is_moe else "-"
+        table.add_row(r.name, r.hub_id, r.family, _count(r.parameters), layers,
+                      f"{r.context_length:,}" if r.context_length else "-", moe)
+    out = console()
+    out.print(table)
+    out.print("parameters: as published (tied weights once); layers: encoder+decoder for encoder-decoder models.")
     return 0
+
+
+def _count(n: int) -> str:
+    """1_235_814_400 -> "1.24B", 999_885_952 -> "1B", 149_655_232 -> "150M"."""
+    return f"{n / 1e9:.3g}B" if n >= 999.5e6 else f"{n / 1e6:.3g}M"
 
 
 def run_env(args: argparse.Namespace) -> int:

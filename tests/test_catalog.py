@@ -1,0 +1,119 @@
+"""The shipped catalog: every entry names its Hub repo and published size, and builds to that size.
+
+Each entry is built on the meta device (no memory, no weights) with the class its checkpoint
+uses, and its parameter count must land within the entry's tolerance (0.5% unless it says
+otherwise) of the count its authors publish: a mistyped field (a wrong intermediate_size, a
+layer too many, untied embeddings) moves the count by more than that.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from anatomist.cli import main
+from anatomist.model_catalog import catalog_entries, find_entry, summarize
+from anatomist.workload import config_from_dict, load_workload
+
+ENTRIES = sorted(catalog_entries())
+
+
+def checkpoint_parameters(name: str) -> int:
+    """Parameters of the entry's checkpoint class built on the meta device, tied weights once.
+
+    The class is the config's `architectures[0]` (what the Hub checkpoint holds), else the causal
+    LM, else the bare model. transformers 5 ties T5's lm_head to the shared embedding whatever the
+    config says (configuration_t5.py); a checkpoint whose config says tie_word_embeddings=false
+    stores it apart, so it is counted apart.
+    """
+    import torch
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    entry = catalog_entries()[name]
+    config = config_from_dict(dict(entry.config), name, trust_remote_code=False)
+    architectures = entry.config.get("architectures") or []
+    with torch.device("meta"):
+        if architectures and hasattr(transformers, architectures[0]):
+            model = getattr(transformers, architectures[0])._from_config(config)
+        elif type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        else:
+            model = transformers.AutoModel.from_config(config)
+    count = model.num_parameters()
+    output, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    if entry.config.get("tie_word_embeddings") is False and output is not None and output.weight is embeddings.weight:
+        count += output.weight.numel()
+    return count
+
+
+def test_every_entry_names_its_hub_repo_and_sources():
+    for entry in catalog_entries().values():
+        assert "/" in entry.hub_id, entry.name
+        assert entry.parameters > 0, entry.name
+        assert entry.parameters_source and entry.config_source, entry.name
+        assert 0 < entry.tolerance <= 0.01, entry.name  # 1% at most: looser catches no mistyped field
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_built_model_matches_the_published_parameter_count(name):
+    from transformers import CONFIG_MAPPING
+
+    entry = catalog_entries()[name]
+    if entry.model_type not in CONFIG_MAPPING:
+        pytest.skip(f"model_type {entry.model_type!r} is not in the installed transformers")
+    built = checkpoint_parameters(name)
+    error = abs(built - entry.parameters) / entry.parameters
+    assert error <= entry.tolerance, (
+        f"{name}: built {built:,} vs published {entry.parameters:,} ({error:.3%} > {entry.tolerance:.1%})"
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "name"),
+    [
+        ("Qwen/Qwen3-8B", "Qwen3-8B"),
+        ("qwen3-30b-a3b", "Qwen3-30B-A3B"),
+        ("openai/gpt-oss-20b", "gpt-oss-20b"),
+        ("google-bert/bert-large-uncased", "bert-large-uncased"),
+        ("mistralai/Mixtral-8x7B", "Mixtral-8x7B-v0.1"),
+    ],
+)
+def test_entries_resolve_by_name_and_hub_id(model, name):
+    assert find_entry(model).name == name
+    assert load_workload(model).source == "catalog"
+
+
+def test_catalog_metadata_never_reaches_transformers():
+    config = load_workload("Qwen3-8B").config
+    assert not hasattr(config, "_anatomist")
+    assert "_anatomist" not in config.to_json_string()
+
+
+def test_summary_of_moe_encoder_decoder_and_text_models():
+    moe = summarize(catalog_entries()["Qwen3-30B-A3B"])
+    assert (moe.family, moe.layers, moe.experts, moe.experts_per_token, moe.is_moe) == ("qwen3_moe", 48, 128, 8, True)
+    assert summarize(catalog_entries()["DeepSeek-V2-Lite"]).experts == 64  # n_routed_experts
+    t5 = summarize(catalog_entries()["t5-efficient-small-el32"])
+    assert (t5.layers, t5.decoder_layers) == (32, 6)
+    gemma = summarize(catalog_entries()["gemma-3-27b-pt-text"])
+    assert (gemma.family, gemma.layers, gemma.context_length, gemma.is_moe) == ("gemma3_text", 62, 131072, False)
+    # RoBERTa's position ids start after the padding index: 514 embeddings hold 512 tokens
+    assert summarize(catalog_entries()["roberta-large"]).context_length == 512
+
+
+def test_models_command_lists_family_size_layers_context_and_moe(capsys, monkeypatch):
+    assert main(["models", "--json"]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)["models"]}
+    assert set(rows) == set(ENTRIES)
+    llama = rows["Llama-3.3-70B-Instruct"]
+    assert llama["hub_id"] == "meta-llama/Llama-3.3-70B-Instruct"
+    assert (llama["family"], llama["parameters"], llama["layers"], llama["context_length"], llama["moe"]) == (
+        "llama", 70_553_706_496, 80, 131072, False)
+    assert rows["gpt-oss-20b"]["moe"] and rows["gpt-oss-20b"]["experts"] == 32
+
+    monkeypatch.setenv("COLUMNS", "200")  # one row per line
+    assert main(["models"]) == 0
+    table = capsys.readouterr().out
+    assert "Qwen3-30B-A3B" in table and "8 of 128 experts" in table and "32+6" in table
