@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from anatomist.anatomy import MemoryCategory, Phase
 from anatomist.recipe import Recipe
 from anatomist.trace.allocator import round_size
+from anatomist.trace.autocast import cuda_autocast_policy
 from anatomist.trace.cuda_model import cublas_workspace_bytes, cuda_code_paths, fake_parameters
 from anatomist.trace.optimizers import build_optimizer
 from anatomist.trace.records import StepTrace, curves_of
@@ -160,6 +161,8 @@ def trace_step(
     autocast = torch.autocast("cpu", dtype=lower) if lower is not None else contextlib.nullcontext()
     static: dict[MemoryCategory, int] = {}
     with contextlib.ExitStack() as modes:
+        if lower is not None:
+            modes.enter_context(cuda_autocast_policy())  # autocast casts as on CUDA, not as on CPU
         for mode in (fake_mode, *observers, tracer, cuda_code_paths()):
             modes.enter_context(mode)
         # cuBLAS workspaces live from the first matrix product on: one for the main thread's
