@@ -82,8 +82,8 @@ def test_plan_picks_fastest_that_fits_and_explains(tiny) -> None:
     gpu = _small_gpu(64 * 2**20)
     space = SearchSpace(global_batch_size=32, optims=("adamw_torch_fused", "adafactor"), compile_options=(False,))
     result = plan(tiny, gpu, space=space, margin=0.1)
-    # 6 batch options x 2 ckpt x 3 precisions (fp32, tf32, bf16) x 2 optims x 2 sharding = 144
-    assert len(result.candidates) == 6 * 2 * 3 * 2 * len(SINGLE_GPU_SHARDING)
+    # 6 batch options x 2 ckpt x 4 precisions (fp32, tf32, bf16, bf16-weights) x 2 optims x 2 sharding = 192
+    assert len(result.candidates) == 6 * 2 * 4 * 2 * len(SINGLE_GPU_SHARDING) == 192
     limit = int(64 * 2**20 * 0.9)
     assert result.limit_bytes == limit
     assert all(c.fits == (c.device_total <= limit) for c in result.candidates)
@@ -120,7 +120,9 @@ def test_nothing_fits_says_what_is_short(tiny) -> None:
     # the best single-GPU recipe (ZeRO-2 + offload, bf16) needs 21.0 MiB; ZeRO-3 + offload (parameters offloaded
     # too) on 2 devices 20.6 MiB.
     gpu = _small_gpu(int(20.8 * 2**20))
-    space = SearchSpace(global_batch_size=8, optims=("adafactor",), compile_options=(False,))
+    # fp32 master weights only: the figures above were worked out for those precisions
+    space = SearchSpace(global_batch_size=8, optims=("adafactor",), compile_options=(False,),
+                        precisions=("fp32", "tf32", "bf16"))
     with pytest.raises(InputError, match=r"no recipe fits tiny-gpu.*short by 0\.2 MiB.*Would fit: a GPU with more memory \(T4.*2 GPUs with ZeRO-3"):
         plan(tiny, gpu, space=space, margin=0.0)
 
@@ -187,3 +189,15 @@ def test_cli_json_and_emit(tiny, tmp_path: Path) -> None:
     best = data["best"]["recipe"]
     assert ds["train_micro_batch_size_per_gpu"] == best["per_device_train_batch_size"]
     assert ds["train_batch_size"] == 16
+
+
+def test_bf16_weights_are_searched_where_the_gpu_has_bf16(tiny) -> None:
+    space = SearchSpace(global_batch_size=8, optims=("adamw_torch_fused",), compile_options=(False,),
+                        checkpointing_options=(False,))
+    on_a100 = plan(tiny, get_gpu("A100-80GB"), space=space)
+    assert {c.recipe.dtype for c in on_a100.candidates} == {"float32", "bfloat16"}
+    on_v100 = plan(tiny, get_gpu("V100-16GB"), space=space)
+    assert {c.recipe.dtype for c in on_v100.candidates} == {"float32"}
+    only_bf16 = plan(tiny, get_gpu("A100-80GB"), space=replace(space, precisions=("bf16-weights",)))
+    assert only_bf16.best.recipe.dtype == "bfloat16"
+    assert any("no fp32 master copy" in r for r in only_bf16.best.reasons)

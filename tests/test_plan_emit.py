@@ -101,3 +101,19 @@ def test_snippet_and_configs_by_hand() -> None:
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert accelerate_config(recipe, 4)["deepspeed_config"]["gradient_accumulation_steps"] == 2
     assert "per_device_train_batch_size=16" in trainer_snippet(recipe)
+
+
+def test_the_snippet_loads_the_model_in_the_planned_dtype(tmp_path: Path) -> None:
+    """The load dtype is a from_pretrained argument: the snippet says it, whatever the precision."""
+    import ast
+
+    for dtype in ("bfloat16", "float32"):
+        recipe = Recipe(per_device_train_batch_size=4, dtype=dtype, bf16=True)
+        text = trainer_snippet(recipe, model="meta-llama/Llama-3.1-8B", task="causal-lm")
+        calls = [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Call)
+                 and getattr(n.func, "attr", "") == "from_pretrained"]
+        assert len(calls) == 1
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in calls[0].keywords}
+        assert kwargs == {"dtype": dtype, "attn_implementation": "sdpa"}
+        assert ast.literal_eval(calls[0].args[0]) == "meta-llama/Llama-3.1-8B"
+        assert "AutoModelForCausalLM" in text

@@ -77,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("-o/--output needs --emit trainer|accelerate|deepspeed")
     result = build_plan(args)
     if args.emit and args.output:
-        written = write(result.best.recipe, args.emit, args.output, result.space.num_gpus)
+        written = write(result.best.recipe, args.emit, args.output, result.space.num_gpus,
+                        model=result.workload.name, task=result.workload.task)
         print(f"wrote {', '.join(map(str, written))}", file=sys.stderr)
     if args.json:
         print_json(result.to_dict())

@@ -54,10 +54,21 @@ def trainer_kwargs(recipe: Recipe) -> dict[str, Any]:
     return recipe.to_training_arguments_kwargs()
 
 
-def trainer_snippet(recipe: Recipe, num_gpus: int = 1) -> str:
+AUTO_CLASSES = {
+    "sequence-classification": "AutoModelForSequenceClassification", "causal-lm": "AutoModelForCausalLM",
+    "seq2seq-lm": "AutoModelForSeq2SeqLM", "masked-lm": "AutoModelForMaskedLM",
+}
+
+
+def trainer_snippet(recipe: Recipe, num_gpus: int = 1, *, model: str = "MODEL",
+                    task: str = "sequence-classification") -> str:
+    """Python for the model and TrainingArguments: the load dtype and the attention kernel are
+    `from_pretrained` arguments, the rest TrainingArguments'."""
     kwargs = trainer_kwargs(recipe)
-    lines = ["from transformers import AutoModelForSequenceClassification, TrainingArguments", ""]
-    lines.append(f'# attn_implementation is a model argument: from_pretrained(..., attn_implementation="{recipe.attn_implementation}")')
+    auto = AUTO_CLASSES[task]
+    lines = [f"from transformers import {auto}, TrainingArguments", ""]
+    lines.append(f'model = {auto}.from_pretrained({model!r}, dtype="{recipe.dtype}", '
+                 f'attn_implementation="{recipe.attn_implementation}")')
     args = ",\n".join(f"    {k}={v!r}" for k, v in kwargs.items())
     if recipe.zero_stage:
         args += ',\n    deepspeed="ds_config.json",  # anatomist plan --emit deepspeed -o ds_config.json'
@@ -129,7 +140,8 @@ def render(recipe: Recipe, target: str, num_gpus: int = 1) -> str:
     raise InputError(f"unknown --emit target {target!r}; known: {', '.join(TARGETS)}")
 
 
-def write(recipe: Recipe, target: str, path: str | Path, num_gpus: int = 1) -> list[Path]:
+def write(recipe: Recipe, target: str, path: str | Path, num_gpus: int = 1, *, model: str = "MODEL",
+          task: str = "sequence-classification") -> list[Path]:
     """Write `target` to `path` (and, for trainer, the Python snippet next to it as .py)."""
     p = Path(path)
     if p.parent and not p.parent.exists():
@@ -138,6 +150,6 @@ def write(recipe: Recipe, target: str, path: str | Path, num_gpus: int = 1) -> l
     written = [p]
     if target == "trainer":
         snippet = p.with_suffix(".py")
-        snippet.write_text(trainer_snippet(recipe, num_gpus))
+        snippet.write_text(trainer_snippet(recipe, num_gpus, model=model, task=task))
         written.append(snippet)
     return written

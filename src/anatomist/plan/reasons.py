@@ -13,7 +13,7 @@ from collections.abc import Callable
 from anatomist.anatomy import GIB, MIB
 from anatomist.hardware import GPU
 from anatomist.plan.search import SPEED_TIE, Candidate, Evaluator, SearchSpace, smallest_fitting_gpu
-from anatomist.plan.space import PRECISIONS, precision_of, precisions_for, sharding_of
+from anatomist.plan.space import BF16_WEIGHTS_TRADE_OFF, PRECISIONS, precision_of, searched_precisions, sharding_of
 from anatomist.recipe import Recipe
 from anatomist.workload import Workload
 
@@ -39,7 +39,7 @@ def _compare(best: Candidate, alt_label: str, alt: Candidate, limit: int) -> str
 
 
 def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[Recipe], str], Alternatives]]:
-    precisions, _ = precisions_for(gpu)
+    precisions = searched_precisions(space, gpu)
     flags = {"fp16": False, "bf16": False, "tf32": False}
 
     def batch_alts(r: Recipe) -> list[tuple[str, Recipe]]:
@@ -107,6 +107,8 @@ def explain(best: Candidate, evaluate: Evaluator, space: SearchSpace, objective:
         shown = sorted(alts, key=lambda a: abs(a[1].samples_per_second - best.samples_per_second))[:3]
         details = "; ".join(_compare(best, n, c, limit) for n, c in shown)
         reasons.append(f"{axis} {label(best.recipe)}: {why}. {details}")
+    if precision_of(best.recipe) == "bf16-weights":
+        reasons.append(BF16_WEIGHTS_TRADE_OFF)
     return reasons
 
 

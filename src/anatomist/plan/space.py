@@ -42,12 +42,20 @@ MULTI_GPU_SHARDING: dict[str, dict[str, object]] = {
     "fsdp_full_shard": {"fsdp": "full_shard"},
 }
 
-PRECISIONS: dict[str, dict[str, bool]] = {
-    "fp32": {},
-    "tf32": {"tf32": True},
-    "fp16": {"fp16": True},
-    "bf16": {"bf16": True, "tf32": True},
+PRECISIONS: dict[str, dict[str, object]] = {
+    "fp32": {"dtype": "float32"},
+    "tf32": {"dtype": "float32", "tf32": True},
+    "fp16": {"dtype": "float32", "fp16": True},
+    "bf16": {"dtype": "float32", "bf16": True, "tf32": True},
+    "bf16-weights": {"dtype": "bfloat16", "bf16": True},
 }
+"""fp32/tf32/fp16/bf16 keep fp32 master weights (loaded in float32; fp16/bf16 autocast per op);
+bf16-weights loads the weights in bfloat16 and trains in pure bf16 (how most LLM checkpoints
+load in transformers 5, with --bf16 on top as people run it): no fp32 master weights."""
+BF16_WEIGHTS_TRADE_OFF = (
+    "numerics: bf16 weights keep no fp32 master copy, so updates below bf16's resolution (~0.4% of a "
+    "weight) are rounded away; if the loss stalls, load in float32 with bf16 autocast instead"
+)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -63,6 +71,8 @@ class SearchSpace:
     checkpointing_options: tuple[bool, ...] = (False, True)
     shardings: tuple[str, ...] | None = None
     """Names from SINGLE_GPU_SHARDING / MULTI_GPU_SHARDING; None: all of those for `num_gpus`."""
+    precisions: tuple[str, ...] | None = None
+    """Names from PRECISIONS; None: every precision the GPU supports (`precisions_for`)."""
     base: Recipe = field(default_factory=Recipe)
     """Fields the search does not vary (dataloader workers, max_grad_norm ...)."""
 
@@ -113,7 +123,7 @@ def precisions_for(gpu: GPU) -> tuple[list[str], list[str]]:
     else:
         notes.append(f"tf32: {gpu.name} has no TF32 tensor cores (compute capability {gpu.compute_capability})")
     if gpu.bf16:
-        searched.append("bf16")
+        searched.extend(["bf16", "bf16-weights"])
         if gpu.fp16_tflops <= gpu.bf16_tflops:
             notes.append(
                 f"fp16: not searched; bf16 has the same dense peak on {gpu.name} ({gpu.bf16_tflops:g} TFLOP/s) "
@@ -128,9 +138,15 @@ def precisions_for(gpu: GPU) -> tuple[list[str], list[str]]:
     return searched, notes
 
 
+def searched_precisions(space: SearchSpace, gpu: GPU) -> list[str]:
+    """The precisions the search varies: the space's own choice, else all the GPU supports."""
+    supported, _ = precisions_for(gpu)
+    return [p for p in supported if space.precisions is None or p in space.precisions]
+
+
 def enumerate_recipes(space: SearchSpace, gpu: GPU) -> Iterator[Recipe]:
     """Every recipe of the space, expensive axes outermost (so traces are made in order)."""
-    precisions, _ = precisions_for(gpu)
+    precisions = searched_precisions(space, gpu)
     for ckpt, precision, optim in itertools.product(space.checkpointing_options, precisions, space.optims):
         for (batch, accum), sharding, compiled in itertools.product(
             space.batch_options(), space.sharding_options().values(), space.compile_options
@@ -149,6 +165,9 @@ def enumerate_recipes(space: SearchSpace, gpu: GPU) -> Iterator[Recipe]:
 
 
 def precision_of(recipe: Recipe) -> str:
+    """The PRECISIONS name of `recipe` (its dtype resolved)."""
+    if recipe.dtype == "bfloat16":
+        return "bf16-weights"
     return "fp16" if recipe.fp16 else "bf16" if recipe.bf16 else "tf32" if recipe.tf32 else "fp32"
 
 
