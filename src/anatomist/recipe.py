@@ -30,12 +30,16 @@ AttnImplementation = Literal["eager", "sdpa", "flash_attention_2"]
 Offload = Literal["none", "cpu", "nvme"]
 Fsdp = Literal["none", "full_shard", "shard_grad_op"]
 LoadDtype = Literal["auto", "float32", "bfloat16", "float16"]
+Peft = Literal["none", "lora", "qlora"]
+QuantType = Literal["nf4", "fp4"]
 
 OPTIMS: tuple[str, ...] = get_args(Optim)
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttnImplementation)
 OFFLOADS: tuple[str, ...] = get_args(Offload)
 FSDP_MODES: tuple[str, ...] = get_args(Fsdp)
 LOAD_DTYPES: tuple[str, ...] = get_args(LoadDtype)
+PEFT_METHODS: tuple[str, ...] = get_args(Peft)
+QUANT_TYPES: tuple[str, ...] = get_args(QuantType)
 HALF_DTYPES = ("bfloat16", "float16")
 
 # The package each optimizer needs at run time (the estimator needs none of them).
@@ -101,6 +105,29 @@ class Recipe:
     """Where DeepSpeed ZeRO offloads optimizer states (and, at stage 3, parameters)."""
     max_grad_norm: float = _trainer_default("max_grad_norm")
     """Gradient clipping, as the Trainer does by default (0 turns it off)."""
+    peft: Peft = "none"
+    """Parameter-efficient fine-tuning with the `peft` library: "lora" trains low-rank adapters
+    on a frozen base; "qlora" is the QLoRA recipe as people run it: a 4-bit NF4 base with double
+    quantization and bf16 compute, LoRA adapters, `prepare_model_for_kbit_training` (fp32
+    copies of the non-quantized parameters, input gradients, gradient checkpointing)."""
+    lora_r: int = 16
+    """LoRA rank: each adapted d_out x d_in layer gains r x (d_in + d_out) trainable parameters."""
+    lora_alpha: int = 32
+    """LoRA scaling numerator (no memory effect; written to the emitted LoraConfig)."""
+    lora_dropout: float = 0.0
+    """Dropout on each adapter's input (PEFT's default 0): above 0 it keeps a mask and a copy."""
+    lora_target_modules: str | None = None
+    """Comma-separated module names, or "all-linear"; None: PEFT's default for the architecture."""
+    load_in_4bit: bool = False
+    """BitsAndBytesConfig(load_in_4bit=True): the base's linear weights as packed 4-bit codes."""
+    load_in_8bit: bool = False
+    """BitsAndBytesConfig(load_in_8bit=True): the base's linear weights as int8 with row scales."""
+    bnb_4bit_quant_type: QuantType = "nf4"
+    """4-bit data type: nf4 (QLoRA's NormalFloat) or fp4; the same memory."""
+    bnb_4bit_use_double_quant: bool = False
+    """Quantize the per-block fp32 scales again (QLoRA's double quantization): ~0.37 fewer bits/param."""
+    bnb_4bit_compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """The dtype 4-bit weights are dequantized to for each matrix product (BitsAndBytesConfig's default float32)."""
     fsdp: Fsdp = _trainer_default("fsdp", when_none="none")
     """PyTorch FSDP sharding across data-parallel devices (TrainingArguments.fsdp): full_shard
     shards weights, gradients and optimizer states (like ZeRO-3); shard_grad_op shards
@@ -146,6 +173,22 @@ class Recipe:
             raise InputError(f"unknown fsdp {self.fsdp!r}; known: {', '.join(FSDP_MODES)}")
         if self.fsdp != "none" and self.zero_stage != 0:
             raise InputError("fsdp and DeepSpeed ZeRO (zero_stage) are exclusive: choose one sharding engine")
+        if self.peft not in PEFT_METHODS:
+            raise InputError(f"unknown peft {self.peft!r}; known: {', '.join(PEFT_METHODS)}")
+        if self.peft == "qlora" and not self.load_in_4bit:  # the preset: what QLoRA means in practice
+            for name, value in (("load_in_4bit", True), ("bnb_4bit_use_double_quant", True),
+                                ("bnb_4bit_compute_dtype", "bfloat16"), ("gradient_checkpointing", True)):
+                object.__setattr__(self, name, value)
+        if self.lora_r <= 0:
+            raise InputError(f"lora_r must be greater than 0, got {self.lora_r}")
+        if not 0 <= self.lora_dropout < 1:
+            raise InputError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.load_in_4bit and self.load_in_8bit:
+            raise InputError("load_in_4bit and load_in_8bit are exclusive: choose one quantization")
+        if (self.load_in_4bit or self.load_in_8bit) and self.peft == "none":
+            raise InputError("a quantized base cannot be trained itself: add adapters with --peft lora (or use --peft qlora)")
+        if self.bnb_4bit_quant_type not in QUANT_TYPES:
+            raise InputError(f"unknown bnb_4bit_quant_type {self.bnb_4bit_quant_type!r}; known: {', '.join(QUANT_TYPES)}")
         if self.max_grad_norm < 0:
             raise InputError(f"max_grad_norm must be >= 0, got {self.max_grad_norm}")
 
@@ -158,6 +201,11 @@ class Recipe:
     def mixed_precision(self) -> Literal["no", "fp16", "bf16"]:
         """The autocast the Trainer runs (`--fp16`/`--bf16`), whatever the weights' dtype."""
         return "fp16" if self.fp16 else "bf16" if self.bf16 else "no"
+
+    @property
+    def quantized(self) -> bool:
+        """True when the base's linear weights are loaded by bitsandbytes (4- or 8-bit)."""
+        return self.load_in_4bit or self.load_in_8bit
 
     @property
     def half_weights(self) -> bool:
@@ -212,6 +260,8 @@ class Recipe:
             needed.append("flash_attn")
         if self.zero_stage:
             needed.append("deepspeed")
+        if self.load_in_4bit or self.load_in_8bit:
+            needed.append("bitsandbytes")
         return [name for name in needed if importlib.util.find_spec(name) is None]
 
     def to_training_arguments_kwargs(self) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN
 from anatomist.errors import InputError
-from anatomist.recipe import ATTN_IMPLEMENTATIONS, LOAD_DTYPES, OFFLOADS, OPTIMS, Recipe
+from anatomist.recipe import ATTN_IMPLEMENTATIONS, LOAD_DTYPES, OFFLOADS, OPTIMS, PEFT_METHODS, QUANT_TYPES, Recipe
 
 if TYPE_CHECKING:
     from anatomist.estimate.time import Calibration
@@ -26,8 +26,16 @@ _RECIPE_FLAGS = [
     ("--zero-stage", "zero_stage", {"type": int, "metavar": "0|1|2|3"}),
     ("--offload", "offload", {"metavar": "|".join(OFFLOADS)}),
     ("--max-grad-norm", "max_grad_norm", {"type": float, "metavar": "X"}),
+    ("--peft", "peft", {"metavar": "|".join(PEFT_METHODS), "help": "LoRA adapters; qlora = 4-bit NF4 base + LoRA"}),
+    ("--lora-r", "lora_r", {"type": int, "metavar": "N"}),
+    ("--lora-alpha", "lora_alpha", {"type": int, "metavar": "N"}),
+    ("--lora-dropout", "lora_dropout", {"type": float, "metavar": "P"}),
+    ("--lora-target-modules", "lora_target_modules", {"metavar": "A,B|all-linear"}),
+    ("--bnb-4bit-quant-type", "bnb_4bit_quant_type", {"metavar": "|".join(QUANT_TYPES)}),
+    ("--bnb-4bit-compute-dtype", "bnb_4bit_compute_dtype", {"metavar": "float32|bfloat16|float16"}),
 ]
-_BOOL_FLAGS = ["gradient_checkpointing", "fp16", "bf16", "tf32", "torch_compile", "dataloader_pin_memory"]
+_BOOL_FLAGS = ["gradient_checkpointing", "fp16", "bf16", "tf32", "torch_compile", "dataloader_pin_memory",
+               "load_in_4bit", "load_in_8bit", "bnb_4bit_use_double_quant"]
 
 
 def add_recipe_flags(parser: argparse.ArgumentParser) -> None:

@@ -108,7 +108,7 @@ def render(result: Estimate) -> None:
     out.print(
         f"[bold]{w.name}[/] ({w.task}, {mem.parameters / 1e6:,.1f} M parameters), seq {w.seq_len}, "
         f"batch {result.recipe.per_device_train_batch_size} x {result.recipe.gradient_accumulation_steps} accumulation, "
-        f"weights {result.recipe.dtype}{_autocast(result.recipe)}, "
+        f"weights {result.recipe.dtype}{_autocast(result.recipe)}{_peft(result.recipe)}, "
         f"{result.mode} on [bold]{result.gpu.name}[/] ({gib(result.gpu.memory_bytes)})"
     )
     table = Table(title="Memory anatomy at the peak", title_justify="left")
@@ -117,13 +117,8 @@ def render(result: Estimate) -> None:
     table.add_column("share", justify="right")
     table.add_column("seeds' rule", justify="right")
     rule = mem.rule
-    rule_col = {
-        MemoryCategory.WEIGHTS: f"{rule.weights_per_param:g} B/param = {gib(rule.weights_bytes)}",
-        MemoryCategory.OPTIMIZER_STATES: (
-            f"{rule.optimizer_per_param:g} B/param = {gib(rule.optimizer_bytes)}" if rule.optimizer_bytes is not None else "-"
-        ),
-        MemoryCategory.GRADIENTS: f"{rule.gradients_per_param:g} B/param = {gib(rule.gradients_bytes)}" if rule.gradients_per_param else "-",
-    }
+    rule_col = {c: rule.describe(c.value) for c in (MemoryCategory.WEIGHTS, MemoryCategory.OPTIMIZER_STATES,
+                                                   MemoryCategory.GRADIENTS)}
     for category in MemoryCategory:
         value = a.category_bytes(category)
         table.add_row(category.label, gib(value), f"{value / a.device_total:.0%}", rule_col.get(category, ""))
@@ -137,11 +132,9 @@ def render(result: Estimate) -> None:
         f"({gib(result.gpu.memory_bytes)} less the {result.margin:.0%} margin): {fits}; "
         f"largest batch that fits: [bold]{mem.max_batch_size}[/]"
     )
-    if rule.total_per_param is not None:
-        out.print(
-            f"seeds' rule: {rule.total_per_param:g} B/param = {gib(rule.total_per_param * mem.parameters)} "
-            "+ activations"
-        )
+    if rule.total_bytes is not None:
+        per_param = f"{rule.total_per_param:g} B/param = " if rule.total_per_param is not None else ""
+        out.print(f"seeds' rule: {per_param}{gib(rule.total_bytes)} + activations")
     for note in mem.notes:
         out.print(f"  - {note}")
     if result.time is not None:
@@ -170,3 +163,10 @@ def render_time(t: TimeAnatomy, calibration_source: str) -> None:
 
 def _autocast(recipe: Recipe) -> str:
     return f" + {recipe.mixed_precision} autocast" if recipe.mixed_precision != "no" else ""
+
+
+def _peft(recipe: Recipe) -> str:
+    if recipe.peft == "none":
+        return ""
+    base = f"{recipe.bnb_4bit_quant_type} 4-bit base, " if recipe.load_in_4bit else "int8 base, " if recipe.load_in_8bit else ""
+    return f", {recipe.peft} ({base}r={recipe.lora_r})"

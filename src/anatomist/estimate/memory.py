@@ -231,7 +231,7 @@ def estimate_memory(
         return max(p.reserved for p in phases_at(b).values()) + gpu.cuda_context_bytes
 
     max_batch = _max_batch_size(total_at, limit)
-    rule = bytes_per_param_rule(recipe, parameters, mode)
+    rule = bytes_per_param_rule(recipe, parameters, mode, trainable if recipe.peft != "none" else None)
     return MemoryEstimate(
         anatomy=anatomy,
         parameters=parameters,
@@ -265,7 +265,12 @@ def _max_batch_size(total_at: Any, capacity: int) -> int:
 
 def _notes(workload: Workload, recipe: Recipe, anatomy: MemoryAnatomy, rule: BytesPerParamRule) -> list[str]:
     notes = list(rule.explain(anatomy, recipe))
-    if recipe.half_weights:
+    if recipe.peft != "none":
+        base = (f"{recipe.bnb_4bit_quant_type} 4-bit" if recipe.load_in_4bit else "int8" if recipe.load_in_8bit
+                else recipe.dtype)
+        notes.append(f"{recipe.peft}: the {base} base is frozen (no gradients, no optimizer states); the r={recipe.lora_r} "
+                     "adapters (fp32, as PEFT makes them) carry the full rule")
+    elif recipe.half_weights:
         notes.append(
             f"weights loaded in {recipe.dtype}: pure {recipe.dtype} training (gradients and optimizer states "
             "in that dtype, no fp32 master weights); --dtype float32 gives the fp32 / mixed-precision figure"

@@ -34,25 +34,63 @@ OPTIMIZER_BYTES_PER_PARAM: dict[str, float | None] = {
 
 @dataclass(kw_only=True, slots=True)
 class BytesPerParamRule:
-    """The rule's figures for one recipe; None where the rule says nothing."""
+    """The rule's figures for one recipe; None where the rule says nothing.
+
+    Without PEFT every parameter is trained and the per-parameter rates apply to all. With
+    LoRA/QLoRA the frozen base costs `frozen_weights_per_param` per parameter and only the
+    trainable (adapter) parameters carry weights, gradients and optimizer states at the rates.
+    """
 
     parameters: int
     weights_per_param: float
     optimizer_per_param: float | None
     gradients_per_param: float
     total_per_param: float | None
+    trainable_parameters: int | None = None
+    """The adapters' parameters under PEFT; None: every parameter is trained."""
+    frozen_weights_per_param: float | None = None
+    """Bytes per frozen base parameter under PEFT (2 for a bf16 base, ~0.52 for NF4 + double quant)."""
+
+    @property
+    def trained(self) -> int:
+        return self.parameters if self.trainable_parameters is None else self.trainable_parameters
 
     @property
     def weights_bytes(self) -> int:
-        return round(self.weights_per_param * self.parameters)
+        frozen = self.parameters - self.trained
+        return round(self.weights_per_param * self.trained + (self.frozen_weights_per_param or 0) * frozen)
 
     @property
     def optimizer_bytes(self) -> int | None:
-        return None if self.optimizer_per_param is None else round(self.optimizer_per_param * self.parameters)
+        return None if self.optimizer_per_param is None else round(self.optimizer_per_param * self.trained)
 
     @property
     def gradients_bytes(self) -> int:
-        return round(self.gradients_per_param * self.parameters)
+        return round(self.gradients_per_param * self.trained)
+
+    @property
+    def total_bytes(self) -> int | None:
+        if self.optimizer_bytes is None:
+            return None
+        return self.weights_bytes + self.optimizer_bytes + self.gradients_bytes
+
+    def describe(self, category: str) -> str:
+        """The rule's figure for `category` (weights, optimizer_states, gradients), as printed."""
+        from anatomist.anatomy import GIB
+
+        trainable = " x trainable" if self.trainable_parameters is not None else ""
+        if category == "weights":
+            if self.frozen_weights_per_param is not None:
+                return (f"{self.frozen_weights_per_param:.3g} B x frozen + {self.weights_per_param:g} B x trainable "
+                        f"= {self.weights_bytes / GIB:.2f} GiB")
+            return f"{self.weights_per_param:g} B/param = {self.weights_bytes / GIB:.2f} GiB"
+        if category == "optimizer_states":
+            if self.optimizer_bytes is None:
+                return "-"
+            return f"{self.optimizer_per_param:g} B{trainable or '/param'} = {self.optimizer_bytes / GIB:.2f} GiB"
+        if category == "gradients" and self.gradients_per_param:
+            return f"{self.gradients_per_param:g} B{trainable or '/param'} = {self.gradients_bytes / GIB:.2f} GiB"
+        return "-" if category == "gradients" else ""
 
     def explain(self, traced: MemoryAnatomy, recipe: Recipe) -> Iterator[str]:
         """One line per component where the trace at the peak differs from the rule by > 5%,
@@ -62,7 +100,10 @@ class BytesPerParamRule:
             return abs(got - rule) > 0.05 * max(rule, 1)
 
         if differs(self.weights_bytes, traced.weights):
-            if traced.weights < self.weights_bytes and self.weights_per_param == 6:
+            if recipe.quantized and traced.weights > self.weights_bytes:
+                why = ("only the blocks' linear layers are quantized; prepare_model_for_kbit_training keeps the "
+                       "embeddings, norms and output head in fp32")
+            elif traced.weights < self.weights_bytes and self.weights_per_param == 6:
                 why = (
                     "autocast keeps half-precision copies only of weights used in matrix products "
                     "(embeddings, norms stay fp32), and only until backward has used them"
@@ -75,7 +116,7 @@ class BytesPerParamRule:
                 why = "DeepSpeed casts the model to half precision (the fp32 master copy is in the optimizer states)"
             else:
                 why = "buffers (position ids, masks) and rounding to 512-byte blocks add to the parameters"
-            yield f"weights: rule {self.weights_per_param:g} B/param = {self.weights_bytes / GIB:.2f} GiB, traced {traced.weights / GIB:.2f} GiB at the peak: {why}"
+            yield f"weights: rule {self.describe('weights')}, traced {traced.weights / GIB:.2f} GiB at the peak: {why}"
         if self.optimizer_bytes is not None and differs(self.optimizer_bytes, traced.optimizer_states):
             if traced.optimizer_states == 0:
                 why = f"the peak is in the first step's {traced.peak_phase}, before the optimizer has made its state"
@@ -87,7 +128,7 @@ class BytesPerParamRule:
                 why = "ZeRO / FSDP shards or offloads the optimizer state"
             else:
                 why = "step counters and buffers kept per parameter tensor, rounded to 512-byte blocks"
-            yield f"optimizer states: rule {self.optimizer_per_param:g} B/param = {self.optimizer_bytes / GIB:.2f} GiB, traced {traced.optimizer_states / GIB:.2f} GiB"+ f": {why}"
+            yield f"optimizer states: rule {self.describe('optimizer_states')}, traced {traced.optimizer_states / GIB:.2f} GiB: {why}"
         elif self.optimizer_bytes is None:
             yield (
                 f"optimizer states: the rule gives no figure for this optimizer; traced {traced.optimizer_states / GIB:.2f} GiB "
@@ -102,8 +143,7 @@ class BytesPerParamRule:
                 why = "DeepSpeed keeps the gradients in half precision"
             else:
                 why = "gradients of frozen or tied parameters are not kept, and sizes round to 512-byte blocks"
-            yield (f"gradients: rule {self.gradients_per_param:g} B/param = {self.gradients_bytes / GIB:.2f} GiB, "
-                   f"traced {traced.gradients / GIB:.2f} GiB: {why}")
+            yield f"gradients: rule {self.describe('gradients')}, traced {traced.gradients / GIB:.2f} GiB: {why}"
 
 
 HALF_OPTIMIZER_BYTES_PER_PARAM: dict[str, float | None] = {**OPTIMIZER_BYTES_PER_PARAM, "adamw_torch": 4,
@@ -111,8 +151,31 @@ HALF_OPTIMIZER_BYTES_PER_PARAM: dict[str, float | None] = {**OPTIMIZER_BYTES_PER
 """With half-precision weights the optimizer keeps its moments in the weights' dtype (8-bit codes stay 1 B)."""
 
 
-def bytes_per_param_rule(recipe: Recipe, parameters: int, mode: str) -> BytesPerParamRule:
-    """The rule's bytes per parameter for `recipe` (its `dtype` resolved: not "auto")."""
+BLOCK_4BIT, NESTED_BLOCK = 64, 256
+"""bitsandbytes' 4-bit blocks: an fp32 absmax per 64 elements; with double quantization a
+uint8 absmax per block and an fp32 one per 256 blocks (trace/peft.py lays them out)."""
+
+
+def frozen_bytes_per_param(recipe: Recipe) -> float:
+    """Bytes of one frozen base parameter: the load dtype's, or bitsandbytes' packed storage."""
+    if recipe.load_in_4bit:
+        scales = 1 / BLOCK_4BIT + 4 / (BLOCK_4BIT * NESTED_BLOCK) if recipe.bnb_4bit_use_double_quant else 4 / BLOCK_4BIT
+        return 0.5 + scales
+    if recipe.load_in_8bit:
+        return 1.0
+    return 2.0 if recipe.half_weights else 4.0
+
+
+def bytes_per_param_rule(recipe: Recipe, parameters: int, mode: str, trainable: int | None = None) -> BytesPerParamRule:
+    """The rule's bytes per parameter for `recipe` (its `dtype` resolved: not "auto");
+    `trainable`: the adapters' parameters under PEFT."""
+    if recipe.peft != "none" and mode == "train":
+        # PEFT makes the adapters in fp32 (autocast_adapter_dtype): the fp32 rule applies to them.
+        optimizer = OPTIMIZER_BYTES_PER_PARAM[recipe.optim]
+        return BytesPerParamRule(
+            parameters=parameters, weights_per_param=4.0, optimizer_per_param=optimizer, gradients_per_param=4.0,
+            total_per_param=None, trainable_parameters=trainable, frozen_weights_per_param=frozen_bytes_per_param(recipe),
+        )
     if recipe.half_weights:
         weights, gradients, table = 2.0, 2.0, HALF_OPTIMIZER_BYTES_PER_PARAM
     else:

@@ -24,6 +24,7 @@ from anatomist.trace.allocator import round_size
 from anatomist.trace.autocast import cuda_autocast_policy
 from anatomist.trace.cuda_model import cublas_workspace_bytes, cuda_code_paths, fake_parameters
 from anatomist.trace.optimizers import build_optimizer
+from anatomist.trace.peft import apply_peft, counted_parameters
 from anatomist.trace.records import StepTrace, curves_of
 from anatomist.trace.tracer import StepTracer
 from anatomist.workload import Workload, resolve_dtype
@@ -74,10 +75,13 @@ def make_batch(workload: Workload, batch_size: int) -> dict[str, torch.Tensor]:
 
 Part = Literal["forward-backward", "optimizer", "inference", "train-step"]
 
+PEFT_FIELDS = ("peft", "lora_r", "lora_dropout", "lora_target_modules", "load_in_4bit", "load_in_8bit",
+               "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype")
+"""What changes the model a trace builds under PEFT (which layers, which adapters, what is trainable)."""
 PART_FIELDS: dict[str, tuple[str, ...]] = {
-    "forward-backward": ("dtype", "gradient_checkpointing", "fp16", "bf16", "attn_implementation"),
-    "inference": ("dtype", "fp16", "bf16", "attn_implementation"),
-    "optimizer": ("dtype", "optim", "fp16", "max_grad_norm"),
+    "forward-backward": ("dtype", "gradient_checkpointing", "fp16", "bf16", "attn_implementation", *PEFT_FIELDS),
+    "inference": ("dtype", "fp16", "bf16", "attn_implementation", *PEFT_FIELDS),
+    "optimizer": ("dtype", "optim", "fp16", "max_grad_norm", *PEFT_FIELDS),
 }
 """The recipe fields that change each part's trace. Recipes that differ only in the
 optimizer share the passes' traces and the other way round; batch size, accumulation beyond
@@ -146,14 +150,14 @@ def trace_step(
     fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     if fake:
         with torch.device("meta"), contextlib.redirect_stderr(None):
-            model = shallow.build_model(attn, recipe.dtype)
+            model = apply_peft(shallow.build_model(attn, recipe.dtype), recipe, workload.task)
         fake_parameters(model, fake_mode)
     else:
-        model = shallow.build_model(attn, recipe.dtype)
+        model = apply_peft(shallow.build_model(attn, recipe.dtype), recipe, workload.task)
     lower = lower_dtype(recipe)
     tracer = StepTracer(lower_precision_dtype=lower, record_ops=record_ops)
-    params = [p for p in model.parameters()]
-    for p in params:
+    params = [p for p in model.parameters() if p.requires_grad]  # what the Trainer's optimizer gets
+    for p in model.parameters():
         tracer.register(p, MemoryCategory.WEIGHTS)
     for b in model.buffers():
         tracer.register(b, MemoryCategory.WEIGHTS)
@@ -193,8 +197,8 @@ def trace_step(
         phases=phases,
         curves=curves_of(tracer.trace),
         ops=tuple(tracer.trace.ops),
-        parameters=sum(p.numel() for p in params),
-        trainable_parameters=sum(p.numel() for p in params if p.requires_grad),
+        parameters=counted_parameters(model),
+        trainable_parameters=sum(p.numel() for p in params),
         op_count=tracer.trace.op_count,
         static_bytes=static,
     )

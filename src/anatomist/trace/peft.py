@@ -1,0 +1,140 @@
+"""LoRA and QLoRA on the traced model: the real `peft` library over a base laid out as
+bitsandbytes lays it out.
+
+On the meta model, before its tensors become fake:
+1. quantization (`load_in_4bit` / `load_in_8bit`): every nn.Linear but the output head (what
+   transformers' bitsandbytes integration replaces) becomes a `QuantizedLinearLayout` holding
+   what bitsandbytes keeps on the device. 4-bit (`Params4bit`, blocks of 64): the packed codes,
+   2 per byte, and per block an fp32 absmax; with double quantization the absmax is uint8 with
+   an fp32 absmax per 256 blocks and a 256-entry fp32 code; a 16-entry fp32 code per layer.
+   8-bit (`Int8Params`, LLM.int8): int8 codes and an fp32 scale per output row. Each forward
+   dequantizes the weight to a full-size temporary for the product, and so does each
+   backward (bitsandbytes' MatMul4Bit saves only the codes): charged as the temporaries they are.
+2. `peft.prepare_model_for_kbit_training` (quantized bases, as QLoRA users call it): the
+   non-quantized parameters to fp32, input gradients, gradient checkpointing.
+3. `peft.get_peft_model` with a real `LoraConfig`: which modules are targeted, the adapters'
+   shapes and dtypes and which parameters are trainable are PEFT's own.
+
+Known limitations: the dequantization kernels' own workspaces are not modelled; 8-bit
+training is laid out as LLM.int8's storage but its outlier decomposition (a few columns kept
+in half precision per forward) is not modelled.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from anatomist.errors import InputError
+from anatomist.recipe import Recipe
+
+BLOCK_4BIT = 64
+"""Elements per absmax block of bitsandbytes' 4-bit quantization (Params4bit's default blocksize)."""
+NESTED_BLOCK = 256
+"""Blocks per second-level absmax with double quantization (bitsandbytes' nested blocksize)."""
+PEFT_TASK_TYPES = {"sequence-classification": "SEQ_CLS", "causal-lm": "CAUSAL_LM", "seq2seq-lm": "SEQ_2_SEQ_LM"}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _DequantizedMatmul(torch.autograd.Function):
+    """out = x @ dequant(W).T + b, saving nothing but the codes (as bitsandbytes' MatMul4Bit)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, codes: torch.Tensor, bias: torch.Tensor | None,
+                shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        weight = torch.empty(shape, dtype=dtype)  # the dequantized weight: a temporary
+        ctx.save_for_backward(codes)
+        ctx.shape, ctx.dtype = shape, dtype
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        weight = torch.empty(ctx.shape, dtype=ctx.dtype)  # dequantized again for the input's gradient
+        return grad_out @ weight.to(grad_out.dtype), None, None, None, None
+
+
+class QuantizedLinearLayout(torch.nn.Linear):
+    """A bitsandbytes linear layer's device memory, with its dequantize-per-product behaviour.
+
+    A subclass of nn.Linear so that PEFT wraps it as it wraps a linear layer (in_features,
+    out_features and a non-floating `weight`: adapters are made in fp32, as over Params4bit).
+    """
+
+    def __init__(self, linear: torch.nn.Linear, recipe: Recipe) -> None:
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        n = self.in_features * self.out_features
+        self.original_dtype = linear.weight.dtype
+        self.compute_dtype = _DTYPES[recipe.bnb_4bit_compute_dtype] if recipe.load_in_4bit else self.original_dtype
+        if recipe.load_in_4bit:
+            codes = torch.empty(((n + 1) // 2, 1), dtype=torch.uint8)
+            blocks = math.ceil(n / BLOCK_4BIT)
+            if recipe.bnb_4bit_use_double_quant:
+                self.register_buffer("absmax", torch.empty(blocks, dtype=torch.uint8))
+                self.register_buffer("nested_absmax", torch.empty(math.ceil(blocks / NESTED_BLOCK), dtype=torch.float32))
+                self.register_buffer("nested_code", torch.empty(256, dtype=torch.float32))
+                self.register_buffer("offset", torch.empty((), dtype=torch.float32))
+            else:
+                self.register_buffer("absmax", torch.empty(blocks, dtype=torch.float32))
+            self.register_buffer("code", torch.empty(16, dtype=torch.float32))
+        else:  # LLM.int8: int8 codes, one fp32 scale per output row (SCB)
+            codes = torch.empty((self.out_features, self.in_features), dtype=torch.int8)
+            self.register_buffer("SCB", torch.empty(self.out_features, dtype=torch.float32))
+        self.weight = torch.nn.Parameter(codes, requires_grad=False)
+        self.bias = linear.bias
+
+    @property
+    def original_numel(self) -> int:
+        return self.in_features * self.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        in_dtype = x.dtype
+        x = x.to(self.compute_dtype)
+        bias = self.bias.to(self.compute_dtype) if self.bias is not None else None
+        out = _DequantizedMatmul.apply(x, self.weight, bias, (self.out_features, self.in_features), self.compute_dtype)
+        return out.to(in_dtype)
+
+
+def _quantize(model: torch.nn.Module, recipe: Recipe) -> None:
+    """Replace every nn.Linear but the output embedding by its bitsandbytes layout, in place."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and child is not head:
+                setattr(parent, name, QuantizedLinearLayout(child, recipe))
+    model.is_loaded_in_4bit = recipe.load_in_4bit  # what prepare_model_for_kbit_training checks
+    model.is_loaded_in_8bit = recipe.load_in_8bit
+
+
+def apply_peft(model: torch.nn.Module, recipe: Recipe, task: str) -> torch.nn.Module:
+    """The model as `recipe` trains it: quantized base, kbit preparation, LoRA adapters (on meta)."""
+    if recipe.peft == "none":
+        return model
+    import peft
+
+    if recipe.quantized:
+        _quantize(model, recipe)
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=recipe.gradient_checkpointing)
+    targets: Any = None
+    if recipe.lora_target_modules:
+        names = [n.strip() for n in recipe.lora_target_modules.split(",") if n.strip()]
+        targets = "all-linear" if names == ["all-linear"] else names
+    config = peft.LoraConfig(r=recipe.lora_r, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout,
+                             target_modules=targets, task_type=PEFT_TASK_TYPES.get(task))
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as exc:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise InputError(f"--lora-target-modules: {str(exc).splitlines()[0]}; this model's linear layers: "
+                         f"{', '.join(linear)} (or all-linear)") from None
+
+
+def counted_parameters(model: torch.nn.Module) -> int:
+    """Parameters as the model's authors count them: a quantized weight counts its original elements."""
+    total = sum(p.numel() for p in model.parameters())
+    return total + sum(m.original_numel - m.weight.numel() for m in model.modules()
+                       if isinstance(m, QuantizedLinearLayout))

@@ -1,0 +1,118 @@
+"""LoRA and QLoRA: trainable counts are PEFT's own, a LoRA step matches PyTorch's accounting, bad input is refused."""
+
+from __future__ import annotations
+
+import peft
+import pytest
+import torch
+from torch.distributed._tools import mem_tracker
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from anatomist.errors import InputError
+from anatomist.estimate.memory import estimate_memory
+from anatomist.hardware import get_gpu
+from anatomist.recipe import Recipe
+from anatomist.trace.cuda_model import cuda_code_paths
+from anatomist.trace.optimizers import build_optimizer
+from anatomist.trace.peft import PEFT_TASK_TYPES
+from anatomist.trace.step import make_batch
+from anatomist.workload import load_workload, resolve_dtype
+
+GPU = get_gpu("A100-80GB")
+
+
+class _NoHooks(dict):
+    """A hooks dict a RemovableHandle can point to (it keeps a weak reference)."""
+
+
+def _real_peft_model(workload, recipe: Recipe) -> torch.nn.Module:
+    """The model as a user builds it: from_config, then get_peft_model with a LoraConfig."""
+    model = workload.build_model(recipe.attn_implementation, recipe.dtype)
+    targets = recipe.lora_target_modules.split(",") if recipe.lora_target_modules else None
+    config = peft.LoraConfig(r=recipe.lora_r, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout,
+                             target_modules=targets, task_type=PEFT_TASK_TYPES.get(workload.task))
+    return peft.get_peft_model(model, config)
+
+
+@pytest.mark.parametrize(("model", "targets"), [("llama", None), ("llama", "q_proj,k_proj,v_proj,o_proj"),
+                                                 ("bert", None), ("gpt2", None)])
+def test_trainable_parameters_are_peft_s_own(tiny_model, model, targets):
+    workload = load_workload(str(tiny_model(model, num_hidden_layers=5, n_layer=5)), seq_len=32)
+    recipe = resolve_dtype(workload, Recipe(per_device_train_batch_size=2, peft="lora", lora_r=4,
+                                            lora_target_modules=targets))
+    trainable, total = _real_peft_model(workload, recipe).get_nb_trainable_parameters()
+    predicted = estimate_memory(workload, recipe, GPU)
+    assert predicted.trainable_parameters == trainable
+    assert predicted.parameters == total
+
+
+def test_qlora_counts_the_base_as_its_authors_do(tiny_model):
+    """4-bit codes pack 2 parameters a byte; the count stays the model's (as print_trainable_parameters)."""
+    workload = load_workload(str(tiny_model("llama", num_hidden_layers=5)), seq_len=32)
+    lora = estimate_memory(workload, Recipe(per_device_train_batch_size=2, peft="lora"), GPU)
+    qlora = estimate_memory(workload, Recipe(per_device_train_batch_size=2, peft="qlora"), GPU)
+    assert qlora.parameters == lora.parameters and qlora.trainable_parameters == lora.trainable_parameters
+    assert qlora.anatomy.optimizer_states == lora.anatomy.optimizer_states  # the same fp32 adapters
+    assert qlora.rule.frozen_weights_per_param == pytest.approx(0.5 + 1 / 64 + 4 / (64 * 256))
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_lora_step_matches_pytorchs_accounting(tiny_model, monkeypatch, model):
+    """A real LoRA step (bf16 base, fp32 adapters, AdamW over the adapters) measured by MemTracker,
+    counted with the CUDA allocator's 512-byte rounding (see test_estimate_accuracy.py)."""
+    monkeypatch.setattr(mem_tracker._WeakRefInfo, "_calculate_mem_consumed",
+                        lambda self: -(-self.size * self.element_size // 512) * 512)
+    # MemTracker hooks every parameter's gradient, which torch refuses on a frozen one; a frozen
+    # base parameter never has a gradient, so its hooks are skipped.
+    for name in ("register_hook", "register_post_accumulate_grad_hook"):
+        original = getattr(torch.Tensor, name)
+
+        def only_if_trainable(self, hook, _original=original):
+            return _original(self, hook) if self.requires_grad else torch.utils.hooks.RemovableHandle(_NoHooks())
+
+        monkeypatch.setattr(torch.Tensor, name, only_if_trainable)
+    workload = load_workload(str(tiny_model(model, num_hidden_layers=5, n_layer=5)), seq_len=64)
+    recipe = resolve_dtype(workload, Recipe(per_device_train_batch_size=5, peft="lora", dtype="bfloat16"))
+    predicted = estimate_memory(workload, recipe, GPU).anatomy
+    torch.manual_seed(0)
+    peft_model = _real_peft_model(workload, recipe)
+    peft_model.train()
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(recipe, params)
+
+    def step() -> None:
+        peft_model(**make_batch(workload, 5)).loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, recipe.max_grad_norm, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    with cuda_code_paths():
+        step()
+        tracker = MemTracker()
+        tracker.track_external(peft_model, optimizer)
+        with tracker:
+            step()
+    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    (after,) = tracker.get_tracker_snapshot("current").values()
+    kinds = {str(k).removeprefix("_MemRefType."): v for k, v in peak.items()}
+    assert predicted.peak_allocated - predicted.functionality == pytest.approx(kinds["Total"], rel=0.05)
+    assert predicted.weights == pytest.approx(kinds["PARAM"] + kinds["BUFFER"], rel=0.05)
+    opt_after = {str(k).removeprefix("_MemRefType."): v for k, v in after.items()}["OPT"]
+    assert predicted.optimizer_states == pytest.approx(opt_after, rel=0.05)
+
+
+@pytest.mark.parametrize(("recipe", "message"), [
+    ({"load_in_4bit": True}, "a quantized base cannot be trained itself: add adapters with --peft lora"),
+    ({"peft": "lora", "lora_r": 0}, "lora_r must be greater than 0, got 0"),
+    ({"peft": "lora", "load_in_4bit": True, "load_in_8bit": True}, "load_in_4bit and load_in_8bit are exclusive"),
+])
+def test_bad_peft_recipes(recipe, message):
+    with pytest.raises(InputError, match=message):
+        Recipe(**recipe)
+
+
+def test_target_modules_that_match_nothing_name_the_linear_layers(tiny_model):
+    workload = load_workload(str(tiny_model("llama")), seq_len=16)
+    recipe = Recipe(per_device_train_batch_size=2, peft="lora", lora_target_modules="query,value")
+    with pytest.raises(InputError, match=r"--lora-target-modules: .*this model's linear layers: .*q_proj"):
+        estimate_memory(workload, recipe, GPU)
