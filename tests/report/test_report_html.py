@@ -104,7 +104,7 @@ def test_cli_writes_report_and_pngs(tmp_path: Path, fixtures: Path, capsys: pyte
     assert (tmp_path / "png" / "memory.png").is_file() and (tmp_path / "png" / "throughput.png").is_file()
 
 
-def test_estimate_report_shortcut(tmp_path: Path) -> None:
+def test_estimate_report_shortcut(cli, tmp_path: Path) -> None:
     """`anatomist estimate MODEL --report PATH` on a tiny config: the report holds that estimate."""
     model = tmp_path / "tiny-bert"
     model.mkdir()
@@ -114,8 +114,7 @@ def test_estimate_report_shortcut(tmp_path: Path) -> None:
         "max_position_embeddings": 64,
     }))
     out = tmp_path / "estimate.html"
-    proc = subprocess.run([sys.executable, "-m", "anatomist", "estimate", str(model), "--seq-len", "32", "--fp16",
-                           "--json", "--report", str(out)], capture_output=True, text=True, env=os.environ, timeout=300)
+    proc = cli("estimate", str(model), "--seq-len", "32", "--fp16", "--json", "--report", str(out))
     assert proc.returncode == 0, proc.stderr
     printed = json.loads(proc.stdout)  # --json stays clean: nothing else on stdout
     (row,) = read_tables(out.read_text()).tables["table-memory"]
