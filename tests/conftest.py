@@ -13,6 +13,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# torch's CPU threads are OpenMP threads, which busy-wait for work by default. On a CPU shared
+# with other jobs they spin against each other: a real step of a 3-layer BERT took 3-23 s
+# instead of 0.4-0.6 s on the 2-core test machine under load. PASSIVE makes idle threads sleep;
+# the thread count is unchanged. Read when torch loads libgomp, so it is set before any test
+# module imports torch; the bench workers and CLI subprocesses inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 TINY_CONFIGS: dict[str, dict] = {
     "bert": {
