@@ -1,10 +1,13 @@
-"""Shared fixtures: tiny model configs written to disk, so tests never touch the network."""
+"""Shared fixtures: tiny model configs written to disk (tests never touch the network), and the CLI in-process."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # The trace cache of a test run lives in a folder of its own, never in the user's cache.
 os.environ.setdefault("ANATOMIST_CACHE_DIR", tempfile.mkdtemp(prefix="anatomist-test-cache-"))
+# torch's CPU threads are OpenMP threads, which busy-wait for work by default. On a CPU shared
+# with other jobs they spin against each other: a real step of a 3-layer BERT took 3-23 s
+# instead of 0.4-0.6 s on the 2-core test machine under load. PASSIVE makes idle threads sleep;
+# the thread count is unchanged. Read when torch loads libgomp, so it is set before any test
+# module imports torch; the bench workers and CLI subprocesses inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 TINY_CONFIGS: dict[str, dict] = {
     "bert": {
@@ -48,3 +57,45 @@ def tiny_model(tmp_path: Path):
         return write_config(tmp_path, name, **overrides)
 
     return make
+
+
+@dataclass(frozen=True, slots=True)
+class CliResult:
+    """What a shell would see from `anatomist ARGS`: the exit code and the two streams."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., CliResult]:
+    """Run `anatomist ARGS` in this process: cli("estimate", "--json") -> CliResult.
+
+    Calls the console script's entry point, `anatomist.cli.main(argv)`, with stdout and stderr
+    captured (the rich consoles are built on the current sys.stdout at each call). argparse's
+    exits (--help, --version, bad flags) become the return code, as in a shell. An unexpected
+    exception is not turned into code 1: it propagates and fails the test with its traceback.
+    Process behaviour itself (exit status, no traceback, the console script) is tested with
+    real subprocesses in test_process.py.
+    """
+    from anatomist.cli import main
+
+    # main() sets these with setdefault; pin them so that no call leaks a change into the next test.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "error")
+
+    def run(*args: str) -> CliResult:
+        capsys.readouterr()  # start clean: nothing printed before this call
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse: --help/--version exit 0, a bad flag exits 2
+            if exc.code is None or isinstance(exc.code, int):
+                code = exc.code or 0
+            else:  # sys.exit("message"): the interpreter prints it and exits 1
+                print(exc.code, file=sys.stderr)
+                code = 1
+        out, err = capsys.readouterr()
+        return CliResult(returncode=code, stdout=out, stderr=err)
+
+    return run

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,11 +31,6 @@ TRUTH = dataclasses.replace(
     calibration(), contraction_tensor_core_efficiency=float(EFFICIENCY_GRID[45]),
     bandwidth_efficiency=float(EFFICIENCY_GRID[50]), launch_overhead_s=4e-6,
 )
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "anatomist", *args], capture_output=True, text=True,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -75,13 +67,13 @@ def test_calibration_recovers_the_factors_from_a_results_file(gpu_results: Path)
     assert all(abs(r["error_pct"]) < 0.1 for r in result.rows)
 
 
-def test_cli_writes_a_calibration_that_estimate_and_plan_use(gpu_results: Path, tmp_path: Path) -> None:
+def test_cli_writes_a_calibration_that_estimate_and_plan_use(cli, gpu_results: Path, tmp_path: Path) -> None:
     out = tmp_path / "h100.toml"
-    run = _cli("calibrate", str(gpu_results), "-o", str(out))
+    run = cli("calibrate", str(gpu_results), "-o", str(out))
     assert run.returncode == 0, run.stderr
     assert "bs16" in run.stdout and load_calibration(out).calibrated
     model = gpu_results.parent
-    est = _cli("estimate", str(model), "--gpu", "H100-SXM", "--bf16", "--seq-len", "128", "--calibration", str(out), "--json")
+    est = cli("estimate", str(model), "--gpu", "H100-SXM", "--bf16", "--seq-len", "128", "--calibration", str(out), "--json")
     assert est.returncode == 0, est.stderr
     time = json.loads(est.stdout)["time"]
     assert time["calibrated"] is True
@@ -90,14 +82,14 @@ def test_cli_writes_a_calibration_that_estimate_and_plan_use(gpu_results: Path, 
     assert time["step_s"] == pytest.approx(expected.step_s, rel=1e-6)
 
 
-def test_cpu_rows_and_bad_files_are_refused(tmp_path: Path) -> None:
+def test_cpu_rows_and_bad_files_are_refused(cli, tmp_path: Path) -> None:
     with pytest.raises(InputError, match="no finished GPU row"):
         calibrate(FIXTURES / "bench_cpu_seeds.jsonl")
-    run = _cli("calibrate", str(FIXTURES / "bench_cpu_seeds.jsonl"))
+    run = cli("calibrate", str(FIXTURES / "bench_cpu_seeds.jsonl"))
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
     bad = tmp_path / "bad.toml"
     bad.write_text("calibrated = true\n")
     with pytest.raises(InputError, match="missing"):
         load_calibration(bad)
-    run = _cli("estimate", "--calibration", str(bad))
+    run = cli("estimate", "--calibration", str(bad))
     assert run.returncode == 2 and "not a calibration file" in run.stderr

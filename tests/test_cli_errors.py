@@ -1,15 +1,10 @@
-"""Bad input: one line on stderr, exit code 2, no traceback."""
+"""Bad input: one line on stderr, exit code 2, no traceback (in-process; the process itself: test_process.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import re
 
 import pytest
-
-
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "anatomist", *args], capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize(
@@ -30,14 +25,12 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
         (["estimate", "--batch-size", "four"], "invalid int value"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(args, message):
-    result = run(*args)
+def test_bad_input_is_one_line_and_exit_2(cli, args, message):
+    result = cli(*args)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert "Traceback" not in result.stderr
-    import re
-
     assert re.search(message, lines[0]), lines[0]
 
 
@@ -51,28 +44,28 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     ],
     ids=["negative-field", "no-model-type", "not-json", "remote-code"],
 )
-def test_bad_config_names_what_is_wrong(tmp_path, config, message):
+def test_bad_config_names_what_is_wrong(cli, tmp_path, config, message):
     (tmp_path / "config.json").write_text(config)
-    result = run("estimate", str(tmp_path))
+    result = cli("estimate", str(tmp_path))
     assert result.returncode == 2
     assert message in result.stderr
 
 
-def test_recipe_file_with_unknown_key(tmp_path):
+def test_recipe_file_with_unknown_key(cli, tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("per_device_train_batch_size: 2\nlearning_rte: 3\n")
-    result = run("estimate", "--recipe", str(path))
+    result = cli("estimate", "--recipe", str(path))
     assert result.returncode == 2
     assert "unknown recipe field(s) learning_rte" in result.stderr
 
 
-def test_a_prediction_does_not_need_the_methods_package():
+def test_a_prediction_does_not_need_the_methods_package(cli):
     """bitsandbytes is not installed here: the estimate proceeds and says what training will need."""
     import importlib.util
 
     if importlib.util.find_spec("bitsandbytes") is not None:
         pytest.skip("bitsandbytes is installed here")
-    result = run("estimate", "--optim", "adamw_bnb_8bit", "--json")
+    result = cli("estimate", "--optim", "adamw_bnb_8bit", "--json")
     assert result.returncode == 0, result.stderr
     assert "training this recipe needs bitsandbytes" in result.stderr
     assert result.stderr.count("bitsandbytes") == 2  # one line: the package and its pip command

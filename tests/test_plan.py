@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -154,11 +152,6 @@ def test_pareto_front_by_hand() -> None:
     assert pareto_front([d, c, b, a]) == [a, b, d]  # c is beaten by b (less memory, faster)
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "anatomist", "plan", *args], capture_output=True, text=True,
-                          env=os.environ, timeout=300)
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -168,19 +161,19 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
         (["bert-base-uncased", "--gpu", "A100-80GB", "-o", "x.json"], "needs --emit"),
     ],
 )
-def test_cli_bad_input_exit_2(args: list[str], message: str) -> None:
-    proc = _cli(*args)
+def test_cli_bad_input_exit_2(cli, args: list[str], message: str) -> None:
+    proc = cli("plan", *args)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_cli_json_and_emit(tiny, tmp_path: Path) -> None:
+def test_cli_json_and_emit(cli, tiny, tmp_path: Path) -> None:
     folder = tmp_path / "m"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(TINY_BERT))
     out = tmp_path / "ds.json"
-    proc = _cli(str(folder), "--seq-len", "64", "--gpu", "T4", "--global-batch-size", "16", "--optims",
+    proc = cli("plan", str(folder), "--seq-len", "64", "--gpu", "T4", "--global-batch-size", "16", "--optims",
                 "adamw_torch_fused", "--no-compile", "--json", "--emit", "deepspeed", "-o", str(out))
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)

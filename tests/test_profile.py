@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -52,11 +50,6 @@ def test_profile_splits_a_real_run(model_dir: Path) -> None:
     assert r.unknown_ops == []
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "anatomist", "profile", *args],
-                          capture_output=True, text=True, env=os.environ, timeout=300)
-
-
 @pytest.mark.parametrize("flags, message", [
     (["--fp16"], "fp16 mixed precision needs a CUDA GPU"),
     (["--attn-implementation", "flash_attention_2"], "flash_attention_2 needs"),
@@ -73,8 +66,8 @@ def test_bad_input_exits_2(model_dir: Path, flags: list[str], message: str, caps
     assert captured.out == ""
 
 
-def test_cli_json(model_dir: Path) -> None:
-    proc = _cli(str(model_dir), "--seq-len", "32", "--batch-size", "2", "--steps", "1", "--json")
+def test_cli_json(cli, model_dir: Path) -> None:
+    proc = cli("profile", str(model_dir), "--seq-len", "32", "--batch-size", "2", "--steps", "1", "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert set(data["classes"]) == {"contraction", "normalization", "elementwise", "other"}

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -89,13 +86,6 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, content: str, capsy
     assert not (tmp_path / "r.html").exists()
 
 
-def test_cli_process_bad_input_has_no_traceback(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "anatomist", "report", str(tmp_path / "missing.jsonl")],
-                          capture_output=True, text=True, env=os.environ, timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == f"anatomist: error: results file {tmp_path / 'missing.jsonl'} does not exist"
-
-
 def test_cli_writes_report_and_pngs(tmp_path: Path, fixtures: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["report", str(fixtures / "plan_schema_example.json"), "-o", str(tmp_path / "plan.html"),
                "--png", str(tmp_path / "png")])
@@ -104,7 +94,7 @@ def test_cli_writes_report_and_pngs(tmp_path: Path, fixtures: Path, capsys: pyte
     assert (tmp_path / "png" / "memory.png").is_file() and (tmp_path / "png" / "throughput.png").is_file()
 
 
-def test_estimate_report_shortcut(tmp_path: Path) -> None:
+def test_estimate_report_shortcut(cli, tmp_path: Path) -> None:
     """`anatomist estimate MODEL --report PATH` on a tiny config: the report holds that estimate."""
     model = tmp_path / "tiny-bert"
     model.mkdir()
@@ -114,8 +104,7 @@ def test_estimate_report_shortcut(tmp_path: Path) -> None:
         "max_position_embeddings": 64,
     }))
     out = tmp_path / "estimate.html"
-    proc = subprocess.run([sys.executable, "-m", "anatomist", "estimate", str(model), "--seq-len", "32", "--fp16",
-                           "--json", "--report", str(out)], capture_output=True, text=True, env=os.environ, timeout=300)
+    proc = cli("estimate", str(model), "--seq-len", "32", "--fp16", "--json", "--report", str(out))
     assert proc.returncode == 0, proc.stderr
     printed = json.loads(proc.stdout)  # --json stays clean: nothing else on stdout
     (row,) = read_tables(out.read_text()).tables["table-memory"]

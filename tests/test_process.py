@@ -1,0 +1,93 @@
+"""The `anatomist` process itself: the few tests that need a fresh interpreter.
+
+Every other CLI test calls `anatomist.cli.main(argv)` in-process (the `cli` fixture in
+conftest.py), which checks the same exit codes and output in a fraction of the time. These
+stay subprocesses because what they test only exists in a real process:
+
+- bad input: the exit status a shell sees, and a stderr of exactly one line with no traceback,
+  including anything that torch or transformers print while they are imported (in-process,
+  pytest's capture and warning filters would hide that);
+- the installed console script (`anatomist`, from [project.scripts]) starts and answers;
+- `anatomist bench` survives SIGKILL: the test kills the process group mid-suite, then resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from bench_tiny import write_tiny_suite
+
+from anatomist import __version__
+
+
+def _anatomist(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "anatomist", *args], capture_output=True, text=True,
+                          env=os.environ.copy(), timeout=timeout_s)
+
+
+def test_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path: Path) -> None:
+    proc = _anatomist("report", str(tmp_path / "missing.jsonl"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"anatomist: error: results file {tmp_path / 'missing.jsonl'} does not exist"
+
+
+def test_bad_model_config_exits_2_with_one_line_and_no_traceback(tmp_path: Path) -> None:
+    """A config that transformers parses and we refuse: nothing else reaches stderr on the way."""
+    (tmp_path / "config.json").write_text('{"model_type": "bert", "hidden_size": -3}')
+    proc = _anatomist("estimate", str(tmp_path))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("anatomist: error:") and "field hidden_size must be a positive integer" in line
+
+
+def test_console_script_version() -> None:
+    script = Path(sys.executable).with_name("anatomist")
+    if not script.exists():
+        pytest.skip(f"no console script next to {sys.executable}: anatomist is not installed in this environment")
+    proc = subprocess.run([str(script), "--version"], capture_output=True, text=True, env=os.environ.copy(), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"anatomist {__version__}"
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()[1:]]
+
+
+def test_bench_sigkill_loses_no_finished_row_and_resume_continues(tmp_path: Path) -> None:
+    results = tmp_path / "r.jsonl"
+    suite = write_tiny_suite(tmp_path)
+    cmd = [sys.executable, "-m", "anatomist", "bench", "--suite", str(suite), "--results", str(results), "--json"]
+    proc = subprocess.Popen(cmd, env=os.environ.copy(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            if results.exists() and len(results.read_text().splitlines()) >= 2:
+                break
+            if proc.poll() is not None:
+                pytest.fail("bench ended before it could be killed")
+            time.sleep(0.05)
+        else:
+            pytest.fail("no row written within 120 s")
+        os.killpg(proc.pid, signal.SIGKILL)  # the bench and its worker, mid-suite
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    survived = _rows(results)
+    assert survived and survived[0]["name"] == "first" and survived[0]["status"] == "ok"
+    assert len(survived) < 3  # killed before the end
+    done = subprocess.run(cmd + ["--resume"], env=os.environ.copy(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    final = _rows(results)
+    assert [r["name"] for r in final] == ["first", "needs-gpu", "accum"]  # no row twice
+    assert final[0] == survived[0]
+    assert [r["name"] for r in json.loads(done.stdout)["rows"]] == ["first", "needs-gpu", "accum"]
