@@ -1,50 +1,85 @@
-"""How fast is `anatomist estimate`? Wall time of the CLI, and of 100 recipes in one process.
+"""How fast is anatomist, as a ratio to importing torch + transformers in the same run?
 
-Run: .venv/bin/python benchmarks/estimate_speed.py   (prints a table; no GPU needed)
+Machines differ (the import alone takes 4 s on one, 7 s on another), so every figure is a
+ratio to that import floor, measured here with the same interpreter, each case a fresh
+process, median of `--repeats` runs:
+
+  floor          python -c "import torch, transformers, transformers.models.bert.modeling_bert"
+  estimate cold  anatomist estimate bert-large-uncased (empty trace cache)
+  estimate warm  the same, trace cache filled
+  plan cold/warm anatomist plan bert-large-uncased --gpu V100-16GB --global-batch-size 32
+  --help, gpus   (neither imports torch or transformers)
+
+    .venv/bin/python benchmarks/estimate_speed.py [--repeats 3]
+
+The issue's bars: estimate <= 1.25x cold, <= 1.1x warm; plan (>= 200 distinct recipes)
+<= 2.5x cold, <= 1.3x warm; --help/gpus under 1 s.
 """
 
 from __future__ import annotations
 
-import itertools
+import argparse
+import json
 import os
 import platform
+import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
-from anatomist.estimate.memory import estimate_memory
-from anatomist.hardware import get_gpu
-from anatomist.recipe import Recipe
-from anatomist.workload import load_workload
+FLOOR = ["-c", "import torch, transformers, transformers.models.bert.modeling_bert"]
+ESTIMATE = ["-m", "anatomist", "estimate", "bert-large-uncased", "--json"]
+PLAN = ["-m", "anatomist", "plan", "bert-large-uncased", "--gpu", "V100-16GB", "--global-batch-size", "32", "--json"]
 
 
-def cli_wall_s() -> float:
+def timed(args: list[str], env: dict[str, str]) -> tuple[float, str]:
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "anatomist", "estimate", "bert-large-uncased", "--json"],
-                   check=True, capture_output=True)
-    return time.perf_counter() - start
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env)
+    elapsed = time.perf_counter() - start
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(args)} failed: {proc.stderr.strip()[-500:]}")
+    return elapsed, proc.stdout
 
 
-def hundred_recipes() -> tuple[int, float]:
-    workload = load_workload("bert-large-uncased")
-    gpu = get_gpu("A100-80GB")
-    grid = itertools.product(
-        (1, 2, 4, 8, 16), (1, 4), (False, True), ("fp32", "bf16"), ("adamw_torch", "adafactor", "adamw_bnb_8bit"),
-    )
-    recipes = []
-    for batch, accumulation, checkpointing, precision, optim in grid:
-        recipes.append(Recipe(per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
-                              gradient_checkpointing=checkpointing, bf16=precision == "bf16", optim=optim))
-    recipes = recipes[:100]
-    start = time.perf_counter()
-    for recipe in recipes:
-        estimate_memory(workload, recipe, gpu)
-    return len(recipes), time.perf_counter() - start
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    repeats = parser.parse_args().repeats
+    cache = tempfile.mkdtemp(prefix="anatomist-speed-")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "ANATOMIST_CACHE_DIR": cache,
+           "OMP_WAIT_POLICY": "PASSIVE"}
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    results: dict[str, float] = {}
+
+    def median_of(name: str, args: list[str], *, cold: bool) -> str:
+        times, out = [], ""
+        for _ in range(repeats):
+            if cold:
+                shutil.rmtree(cache, ignore_errors=True)
+            elapsed, out = timed(args, env)
+            times.append(elapsed)
+        results[name] = statistics.median(times)
+        print(f"  {name:<14} " + ", ".join(f"{t:.2f}" for t in times) + f" s; median {results[name]:.2f} s")
+        return out
+
+    median_of("floor", FLOOR, cold=False)
+    median_of("estimate cold", ESTIMATE, cold=True)
+    median_of("estimate warm", ESTIMATE, cold=False)
+    plan_out = median_of("plan cold", PLAN, cold=True)
+    median_of("plan warm", PLAN, cold=False)
+    median_of("--help", ["-m", "anatomist", "--help"], cold=False)
+    median_of("gpus", ["-m", "anatomist", "gpus"], cold=False)
+    plan = json.loads(plan_out)
+    floor = results["floor"]
+    print(f"plan: {plan['candidates']} candidates, {plan['feasible']} fit")
+    print("ratios to the import floor: " + ", ".join(
+        f"{name} {value / floor:.2f}x" for name, value in results.items() if name not in ("floor", "--help", "gpus")))
+    shutil.rmtree(cache, ignore_errors=True)
+    return 0
 
 
 if __name__ == "__main__":
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
-    runs = [cli_wall_s() for _ in range(3)]
-    print(f"anatomist estimate bert-large-uncased (CLI, wall, 3 runs): {', '.join(f'{r:.2f} s' for r in runs)}; median {sorted(runs)[1]:.2f} s")
-    n, seconds = hundred_recipes()
-    print(f"{n} different recipes for bert-large-uncased in one process: {seconds:.1f} s ({seconds / n:.2f} s per recipe)")
+    raise SystemExit(main())

@@ -73,7 +73,8 @@ def test_cli_writes_a_calibration_that_estimate_and_plan_use(cli, gpu_results: P
     assert run.returncode == 0, run.stderr
     assert "bs16" in run.stdout and load_calibration(out).calibrated
     model = gpu_results.parent
-    est = cli("estimate", str(model), "--gpu", "H100-SXM", "--bf16", "--seq-len", "128", "--calibration", str(out), "--json")
+    est = cli("estimate", str(model), "--gpu", "H100-SXM", "--bf16", "--seq-len", "128", "--batch-size", "4",
+              "--calibration", str(out), "--json")
     assert est.returncode == 0, est.stderr
     time = json.loads(est.stdout)["time"]
     assert time["calibrated"] is True

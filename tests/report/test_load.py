@@ -19,7 +19,7 @@ def test_estimate_is_read_with_its_exact_bytes(fixtures: Path, estimate_json: di
     assert r.memory["weights"] == estimate_json["memory"]["weights"]
     assert r.memory["device_total"] == estimate_json["memory"]["device_total"]
     assert r.gpu_memory_bytes == estimate_json["gpu"]["memory_bytes"]
-    assert r.label == "bs4"  # the default recipe: only the batch size is named
+    assert r.label == "bs4 adamw_torch"  # the batch size, and what differs from today's defaults (fused AdamW)
     assert data.notices == []
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["Estimate", "MemoryEstimate", "estimate", "estimate_memory"]
-_HOME = {"Estimate": "predict", "estimate": "predict", "MemoryEstimate": "memory", "estimate_memory": "memory"}
+__all__ = ["Estimate", "MemoryEstimate", "estimate", "estimate_memory", "estimate_time"]
+_HOME = {"Estimate": "predict", "estimate": "predict", "MemoryEstimate": "memory", "estimate_memory": "memory",
+         "estimate_time": "time"}
 
 
 def __getattr__(name: str) -> Any:
