@@ -8,9 +8,8 @@ model is built once per weights mode and kernel, and an OOM skips the larger bat
 setting), one real forward and backward of the task
 model (random init, built from its config) after a warm-up pass:
 
-- `bf16` weights (the model cast to bfloat16, no autocast): what the issue asks for, activations
-  and attention without the optimizer. anatomist predicts it only once its Recipe has a load
-  dtype (a field `dtype`); until then the prediction is null and the row says why.
+- `bf16` weights (the model built in bfloat16, no autocast): what the issue asks for, activations
+  and attention without the optimizer, predicted with `--dtype bfloat16`.
 - `fp32-autocast` weights (fp32 master weights, bf16 autocast, as `--bf16` trains): compared
   with `estimate_memory` for that recipe with SGD, whose per-phase peaks minus the optimizer
   state (static through forward and backward) are the forward and backward peaks of this loop.
@@ -31,7 +30,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -171,12 +170,6 @@ def attention_probe(cell: Cell, config: Any, causal: bool, device: Device) -> di
             "attention_peak_bytes": None if peak is None or base is None else peak - base}
 
 
-def has_load_dtype() -> bool:
-    from anatomist.recipe import Recipe
-
-    return "dtype" in {f.name for f in fields(Recipe)}
-
-
 def predict(workload: Any, cell: Cell, gpu: Any, *, with_time: bool) -> tuple[dict[str, float | None], str | None]:
     """anatomist's forward and backward peaks (and times) for the cell, or why there is none."""
     from anatomist.estimate import estimate_memory, estimate_time
@@ -184,12 +177,8 @@ def predict(workload: Any, cell: Cell, gpu: Any, *, with_time: bool) -> tuple[di
 
     knobs: dict[str, Any] = {"per_device_train_batch_size": cell.batch, "attn_implementation": cell.attn,
                              "optim": "sgd", "max_grad_norm": 0.0}
-    if cell.weights == "fp32-autocast":
-        knobs["bf16"] = True
-    elif has_load_dtype():
-        knobs["dtype"] = "bfloat16"
-    else:
-        return {}, "anatomist's Recipe has no load dtype yet (pure bf16 weights): nothing to compare"
+    knobs["dtype"] = load_dtype(cell.weights)  # explicit: "auto" would follow the config's dtype
+    knobs["bf16"] = cell.weights == "fp32-autocast"
     recipe = Recipe(**knobs)
     memory = estimate_memory(workload, recipe, gpu)
     state = memory.anatomy.optimizer_states  # SGD momentum: static through forward and backward
@@ -214,15 +203,18 @@ def predicted_or_reason(workload: Any, cell: Cell, gpu: Any, *, dry_run: bool) -
         return {}, f"prediction failed: {type(exc).__name__}: {str(exc)[:300]}"
 
 
+def load_dtype(weights: str) -> str:
+    """The load dtype of a weights mode: bf16 weights, or fp32 master weights under autocast."""
+    return "bfloat16" if weights == "bf16" else "float32"
+
+
 def build(workload: Any, attn: str, weights: str, device: Device) -> Any:
-    """The task model, initialised on the device when the installed transformers allows it."""
+    """The task model in the mode's load dtype, initialised on the device when transformers allows it."""
     try:
         with torch.device(device.torch_device):
-            model = workload.build_model(attn)
+            model = workload.build_model(attn, load_dtype(weights))
     except (RuntimeError, TypeError, NotImplementedError):
-        model = workload.build_model(attn).to(device.torch_device)
-    if weights == "bf16":
-        model = model.to(torch.bfloat16)
+        model = workload.build_model(attn, load_dtype(weights)).to(device.torch_device)
     return model.train()
 
 
