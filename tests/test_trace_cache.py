@@ -98,7 +98,7 @@ def _write_same_entry(folder: str, payload: bytes, rounds: int) -> None:
     from anatomist.trace import cache as child_cache
 
     for _ in range(rounds):
-        child_cache._store(("same",), pickle.loads(zlib.decompress(payload)))
+        child_cache._store("same.trace", pickle.loads(zlib.decompress(payload)))
 
 
 def test_two_processes_writing_one_entry_leave_a_whole_file(tiny_model, cache_folder: Path) -> None:
@@ -113,6 +113,6 @@ def test_two_processes_writing_one_entry_leave_a_whole_file(tiny_model, cache_fo
     for w in writers:
         w.join(60)
         assert w.exitcode == 0
-    loaded = cache._load(("same",))
+    loaded = cache._load("same.trace")
     assert loaded is not None and loaded.ops == value.ops
     assert not list(cache_folder.glob(".tmp-*"))  # no temporary file left behind

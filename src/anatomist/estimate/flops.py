@@ -28,9 +28,9 @@ from anatomist.estimate.traces import TRACE_BATCHES, TRACE_DEPTHS, affine
 from anatomist.recipe import Recipe
 from anatomist.trace.records import COST_FIELDS, Signature
 from anatomist.trace.step import num_layers, trace_part
+from anatomist.trace.tracer import STEP_PHASES
 from anatomist.workload import Workload
 
-STEP_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
 DEFAULT_COMPUTE_CAPABILITY = "8.0"
 """Where no GPU is named: the ops do not depend on it (only the traced cuBLAS workspace does)."""
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from anatomist.anatomy import GIB, MemoryAnatomy, Phase
 from anatomist.recipe import Recipe
+from anatomist.trace.peft import BLOCK_4BIT, NESTED_BLOCK
 
 OPTIMIZER_BYTES_PER_PARAM: dict[str, float | None] = {
     "adamw_torch": 8,
@@ -151,13 +152,10 @@ HALF_OPTIMIZER_BYTES_PER_PARAM: dict[str, float | None] = {**OPTIMIZER_BYTES_PER
 """With half-precision weights the optimizer keeps its moments in the weights' dtype (8-bit codes stay 1 B)."""
 
 
-BLOCK_4BIT, NESTED_BLOCK = 64, 256
-"""bitsandbytes' 4-bit blocks: an fp32 absmax per 64 elements; with double quantization a
-uint8 absmax per block and an fp32 one per 256 blocks (trace/peft.py lays them out)."""
-
-
 def frozen_bytes_per_param(recipe: Recipe) -> float:
-    """Bytes of one frozen base parameter: the load dtype's, or bitsandbytes' packed storage."""
+    """Bytes of one frozen base parameter: the load dtype's, or bitsandbytes' packed storage
+    (4-bit: half a byte plus an fp32 absmax per block; with double quantization a uint8 absmax
+    per block and an fp32 one per NESTED_BLOCK blocks, as trace/peft.py lays them out)."""
     if recipe.load_in_4bit:
         scales = 1 / BLOCK_4BIT + 4 / (BLOCK_4BIT * NESTED_BLOCK) if recipe.bnb_4bit_use_double_quant else 4 / BLOCK_4BIT
         return 0.5 + scales

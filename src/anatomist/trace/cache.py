@@ -92,11 +92,12 @@ def get_or_trace(key: tuple[Any, ...], trace: Callable[[], StepTrace]) -> StepTr
     if key in _memory:
         _memory.move_to_end(key)
         return _memory[key]
-    found = _load(key) if _disk_enabled else None
+    name = disk_key(key) + _SUFFIX if _disk_enabled else None
+    found = _load(name) if name is not None else None
     if found is None:
         found = trace()
-        if _disk_enabled:
-            _store(key, found)
+        if name is not None:
+            _store(name, found)
     _memory[key] = found
     while len(_memory) > MAX_MEMORY_ENTRIES:
         _memory.popitem(last=False)
@@ -108,8 +109,8 @@ def clear_memory() -> None:
     _memory.clear()
 
 
-def _load(key: tuple[Any, ...]) -> StepTrace | None:
-    path = cache_dir() / (disk_key(key) + _SUFFIX)
+def _load(name: str) -> StepTrace | None:
+    path = cache_dir() / name
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -130,7 +131,7 @@ def _load(key: tuple[Any, ...]) -> StepTrace | None:
     return value
 
 
-def _store(key: tuple[Any, ...], value: StepTrace) -> None:
+def _store(name: str, value: StepTrace) -> None:
     folder = cache_dir()
     data = zlib.compress(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), 1)
     try:
@@ -139,7 +140,7 @@ def _store(key: tuple[Any, ...], value: StepTrace) -> None:
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
-            os.replace(tmp, folder / (disk_key(key) + _SUFFIX))
+            os.replace(tmp, folder / name)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise

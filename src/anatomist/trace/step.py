@@ -29,8 +29,6 @@ from anatomist.trace.records import StepTrace, curves_of
 from anatomist.trace.tracer import StepTracer
 from anatomist.workload import Workload, resolve_dtype
 
-Mode = Literal["train", "inference"]
-
 LAYER_COUNT_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers")
 
 
