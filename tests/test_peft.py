@@ -14,7 +14,7 @@ from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.trace.cuda_model import cuda_code_paths
 from anatomist.trace.optimizers import build_optimizer
-from anatomist.trace.peft import PEFT_TASK_TYPES
+from anatomist.workload import PEFT_TASK_TYPES
 from anatomist.trace.step import make_batch
 from anatomist.workload import load_workload, resolve_dtype
 

@@ -146,7 +146,7 @@ class Recipe:
             raise InputError("fp16 and bf16 are mutually exclusive: choose one mixed precision")
         if self.dtype not in LOAD_DTYPES:
             raise InputError(f"unknown dtype {self.dtype!r}; known: {', '.join(LOAD_DTYPES)}")
-        if self.dtype == "float16" and self.fp16:
+        if self.dtype == "float16" and self.fp16 and self.peft == "none":  # PEFT's adapters are fp32
             raise InputError(
                 "fp16 (GradScaler) cannot train float16-loaded weights: PyTorch refuses to unscale fp16 "
                 "gradients; load in float32 for fp16 mixed precision (--dtype float32 --fp16), or use "

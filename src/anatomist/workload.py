@@ -12,6 +12,7 @@ came from (see data/models/README.md). That key is stripped before transformers 
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 
 Task = Literal["sequence-classification", "causal-lm", "seq2seq-lm", "masked-lm"]
 TASKS: tuple[str, ...] = ("sequence-classification", "causal-lm", "seq2seq-lm", "masked-lm")
+PEFT_TASK_TYPES = {"sequence-classification": "SEQ_CLS", "causal-lm": "CAUSAL_LM", "seq2seq-lm": "SEQ_2_SEQ_LM"}
+"""peft.TaskType of each task (masked-lm has none: PEFT wraps it as a plain model)."""
 
 # The sizes the estimator builds from: each must be a positive integer where the config has it.
 # Canonical transformers names; a config class may store them under its own (GPT-2's n_layer).
@@ -56,14 +59,26 @@ class Workload:
     trust_remote_code: bool = False
     num_labels: int = 2
     extra: dict[str, Any] = field(default_factory=dict)
+    _trace_key: tuple[Any, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def model_type(self) -> str:
         return str(self.config.model_type)
 
+    @property
+    def repo_id(self) -> str:
+        """What `from_pretrained` takes: the catalog entry's Hub repo, else the name given."""
+        entry = find_entry(self.name) if self.source == "catalog" else None
+        return entry.hub_id if entry else self.name
+
     def trace_key(self) -> tuple[Any, ...]:
-        """What decides the model a trace builds and the inputs it feeds: the caches' key."""
-        return (self.config.to_json_string(use_diff=False), self.task, self.num_labels, self.seq_len)
+        """What decides the model a trace builds and the inputs it feeds: the caches' key.
+
+        Computed once (a JSON dump of the config): nothing changes a workload's config after
+        loading; `model_at_depth` and `dataclasses.replace` make new workloads."""
+        if self._trace_key is None:
+            self._trace_key = (self.config.to_json_string(use_diff=False), self.task, self.num_labels, self.seq_len)
+        return self._trace_key
 
     @property
     def is_moe(self) -> bool:
@@ -117,7 +132,9 @@ class Workload:
             "seq2seq-lm": transformers.AutoModelForSeq2SeqLM,
             "masked-lm": transformers.AutoModelForMaskedLM,
         }[self.task]
-        config = self.config
+        # A copy: from_config writes the dtype into the config it is given, and the workload's
+        # config must stay as loaded (it is the trace caches' key and says what "auto" means).
+        config = copy.deepcopy(self.config)
         if self.task == "sequence-classification":
             config.num_labels = self.num_labels
             if getattr(config, "pad_token_id", None) is None:

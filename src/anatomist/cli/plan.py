@@ -23,8 +23,8 @@ from anatomist.errors import InputError
 from anatomist.hardware import get_gpu
 from anatomist.plan.emit import TARGETS, write
 from anatomist.plan.emit import render as render_emit
-from anatomist.plan.space import DEFAULT_OPTIMS, SearchSpace, precision_of, sharding_of
-from anatomist.recipe import OPTIMS
+from anatomist.plan.space import DEFAULT_OPTIMS, PRECISIONS, SearchSpace, method_of, precision_of, sharding_of
+from anatomist.recipe import OPTIMS, Recipe
 from anatomist.workload import load_workload
 
 if TYPE_CHECKING:
@@ -42,7 +42,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_margin_flag(p)
     p.add_argument("--optims", default=",".join(DEFAULT_OPTIMS), metavar="A,B",
                    help=f"optimizers to search (default {','.join(DEFAULT_OPTIMS)}; known: {', '.join(OPTIMS)})")
+    p.add_argument("--precisions", default=None, metavar="A,B",
+                   help=f"precisions to search (default: all the GPU supports; known: {', '.join(PRECISIONS)})")
     p.add_argument("--no-compile", action="store_true", help="do not consider torch.compile")
+    peft = p.add_argument_group("parameter-efficient fine-tuning (searched only when asked: it changes what is trained)")
+    peft.add_argument("--peft", default="", metavar="lora,qlora",
+                      help="also search LoRA adapters (bf16/fp32 base) and/or QLoRA (4-bit NF4 base)")
+    peft.add_argument("--lora-r", type=int, default=None, metavar="N", help="LoRA rank (default 16)")
+    peft.add_argument("--lora-alpha", type=int, default=None, metavar="N", help="LoRA alpha (default 32)")
+    peft.add_argument("--lora-dropout", type=float, default=None, metavar="P", help="LoRA dropout (default 0)")
+    peft.add_argument("--lora-target-modules", default=None, metavar="A,B|all-linear",
+                      help="modules to adapt (default: PEFT's for the architecture)")
     p.add_argument("--emit", choices=TARGETS, default=None, help="write the top pick for this library")
     p.add_argument("-o", "--output", metavar="PATH", default=None, help="file for --emit (default: stdout)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON on stdout, nothing else")
@@ -62,9 +72,25 @@ def build_plan(args: argparse.Namespace) -> Plan:
     unknown = [o for o in optims if o not in OPTIMS]
     if unknown or not optims:
         raise InputError(f"--optims: unknown optimizer(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(OPTIMS)}")
+    precisions = None
+    if args.precisions is not None:
+        precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
+        unknown = [p for p in precisions if p not in PRECISIONS]
+        if unknown or not precisions:
+            raise InputError(f"--precisions: unknown precision(s) {', '.join(unknown) or '(none given)'}; "
+                             f"known: {', '.join(PRECISIONS)}")
+    added = [m.strip() for m in args.peft.split(",") if m.strip()]
+    unknown = [m for m in added if m not in ("lora", "qlora")]
+    if unknown:
+        raise InputError(f"--peft: unknown method(s) {', '.join(unknown)}; known: lora, qlora")
+    lora = {k: getattr(args, k) for k in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+            if getattr(args, k) is not None}
+    if lora and not added:
+        raise InputError(f"--{next(iter(lora)).replace('_', '-')} needs --peft lora and/or qlora")
     space = SearchSpace(
         global_batch_size=args.global_batch_size, num_gpus=args.gpus, optims=optims,
         compile_options=(False,) if args.no_compile else (False, True),
+        precisions=precisions, methods=("full", *dict.fromkeys(added)), base=Recipe(**lora),
     )
     workload = load_workload(args.model, seq_len=args.seq_len, task=args.task,
                              trust_remote_code=args.trust_remote_code, allow_network=args.allow_network)
@@ -74,23 +100,25 @@ def build_plan(args: argparse.Namespace) -> Plan:
 
 def run(args: argparse.Namespace) -> int:
     if args.output and not args.emit:
-        raise InputError("-o/--output needs --emit trainer|accelerate|deepspeed")
+        raise InputError(f"-o/--output needs --emit {'|'.join(TARGETS)}")
     result = build_plan(args)
     if args.emit and args.output:
         written = write(result.best.recipe, args.emit, args.output, result.space.num_gpus,
-                        model=result.workload.name, task=result.workload.task)
+                        model=result.workload.repo_id, task=result.workload.task, seq_len=result.workload.seq_len)
         print(f"wrote {', '.join(map(str, written))}", file=sys.stderr)
     if args.json:
         print_json(result.to_dict())
     elif args.emit and not args.output:
-        sys.stdout.write(render_emit(result.best.recipe, args.emit, result.space.num_gpus))
+        sys.stdout.write(render_emit(result.best.recipe, args.emit, result.space.num_gpus,
+                                     model=result.workload.repo_id, seq_len=result.workload.seq_len))
     else:
         render(result)
     return 0
 
 
-def _describe(recipe, num_gpus: int) -> list[str]:  # noqa: ANN001
+def _describe(recipe: Recipe, num_gpus: int) -> list[str]:
     return [
+        method_of(recipe),
         f"{recipe.per_device_train_batch_size} x {recipe.gradient_accumulation_steps}",
         "on" if recipe.gradient_checkpointing else "off",
         precision_of(recipe),
@@ -112,7 +140,7 @@ def render(result: Plan) -> None:
         f"{len(result.candidates)} candidates, {len(result.feasible)} fit"
     )
     table = Table(title="Pareto front (throughput vs peak device memory)", title_justify="left")
-    for col in ("batch x accum", "ckpt", "precision", "optim", "compile", "sharding"):
+    for col in ("method", "batch x accum", "ckpt", "precision", "optim", "compile", "sharding"):
         table.add_column(col)
     table.add_column("device memory", justify="right")
     table.add_column("samples/s", justify="right")
@@ -122,9 +150,11 @@ def render(result: Plan) -> None:
         table.add_row(*[f"{mark}{x}" for x in cells])
     out.print(table)
     best = result.best
-    batch, ckpt, precision, optim, compiled, sharding = _describe(best.recipe, result.space.num_gpus)
+    method, batch, ckpt, precision, optim, compiled, sharding = _describe(best.recipe, result.space.num_gpus)
+    adapters = f" (r={best.recipe.lora_r})" if method != "full" else ""
     out.print(
-        f"[bold]top pick[/]: batch {batch}, checkpointing {ckpt}, {precision}, {optim}, compile {compiled}, "
+        f"[bold]top pick[/]: {method} fine-tuning{adapters}, batch {batch}, checkpointing {ckpt}, {precision}, "
+        f"{optim}, compile {compiled}, "
         f"sharding {sharding}, attention {best.recipe.attn_implementation}: {gib(best.device_total)} of limit "
         f"{gib(result.limit_bytes)}, {best.samples_per_second:.1f} samples/s predicted"
     )

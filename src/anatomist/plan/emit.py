@@ -1,7 +1,10 @@
-"""Write a recipe as the real libraries take it: TrainingArguments, accelerate config, DeepSpeed.
+"""Write a recipe as the real libraries take it: TrainingArguments, accelerate config, DeepSpeed,
+TRL, and for LoRA/QLoRA PEFT's LoraConfig and transformers' BitsAndBytesConfig.
 
 Each output is loaded by the library itself in the tests: `TrainingArguments(**kwargs)`,
-accelerate's `load_config_from_file`, `deepspeed.runtime.config.DeepSpeedConfig`.
+accelerate's `load_config_from_file`, `deepspeed.runtime.config.DeepSpeedConfig`,
+`LoraConfig(**kwargs)`, `BitsAndBytesConfig(**kwargs)`, and the YAML `trl sft --config` reads
+with TRL's own parser.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from anatomist.errors import InputError
 from anatomist.estimate.sharding import BUCKET_ELEMENTS
 from anatomist.recipe import Recipe
 
-Target = Literal["trainer", "accelerate", "deepspeed"]
-TARGETS: tuple[str, ...] = ("trainer", "accelerate", "deepspeed")
+from anatomist.workload import PEFT_TASK_TYPES
+
+Target = Literal["trainer", "accelerate", "deepspeed", "trl"]
+TARGETS: tuple[str, ...] = ("trainer", "accelerate", "deepspeed", "trl")
 
 
 def deepspeed_config(recipe: Recipe, num_gpus: int = 1) -> dict[str, Any]:
@@ -54,6 +59,66 @@ def trainer_kwargs(recipe: Recipe) -> dict[str, Any]:
     return recipe.to_training_arguments_kwargs()
 
 
+def lora_config(recipe: Recipe, task: str = "causal-lm") -> dict[str, Any] | None:
+    """peft.LoraConfig keyword arguments of a LoRA/QLoRA recipe (None for full fine-tuning)."""
+    if recipe.peft == "none":
+        return None
+    kwargs: dict[str, Any] = {"r": recipe.lora_r, "lora_alpha": recipe.lora_alpha, "lora_dropout": recipe.lora_dropout,
+                              "bias": "none", "task_type": PEFT_TASK_TYPES.get(task)}
+    targets = _target_modules(recipe)
+    if targets is not None:
+        kwargs["target_modules"] = targets
+    return kwargs
+
+
+def _target_modules(recipe: Recipe) -> str | list[str] | None:
+    names = [n.strip() for n in (recipe.lora_target_modules or "").split(",") if n.strip()]
+    return None if not names else "all-linear" if names == ["all-linear"] else names
+
+
+def bnb_config(recipe: Recipe) -> dict[str, Any] | None:
+    """transformers.BitsAndBytesConfig keyword arguments of a quantized base (None otherwise)."""
+    if recipe.load_in_8bit:
+        return {"load_in_8bit": True}
+    if not recipe.load_in_4bit:
+        return None
+    return {"load_in_4bit": True, "bnb_4bit_quant_type": recipe.bnb_4bit_quant_type,
+            "bnb_4bit_use_double_quant": recipe.bnb_4bit_use_double_quant,
+            "bnb_4bit_compute_dtype": recipe.bnb_4bit_compute_dtype}
+
+
+def trl_config(recipe: Recipe, *, model: str = "MODEL", seq_len: int = 1024) -> dict[str, Any]:
+    """The YAML `trl sft --config` reads: SFTConfig and ModelConfig fields (TRL's field names).
+
+    TRL dequantizes 4-bit weights to its `dtype` (get_quantization_config), so a 4-bit base is
+    loaded in its compute dtype; `prepare_model_for_kbit_training` casts the rest to fp32 anyway.
+    """
+    dtype = recipe.bnb_4bit_compute_dtype if recipe.load_in_4bit else recipe.dtype
+    config: dict[str, Any] = {
+        "model_name_or_path": model,
+        "dtype": dtype,
+        "attn_implementation": recipe.attn_implementation,
+        "dataset_name": "DATASET",
+        "output_dir": "out",
+        "max_length": seq_len,
+        **trainer_kwargs(recipe),
+    }
+    if recipe.zero_stage:
+        config["deepspeed"] = "ds_config.json"
+    if recipe.peft != "none":
+        config.update({"use_peft": True, "lora_r": recipe.lora_r, "lora_alpha": recipe.lora_alpha,
+                       "lora_dropout": recipe.lora_dropout})
+        targets = _target_modules(recipe)
+        if targets is not None:
+            config["lora_target_modules"] = [targets] if isinstance(targets, str) else targets
+    if recipe.load_in_8bit:
+        config["load_in_8bit"] = True
+    if recipe.load_in_4bit:
+        config.update({"load_in_4bit": True, "bnb_4bit_quant_type": recipe.bnb_4bit_quant_type,
+                       "use_bnb_nested_quant": recipe.bnb_4bit_use_double_quant})
+    return config
+
+
 AUTO_CLASSES = {
     "sequence-classification": "AutoModelForSequenceClassification", "causal-lm": "AutoModelForCausalLM",
     "seq2seq-lm": "AutoModelForSeq2SeqLM", "masked-lm": "AutoModelForMaskedLM",
@@ -66,14 +131,31 @@ def trainer_snippet(recipe: Recipe, num_gpus: int = 1, *, model: str = "MODEL",
     `from_pretrained` arguments, the rest TrainingArguments'."""
     kwargs = trainer_kwargs(recipe)
     auto = AUTO_CLASSES[task]
-    lines = [f"from transformers import {auto}, TrainingArguments", ""]
-    lines.append(f'model = {auto}.from_pretrained({model!r}, dtype="{recipe.dtype}", '
-                 f'attn_implementation="{recipe.attn_implementation}")')
+    bnb, lora = bnb_config(recipe), lora_config(recipe, task)
+    imports = [auto, "TrainingArguments"] + (["BitsAndBytesConfig"] if bnb else [])
+    lines = []
+    if lora:
+        helpers = ["LoraConfig", "get_peft_model"] + (["prepare_model_for_kbit_training"] if bnb else [])
+        lines.append(f"from peft import {', '.join(helpers)}")
+    lines += [f"from transformers import {', '.join(imports)}", ""]
+    load = f'dtype="{recipe.dtype}", attn_implementation="{recipe.attn_implementation}"'
+    if bnb:
+        lines.append(f"quantization_config = BitsAndBytesConfig({_call_args(bnb)})")
+        load += ", quantization_config=quantization_config"
+    lines.append(f"model = {auto}.from_pretrained({model!r}, {load})")
+    if bnb:
+        lines.append(f"model = prepare_model_for_kbit_training(model, use_gradient_checkpointing={recipe.gradient_checkpointing})")
+    if lora:
+        lines.append(f"model = get_peft_model(model, LoraConfig({_call_args(lora)}))")
     args = ",\n".join(f"    {k}={v!r}" for k, v in kwargs.items())
     if recipe.zero_stage:
         args += ',\n    deepspeed="ds_config.json",  # anatomist plan --emit deepspeed -o ds_config.json'
     lines.append(f'args = TrainingArguments(\n    output_dir="out",\n{args},\n)')
     return "\n".join(lines) + "\n"
+
+
+def _call_args(kwargs: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
 
 
 def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = False) -> dict[str, Any]:
@@ -129,8 +211,10 @@ def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = Fals
     return config
 
 
-def render(recipe: Recipe, target: str, num_gpus: int = 1) -> str:
+def render(recipe: Recipe, target: str, num_gpus: int = 1, *, model: str = "MODEL", seq_len: int = 1024) -> str:
     """The text of `target` for `recipe`."""
+    if target == "trl":
+        return yaml.safe_dump(trl_config(recipe, model=model, seq_len=seq_len), sort_keys=False)
     if target == "trainer":
         return json.dumps(trainer_kwargs(recipe), indent=2) + "\n"
     if target == "accelerate":
@@ -141,15 +225,20 @@ def render(recipe: Recipe, target: str, num_gpus: int = 1) -> str:
 
 
 def write(recipe: Recipe, target: str, path: str | Path, num_gpus: int = 1, *, model: str = "MODEL",
-          task: str = "sequence-classification") -> list[Path]:
-    """Write `target` to `path` (and, for trainer, the Python snippet next to it as .py)."""
+          task: str = "sequence-classification", seq_len: int = 1024) -> list[Path]:
+    """Write `target` to `path`; for trainer, also the Python snippet next to it (.py) and, for
+    LoRA/QLoRA, the LoraConfig (.lora.json) and BitsAndBytesConfig (.bnb.json) keyword arguments."""
     p = Path(path)
     if p.parent and not p.parent.exists():
         raise InputError(f"-o {str(p)!r}: folder {str(p.parent)!r} does not exist")
-    p.write_text(render(recipe, target, num_gpus))
+    p.write_text(render(recipe, target, num_gpus, model=model, seq_len=seq_len))
     written = [p]
     if target == "trainer":
         snippet = p.with_suffix(".py")
         snippet.write_text(trainer_snippet(recipe, num_gpus, model=model, task=task))
         written.append(snippet)
+        for suffix, kwargs in ((".lora.json", lora_config(recipe, task)), (".bnb.json", bnb_config(recipe))):
+            if kwargs is not None:
+                written.append(p.with_suffix(suffix))
+                written[-1].write_text(json.dumps(kwargs, indent=2) + "\n")
     return written

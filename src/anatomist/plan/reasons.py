@@ -1,7 +1,7 @@
 """Why each method was or was not chosen, computed from the predictions.
 
-For each axis (batch size, checkpointing, precision, optimizer, attention, torch.compile,
-sharding) the top pick is compared with the same recipe with only that axis changed: does
+For each axis (fine-tuning method when LoRA/QLoRA are searched, batch size, checkpointing,
+precision, optimizer, attention, torch.compile, sharding) the top pick is compared with the same recipe with only that axis changed: does
 the alternative fit, how much faster or slower is it predicted to be, how much memory does it
 need. Nothing here is canned text about a method; every number comes from a prediction.
 """
@@ -13,7 +13,16 @@ from collections.abc import Callable
 from anatomist.anatomy import GIB, MIB
 from anatomist.hardware import GPU
 from anatomist.plan.search import SPEED_TIE, Candidate, Evaluator, SearchSpace, smallest_fitting_gpu
-from anatomist.plan.space import BF16_WEIGHTS_TRADE_OFF, PRECISIONS, precision_of, searched_precisions, sharding_of
+from anatomist.plan.space import (
+    BF16_WEIGHTS_TRADE_OFF,
+    METHODS,
+    PEFT_TRADE_OFF,
+    method_of,
+    precision_fields,
+    precision_of,
+    searched_precisions,
+    sharding_of,
+)
 from anatomist.recipe import Recipe
 from anatomist.workload import Workload
 
@@ -39,8 +48,17 @@ def _compare(best: Candidate, alt_label: str, alt: Candidate, limit: int) -> str
 
 
 def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[Recipe], str], Alternatives]]:
-    precisions = searched_precisions(space, gpu)
-    flags = {"fp16": False, "bf16": False, "tf32": False}
+
+    def method_alts(r: Recipe) -> list[tuple[str, Recipe]]:
+        """The other methods, at their own precision nearest to `r`'s (QLoRA has one)."""
+        alts = []
+        for m in space.methods:
+            if m == method_of(r):
+                continue
+            precisions = searched_precisions(space, gpu, m)
+            precision = precision_of(r) if precision_of(r) in precisions else precisions[-1]
+            alts.append((m, r.replace(**{**METHODS[m], **precision_fields(precision)})))
+        return alts
 
     def batch_alts(r: Recipe) -> list[tuple[str, Recipe]]:
         return [
@@ -53,12 +71,13 @@ def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[Recipe], st
         base = {"zero_stage": 0, "offload": "none", "fsdp": "none"}
         return [
             (name, r.replace(**{**base, **fields}))  # type: ignore[arg-type]
-            for name, fields in space.sharding_options().items()
+            for name, fields in space.sharding_options(method_of(r)).items()
             if name != sharding_of(r, space.num_gpus)
         ]
 
     attn = ["eager", "sdpa"] + (["flash_attention_2"] if float(gpu.compute_capability) >= 8.0 else [])
     return [
+        ("fine-tuning", method_of, method_alts),
         ("per-device batch x accumulation",
          lambda r: f"{r.per_device_train_batch_size} x {r.gradient_accumulation_steps}", batch_alts),
         ("gradient checkpointing", lambda r: "on" if r.gradient_checkpointing else "off",
@@ -66,7 +85,8 @@ def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[Recipe], st
                      r.replace(gradient_checkpointing=not r.gradient_checkpointing))]
          if len(space.checkpointing_options) > 1 else []),
         ("precision", precision_of,
-         lambda r: [(p, r.replace(**{**flags, **PRECISIONS[p]})) for p in precisions if p != precision_of(r)]),
+         lambda r: [(p, r.replace(**precision_fields(p))) for p in searched_precisions(space, gpu, method_of(r))
+                    if p != precision_of(r)]),
         ("optimizer", lambda r: r.optim,
          lambda r: [(o, r.replace(optim=o)) for o in space.optims if o != r.optim]),
         ("attention", lambda r: r.attn_implementation,
@@ -109,6 +129,9 @@ def explain(best: Candidate, evaluate: Evaluator, space: SearchSpace, objective:
         reasons.append(f"{axis} {label(best.recipe)}: {why}. {details}")
     if precision_of(best.recipe) == "bf16-weights":
         reasons.append(BF16_WEIGHTS_TRADE_OFF)
+    if best.recipe.peft != "none":
+        method = {"lora": "LoRA", "qlora": "QLoRA"}[method_of(best.recipe)]
+        reasons.append(PEFT_TRADE_OFF.format(method=method, r=best.recipe.lora_r))
     return reasons
 
 

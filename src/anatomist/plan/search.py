@@ -112,9 +112,10 @@ def pareto_front(candidates: list[Candidate]) -> list[Candidate]:
 
 
 def _simplicity(recipe: Recipe) -> tuple[int, ...]:
-    """Tie-break among equally fast recipes: fewer moving parts first (no compile, no sharding,
-    no checkpointing, AdamW), then a per-device batch that is a multiple of 8."""
+    """Tie-break among equally fast recipes: fewer moving parts first (every weight trained, no
+    compile, no sharding, no checkpointing, AdamW), then a per-device batch that is a multiple of 8."""
     return (
+        int(recipe.peft != "none") + int(recipe.quantized),
         int(recipe.torch_compile),
         recipe.sharding_stage,
         int(recipe.offload != "none"),
@@ -169,6 +170,9 @@ def plan(
             c.reasons = [f"Pareto front: {c.samples_per_second:.1f} samples/s at {c.device_total / GIB:.2f} GiB"]
     notes = [f"memory margin: {margin * 100:.3g}% of {gpu.memory_bytes / GIB:.2f} GiB kept free; limit {limit / GIB:.2f} GiB"]
     notes += precision_notes
+    if len(space.methods) > 1:
+        notes.append(f"fine-tuning: searched {', '.join(space.methods)}; LoRA/QLoRA train r={space.base.lora_r} adapters "
+                     "on a frozen base (a different fine-tune from full), without ZeRO/FSDP")
     if not calibrated:
         notes.append("time: uncalibrated (roofline placeholders in data/time_calibration.toml, not fitted on a GPU); "
                      "a ranking, not a measurement")

@@ -52,6 +52,28 @@ PRECISIONS: dict[str, dict[str, object]] = {
 """fp32/tf32/fp16/bf16 keep fp32 master weights (loaded in float32; fp16/bf16 autocast per op);
 bf16-weights loads the weights in bfloat16 and trains in pure bf16 (how most LLM checkpoints
 load in transformers 5, with --bf16 on top as people run it): no fp32 master weights."""
+QLORA_PRECISIONS: dict[str, dict[str, object]] = {
+    "nf4+bf16": {"dtype": "bfloat16", "bf16": True, "bnb_4bit_compute_dtype": "bfloat16"},
+    "nf4+fp16": {"dtype": "float16", "fp16": True, "bnb_4bit_compute_dtype": "float16"},
+}
+"""QLoRA's one precision per GPU: the 4-bit base dequantized to the autocast dtype for each
+product (bf16 where the GPU has it, else fp16), loaded in that dtype as TRL loads it;
+`prepare_model_for_kbit_training` then casts every non-quantized parameter to fp32."""
+
+METHODS: dict[str, dict[str, object]] = {
+    "full": {"peft": "none", "load_in_4bit": False, "load_in_8bit": False},
+    "lora": {"peft": "lora", "load_in_4bit": False, "load_in_8bit": False},
+    "qlora": {"peft": "qlora", "load_in_4bit": True, "load_in_8bit": False, "bnb_4bit_quant_type": "nf4",
+              "bnb_4bit_use_double_quant": True},
+}
+"""What is trained: every weight, or LoRA adapters on a frozen base (bf16/fp32, or QLoRA's
+4-bit NF4 base with double quantization). Only "full" is searched unless asked: LoRA and QLoRA
+change what the model learns, not just what it costs."""
+PEFT_TRADE_OFF = (
+    "{method} trains r={r} adapters on a frozen base, not every weight: a different fine-tune, usually "
+    "close to full fine-tuning on instruction data but not always; compare on your own evaluation"
+)
+
 BF16_WEIGHTS_TRADE_OFF = (
     "numerics: bf16 weights keep no fp32 master copy, so updates below bf16's resolution (~0.4% of a "
     "weight) are rounded away; if the loss stalls, load in float32 with bf16 autocast instead"
@@ -73,10 +95,16 @@ class SearchSpace:
     """Names from SINGLE_GPU_SHARDING / MULTI_GPU_SHARDING; None: all of those for `num_gpus`."""
     precisions: tuple[str, ...] | None = None
     """Names from PRECISIONS; None: every precision the GPU supports (`precisions_for`)."""
+    methods: tuple[str, ...] = ("full",)
+    """Names from METHODS: what is trained. LoRA and QLoRA are searched without ZeRO/FSDP (the
+    adapters' gradients and optimizer states are too small for sharding to pay)."""
     base: Recipe = field(default_factory=Recipe)
     """Fields the search does not vary (dataloader workers, max_grad_norm ...)."""
 
     def __post_init__(self) -> None:
+        unknown_methods = [m for m in self.methods if m not in METHODS]
+        if unknown_methods or not self.methods:
+            raise InputError(f"fine-tuning methods are {', '.join(METHODS)}; got {', '.join(unknown_methods) or 'none'}")
         if self.num_gpus <= 0:
             raise InputError(f"--gpus must be greater than 0, got {self.num_gpus}")
         known = MULTI_GPU_SHARDING if self.num_gpus > 1 else SINGLE_GPU_SHARDING
@@ -105,9 +133,11 @@ class SearchSpace:
         sizes = [b for b in range(1, share + 1) if share % b == 0 and (b & (b - 1) == 0 or b % 8 == 0)]
         return [(b, share // b) for b in sizes]
 
-    def sharding_options(self) -> dict[str, dict[str, object]]:
+    def sharding_options(self, method: str = "full") -> dict[str, dict[str, object]]:
+        """The searched sharding options for `method` (adapters: plain data parallelism only)."""
         known = MULTI_GPU_SHARDING if self.num_gpus > 1 else SINGLE_GPU_SHARDING
-        return {name: fields for name, fields in known.items() if self.shardings is None or name in self.shardings}
+        return {name: fields for name, fields in known.items()
+                if (self.shardings is None or name in self.shardings) and (method == "full" or not fields)}
 
 
 def precisions_for(gpu: GPU) -> tuple[list[str], list[str]]:
@@ -138,34 +168,54 @@ def precisions_for(gpu: GPU) -> tuple[list[str], list[str]]:
     return searched, notes
 
 
-def searched_precisions(space: SearchSpace, gpu: GPU) -> list[str]:
-    """The precisions the search varies: the space's own choice, else all the GPU supports."""
+def searched_precisions(space: SearchSpace, gpu: GPU, method: str = "full") -> list[str]:
+    """The precisions the search varies for `method`: the space's own choice, else all the GPU
+    supports; QLoRA's one (QLORA_PRECISIONS) whatever the space says."""
+    if method == "qlora":
+        return ["nf4+bf16" if gpu.bf16 else "nf4+fp16"]
     supported, _ = precisions_for(gpu)
     return [p for p in supported if space.precisions is None or p in space.precisions]
 
 
+def precision_fields(name: str) -> dict[str, object]:
+    """The Recipe fields of a PRECISIONS or QLORA_PRECISIONS name."""
+    return {"fp16": False, "bf16": False, "tf32": False, **(PRECISIONS | QLORA_PRECISIONS)[name]}
+
+
 def enumerate_recipes(space: SearchSpace, gpu: GPU) -> Iterator[Recipe]:
     """Every recipe of the space, expensive axes outermost (so traces are made in order)."""
-    precisions = searched_precisions(space, gpu)
-    for ckpt, precision, optim in itertools.product(space.checkpointing_options, precisions, space.optims):
-        for (batch, accum), sharding, compiled in itertools.product(
-            space.batch_options(), space.sharding_options().values(), space.compile_options
-        ):
-            fields: dict[str, object] = {
-                "per_device_train_batch_size": batch,
-                "gradient_accumulation_steps": accum,
-                "gradient_checkpointing": ckpt,
-                "fp16": False, "bf16": False, "tf32": False,
-                "optim": optim,
-                "attn_implementation": "sdpa",
-                "torch_compile": compiled,
-                "zero_stage": 0, "offload": "none", "fsdp": "none",
-            }
-            yield space.base.replace(**{**fields, **PRECISIONS[precision], **sharding})
+    for method in space.methods:
+        precisions = searched_precisions(space, gpu, method)
+        for ckpt, precision, optim in itertools.product(space.checkpointing_options, precisions, space.optims):
+            yield from _recipes(space, method, ckpt, precision, optim)
+
+
+def _recipes(space: SearchSpace, method: str, ckpt: bool, precision: str, optim: str) -> Iterator[Recipe]:
+    """The cheap axes (batch, sharding, compile) of one traced combination."""
+    for (batch, accum), sharding, compiled in itertools.product(
+        space.batch_options(), space.sharding_options(method).values(), space.compile_options
+    ):
+        fields: dict[str, object] = {
+            "per_device_train_batch_size": batch,
+            "gradient_accumulation_steps": accum,
+            "gradient_checkpointing": ckpt,
+            "optim": optim,
+            "attn_implementation": "sdpa",
+            "torch_compile": compiled,
+            "zero_stage": 0, "offload": "none", "fsdp": "none",
+        }
+        yield space.base.replace(**{**fields, **METHODS[method], **precision_fields(precision), **sharding})
+
+
+def method_of(recipe: Recipe) -> str:
+    """The METHODS name of `recipe`: full, lora (incl. an 8-bit base) or qlora (a 4-bit base)."""
+    return "full" if recipe.peft == "none" else "qlora" if recipe.load_in_4bit else "lora"
 
 
 def precision_of(recipe: Recipe) -> str:
-    """The PRECISIONS name of `recipe` (its dtype resolved)."""
+    """The PRECISIONS (or QLORA_PRECISIONS) name of `recipe` (its dtype resolved)."""
+    if recipe.load_in_4bit:
+        return f"{recipe.bnb_4bit_quant_type}+{recipe.mixed_precision if recipe.mixed_precision != 'no' else 'fp32'}"
     if recipe.dtype == "bfloat16":
         return "bf16-weights"
     return "fp16" if recipe.fp16 else "bf16" if recipe.bf16 else "tf32" if recipe.tf32 else "fp32"

@@ -45,15 +45,22 @@ def constants() -> dict[str, Any]:
 _PARAMS: dict[tuple[Any, ...], int] = {}
 
 
-def parameter_count(workload: Workload) -> int:
-    """Parameters of the task model, built on the meta device (no memory, no weights)."""
+def parameter_count(workload: Workload, recipe: Recipe | None = None) -> int:
+    """Parameters of the task model, built on the meta device (no memory, no weights); with a
+    LoRA/QLoRA `recipe`, its trainable (adapter) parameters, as PEFT makes them."""
     import torch
 
-    key = workload.trace_key()
+    from anatomist.trace.peft import apply_peft
+
+    adapters = (recipe.peft, recipe.lora_r, recipe.lora_target_modules) if recipe and recipe.peft != "none" else None
+    key = (workload.trace_key(), adapters)
     if key not in _PARAMS:
         with torch.device("meta"), contextlib.redirect_stderr(None):
             model = workload.build_model("sdpa")
-        _PARAMS[key] = sum(p.numel() for p in model.parameters())
+            if adapters and recipe:
+                model = apply_peft(model, recipe.replace(peft="lora", load_in_4bit=False, load_in_8bit=False),
+                                   workload.task)
+        _PARAMS[key] = sum(p.numel() for p in model.parameters() if p.requires_grad or not adapters)
     return _PARAMS[key]
 
 
@@ -72,7 +79,8 @@ def communication_s(workload: Workload, recipe: Recipe, *, num_gpus: int = 1) ->
     if num_gpus <= 1:
         return 0.0
     ring = (num_gpus - 1) / num_gpus
-    grad_bytes = parameter_count(workload) * (2 if recipe.mixed_precision != "no" else 4)
+    # PEFT makes adapters in fp32 whatever the base's dtype.
+    grad_bytes = parameter_count(workload, recipe) * (2 if recipe.mixed_precision != "no" and recipe.peft == "none" else 4)
     volume = (3 if recipe.sharding_stage >= 3 else 2) * ring * grad_bytes
     return volume / (constants()["interconnect"]["bus_gbps"] * 1e9)
 

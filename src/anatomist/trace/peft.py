@@ -30,12 +30,12 @@ import torch.nn.functional as F
 
 from anatomist.errors import InputError
 from anatomist.recipe import Recipe
+from anatomist.workload import PEFT_TASK_TYPES
 
 BLOCK_4BIT = 64
 """Elements per absmax block of bitsandbytes' 4-bit quantization (Params4bit's default blocksize)."""
 NESTED_BLOCK = 256
 """Blocks per second-level absmax with double quantization (bitsandbytes' nested blocksize)."""
-PEFT_TASK_TYPES = {"sequence-classification": "SEQ_CLS", "causal-lm": "CAUSAL_LM", "seq2seq-lm": "SEQ_2_SEQ_LM"}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
