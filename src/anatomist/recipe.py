@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 from dataclasses import dataclass, fields
 from functools import cache
-from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from anatomist.errors import InputError
@@ -242,28 +240,6 @@ class Recipe:
             if not kinds[name].accepts(value):
                 raise InputError(f"{source}: field {name} must be {kinds[name].describe()}, got {value!r}")
         return cls(**data)
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> Recipe:
-        """Load a recipe from a YAML or JSON file with the same keys as the dataclass."""
-        p = Path(path)
-        if not p.is_file():
-            raise InputError(f"recipe file {str(p)!r} does not exist")
-        text = p.read_text()
-        try:
-            if p.suffix.lower() in (".yaml", ".yml"):
-                import yaml
-
-                data = yaml.safe_load(text)
-            else:
-                data = json.loads(text)
-        except (ValueError, ImportError) as exc:  # yaml.YAMLError subclasses Exception only
-            raise InputError(f"recipe file {str(p)!r} is not valid {p.suffix.lstrip('.') or 'JSON'}: {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - yaml's own error types
-            raise InputError(f"recipe file {str(p)!r} could not be parsed: {exc}".splitlines()[0]) from None
-        if not isinstance(data, dict):
-            raise InputError(f"recipe file {str(p)!r} must hold a mapping of TrainingArguments fields")
-        return cls.from_dict(data, source=str(p))
 
     def missing_packages(self) -> list[str]:
         """Optional packages this recipe needs at run time that are not importable here."""
