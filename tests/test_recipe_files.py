@@ -215,9 +215,10 @@ def test_deepspeed_auto_values_come_from_the_training_arguments(tmp_path: Path) 
         ({"args.yaml": "fp16: true\nbf16: true\n"}, "{args.yaml}: fp16 and bf16 are mutually exclusive"),
         ({"args.yaml": "per_device_train_batch_size: 2\nlearning_rte: 3\n"}, "{args.yaml}: unknown recipe field(s) learning_rte"),
         ({"args.yaml": "lora_r: eight\n"}, "{args.yaml}: field lora_r must be int, got 'eight'"),
+        ({"args.yaml": "deepspeed: missing.json\n"}, "{args.yaml}: deepspeed names 'missing.json', which does not exist"),
     ],
     ids=["batch-mismatch", "precision-mismatch", "stage-4", "stage3-offload-half", "micro-0", "world-size",
-         "fp8", "hybrid-shard", "optim", "fp16-bf16", "typo", "type"],
+         "fp8", "hybrid-shard", "optim", "fp16-bf16", "typo", "type", "missing-deepspeed-file"],
 )
 def test_bad_or_conflicting_values_exit_2_naming_the_file_and_field(cli, tmp_path: Path, files: dict, message: str):
     for name, text in files.items():

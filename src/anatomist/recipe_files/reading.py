@@ -149,10 +149,10 @@ def referenced_file(value: str, file: str, key: str) -> Path:
     """A file another file names (a DeepSpeed config in TrainingArguments): from the working directory as the
     tool opens it, else beside the file that names it."""
     path = Path(value).expanduser()
-    if path.is_file() or path.is_absolute():
+    if path.is_file():
         return path
     beside = Path(file).parent / path
-    if beside.is_file():
+    if not path.is_absolute() and beside.is_file():
         return beside
     raise InputError(f"{file}: {key} names {value!r}, which does not exist (neither here nor beside {file})")
 
