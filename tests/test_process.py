@@ -8,6 +8,8 @@ stay subprocesses because what they test only exists in a real process:
   including anything that torch or transformers print while they are imported (in-process,
   pytest's capture and warning filters would hide that);
 - the installed console script (`anatomist`, from [project.scripts]) starts and answers;
+- `--help`, a bad flag and `gpus` import neither torch nor transformers (sys.modules of a fresh
+  interpreter: in-process, the test session has imported both long before);
 - `anatomist bench` survives SIGKILL: the test kills the process group mid-suite, then resumes.
 """
 
@@ -46,6 +48,27 @@ def test_bad_model_config_exits_2_with_one_line_and_no_traceback(tmp_path: Path)
     assert "Traceback" not in proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("anatomist: error:") and "field hidden_size must be a positive integer" in line
+
+
+IMPORTS_SEEN = (
+    "import sys\n"
+    "from anatomist.cli import main\n"
+    "try:\n"
+    "    main(sys.argv[1:])\n"
+    "except SystemExit:\n"
+    "    pass\n"
+    "print('heavy:', sorted(m for m in ('torch', 'transformers') if m in sys.modules), file=sys.stderr)\n"
+)
+
+
+@pytest.mark.parametrize("argv", [["estimate", "--help"], ["profile", "--help"], ["estimate", "--fsdp", "hybrid"],
+                                  ["estimate", "--zero-stage", "9"], ["gpus", "--json"]],
+                         ids=["estimate-help", "profile-help", "bad-choice", "bad-stage", "gpus"])
+def test_help_bad_flags_and_gpus_import_neither_torch_nor_transformers(argv: list[str]) -> None:
+    """The recipe flags are generated from the Recipe dataclass without transformers' HfArgumentParser."""
+    proc = subprocess.run([sys.executable, "-c", IMPORTS_SEEN, *argv], capture_output=True, text=True,
+                          env=os.environ.copy(), timeout=300)
+    assert proc.stderr.strip().splitlines()[-1] == "heavy: []", proc.stderr
 
 
 def test_console_script_version() -> None:

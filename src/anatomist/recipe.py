@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 from dataclasses import dataclass, fields
 from functools import cache
-from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from anatomist.errors import InputError
 
@@ -54,84 +52,93 @@ def trainer_defaults() -> dict[str, Any]:
     return {f.name: f.default for f in fields(TrainingArguments) if f.default is not dataclasses.MISSING}
 
 
-def _trainer_default(name: str, *, when_none: Any = None) -> Any:
+def _trainer_default(name: str, help: str, *, when_none: Any = None, **metadata: Any) -> Any:
     """A field whose default is TrainingArguments' own (`when_none` where that is None)."""
 
     def default() -> Any:
         value = trainer_defaults()[name]
         return when_none if value is None else value
 
-    return dataclasses.field(default_factory=default)
+    return dataclasses.field(default_factory=default, metadata={"help": help, **metadata})
+
+
+def _field(default: Any, help: str, **metadata: Any) -> Any:
+    """A field with a fixed default; `help` is what `--help` and the docs show for it."""
+    return dataclasses.field(default=default, metadata={"help": help, **metadata})
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Recipe:
     """One combination of the efficiency methods; field names follow TrainingArguments.
 
+    Each field's description is its `metadata["help"]`, as in TrainingArguments: the one text a
+    reader of this class and `anatomist estimate --help` both see (the flags are generated from
+    these fields: cli/recipe_flags.py). A docstring under a field cannot be read at run time.
+
     Example:
         >>> Recipe(per_device_train_batch_size=1, gradient_accumulation_steps=4, fp16=True)
     """
 
-    per_device_train_batch_size: int = _trainer_default("per_device_train_batch_size")
-    """Samples per forward/backward pass on each device."""
-    gradient_accumulation_steps: int = _trainer_default("gradient_accumulation_steps")
-    """Micro-batches whose gradients are summed before one optimizer step."""
-    gradient_checkpointing: bool = _trainer_default("gradient_checkpointing", when_none=False)
-    """Recompute each layer's activations in backward instead of keeping them."""
-    dtype: LoadDtype = "auto"
-    """The dtype the weights are loaded in, as `from_pretrained(dtype=...)`: "auto" is the
-    config's dtype (float32 where it names none). Half-precision weights train in pure half
-    precision: gradients and optimizer states in that dtype, no fp32 master weights."""
-    fp16: bool = _trainer_default("fp16")
-    """fp16 autocast + GradScaler (mixed precision: fp32 master weights when loaded in float32)."""
-    bf16: bool = _trainer_default("bf16")
-    """bf16 autocast (mixed precision: fp32 master weights when loaded in float32); Ampere or newer."""
-    tf32: bool = _trainer_default("tf32", when_none=False)
-    """Allow TF32 tensor cores for fp32 matrix products; Ampere or newer."""
-    optim: Optim = _trainer_default("optim")
-    """Optimizer, as TrainingArguments.optim names it."""
-    attn_implementation: AttnImplementation = "sdpa"
-    """Attention kernel (the model's, transformers' default sdpa): eager keeps the [b, heads, s, s]
-    probabilities, sdpa/flash do not."""
-    torch_compile: bool = _trainer_default("torch_compile")
-    """Compile the model with torch.compile (inductor)."""
-    dataloader_num_workers: int = _trainer_default("dataloader_num_workers")
-    """DataLoader worker processes feeding the GPU."""
-    dataloader_pin_memory: bool = _trainer_default("dataloader_pin_memory")
-    """Stage batches in page-locked host memory for faster host-to-device copies."""
-    zero_stage: Literal[0, 1, 2, 3] = 0
-    """DeepSpeed ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also weights."""
-    offload: Offload = "none"
-    """Where DeepSpeed ZeRO offloads optimizer states (and, at stage 3, parameters)."""
-    max_grad_norm: float = _trainer_default("max_grad_norm")
-    """Gradient clipping, as the Trainer does by default (0 turns it off)."""
-    peft: Peft = "none"
-    """Parameter-efficient fine-tuning with the `peft` library: "lora" trains low-rank adapters
-    on a frozen base; "qlora" is the QLoRA recipe as people run it: a 4-bit NF4 base with double
-    quantization and bf16 compute, LoRA adapters, `prepare_model_for_kbit_training` (fp32
-    copies of the non-quantized parameters, input gradients, gradient checkpointing)."""
-    lora_r: int = 16
-    """LoRA rank: each adapted d_out x d_in layer gains r x (d_in + d_out) trainable parameters."""
-    lora_alpha: int = 32
-    """LoRA scaling numerator (no memory effect; written to the emitted LoraConfig)."""
-    lora_dropout: float = 0.0
-    """Dropout on each adapter's input (PEFT's default 0): above 0 it keeps a mask and a copy."""
-    lora_target_modules: str | None = None
-    """Comma-separated module names, or "all-linear"; None: PEFT's default for the architecture."""
-    load_in_4bit: bool = False
-    """BitsAndBytesConfig(load_in_4bit=True): the base's linear weights as packed 4-bit codes."""
-    load_in_8bit: bool = False
-    """BitsAndBytesConfig(load_in_8bit=True): the base's linear weights as int8 with row scales."""
-    bnb_4bit_quant_type: QuantType = "nf4"
-    """4-bit data type: nf4 (QLoRA's NormalFloat) or fp4; the same memory."""
-    bnb_4bit_use_double_quant: bool = False
-    """Quantize the per-block fp32 scales again (QLoRA's double quantization): ~0.37 fewer bits/param."""
-    bnb_4bit_compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """The dtype 4-bit weights are dequantized to for each matrix product (BitsAndBytesConfig's default float32)."""
-    fsdp: Fsdp = _trainer_default("fsdp", when_none="none")
-    """PyTorch FSDP sharding across data-parallel devices (TrainingArguments.fsdp): full_shard
-    shards weights, gradients and optimizer states (like ZeRO-3); shard_grad_op shards
-    gradients and optimizer states (like ZeRO-2). Exclusive with DeepSpeed ZeRO."""
+    per_device_train_batch_size: int = _trainer_default(
+        "per_device_train_batch_size", "Samples per forward/backward pass on each device.", aliases=("--batch-size",))
+    gradient_accumulation_steps: int = _trainer_default(
+        "gradient_accumulation_steps", "Micro-batches whose gradients are summed before one optimizer step.")
+    gradient_checkpointing: bool = _trainer_default(
+        "gradient_checkpointing", "Recompute each layer's activations in backward instead of keeping them.",
+        when_none=False)
+    dtype: LoadDtype = _field(
+        "auto", "The dtype the weights are loaded in, as from_pretrained(dtype=...): auto is the config's dtype "
+        "(float32 where it names none). Half-precision weights train in pure half precision: gradients and "
+        "optimizer states in that dtype, no fp32 master weights.")
+    fp16: bool = _trainer_default(
+        "fp16", "fp16 autocast + GradScaler (mixed precision: fp32 master weights when loaded in float32).")
+    bf16: bool = _trainer_default(
+        "bf16", "bf16 autocast (mixed precision: fp32 master weights when loaded in float32); Ampere or newer.")
+    tf32: bool = _trainer_default(
+        "tf32", "Allow TF32 tensor cores for fp32 matrix products; Ampere or newer.", when_none=False)
+    optim: Optim = _trainer_default("optim", "Optimizer, as TrainingArguments.optim names it.")
+    attn_implementation: AttnImplementation = _field(
+        "sdpa", "Attention kernel (the model's; transformers' default sdpa): eager keeps the [b, heads, s, s] "
+        "probabilities, sdpa and flash_attention_2 do not.")
+    torch_compile: bool = _trainer_default("torch_compile", "Compile the model with torch.compile (inductor).")
+    dataloader_num_workers: int = _trainer_default(
+        "dataloader_num_workers", "DataLoader worker processes feeding the GPU.")
+    dataloader_pin_memory: bool = _trainer_default(
+        "dataloader_pin_memory", "Stage batches in page-locked host memory for faster host-to-device copies.")
+    zero_stage: Literal[0, 1, 2, 3] = _field(
+        0, "DeepSpeed ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also weights.")
+    offload: Offload = _field(
+        "none", "Where DeepSpeed ZeRO offloads optimizer states (and, at stage 3, parameters).")
+    max_grad_norm: float = _trainer_default(
+        "max_grad_norm", "Gradient clipping, as the Trainer does by default (0 turns it off).")
+    peft: Peft = _field(
+        "none", "Parameter-efficient fine-tuning with the peft library: lora trains low-rank adapters on a frozen "
+        "base; qlora is the QLoRA recipe as people run it: a 4-bit NF4 base with double quantization and bf16 "
+        "compute, LoRA adapters, prepare_model_for_kbit_training (fp32 copies of the non-quantized parameters, "
+        "input gradients, gradient checkpointing).")
+    lora_r: int = _field(
+        16, "LoRA rank: each adapted d_out x d_in layer gains r x (d_in + d_out) trainable parameters.")
+    lora_alpha: int = _field(32, "LoRA scaling numerator (no memory effect; written to the emitted LoraConfig).")
+    lora_dropout: float = _field(
+        0.0, "Dropout on each adapter's input (PEFT's default 0): above 0 it keeps a mask and a copy.")
+    lora_target_modules: str | None = _field(
+        None, "Comma-separated module names, or all-linear; unset: PEFT's default for the architecture.",
+        metavar="A,B|all-linear")
+    load_in_4bit: bool = _field(
+        False, "BitsAndBytesConfig(load_in_4bit=True): the base's linear weights as packed 4-bit codes.")
+    load_in_8bit: bool = _field(
+        False, "BitsAndBytesConfig(load_in_8bit=True): the base's linear weights as int8 with row scales.")
+    bnb_4bit_quant_type: QuantType = _field(
+        "nf4", "4-bit data type: nf4 (QLoRA's NormalFloat) or fp4; the same memory.")
+    bnb_4bit_use_double_quant: bool = _field(
+        False, "Quantize the per-block fp32 scales again (QLoRA's double quantization): ~0.37 fewer bits/param.")
+    bnb_4bit_compute_dtype: Literal["float32", "bfloat16", "float16"] = _field(
+        "float32", "The dtype 4-bit weights are dequantized to for each matrix product "
+        "(BitsAndBytesConfig's default float32).")
+    fsdp: Fsdp = _trainer_default(
+        "fsdp", "PyTorch FSDP sharding across data-parallel devices (TrainingArguments.fsdp): full_shard shards "
+        "weights, gradients and optimizer states (like ZeRO-3); shard_grad_op shards gradients and optimizer "
+        "states (like ZeRO-2). Exclusive with DeepSpeed ZeRO.", when_none="none")
 
     def __post_init__(self) -> None:
         if self.per_device_train_batch_size <= 0:
@@ -220,38 +227,19 @@ class Recipe:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "recipe") -> Recipe:
-        """Build a Recipe from TrainingArguments-named keys; unknown keys are an error."""
+        """Build a Recipe from its own field names; unknown keys and values of the wrong type are an error.
+
+        Files in other tools' formats (TrainingArguments, TRL, accelerate, DeepSpeed): recipe_files.py.
+        """
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise InputError(f"{source}: unknown recipe field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        defaults = cls()
-        for f in fields(cls):
-            if f.name in data:
-                _check_type(f.name, data[f.name], getattr(defaults, f.name), source)
+        kinds = field_kinds()
+        for name, value in data.items():
+            if not kinds[name].accepts(value):
+                raise InputError(f"{source}: field {name} must be {kinds[name].describe()}, got {value!r}")
         return cls(**data)
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> Recipe:
-        """Load a recipe from a YAML or JSON file with the same keys as the dataclass."""
-        p = Path(path)
-        if not p.is_file():
-            raise InputError(f"recipe file {str(p)!r} does not exist")
-        text = p.read_text()
-        try:
-            if p.suffix.lower() in (".yaml", ".yml"):
-                import yaml
-
-                data = yaml.safe_load(text)
-            else:
-                data = json.loads(text)
-        except (ValueError, ImportError) as exc:  # yaml.YAMLError subclasses Exception only
-            raise InputError(f"recipe file {str(p)!r} is not valid {p.suffix.lstrip('.') or 'JSON'}: {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - yaml's own error types
-            raise InputError(f"recipe file {str(p)!r} could not be parsed: {exc}".splitlines()[0]) from None
-        if not isinstance(data, dict):
-            raise InputError(f"recipe file {str(p)!r} must hold a mapping of TrainingArguments fields")
-        return cls.from_dict(data, source=str(p))
 
     def missing_packages(self) -> list[str]:
         """Optional packages this recipe needs at run time that are not importable here."""
@@ -293,15 +281,43 @@ class Recipe:
         return TrainingArguments(output_dir=output_dir, **self.to_training_arguments_kwargs(), **extra)
 
 
-def _check_type(name: str, value: Any, default: Any, source: str) -> None:
-    expected = type(default)
-    if expected is bool:
-        ok = isinstance(value, bool)
-    elif expected is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    elif expected is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, expected)
-    if not ok:
-        raise InputError(f"{source}: field {name} must be {expected.__name__}, got {value!r}")
+@dataclass(frozen=True, slots=True)
+class FieldKind:
+    """What values a Recipe field takes, read from its annotation: one scalar type, maybe choices, maybe None."""
+
+    type: type
+    """bool, int, float or str."""
+    choices: tuple[Any, ...] | None
+    """The Literal's values; None for a free value."""
+    optional: bool
+    """None is a value (`str | None`)."""
+
+    def accepts(self, value: Any) -> bool:
+        """The type check of a value read from a file (its choices are checked by Recipe itself)."""
+        if value is None:
+            return self.optional
+        if self.type is float:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+        if self.type is int:
+            return isinstance(value, int) and not isinstance(value, bool)
+        return isinstance(value, self.type)
+
+    def describe(self) -> str:
+        return self.type.__name__ + (" or null" if self.optional else "")
+
+
+@cache
+def field_kinds() -> dict[str, FieldKind]:
+    """Each Recipe field's FieldKind, by name (the annotations here are strings: resolved once)."""
+    kinds = {}
+    for name, hint in get_type_hints(Recipe).items():
+        args = get_args(hint)
+        optional = type(None) in args and get_origin(hint) is not Literal
+        if optional:
+            (hint,) = [a for a in args if a is not type(None)]
+        if get_origin(hint) is Literal:
+            choices = get_args(hint)
+            kinds[name] = FieldKind(type=type(choices[0]), choices=choices, optional=optional)
+        else:
+            kinds[name] = FieldKind(type=hint, choices=None, optional=optional)
+    return kinds

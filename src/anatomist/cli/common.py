@@ -1,4 +1,4 @@
-"""Flags shared by subcommands: the recipe flags (TrainingArguments names) and the common ones."""
+"""Flags and output shared by subcommands (the recipe flags: recipe_flags.py)."""
 
 from __future__ import annotations
 
@@ -9,58 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN
 from anatomist.errors import InputError
-from anatomist.recipe import ATTN_IMPLEMENTATIONS, LOAD_DTYPES, OFFLOADS, OPTIMS, PEFT_METHODS, QUANT_TYPES, Recipe
+from anatomist.recipe import Recipe
 
 if TYPE_CHECKING:
     from anatomist.estimate.time import Calibration
-
-_RECIPE_FLAGS = [
-    # (flag, field, kwargs)
-    ("--per-device-train-batch-size", "per_device_train_batch_size", {"type": int, "metavar": "N"}),
-    ("--dtype", "dtype", {"metavar": "|".join(LOAD_DTYPES),
-                          "help": "load dtype, as from_pretrained(dtype=...); auto = the config's (default)"}),
-    ("--gradient-accumulation-steps", "gradient_accumulation_steps", {"type": int, "metavar": "N"}),
-    ("--optim", "optim", {"metavar": "NAME", "help": f"one of {', '.join(OPTIMS)}"}),
-    ("--attn-implementation", "attn_implementation", {"metavar": "NAME", "help": f"one of {', '.join(ATTN_IMPLEMENTATIONS)}"}),
-    ("--dataloader-num-workers", "dataloader_num_workers", {"type": int, "metavar": "N"}),
-    ("--zero-stage", "zero_stage", {"type": int, "metavar": "0|1|2|3"}),
-    ("--offload", "offload", {"metavar": "|".join(OFFLOADS)}),
-    ("--max-grad-norm", "max_grad_norm", {"type": float, "metavar": "X"}),
-    ("--peft", "peft", {"metavar": "|".join(PEFT_METHODS), "help": "LoRA adapters; qlora = 4-bit NF4 base + LoRA"}),
-    ("--lora-r", "lora_r", {"type": int, "metavar": "N"}),
-    ("--lora-alpha", "lora_alpha", {"type": int, "metavar": "N"}),
-    ("--lora-dropout", "lora_dropout", {"type": float, "metavar": "P"}),
-    ("--lora-target-modules", "lora_target_modules", {"metavar": "A,B|all-linear"}),
-    ("--bnb-4bit-quant-type", "bnb_4bit_quant_type", {"metavar": "|".join(QUANT_TYPES)}),
-    ("--bnb-4bit-compute-dtype", "bnb_4bit_compute_dtype", {"metavar": "float32|bfloat16|float16"}),
-]
-_BOOL_FLAGS = ["gradient_checkpointing", "fp16", "bf16", "tf32", "torch_compile", "dataloader_pin_memory",
-               "load_in_4bit", "load_in_8bit", "bnb_4bit_use_double_quant"]
-
-
-def add_recipe_flags(parser: argparse.ArgumentParser) -> None:
-    """Every Recipe field as a kebab-case flag; `--recipe FILE` loads the rest."""
-    group = parser.add_argument_group("recipe (TrainingArguments names)")
-    group.add_argument("--recipe", metavar="FILE", help="YAML or JSON file with the same keys")
-    for flag, field, kwargs in _RECIPE_FLAGS:
-        aliases = [flag, "--batch-size"] if field == "per_device_train_batch_size" else [flag]
-        group.add_argument(*aliases, dest=field, default=None, **kwargs)
-    for field in _BOOL_FLAGS:
-        flag = "--" + field.replace("_", "-")
-        group.add_argument(flag, dest=field, action=argparse.BooleanOptionalAction, default=None)
-
-
-def recipe_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) -> Recipe:
-    """The recipe file (if any), else `base` over the defaults, overridden by the flags given."""
-    base = Recipe.from_file(args.recipe) if getattr(args, "recipe", None) else Recipe(**(base or {}))
-    changes: dict[str, Any] = {}
-    for _, field, _ in _RECIPE_FLAGS:
-        if getattr(args, field, None) is not None:
-            changes[field] = getattr(args, field)
-    for field in _BOOL_FLAGS:
-        if getattr(args, field, None) is not None:
-            changes[field] = getattr(args, field)
-    return Recipe.from_dict({**base.to_dict(), **changes}, source="flags")
 
 
 def add_model_flags(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:

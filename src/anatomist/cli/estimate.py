@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
@@ -13,14 +13,13 @@ from anatomist.cli.common import (
     add_calibration_flag,
     add_margin_flag,
     add_model_flags,
-    add_recipe_flags,
     apply_cache_flag,
     calibration_from_args,
     note_missing_packages,
     print_json,
-    recipe_from_args,
     warn,
 )
+from anatomist.cli.recipe_flags import add_recipe_flags, recipe_file_from_args, recipe_from_args
 from anatomist.cli.render import console, gib
 from anatomist.errors import InputError
 from anatomist.hardware import get_gpu
@@ -45,7 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_recipe_flags(p)
     p.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME", help=f"target GPU (default {DEFAULT_GPU}; 'local' = detected)")
     p.add_argument("--mode", choices=["train", "inference"], default="train")
-    p.add_argument("--gpus", type=int, default=1, metavar="N", help="devices ZeRO shards across")
+    p.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="devices ZeRO/FSDP shard across (default: the --recipe file's, else 1)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout, nothing else")
     p.add_argument("--report", metavar="PATH", help="also write an HTML report")
     add_calibration_flag(p)
@@ -61,13 +61,17 @@ def build_estimate(args: argparse.Namespace) -> Estimate:
     from anatomist.workload import resolve_dtype
 
     apply_cache_flag(args)
-    # Without MODEL: the seeds' experiment, with the batch size the seeds name.
-    seeds_case = args.model is None
-    recipe = recipe_from_args(args, base=SEEDS_RECIPE if seeds_case else None)
+    source = recipe_file_from_args(args)
+    # What the command line gives wins over what the file says; without MODEL from either: the
+    # seeds' experiment, with the batch size the seeds name.
+    model = _given(args.model, source.model if source else None)
+    seq_len = _given(args.seq_len, source.seq_len if source else None)
+    num_gpus = _given(args.gpus, source.num_gpus if source else None, 1)
+    recipe = recipe_from_args(args, base=SEEDS_RECIPE if model is None else None, source=source)
     gpu = get_gpu(args.gpu)
     calibration = calibration_from_args(args)
-    if args.gpus <= 0:
-        raise InputError(f"--gpus must be greater than 0, got {args.gpus}")
+    if num_gpus <= 0:
+        raise InputError(f"--gpus must be greater than 0, got {num_gpus}")
     if recipe.bf16 and not gpu.bf16:
         raise InputError(f"bf16 needs an Ampere or newer GPU; {gpu.name} has none (use --fp16)")
     if recipe.tf32 and not gpu.tf32:
@@ -76,15 +80,20 @@ def build_estimate(args: argparse.Namespace) -> Estimate:
         raise InputError(f"--dtype bfloat16 needs an Ampere or newer GPU; {gpu.name} has none (use --dtype float16 or float32)")
     note_missing_packages(recipe)
     workload = load_workload(
-        args.model or DEFAULT_MODEL, seq_len=args.seq_len, task=args.task,
+        model or DEFAULT_MODEL, seq_len=seq_len, task=args.task,
         trust_remote_code=args.trust_remote_code, allow_network=args.allow_network,
     )
     recipe = resolve_dtype(workload, recipe)
     if recipe.dtype == "bfloat16" and not gpu.bf16:
         warn(f"{workload.name} loads in bfloat16 (its config's dtype) but {gpu.name} has no bf16 tensor cores: "
              "it runs emulated and slowly there; --dtype float16 or float32 is the usual choice")
-    return estimate(workload, recipe, gpu, mode=args.mode, num_gpus=args.gpus, calibration=calibration,
+    return estimate(workload, recipe, gpu, mode=args.mode, num_gpus=num_gpus, calibration=calibration,
                     margin=args.memory_margin)
+
+
+def _given(*values: Any) -> Any:
+    """The first value that is not None (a flag given, then the recipe file's, then the default)."""
+    return next((v for v in values if v is not None), None)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from anatomist.cli.common import add_model_flags, add_recipe_flags, print_json, recipe_from_args
+from anatomist.cli.common import add_model_flags, print_json
+from anatomist.cli.recipe_flags import add_recipe_flags, recipe_file_from_args, recipe_from_args
 from anatomist.cli.render import console
 from anatomist.workload import load_workload
 
@@ -25,8 +26,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    recipe = recipe_from_args(args)
-    workload = load_workload(args.model, seq_len=args.seq_len, task=args.task,
+    source = recipe_file_from_args(args)
+    recipe = recipe_from_args(args, source=source)
+    seq_len = source.seq_len if args.seq_len is None and source is not None else args.seq_len
+    workload = load_workload(args.model, seq_len=seq_len, task=args.task,
                              trust_remote_code=args.trust_remote_code, allow_network=args.allow_network)
     from anatomist.measure.profile import profile_training  # torch.profiler: only when profiling
 

@@ -1,0 +1,125 @@
+"""An accelerate config, as `accelerate config` writes it and `accelerate launch --config_file` reads it.
+
+Key names are accelerate's `ClusterConfig` (accelerate/commands/config/config_args.py) and the
+`accelerate launch` options its sections hold (`deepspeed_config.zero_stage`,
+`fsdp_config.fsdp_sharding_strategy`, ...). It says how the script runs (precision, engine,
+devices), not the batch: that comes from the flags, or the defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cache
+from typing import Any
+
+from anatomist.errors import InputError
+from anatomist.recipe_files.deepspeed import read_deepspeed
+from anatomist.recipe_files.reading import Reading, fsdp_mode, load_mapping, referenced_file, zero_offload
+
+MARKERS = ("compute_environment", "distributed_type")
+ENGINES = ("NO", "MULTI_GPU", "DEEPSPEED", "FSDP")
+"""The distributed types anatomist models: one device, data parallel, DeepSpeed ZeRO, PyTorch FSDP."""
+WRITTEN_BY_DEFAULT = {"compute_environment": "LOCAL_MACHINE", "gpu_ids": "all"}
+"""What `accelerate config` writes where ClusterConfig has no default or another one."""
+MULTI_NODE = ("same_network", "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend")
+"""Keys that only matter across machines: at their default whatever they say when num_machines is 1."""
+
+
+def looks_like_accelerate(data: dict[str, Any]) -> bool:
+    return any(key in data for key in MARKERS)
+
+
+@cache
+def cluster_defaults() -> dict[str, Any]:
+    """accelerate's ClusterConfig defaults, by key (an empty mapping where accelerate is not installed)."""
+    try:
+        from accelerate.commands.config.config_args import ClusterConfig
+    except ImportError:
+        return {}
+    return {f.name: f.default for f in dataclasses.fields(ClusterConfig) if f.default is not dataclasses.MISSING}
+
+
+def read_accelerate(data: dict[str, Any], reading: Reading, file: str) -> None:
+    engine = str(data.get("distributed_type", "NO")).upper()
+    if engine not in ENGINES:
+        raise InputError(f"{file}: distributed_type={engine} is not one anatomist models; known: {', '.join(ENGINES)}")
+    defaults = cluster_defaults()
+    for key, value in data.items():
+        if key == "mixed_precision":
+            _precision(value, reading, file)
+        elif key == "num_processes":
+            if isinstance(value, int) and value > 0:  # -1: accelerate counts the devices
+                reading.set("num_gpus", value, file, key)
+        elif key == "deepspeed_config" and engine == "DEEPSPEED":
+            _deepspeed(value or {}, reading, file)
+        elif key == "fsdp_config" and engine == "FSDP":
+            _fsdp(value or {}, reading, file)
+        elif key == "dynamo_config":
+            _dynamo(value or {}, reading, file)
+        elif key in MULTI_NODE and data.get("num_machines", 1) == 1:
+            reading.skip(key, None)
+        elif key != "distributed_type":
+            reading.skip(key, value, WRITTEN_BY_DEFAULT.get(key, defaults.get(key)))
+    if engine == "DEEPSPEED" and "zero_stage" not in reading.values:
+        raise InputError(f"{file}: distributed_type DEEPSPEED needs deepspeed_config.zero_stage "
+                         "(or deepspeed_config.deepspeed_config_file)")
+    if engine == "FSDP" and "fsdp" not in reading.values:
+        reading.set("fsdp", "full_shard", file, "distributed_type")  # accelerate's default strategy
+
+
+def _precision(value: Any, reading: Reading, file: str) -> None:
+    value = str(value).lower()
+    if value not in ("no", "fp16", "bf16"):
+        raise InputError(f"{file}: mixed_precision={value!r} is not modelled; known: no, fp16, bf16")
+    reading.set("fp16", value == "fp16", file, "mixed_precision")
+    reading.set("bf16", value == "bf16", file, "mixed_precision")
+
+
+def _deepspeed(section: dict[str, Any], reading: Reading, file: str) -> None:
+    prefix = "deepspeed_config"
+    if section.get("deepspeed_config_file"):
+        path = referenced_file(section["deepspeed_config_file"], file, f"{prefix}.deepspeed_config_file")
+        read_deepspeed(load_mapping(path, "DeepSpeed config"), reading, str(path))
+    if "zero_stage" in section:
+        stage = section["zero_stage"]
+        if stage not in (0, 1, 2, 3):
+            raise InputError(f"{file}: {prefix}.zero_stage must be 0, 1, 2 or 3, got {stage!r}")
+        reading.set("zero_stage", stage, file, f"{prefix}.zero_stage")
+        keys = (f"{prefix}.offload_optimizer_device", f"{prefix}.offload_param_device")
+        offload = zero_offload(stage, section.get("offload_optimizer_device"), section.get("offload_param_device"),
+                               file, keys)
+        reading.set("offload", offload, file, keys[0])
+    for key, name in (("gradient_accumulation_steps", "gradient_accumulation_steps"),
+                      ("gradient_clipping", "max_grad_norm")):
+        if key in section and section[key] != "auto":
+            reading.set(name, section[key], file, f"{prefix}.{key}")
+    reading.skip_all(prefix, section, keep=("deepspeed_config_file", "zero_stage", "offload_optimizer_device",
+                                            "offload_param_device", "gradient_accumulation_steps", "gradient_clipping"))
+
+
+def _fsdp(section: dict[str, Any], reading: Reading, file: str) -> None:
+    """FSDP1 names its strategy (fsdp_sharding_strategy, or fsdp_reshard_after_forward since accelerate 1.6);
+    FSDP2 says it with fsdp_reshard_after_forward: True (the default) is full_shard."""
+    prefix = "fsdp_config"
+    version = int(section.get("fsdp_version", 1))
+    for key in ("fsdp_reshard_after_forward", "fsdp_sharding_strategy"):
+        if key in section:
+            reading.set("fsdp", fsdp_mode(section[key], file, f"{prefix}.{key}"), file, f"{prefix}.{key}")
+            break
+    else:
+        reading.set("fsdp", "full_shard", file, f"{prefix}.fsdp_version")  # both versions' default
+    if version not in (1, 2):
+        raise InputError(f"{file}: {prefix}.fsdp_version must be 1 or 2, got {version!r}")
+    if section.get("fsdp_activation_checkpointing"):
+        reading.set("gradient_checkpointing", True, file, f"{prefix}.fsdp_activation_checkpointing")
+    reading.skip_all(prefix, section, keep=("fsdp_version", "fsdp_reshard_after_forward", "fsdp_sharding_strategy",
+                                            "fsdp_activation_checkpointing"))
+
+
+def _dynamo(section: dict[str, Any], reading: Reading, file: str) -> None:
+    backend = str(section.get("dynamo_backend", "NO")).upper()
+    if backend == "INDUCTOR":
+        reading.set("torch_compile", True, file, "dynamo_config.dynamo_backend")
+    elif backend != "NO":
+        reading.skip("dynamo_config.dynamo_backend", backend)  # anatomist models inductor only
+    reading.skip_all("dynamo_config", section, keep=("dynamo_backend",))

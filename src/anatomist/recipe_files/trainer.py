@@ -1,0 +1,206 @@
+"""TrainingArguments fields, TRL's `trl sft --config` YAML, and anatomist's own Recipe keys.
+
+One reader for the three: they share TrainingArguments' names. Which one a file is, is told by
+its keys: only Recipe fields (anatomist's own), else TrainingArguments fields (with Recipe's
+beside them), else TRL's: `trl sft` parses its YAML into ScriptArguments, SFTConfig (a
+TrainingArguments), ModelConfig and DatasetMixtureConfig (trl/scripts/sft.py), and SFTConfig
+and ModelConfig change some defaults: gradient checkpointing on, bf16 unless fp16, weights
+loaded in ModelConfig.dtype (float32), LoRA dropout 0.05. Those apply where a TRL file is silent.
+
+Field names are read from the installed transformers and trl, never copied: a field the file
+sets that none of them has is an error (a typo the tool itself would refuse).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from functools import cache
+from typing import Any
+
+from anatomist.errors import InputError
+from anatomist.recipe import Recipe
+from anatomist.recipe_files.deepspeed import read_deepspeed
+from anatomist.recipe_files.reading import Reading, fsdp_mode, load_mapping, referenced_file
+
+RECIPE_FIELDS = frozenset(f.name for f in dataclasses.fields(Recipe))
+TRL_CLASSES = ("ScriptArguments", "SFTConfig", "ModelConfig", "DatasetMixtureConfig")
+TRL_LEGACY = {"max_seq_length": "max_length", "torch_dtype": "dtype"}
+"""Names older TRL releases used, and what they are now."""
+TRL_ENV = "env"
+"""TrlParser sets the environment variables of a config's `env:` mapping."""
+
+DIRECT = RECIPE_FIELDS - {"gradient_checkpointing", "tf32", "fsdp", "lora_target_modules"}
+"""Keys whose value is the Recipe field of the same name: TrainingArguments' (per_device_train_batch_size,
+fp16, optim, ...), TRL ModelConfig's (dtype, attn_implementation, lora_r, load_in_4bit, ...) and anatomist's."""
+DEEPSPEED_CHECKED = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "fp16", "bf16")
+"""The TrainingArguments values the Trainer fills DeepSpeed's "auto" with and checks the rest against."""
+HANDLED = frozenset({"gradient_checkpointing", "activation_checkpointing", "tf32", "fsdp", "fsdp_config",
+                     "deepspeed", "lora_target_modules", "use_peft", "use_bnb_nested_quant", "model_name_or_path",
+                     "max_length", "model_init_kwargs", *TRL_LEGACY})
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return None
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+@cache
+def trainer_fields() -> dict[str, Any]:
+    """TrainingArguments' fields and their defaults (enums as their values, as to_dict() writes them)."""
+    from transformers import TrainingArguments
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    defaults = {f.name: _default(f) for f in dataclasses.fields(TrainingArguments)}
+    # __post_init__ turns None into AcceleratorConfig(), which to_dict() writes out in full
+    defaults["accelerator_config"] = AcceleratorConfig().to_dict()
+    return defaults
+
+
+@cache
+def trl_fields() -> dict[str, Any] | None:
+    """The fields `trl sft --config` reads and their defaults (SFTConfig's over TrainingArguments'); None without trl."""
+    try:
+        import trl
+    except ImportError:
+        return None
+    fields: dict[str, Any] = {}
+    for name in TRL_CLASSES:
+        fields.update({f.name: _default(f) for f in dataclasses.fields(getattr(trl, name))})
+    return fields
+
+
+def read_trainer(data: dict[str, Any], reading: Reading, file: str) -> str:
+    """Add the file's settings to `reading`; returns the kind: "anatomist", "TrainingArguments" or "TRL"."""
+    trainer = trainer_fields()
+    kind, schema = _kind(data, trainer, file)
+    if kind == "TRL":
+        _trl_defaults(data, schema, reading, file)
+    for key, value in data.items():
+        if key in DIRECT:
+            if value is not None:
+                reading.set(key, value, file, key)
+        elif key not in HANDLED:
+            reading.skip(key, value, schema.get(key))
+    _checkpointing(data, reading, file)
+    if data.get("tf32") is not None:
+        reading.set("tf32", data["tf32"], file, "tf32")
+    _fsdp(data, reading, file)
+    _model_config(data, kind, reading, file)
+    if data.get("deepspeed"):
+        _deepspeed(data["deepspeed"], schema, reading, file)
+    return kind
+
+
+def _kind(data: dict[str, Any], trainer: dict[str, Any], file: str) -> tuple[str, dict[str, Any]]:
+    keys = set(data)
+    if keys <= RECIPE_FIELDS and not keys <= set(trainer):
+        return "anatomist", {}
+    if keys <= RECIPE_FIELDS | set(trainer):
+        return "TrainingArguments", trainer
+    trl = trl_fields()
+    known = RECIPE_FIELDS | set(trainer) | set(trl or {}) | set(TRL_LEGACY) | {TRL_ENV}
+    unknown = sorted(keys - known)
+    if trl is None:
+        raise InputError(f"{file}: unknown recipe field(s) {', '.join(sorted(keys - RECIPE_FIELDS - set(trainer)))}: "
+                         "not a Recipe or TrainingArguments field; if this is a TRL config, pip install trl to read it")
+    if unknown:
+        raise InputError(f"{file}: unknown recipe field(s) {', '.join(unknown)}: not a field of anatomist's Recipe, "
+                         "TrainingArguments, or trl's SFTConfig, ModelConfig or ScriptArguments")
+    return "TRL", {**trainer, **trl}
+
+
+def _trl_defaults(data: dict[str, Any], schema: dict[str, Any], reading: Reading, file: str) -> None:
+    """Where a TRL file is silent, TRL's defaults: not TrainingArguments' nor anatomist's."""
+    bf16 = not data.get("fp16", False)  # trl/trainer/base_config.py: bf16 = not fp16 when unset
+    for name, value, key in (("gradient_checkpointing", schema["gradient_checkpointing"], "gradient_checkpointing"),
+                             ("bf16", bf16 if schema["bf16"] is None else schema["bf16"], "bf16"),
+                             ("dtype", schema["dtype"], "dtype"), ("lora_dropout", schema["lora_dropout"], "lora_dropout"),
+                             ("lora_r", schema["lora_r"], "lora_r"), ("lora_alpha", schema["lora_alpha"], "lora_alpha")):
+        reading.set_default(name, value, file, key, "TRL")
+    if schema.get("max_length") is not None and not {"max_length", "max_seq_length"} & set(data):
+        reading.set_default("seq_len", schema["max_length"], file, "max_length", "TRL")
+
+
+def _checkpointing(data: dict[str, Any], reading: Reading, file: str) -> None:
+    """activation_checkpointing is TrainingArguments' new name (5.x); gradient_checkpointing the old one, used
+    when the new one is unset (training_args.py)."""
+    for key in ("activation_checkpointing", "gradient_checkpointing"):
+        if data.get(key) is not None:
+            reading.set("gradient_checkpointing", bool(data[key]), file, key)
+            return
+
+
+def _fsdp(data: dict[str, Any], reading: Reading, file: str) -> None:
+    """TrainingArguments.fsdp: True (the strategy in fsdp_config), or the older "full_shard auto_wrap" / list."""
+    value, config = data.get("fsdp"), data.get("fsdp_config") or {}
+    if isinstance(config, str):
+        config = load_mapping(referenced_file(config, file, "fsdp_config"), "fsdp_config file")
+    config = {k.removeprefix("fsdp_"): v for k, v in config.items()}
+    if value in (None, False, "", [], "none"):
+        if config:
+            reading.skip("fsdp_config", config)  # read only when fsdp is on
+        return
+    items = value.split() if isinstance(value, str) else list(value) if isinstance(value, list) else []
+    strategies = [i for i in items if i not in ("auto_wrap", "offload")]
+    if "offload" in items:
+        config.setdefault("cpu_offload", True)
+    if len(strategies) > 1:
+        raise InputError(f"{file}: fsdp={value!r} names more than one sharding strategy")
+    if strategies:
+        mode = fsdp_mode(strategies[0], file, "fsdp")
+    else:
+        mode = fsdp_mode(config.get("reshard_after_forward", True), file, "fsdp_config.reshard_after_forward")
+    reading.set("fsdp", mode, file, "fsdp")
+    if config.get("activation_checkpointing"):
+        reading.set("gradient_checkpointing", True, file, "fsdp_config.activation_checkpointing")
+    reading.skip_all("fsdp_config", config, keep=("reshard_after_forward", "activation_checkpointing", "version"))
+
+
+def _model_config(data: dict[str, Any], kind: str, reading: Reading, file: str) -> None:
+    """TRL's ModelConfig: the model, LoRA (use_peft) and bitsandbytes; SFTConfig's max_length."""
+    if data.get("model_name_or_path"):
+        reading.set("model", data["model_name_or_path"], file, "model_name_or_path")
+    for key in ("max_length", "max_seq_length"):
+        if data.get(key) is not None:
+            reading.set("seq_len", data[key], file, key)
+    if data.get("torch_dtype") is not None:
+        reading.set("dtype", data["torch_dtype"], file, "torch_dtype")
+    kwargs = data.get("model_init_kwargs") or {}
+    for key, name in (("dtype", "dtype"), ("torch_dtype", "dtype"), ("attn_implementation", "attn_implementation")):
+        if kwargs.get(key) is not None:
+            reading.set(name, kwargs[key], file, f"model_init_kwargs.{key}")
+    reading.skip_all("model_init_kwargs", kwargs, keep=("dtype", "torch_dtype", "attn_implementation"))
+    if data.get("use_peft"):
+        reading.set("peft", "lora", file, "use_peft")
+    targets = data.get("lora_target_modules")
+    if targets is not None:
+        reading.set("lora_target_modules", ",".join(targets) if isinstance(targets, list) else targets, file,
+                    "lora_target_modules")
+    if data.get("use_bnb_nested_quant") is not None:
+        reading.set("bnb_4bit_use_double_quant", data["use_bnb_nested_quant"], file, "use_bnb_nested_quant")
+    if kind == "TRL" and data.get("load_in_4bit") and "bnb_4bit_compute_dtype" not in data:
+        dtype = reading.get("dtype")  # trl's get_quantization_config: compute dtype = ModelConfig.dtype
+        if dtype in ("float32", "bfloat16", "float16"):
+            reading.set_default("bnb_4bit_compute_dtype", dtype, file, "dtype", "TRL")
+
+
+def _deepspeed(value: Any, schema: dict[str, Any], reading: Reading, file: str) -> None:
+    """TrainingArguments.deepspeed: a ds_config path or dict, whose values must match the TrainingArguments'."""
+    if isinstance(value, str):
+        path = referenced_file(value, file, "deepspeed")
+        data, where = load_mapping(path, "DeepSpeed config"), str(path)
+    elif isinstance(value, dict):
+        data, where = value, f"{file}: deepspeed"
+    else:
+        raise InputError(f"{file}: deepspeed must be a path or a mapping, got {value!r}")
+    tool = "TRL" if "max_length" in schema else "TrainingArguments"
+    for name in DEEPSPEED_CHECKED:  # the Trainer fills "auto" with its own values and checks the rest against them
+        if name not in reading.defaults and schema.get(name) is not None:
+            reading.set_default(name, schema[name], file, name, tool)
+    read_deepspeed(data, reading, where, match_defaults=True)
