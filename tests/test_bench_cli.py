@@ -51,3 +51,22 @@ def test_tiny_suite_runs_through_trainer_and_json(tmp_path, capsys):
     assert set(first["predicted"]["memory"]) == set(memory)
     assert first["error_pct"]["peak_allocated"] is not None
     assert skipped["status"] == "skipped" and "CUDA" in skipped["reason"]
+
+
+def test_lora_suite_runs_adapters_for_real_and_skips_qlora_without_cuda(tmp_path, capsys):
+    """The shipped lora suite on CPU: LoRA rows train a real PEFT model through the Trainer and an
+    Accelerate loop, within 5% of the prediction; QLoRA rows say why they did not run."""
+    results = tmp_path / "lora.jsonl"
+    code = main(["bench", "--suite", "lora", "--rows", "lora+checkpointing,lora-accelerate,qlora",
+                 "--results", str(results)])
+    assert code == 0, capsys.readouterr().err
+    rows = {r["name"]: r for r in _rows(results)}
+    for name in ("lora+checkpointing", "lora-accelerate"):
+        row = rows[name]
+        assert row["status"] == "ok", row["reason"]
+        assert row["workload"]["task"] == "causal-lm" and row["recipe"]["peft"] == "lora"
+        measured, predicted = row["measured"]["memory"], row["predicted"]["memory"]
+        assert measured["gradients"] == predicted["gradients"] == 0  # freed by the step's end; adapters only
+        assert measured["optimizer_states"] == predicted["optimizer_states"] > 0
+        assert abs(row["error_pct"]["peak_allocated"]) < 5
+    assert rows["qlora"]["status"] == "skipped" and "CUDA" in rows["qlora"]["reason"]

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import peft
 import pytest
 import torch
 from torch.distributed._tools import mem_tracker
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from anatomist.bench.worker import training_model
 from anatomist.errors import InputError
 from anatomist.estimate.memory import estimate_memory
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.trace.cuda_model import cuda_code_paths
 from anatomist.trace.optimizers import build_optimizer
-from anatomist.workload import PEFT_TASK_TYPES
 from anatomist.trace.step import make_batch
 from anatomist.workload import load_workload, resolve_dtype
 
@@ -25,22 +24,13 @@ class _NoHooks(dict):
     """A hooks dict a RemovableHandle can point to (it keeps a weak reference)."""
 
 
-def _real_peft_model(workload, recipe: Recipe) -> torch.nn.Module:
-    """The model as a user builds it: from_config, then get_peft_model with a LoraConfig."""
-    model = workload.build_model(recipe.attn_implementation, recipe.dtype)
-    targets = recipe.lora_target_modules.split(",") if recipe.lora_target_modules else None
-    config = peft.LoraConfig(r=recipe.lora_r, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout,
-                             target_modules=targets, task_type=PEFT_TASK_TYPES.get(workload.task))
-    return peft.get_peft_model(model, config)
-
-
 @pytest.mark.parametrize(("model", "targets"), [("llama", None), ("llama", "q_proj,k_proj,v_proj,o_proj"),
                                                  ("bert", None), ("gpt2", None)])
 def test_trainable_parameters_are_peft_s_own(tiny_model, model, targets):
     workload = load_workload(str(tiny_model(model, num_hidden_layers=5, n_layer=5)), seq_len=32)
     recipe = resolve_dtype(workload, Recipe(per_device_train_batch_size=2, peft="lora", lora_r=4,
                                             lora_target_modules=targets))
-    trainable, total = _real_peft_model(workload, recipe).get_nb_trainable_parameters()
+    trainable, total = training_model(workload, recipe).get_nb_trainable_parameters()
     predicted = estimate_memory(workload, recipe, GPU)
     assert predicted.trainable_parameters == trainable
     assert predicted.parameters == total
@@ -58,8 +48,9 @@ def test_qlora_counts_the_base_as_its_authors_do(tiny_model):
 
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
 def test_lora_step_matches_pytorchs_accounting(tiny_model, monkeypatch, model):
-    """A real LoRA step (bf16 base, fp32 adapters, AdamW over the adapters) measured by MemTracker,
-    counted with the CUDA allocator's 512-byte rounding (see test_estimate_accuracy.py)."""
+    """A real LoRA step (bf16 base, fp32 adapters, AdamW over the adapters) of the model the bench
+    trains (`training_model`: get_peft_model with a LoraConfig) measured by MemTracker, counted
+    with the CUDA allocator's 512-byte rounding (see test_estimate_accuracy.py)."""
     monkeypatch.setattr(mem_tracker._WeakRefInfo, "_calculate_mem_consumed",
                         lambda self: -(-self.size * self.element_size // 512) * 512)
     # MemTracker hooks every parameter's gradient, which torch refuses on a frozen one; a frozen
@@ -75,7 +66,7 @@ def test_lora_step_matches_pytorchs_accounting(tiny_model, monkeypatch, model):
     recipe = resolve_dtype(workload, Recipe(per_device_train_batch_size=5, peft="lora", dtype="bfloat16"))
     predicted = estimate_memory(workload, recipe, GPU).anatomy
     torch.manual_seed(0)
-    peft_model = _real_peft_model(workload, recipe)
+    peft_model = training_model(workload, recipe)
     peft_model.train()
     params = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = build_optimizer(recipe, params)

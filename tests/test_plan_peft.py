@@ -186,3 +186,21 @@ def test_cli_plan_peft_bad_input(cli, folder: Path, args: list[str], message: st
     proc = cli("plan", str(folder), "--task", "causal-lm", "--gpu", "A100-80GB", *args)
     assert proc.returncode == 2
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("recipe", [LORA, QLORA], ids=["lora", "qlora"])
+def test_what_emit_trl_writes_reads_back_as_the_same_recipe(recipe: Recipe, tmp_path: Path) -> None:
+    """`plan --emit trl` and `--recipe sft.yaml` agree: what the plan picked is what is estimated."""
+    from anatomist.recipe_files import read_recipe_file
+
+    path = tmp_path / "sft.yaml"
+    write(recipe, "trl", path, model="Qwen/Qwen2.5-0.5B", seq_len=2048)
+    source = read_recipe_file(path)
+    assert source.kind == "TRL" and source.model == "Qwen/Qwen2.5-0.5B" and source.seq_len == 2048
+    assert method_of(source.recipe) == method_of(recipe)  # TRL says use_peft + load_in_4bit, not "qlora"
+    fields = ("lora_r", "lora_alpha", "lora_dropout", "load_in_4bit", "bnb_4bit_quant_type",
+              "bnb_4bit_use_double_quant", "per_device_train_batch_size", "gradient_accumulation_steps",
+              "gradient_checkpointing", "bf16", "fp16", "optim")
+    assert {f: getattr(source.recipe, f) for f in fields} == {f: getattr(recipe, f) for f in fields}
+    if recipe.lora_target_modules != "all-linear":
+        assert set(source.recipe.lora_target_modules.split(",")) == set(recipe.lora_target_modules.split(","))

@@ -31,6 +31,7 @@ class SuiteRun:
     model: str
     model_label: str
     model_config: dict[str, Any] | None
+    task: str
     seq_len: int
     num_samples: int
     on_cpu: bool
@@ -48,12 +49,12 @@ def prepare_suite(suite: Suite, model: str | None = None) -> SuiteRun:
     name = model or cpu.get("model") or suite.model
     seq_len = int(cpu.get("seq_len", suite.seq_len))
     if config is None:
-        load_workload(name, seq_len=seq_len, task="sequence-classification")  # unknown model -> InputError now
+        load_workload(name, seq_len=seq_len, task=suite.task)  # unknown model -> InputError now
         label = name
     else:
         label = (f"{suite.model} stand-in for CPU: {config['model_type']} hidden {config.get('hidden_size')}, "
                  f"{config.get('num_hidden_layers')} layers")
-    return SuiteRun(suite=suite, model=name, model_label=label, model_config=config, seq_len=seq_len,
+    return SuiteRun(suite=suite, model=name, model_label=label, model_config=config, task=suite.task, seq_len=seq_len,
                 num_samples=int(cpu.get("num_samples", suite.num_samples)), on_cpu=on_cpu)
 
 
@@ -79,7 +80,7 @@ def run_row_isolated(run: SuiteRun, row: Row, *, timeout_s: float | None = None)
     result = base_row(run, row)
     spec = {
         "suite": run.suite.name, "name": row.name, "model": run.model, "model_label": run.model_label,
-        "model_config": run.model_config, "seq_len": run.seq_len, "num_samples": run.num_samples,
+        "model_config": run.model_config, "task": run.task, "seq_len": run.seq_len, "num_samples": run.num_samples,
         "num_train_epochs": run.suite.num_train_epochs, "recipe": row.recipe.to_dict(), "loop": row.loop,
     }
     with tempfile.TemporaryDirectory(prefix="anatomist-row-") as tmp:

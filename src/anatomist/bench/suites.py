@@ -17,9 +17,10 @@ import yaml
 
 from anatomist.errors import InputError
 from anatomist.recipe import Recipe
+from anatomist.workload import TASKS
 
 Loop = Literal["trainer", "accelerate"]
-_SUITE_KEYS = {"name", "description", "model", "seq_len", "num_samples", "num_train_epochs", "cpu", "rows"}
+_SUITE_KEYS = {"name", "description", "model", "task", "seq_len", "num_samples", "num_train_epochs", "cpu", "rows"}
 _ROW_KEYS = {"name", "recipe", "loop", "needs", "cpu_reason"}
 _CPU_KEYS = {"model_config", "model", "seq_len", "num_samples"}
 
@@ -55,6 +56,8 @@ class Suite:
     model: str
     seq_len: int
     num_samples: int
+    task: str = "sequence-classification"
+    """Which head is trained (the seeds' experiment classifies; a language model suite is causal-lm)."""
     num_train_epochs: float = 1
     description: str = ""
     cpu: dict[str, Any] = field(default_factory=dict)
@@ -123,8 +126,11 @@ def _suite_from_dict(data: Any, where: str) -> Suite:
         value = data.get(key, 512)
         if not isinstance(value, int) or value <= 0:
             raise InputError(f"{where}: {key} must be a positive integer, got {value!r}")
+    task = data.get("task", "sequence-classification")
+    if task not in TASKS:
+        raise InputError(f"{where}: task must be one of {', '.join(TASKS)}, got {task!r}")
     return Suite(
-        name=str(data.get("name", where)), model=str(data["model"]), seq_len=data.get("seq_len", 512),
+        name=str(data.get("name", where)), model=str(data["model"]), task=task, seq_len=data.get("seq_len", 512),
         num_samples=data.get("num_samples", 512), num_train_epochs=float(data.get("num_train_epochs", 1)),
         description=str(data.get("description", "")), cpu=cpu, rows=rows,
     )

@@ -35,7 +35,7 @@ CPU_REFERENCE_GPU = "A100-80GB"
 
 def versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {"python": platform.python_version()}
-    for name in ("anatomist", "torch", "transformers", "accelerate", "datasets", "bitsandbytes"):
+    for name in ("anatomist", "torch", "transformers", "accelerate", "datasets", "peft", "bitsandbytes"):
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -63,15 +63,48 @@ def device_info() -> dict[str, Any]:
 
 
 def build_dataset(workload: Workload, num_samples: int) -> Any:
-    """The seeds' dataset: random token ids in [100, 30000), binary labels."""
+    """The seeds' dataset: random token ids in [100, 30000), binary labels; for a language model
+    the labels are the ids themselves (the model shifts them)."""
     import datasets
 
     gen = torch.Generator().manual_seed(0)
     high = min(30000, int(workload.config.vocab_size))
     ids = torch.randint(min(100, high - 1), high, (num_samples, workload.seq_len), generator=gen)
-    labels = torch.randint(0, 2, (num_samples,), generator=gen)
-    ds = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    if workload.task == "causal-lm":
+        labels = ids.tolist()
+    else:
+        labels = torch.randint(0, 2, (num_samples,), generator=gen).tolist()
+    ds = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels})
     return ds.with_format("torch")
+
+
+def training_model(workload: Workload, recipe: Recipe, folder: str | None = None) -> Any:
+    """The model as a user of `recipe` makes it: a quantized base is loaded through
+    `from_pretrained(quantization_config=BitsAndBytesConfig(...))` (bitsandbytes quantizes at
+    load, so the random weights are saved to `folder` first) and prepared with
+    `prepare_model_for_kbit_training`; LoRA adapters come from `get_peft_model`."""
+    from anatomist.plan.emit import bnb_config, lora_config
+
+    model = workload.build_model(recipe.attn_implementation, recipe.dtype)
+    quantization = bnb_config(recipe)
+    if quantization is not None:
+        if folder is None:
+            raise ValueError("a quantized base is loaded from a folder: pass one")
+        import transformers
+        from peft import prepare_model_for_kbit_training
+
+        model.save_pretrained(folder)
+        model = type(model).from_pretrained(
+            folder, quantization_config=transformers.BitsAndBytesConfig(**quantization),
+            dtype=model.dtype, attn_implementation=recipe.attn_implementation,
+        )
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=recipe.gradient_checkpointing)
+    adapters = lora_config(recipe, workload.task)
+    if adapters is not None:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(**adapters))
+    return model
 
 
 def run_trainer(workload: Workload, recipe: Recipe, ds: Any, epochs: float, out_dir: str) -> tuple[RunSummary, dict[str, Any]]:
@@ -79,7 +112,7 @@ def run_trainer(workload: Workload, recipe: Recipe, ds: Any, epochs: float, out_
 
     from anatomist.measure.callback import AnatomistCallback
 
-    model = workload.build_model(recipe.attn_implementation, recipe.dtype)
+    model = training_model(workload, recipe, str(Path(out_dir) / "base"))
     flops, peak = mfu_inputs(workload, recipe)
     callback = AnatomistCallback(tokens_per_sample=workload.seq_len, print_at_end=False, flops_per_step=flops, peak_flops=peak)
     args = recipe.to_training_arguments(
@@ -105,10 +138,12 @@ def run_accelerate(workload: Workload, recipe: Recipe, ds: Any, epochs: float, o
     cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(recipe.to_training_arguments(out_dir, report_to="none"))
     accelerator = Accelerator(mixed_precision=recipe.mixed_precision,
                               gradient_accumulation_steps=recipe.gradient_accumulation_steps, cpu=not cuda_available())
-    model = workload.build_model(recipe.attn_implementation, recipe.dtype)
-    if recipe.gradient_checkpointing:
+    model = training_model(workload, recipe, str(Path(out_dir) / "base"))
+    if recipe.gradient_checkpointing and not recipe.quantized:  # prepare_model_for_kbit_training enabled it
         model.gradient_checkpointing_enable()
-    optimizer = cls(model.parameters(), **kwargs)
+        if recipe.peft != "none":
+            model.enable_input_require_grads()  # as the Trainer does for adapters over a frozen embedding
+    optimizer = cls([p for p in model.parameters() if p.requires_grad], **kwargs)
     loader = DataLoader(ds, batch_size=recipe.per_device_train_batch_size, shuffle=True,
                         num_workers=recipe.dataloader_num_workers, pin_memory=recipe.dataloader_pin_memory and cuda_available())
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -189,7 +224,7 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
     row: dict[str, Any] = {
         "suite": spec["suite"], "name": spec["name"], "model": spec["model_label"], "recipe": recipe.to_dict(),
         "workload": {"model": spec["model"], "model_config": spec.get("model_config"), "seq_len": spec["seq_len"],
-                     "task": "sequence-classification"},
+                     "task": spec.get("task", "sequence-classification")},
         "loop": spec["loop"], "device": device_info(), "versions": versions(), "status": "ok", "reason": None,
         "measured": {}, "predicted": {}, "error_pct": {}, "notes": [],
     }
@@ -198,7 +233,7 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
         if spec.get("model_config"):
             (Path(tmp) / "config.json").write_text(json.dumps(spec["model_config"]))
             model = tmp
-        workload = load_workload(model, seq_len=spec["seq_len"], task="sequence-classification")
+        workload = load_workload(model, seq_len=spec["seq_len"], task=spec.get("task", "sequence-classification"))
         ds = build_dataset(workload, spec["num_samples"])
         runner = run_accelerate if spec["loop"] == "accelerate" else run_trainer
         try:
