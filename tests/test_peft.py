@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from importlib.util import find_spec
+
 import pytest
 import torch
 from torch.distributed._tools import mem_tracker
@@ -107,3 +110,15 @@ def test_target_modules_that_match_nothing_name_the_linear_layers(tiny_model):
     recipe = Recipe(per_device_train_batch_size=2, peft="lora", lora_target_modules="query,value")
     with pytest.raises(InputError, match=r"--lora-target-modules: .*this model's linear layers: .*q_proj"):
         estimate_memory(workload, recipe, GPU)
+
+
+def test_qlora_with_a_paged_optimizer_names_bitsandbytes_once(cli):
+    """QLoRA's usual optimizer (paged 8-bit AdamW): 2 B per trainable parameter, like 8-bit Adam;
+    the note names the one package the training machine needs once."""
+    proc = cli("estimate", "Qwen2.5-0.5B", "--peft", "qlora", "--optim", "paged_adamw_8bit", "--seq-len", "128",
+               "--batch-size", "1", "--gpu", "A100-80GB", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("bitsandbytes") == (0 if find_spec("bitsandbytes") else 2)  # "needs X (pip install X)"
+    data = json.loads(proc.stdout)
+    rule = data["bytes_per_param_rule"]
+    assert rule["optimizer_per_param"] == 2

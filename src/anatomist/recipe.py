@@ -22,6 +22,8 @@ Optim = Literal[
     "adafactor",
     "adamw_bnb_8bit",
     "adamw_torch_8bit",
+    "paged_adamw_8bit",
+    "paged_adamw_32bit",
     "sgd",
 ]
 AttnImplementation = Literal["eager", "sdpa", "flash_attention_2"]
@@ -41,7 +43,8 @@ QUANT_TYPES: tuple[str, ...] = get_args(QuantType)
 HALF_DTYPES = ("bfloat16", "float16")
 
 # The package each optimizer needs at run time (the estimator needs none of them).
-OPTIM_PACKAGES: dict[str, str] = {"adamw_bnb_8bit": "bitsandbytes", "adamw_torch_8bit": "torchao"}
+OPTIM_PACKAGES: dict[str, str] = {"adamw_bnb_8bit": "bitsandbytes", "adamw_torch_8bit": "torchao",
+                                  "paged_adamw_8bit": "bitsandbytes", "paged_adamw_32bit": "bitsandbytes"}
 
 
 @cache
@@ -250,7 +253,7 @@ class Recipe:
             needed.append("deepspeed")
         if self.load_in_4bit or self.load_in_8bit:
             needed.append("bitsandbytes")
-        return [name for name in needed if importlib.util.find_spec(name) is None]
+        return [name for name in dict.fromkeys(needed) if importlib.util.find_spec(name) is None]
 
     def to_training_arguments_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for transformers.TrainingArguments (DeepSpeed config excluded)."""

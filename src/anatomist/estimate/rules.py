@@ -28,6 +28,8 @@ OPTIMIZER_BYTES_PER_PARAM: dict[str, float | None] = {
     "adamw_torch_fused": 8,
     "adamw_bnb_8bit": 2,
     "adamw_torch_8bit": 2,
+    "paged_adamw_8bit": 2,
+    "paged_adamw_32bit": 8,
     "sgd": 4,
     "adafactor": None,  # factored second moment: not in the seeds' rule
 }

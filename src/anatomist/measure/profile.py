@@ -31,7 +31,7 @@ from anatomist.errors import InputError
 from anatomist.estimate.flops import step_ops
 from anatomist.hardware import detect_local_gpu
 from anatomist.op_classes import classify, is_known
-from anatomist.recipe import Recipe
+from anatomist.recipe import OPTIM_PACKAGES, Recipe
 from anatomist.trace.step import make_batch
 from anatomist.workload import Workload, resolve_dtype
 
@@ -82,7 +82,7 @@ def check_runnable(recipe: Recipe, steps: int, device: torch.device) -> None:
     if recipe.attn_implementation == "flash_attention_2" and (cpu or recipe.missing_packages()):
         why = "a CUDA GPU" if cpu else "the flash_attn package (pip install flash-attn)"
         raise InputError(f"flash_attention_2 needs {why}; use --attn-implementation sdpa")
-    if recipe.optim in ("adamw_bnb_8bit", "adamw_torch_8bit") and (cpu or recipe.missing_packages()):
+    if recipe.optim in OPTIM_PACKAGES and (cpu or recipe.missing_packages()):
         raise InputError(f"optim {recipe.optim} needs a CUDA GPU and its package ({', '.join(recipe.missing_packages()) or 'installed'})")
     if recipe.zero_stage or recipe.offload != "none":
         raise InputError("profile runs one process without DeepSpeed; drop --zero-stage/--offload (use `anatomist bench`)")

@@ -1,9 +1,11 @@
 """The optimizer a Trainer would build for a recipe, as it behaves on CUDA, for tracing.
 
 AdamW, fused AdamW, Adafactor and SGD are the real classes with the Trainer's own keyword
-arguments (`Trainer.get_optimizer_cls_and_kwargs`). 8-bit Adam (bitsandbytes, torchao) runs
-custom kernels that cannot execute on fake tensors, so `Blockwise8bitAdamLayout` allocates
-exactly the state those libraries allocate and updates it in place.
+arguments (`Trainer.get_optimizer_cls_and_kwargs`). 8-bit Adam (bitsandbytes, torchao) and
+bitsandbytes' paged AdamW run custom kernels that cannot execute on fake tensors, so
+`BlockwiseAdamLayout` allocates exactly the state those libraries allocate and updates it
+in place. Paged optimizers keep that state in CUDA unified memory: on the device while it
+fits (counted there), paged out to host memory instead of failing when the GPU runs short.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ MIN_8BIT_SIZE = 4096
 """Parameters with fewer elements keep 32-bit state (bitsandbytes `min_8bit_size`, torchao's check)."""
 
 
-class Blockwise8bitAdamLayout(torch.optim.Optimizer):
-    """AdamW whose two moments are stored as uint8 codes plus one fp32 scale per block.
+class BlockwiseAdamLayout(torch.optim.Optimizer):
+    """AdamW whose two moments are stored as uint8 codes plus one fp32 scale per block (8 bits), or
+    as fp32 (32 bits: bitsandbytes' paged_adamw_32bit), updated in place by fused kernels.
 
     Memory per large parameter of n elements: 2 x n bytes of codes + 2 x 4 x ceil(n/256)
     bytes of scales, about 2.03 B/param (the seeds' "2 bytes per parameter"). Smaller
@@ -31,8 +34,10 @@ class Blockwise8bitAdamLayout(torch.optim.Optimizer):
     8-bit Adam; only the memory is.
     """
 
-    def __init__(self, params: Iterable[torch.Tensor], lr: float = 1e-3) -> None:
+    def __init__(self, params: Iterable[torch.Tensor], lr: float = 1e-3, *, bits: int = 8) -> None:
         super().__init__(params, {"lr": lr})
+        self.bits = bits
+        """8: blockwise uint8 codes for large parameters; 32: fp32 moments for all (paged_adamw_32bit)."""
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # noqa: ARG002 - Optimizer API
@@ -43,7 +48,7 @@ class Blockwise8bitAdamLayout(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     n = p.numel()
-                    if n >= MIN_8BIT_SIZE:
+                    if self.bits == 8 and n >= MIN_8BIT_SIZE:
                         blocks = -(-n // BLOCK_SIZE_8BIT)
                         state["state1"] = torch.zeros(n, dtype=torch.uint8)
                         state["state2"] = torch.zeros(n, dtype=torch.uint8)
@@ -67,8 +72,10 @@ def build_optimizer(recipe: Recipe, params: list[torch.nn.Parameter]) -> torch.o
     CUDA only (torch.optim.optimizer._default_to_fused_or_foreach).
     """
     lr = 5e-5  # TrainingArguments.learning_rate default; memory does not depend on it
-    if recipe.optim in ("adamw_bnb_8bit", "adamw_torch_8bit"):
-        return Blockwise8bitAdamLayout(params, lr=lr)
+    if recipe.optim in ("adamw_bnb_8bit", "adamw_torch_8bit", "paged_adamw_8bit"):
+        return BlockwiseAdamLayout(params, lr=lr)
+    if recipe.optim == "paged_adamw_32bit":
+        return BlockwiseAdamLayout(params, lr=lr, bits=32)
     if recipe.optim == "adamw_torch":
         return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, foreach=True)
     if recipe.optim == "adamw_torch_fused":
