@@ -26,14 +26,18 @@ from anatomist.trace.cuda_model import cublas_workspace_bytes, cuda_code_paths, 
 from anatomist.trace.optimizers import build_optimizer
 from anatomist.trace.peft import apply_peft, counted_parameters
 from anatomist.trace.records import StepTrace, curves_of
+from anatomist.trace.stack import LAYER_COUNT_FIELDS, Cut, block_lists, cut_workload
 from anatomist.trace.tracer import StepTracer
 from anatomist.workload import Workload, resolve_dtype
 
-LAYER_COUNT_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers")
+Depth = int | Cut | None
+"""What a trace keeps of the model: every stack cut to that many blocks (int), the layers a `Cut`
+names, or the whole model (None)."""
 
 
 def model_at_depth(workload: Workload, num_layers: int) -> Workload:
-    """A copy of the workload whose model has `num_layers` repeated blocks."""
+    """A copy of the workload whose model has `num_layers` repeated blocks in every stack (the
+    per-layer lists repeated, the index lists cut): right for stacks of blocks all alike."""
     config = copy.deepcopy(workload.config)
     for name in LAYER_COUNT_FIELDS:
         if isinstance(getattr(config, name, None), int):
@@ -45,15 +49,6 @@ def model_at_depth(workload: Workload, num_layers: int) -> Workload:
     if isinstance(mlp_only, list):
         config.mlp_only_layers = [i for i in mlp_only if i < num_layers]
     return dataclasses.replace(workload, config=config)
-
-
-def num_layers(workload: Workload) -> int:
-    """Repeated blocks of the model (encoder and decoder stacks count once each)."""
-    for name in LAYER_COUNT_FIELDS:
-        value = getattr(workload.config, name, None)
-        if isinstance(value, int):
-            return value
-    return 1
 
 
 def lower_dtype(recipe: Recipe) -> torch.dtype | None:
@@ -86,7 +81,7 @@ optimizer share the passes' traces and the other way round; batch size, accumula
 2 micro-batches and sharding change no trace (they are arithmetic on it)."""
 
 
-def part_key(workload: Workload, recipe: Recipe, part: Part, depth: int | None, batch_size: int,
+def part_key(workload: Workload, recipe: Recipe, part: Part, depth: Depth, batch_size: int,
              compute_capability: str) -> tuple[Any, ...]:
     """Everything that decides the trace of `part`: the key of the trace caches."""
     recipe = resolve_dtype(workload, recipe)
@@ -97,7 +92,7 @@ def part_key(workload: Workload, recipe: Recipe, part: Part, depth: int | None, 
     )
 
 
-def trace_part(workload: Workload, recipe: Recipe, part: Part, *, depth: int, batch_size: int,
+def trace_part(workload: Workload, recipe: Recipe, part: Part, *, depth: Depth, batch_size: int,
                compute_capability: str, use_cache: bool = True) -> StepTrace:
     """The fake-tensor trace of one part of a step (see `trace_step`), with its ops recorded.
 
@@ -119,7 +114,7 @@ def trace_step(
     workload: Workload,
     recipe: Recipe,
     *,
-    depth: int | None,
+    depth: Depth,
     batch_size: int,
     compute_capability: str,
     part: Part = "forward-backward",
@@ -127,7 +122,8 @@ def trace_step(
     record_ops: bool = False,
     observers: tuple[Any, ...] = (),
 ) -> StepTrace:
-    """Trace one part of a step of `workload` cut to `depth` blocks (None: the full model).
+    """Trace one part of a step of `workload` cut to `depth` (an int: blocks per stack; a Cut: those
+    layers; None: the full model).
 
     The estimator traces a training step in two independent parts, so that recipes that
     differ only in the optimizer share the forward/backward trace (and vice versa):
@@ -143,7 +139,10 @@ def trace_step(
         observers: further dispatch modes to run inside the trace (e.g. a FlopCounterMode).
     """
     recipe = resolve_dtype(workload, recipe)
-    shallow = model_at_depth(workload, depth) if depth is not None else workload
+    if depth is None:  # a copy all the same: building sets num_labels and pad_token_id on the config
+        shallow = dataclasses.replace(workload, config=copy.deepcopy(workload.config))
+    else:
+        shallow = model_at_depth(workload, depth) if isinstance(depth, int) else cut_workload(workload, depth)
     attn = "sdpa" if recipe.attn_implementation == "flash_attention_2" else recipe.attn_implementation
     fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     if fake:
@@ -220,7 +219,7 @@ def optimizer_phase(
     params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, recipe: Recipe, tracer: StepTracer
 ) -> None:
     """Unscale (fp16), clip and step, then free the gradients, as the Trainer does."""
-    tracer.phase, tracer.segment = Phase.OPTIMIZER, "pre"
+    tracer.phase, tracer.segment, tracer.block = Phase.OPTIMIZER, "pre", -1
     grads = [p.grad for p in params if p.grad is not None]
     if recipe.fp16:
         torch._foreach_mul_(grads, 1.0 / 65536.0)  # GradScaler.unscale_ works in place
@@ -254,30 +253,19 @@ def forward_backward(
     # Two micro-batches when gradients accumulate: the second forward runs with gradients alive.
     for micro in range(min(recipe.gradient_accumulation_steps, 2)):
         tracer.micro_step = micro
-        tracer.phase, tracer.segment = Phase.FORWARD, "pre"
+        tracer.phase, tracer.segment, tracer.block = Phase.FORWARD, "pre", -1
         batch = make_batch(workload, batch_size)
         with autocast:
             loss = model(**batch).loss
         loss = loss / recipe.gradient_accumulation_steps
         del batch
         tracer.label_phase_survivors(Phase.FORWARD, MemoryCategory.ACTIVATIONS)
-        tracer.phase, tracer.segment = Phase.BACKWARD, "post"
+        tracer.phase, tracer.segment, tracer.block = Phase.BACKWARD, "post", -1
         if scale is not None:
             loss = loss * scale
         loss.backward()
         del loss
         tracer.label_live([p.grad for p in params if p.grad is not None], MemoryCategory.GRADIENTS)
-
-
-def _repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The blocks of every ModuleList whose length is the model's layer count, in order."""
-    config = getattr(model, "config", None)
-    counts = {getattr(config, name, None) for name in LAYER_COUNT_FIELDS} - {None}
-    blocks: list[torch.nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) in counts and len(module) > 0:
-            blocks.extend(module)
-    return blocks
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -289,41 +277,46 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
 
 
 def _watch_blocks(model: torch.nn.Module, tracer: StepTracer) -> None:
-    """Mark the segments "pre", "blocks", "post" of forward and backward through hooks.
+    """Mark the segments "pre", "blocks", "post" of forward and backward, and in "blocks" which
+    block runs, through hooks (the blocks: `stack.block_lists`, in the model's order).
 
-    Forward enters "blocks" at the first block's input and "post" after the last block.
-    Backward runs the other way: it enters "blocks" when the gradient of the last block's
-    output exists, and "pre" when the gradient of the first block's input does.
+    Forward enters block i at its input. Backward runs the other way: it enters the last block
+    when the gradient of its output exists, block i - 1 when the gradient of block i's input
+    does, and "pre" at the gradient of the first block's input.
     """
-    blocks = _repeated_blocks(model)
+    blocks = [b for _, modules in block_lists(model, model.config) for b in modules]
     if not blocks:
         return
-    first, last = blocks[0], blocks[-1]
+    last = len(blocks) - 1
 
-    def set_segment(name: str) -> Any:
+    def enter(block: int) -> Any:
         def hook(*_: Any) -> None:
-            tracer.segment = name
+            tracer.segment, tracer.block = ("blocks", block) if block >= 0 else ("pre", -1)
 
         return hook
 
-    def enter_blocks(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if tracer.phase is not Phase.FORWARD:
-            return  # recomputation under gradient checkpointing
-        tracer.segment = "blocks"
-        hidden = _first_tensor(args) if args else _first_tensor(kwargs.get("hidden_states"))
-        if hidden is not None and hidden.requires_grad:
-            hidden.register_hook(set_segment("pre"))
+    def enter_block(block: int) -> Any:
+        def hook(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if tracer.phase is not Phase.FORWARD:
+                return  # recomputation under gradient checkpointing
+            tracer.segment, tracer.block = "blocks", block
+            hidden = _first_tensor(args) if args else _first_tensor(kwargs.get("hidden_states"))
+            if hidden is not None and hidden.requires_grad:
+                hidden.register_hook(enter(block - 1))
+
+        return hook
 
     def leave_blocks(_module: Any, _args: Any, output: Any) -> None:
         if tracer.phase is not Phase.FORWARD:
             return
-        tracer.segment = "post"
+        tracer.segment, tracer.block = "post", -1
         hidden = _first_tensor(output)
         if hidden is not None and hidden.requires_grad:
-            hidden.register_hook(set_segment("blocks"))
+            hidden.register_hook(enter(last))
 
-    first.register_forward_pre_hook(enter_blocks, with_kwargs=True)
-    last.register_forward_hook(leave_blocks)
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(enter_block(i), with_kwargs=True)
+    blocks[last].register_forward_hook(leave_blocks)
 
 
 def _inference_step(
