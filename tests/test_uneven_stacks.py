@@ -16,18 +16,21 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import pickle
+import zlib
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from anatomist.anatomy import TENSOR_CATEGORIES
-from anatomist.estimate import traces as traces_module
 from anatomist.estimate.predict import estimate
-from anatomist.estimate.traces import TracePlan, implied_parameters, step_traces
+from anatomist.estimate.traces import implied_parameters, step_traces
 from anatomist.hardware import get_gpu
 from anatomist.model_catalog import catalog_entries
 from anatomist.recipe import Recipe
 from anatomist.trace import cache
+from anatomist.trace import plan as plan_module
 from anatomist.trace.step import trace_step
 from anatomist.workload import Workload, config_from_dict, load_workload
 
@@ -116,8 +119,9 @@ def test_a_plan_whose_count_is_wrong_falls_back_to_full_depth(monkeypatch):
     workload = _workload("t5-uneven-depths")
     workload.config.d_ff = 96  # a model of its own: no plan or trace of the other test is reused
     recipe = _recipe(workload)
-    uniform = TracePlan(base=2, deltas=(traces_module.Delta(cut=3, multiplier=14, inserted=(1, 4)),), how="uniform")
-    monkeypatch.setattr(traces_module, "trace_plan", lambda *_: uniform)
+    uniform = plan_module.TracePlan(base=2, deltas=(plan_module.Delta(cut=3, multiplier=14, inserted=(1, 4)),),
+                                    how="uniform")
+    monkeypatch.setattr(plan_module, "trace_plan", lambda *_: uniform)
     traces = step_traces(workload, recipe, GPU.compute_capability, "inference")
     assert traces.plan.how == "full"
     assert "imply" in traces.plan.note and f"{traces.parameters:,}" in traces.plan.note
@@ -134,7 +138,10 @@ def test_uniform_models_take_the_two_and_three_block_traces_only(tiny_model, tmp
         result = estimate(workload, recipe, GPU)  # memory and time
         traces = step_traces(workload, recipe, GPU.compute_capability)
         assert traces.plan.how == "uniform" and traces.plan.cuts == (2, 3)
-        assert len(list(cache.cache_dir().glob("*.trace"))) == 6  # passes at 2 depths x 2 batches, optimizer at 2
+        stored = Counter(type(pickle.loads(zlib.decompress(p.read_bytes()))).__name__
+                         for p in cache.cache_dir().glob("*.trace"))
+        # passes at 2 depths x 2 batches, optimizer at 2 depths; the plan with the exact parameter count
+        assert stored == {"StepTrace": 6, "ModelPlan": 1}
         assert result.memory.parameters == _real_parameters(workload, recipe)
         assert not any("depth" in note or "kind" in note for note in result.memory.notes)
     finally:

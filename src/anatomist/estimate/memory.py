@@ -1,10 +1,11 @@
 """Predict the memory anatomy of a training or inference step, offline.
 
-From the estimator's traces (`traces.py`: the passes at 2 and 3 blocks and 2 and 3 samples,
-the optimizer at 2 and 3 blocks): within one depth, the traces at the two batch sizes run
-the same ops, so their allocation curves are extrapolated point by point to the wanted
-batch size; then segment by segment to the full depth. The peak phase is chosen after
-extrapolation. A test checks this against a full-depth trace.
+From the estimator's traces (`traces.py`: the passes of each cut of the model's plan at 2 and 3
+samples, the optimizer of each cut; for a uniform stack the cuts are 2 and 3 blocks): within one
+cut, the traces at the two batch sizes run the same ops, so their allocation curves are
+extrapolated point by point to the wanted batch size; then segment by segment, and in the blocks
+block by block, to the full model. The peak phase is chosen after extrapolation. Tests check
+this against full-depth traces (test_extrapolation.py, test_uneven_stacks.py).
 
 The caching allocator's reserve (rounding, cached free blocks) does not extrapolate block
 by block; the ratio of peak reserved to peak allocated of the deepest, largest trace is
@@ -23,9 +24,10 @@ from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, TENSOR_CATEGORIES, MemoryAn
 from anatomist.errors import InputError
 from anatomist.estimate.rules import BytesPerParamRule, bytes_per_param_rule
 from anatomist.estimate.sharding import shard
-from anatomist.estimate.traces import TRACE_BATCHES, Mode, StepTraces, TracePlan, affine, step_traces
+from anatomist.estimate.traces import TRACE_BATCHES, Mode, StepTraces, affine, step_traces
 from anatomist.hardware import GPU
 from anatomist.recipe import Recipe
+from anatomist.trace.plan import TracePlan
 from anatomist.trace.records import Curves, PhasePeak
 from anatomist.trace.step import Depth
 from anatomist.workload import Workload, resolve_dtype
