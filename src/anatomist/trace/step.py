@@ -13,12 +13,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from anatomist.anatomy import MemoryCategory, Phase
+from anatomist.errors import InputError
 from anatomist.recipe import Recipe
 from anatomist.trace.allocator import round_size
 from anatomist.trace.autocast import cuda_autocast_policy
@@ -143,6 +147,11 @@ def trace_step(
         shallow = dataclasses.replace(workload, config=copy.deepcopy(workload.config))
     else:
         shallow = model_at_depth(workload, depth) if isinstance(depth, int) else cut_workload(workload, depth)
+    if workload.task == "sequence-classification" and getattr(shallow.config, "problem_type", None) is None:
+        # The loss the Trainer's integer labels get. Left unset, DeBERTa picks the labelled rows
+        # with nonzero(), whose size depends on the labels' values: a trace without data cannot
+        # follow it. The memory differs by a few bytes per sample.
+        shallow.config.problem_type = "single_label_classification" if workload.num_labels > 1 else "regression"
     attn = "sdpa" if recipe.attn_implementation == "flash_attention_2" else recipe.attn_implementation
     fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     if fake:
@@ -162,6 +171,7 @@ def trace_step(
     autocast = torch.autocast("cpu", dtype=lower) if lower is not None else contextlib.nullcontext()
     static: dict[MemoryCategory, int] = {}
     with contextlib.ExitStack() as modes:
+        modes.enter_context(data_dependent_code_is_input_error(workload, recipe))
         if lower is not None:
             modes.enter_context(cuda_autocast_policy())  # autocast casts as on CUDA, not as on CPU
         for mode in (fake_mode, *observers, tracer, cuda_code_paths()):
@@ -199,6 +209,32 @@ def trace_step(
         op_count=tracer.trace.op_count,
         static_bytes=static,
     )
+
+
+@contextlib.contextmanager
+def data_dependent_code_is_input_error(workload: Workload, recipe: Recipe) -> Iterator[None]:
+    """Turn a fake tensor's refusal of a data-dependent op into one clear line (exit code 2).
+
+    Fake tensors have shapes but no values: an op whose output size depends on the values
+    (nonzero, masked_select, unique) cannot be traced. Model code that calls one on the step's
+    path cannot be estimated offline; the message names the op and the line of model code.
+
+    Raises:
+        InputError: in place of torch's DynamicOutputShapeException / DataDependentOutputException.
+    """
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    try:
+        yield
+    except (DynamicOutputShapeException, DataDependentOutputException) as exc:
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if "transformers" in f.filename]
+        where = f" in {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+        other = "sdpa" if recipe.attn_implementation == "eager" else "eager"
+        raise InputError(
+            f"{workload.name}: cannot be estimated without data: its code{where} calls {getattr(exc, 'func', exc)}, "
+            f"whose output size depends on the values; if that is its attention code, try "
+            f"--attn-implementation {other}"
+        ) from None
 
 
 def create_state(
