@@ -132,7 +132,7 @@ def trace_plan(workload: Workload, recipe: Recipe, layout: Layout) -> TracePlan:
     traced = sum(c.blocks + CUT_OVERHEAD_BLOCKS for c in plan.cuts if isinstance(c, Cut))
     kinds = sum(len(set(s.kinds)) for s in layout.stacks)
     if traced >= layout.blocks + CUT_OVERHEAD_BLOCKS:
-        return full_plan(layout.blocks, f"{kinds} kinds of layer in {layout.blocks}: cutting would trace as many blocks")
+        return full_plan(layout.blocks, f"{kinds} kinds of layer in {layout.blocks}: cuts by kind would trace as much")
     if not all(cut_matches(workload, recipe, layout, c) for c in plan.cuts if isinstance(c, Cut)):
         return full_plan(layout.blocks, f"{kinds} kinds of layer that a cut of the config does not keep")
     return plan
@@ -166,7 +166,8 @@ def _by_kind(layout: Layout) -> TracePlan:
             place = layers[n].index(added)
             inserted = tuple(before + j * len(layers[n]) + place for j in range(len(stack.paths)))
             deltas.append(Delta(cut=cut(layers), multiplier=more, inserted=inserted))
-    described = ", ".join(f"{len(set(s.kinds))} in {s.depth} ({'/'.join(s.fields)})" for s in layout.stacks)
+    described = ", ".join(f"{s.depth} layers of {len(set(s.kinds))} kinds" + (f" in {s.fields[0]}" if len(layout.stacks) > 1 else "")
+                          for s in layout.stacks)
     return TracePlan(base=cut(kept), deltas=tuple(deltas), how="by-kind",
                      note=f"layers of several kinds ({described}): traced a cut with one block of each kind "
                           "and extrapolated kind by kind")
