@@ -9,8 +9,8 @@ memory prediction.
 Batch size: each op's FLOPs and bytes are affine in it, so the passes at any batch size are
 extrapolated op by op from the traces at 2 and 3 samples (where the two op sequences do not
 line up, the batch is traced directly). Depth: op counts are linear in the number of
-repeated blocks, so the step is extrapolated from the traces at 2 and 3 blocks:
-n(L) = n2 + (L - 2)(n3 - n2).
+repeated blocks of each kind, so the step is extrapolated from the cuts of the estimator's plan
+(`trace.plan`), for a uniform stack the traces at 2 and 3 blocks: n(L) = n2 + (L - 2)(n3 - n2).
 
 Known limitations: the CPU code paths stand in for CUDA's (`trace.cuda_model`), so a few ops
 differ from what CUDA runs (e.g. CPU's flash-attention kernel stands in for the CUDA SDPA
@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from anatomist.anatomy import OpClass, Phase
-from anatomist.estimate.traces import TRACE_BATCHES, TRACE_DEPTHS, affine
+from anatomist.estimate.traces import TRACE_BATCHES, TRACE_DEPTHS, affine, step_traces
 from anatomist.recipe import Recipe
+from anatomist.trace.plan import TracePlan
 from anatomist.trace.records import COST_FIELDS, Signature
-from anatomist.trace.step import num_layers, trace_part
+from anatomist.trace.step import Depth, trace_part
 from anatomist.trace.tracer import STEP_PHASES
 from anatomist.workload import Workload
 
@@ -79,8 +80,8 @@ class StepOps:
         return sorted({r.name for r in self.records if not r.known})
 
 
-def passes_ops(workload: Workload, recipe: Recipe, depth: int, compute_capability: str) -> tuple[Signature, ...]:
-    """The ops of one micro-batch's passes at the recipe's batch size and `depth` blocks.
+def passes_ops(workload: Workload, recipe: Recipe, depth: Depth, compute_capability: str) -> tuple[Signature, ...]:
+    """The ops of one micro-batch's passes at the recipe's batch size, of the model cut to `depth`.
 
     At any batch the passes run the same ops in the same order, and each op's FLOPs and
     bytes are affine in the batch size (weights fixed, activations per sample), so the
@@ -106,22 +107,24 @@ def passes_ops(workload: Workload, recipe: Recipe, depth: int, compute_capabilit
     return tuple(ops)  # type: ignore[arg-type]
 
 
-def _step_at_depth(workload: Workload, recipe: Recipe, depth: int, compute_capability: str) -> Counter[Signature]:
-    """Call counts of every op signature of one micro-batch and one optimizer step at `depth` blocks."""
+def _step_at_depth(workload: Workload, recipe: Recipe, depth: Depth, compute_capability: str) -> Counter[Signature]:
+    """Call counts of every op signature of one micro-batch and one optimizer step of the model cut to `depth`."""
     optimizer = trace_part(workload, recipe, "optimizer", depth=depth, batch_size=1,
                            compute_capability=compute_capability)
     return Counter(passes_ops(workload, recipe, depth, compute_capability)) + Counter(optimizer.ops)
 
 
 def step_ops(workload: Workload, recipe: Recipe, compute_capability: str = DEFAULT_COMPUTE_CAPABILITY) -> StepOps:
-    """Op records of one micro-batch (forward, backward) and one optimizer step, at full depth."""
-    layers = num_layers(workload)
-    if layers in TRACE_DEPTHS or layers < TRACE_DEPTHS[0]:
-        calls = _step_at_depth(workload, recipe, layers, compute_capability)
+    """Op records of one micro-batch (forward, backward) and one optimizer step, at full depth: from
+    the cuts of the estimator's plan (`traces.step_traces`), or a cut as deep as the model."""
+    plan = step_traces(workload, recipe, compute_capability).plan
+    layers = plan.deltas[0].multiplier + TRACE_DEPTHS[0] if plan.how == "uniform" else None
+    if plan.how == "full" or (layers is not None and (layers in TRACE_DEPTHS or layers < TRACE_DEPTHS[0])):
+        calls = _step_at_depth(workload, recipe, layers if plan.how == "uniform" else None, compute_capability)
         records = [_record(sig, float(n)) for sig, n in calls.items()]
     else:
-        c_lo, c_hi = (_step_at_depth(workload, recipe, d, compute_capability) for d in TRACE_DEPTHS)
-        records = _extrapolate(c_lo, c_hi, layers)
+        counts = {c: _step_at_depth(workload, recipe, c, compute_capability) for c in plan.cuts}
+        records = _extrapolate(plan, counts)
     records.sort(key=lambda r: (STEP_PHASES.index(r.phase), -r.flops * r.count, -r.bytes * r.count))
     return StepOps(records=records)
 
@@ -132,35 +135,34 @@ def _record(sig: Signature, count: float) -> OpRecord:
                     bytes=moved, count=count, view=view, known=known)
 
 
-def _extrapolate(c_lo: Counter[Signature], c_hi: Counter[Signature], layers: int) -> list[OpRecord]:
-    """Records at `layers` blocks from the traces at TRACE_DEPTHS blocks.
+def _extrapolate(plan: TracePlan, counts: dict[Depth, Counter[Signature]]) -> list[OpRecord]:
+    """Records of the full model from the call counts of the plan's cuts (`TracePlan.combine`).
 
-    An op whose per-call cost is the same at both depths (every op of a block, and those
-    before and after the blocks) keeps its exact per-call cost; its count is linear in
-    depth. An op whose per-call cost grows with depth (the optimizer's foreach kernels
+    An op whose per-call cost is the same in every cut (every op of a block, and those before
+    and after the blocks) keeps its exact per-call cost; its count is affine in the blocks of
+    each kind. An op whose per-call cost grows with depth (the optimizer's foreach kernels
     over all parameters) has its totals extrapolated and is costed at the mean per call.
     """
-    lo = TRACE_DEPTHS[0]
 
     def group(sig: Signature) -> tuple[Any, ...]:
         return tuple(v for i, v in enumerate(sig) if i not in COST_FIELDS)
 
     def count_at(sig: Signature) -> float:
-        return affine(c_lo.get(sig, 0), c_hi.get(sig, 0), layers, lo)
+        return plan.combine(lambda c: counts[c].get(sig, 0))
 
     groups: dict[tuple[Any, ...], list[Signature]] = {}
-    for sig in set(c_lo) | set(c_hi):
+    for sig in {s for calls in counts.values() for s in calls}:
         groups.setdefault(group(sig), []).append(sig)
     records = []
     for key, sigs in groups.items():
-        counts = {sig: count_at(sig) for sig in sigs}
-        if all(n >= 0 for n in counts.values()):
-            records.extend(_record(sig, float(n)) for sig, n in counts.items() if n > 0)
+        at = {sig: count_at(sig) for sig in sigs}
+        if all(n >= 0 for n in at.values()):
+            records.extend(_record(sig, float(n)) for sig, n in at.items() if n > 0)
             continue
-        count = sum(counts.values())
+        count = sum(at.values())
         if count <= 0:
             continue
-        mean_cost = [sum(sig[i] * counts[sig] for sig in sigs) / count for i in COST_FIELDS]
+        mean_cost = [sum(sig[i] * at[sig] for sig in sigs) / count for i in COST_FIELDS]
         name, cls, phase, dtype, view, known = key
         mean: Signature = (name, cls, phase, dtype, round(mean_cost[0]), round(mean_cost[1]), round(mean_cost[2]),
                            view, known)

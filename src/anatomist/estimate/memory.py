@@ -1,10 +1,11 @@
 """Predict the memory anatomy of a training or inference step, offline.
 
-From the estimator's traces (`traces.py`: the passes at 2 and 3 blocks and 2 and 3 samples,
-the optimizer at 2 and 3 blocks): within one depth, the traces at the two batch sizes run
-the same ops, so their allocation curves are extrapolated point by point to the wanted
-batch size; then segment by segment to the full depth. The peak phase is chosen after
-extrapolation. A test checks this against a full-depth trace.
+From the estimator's traces (`traces.py`: the passes of each cut of the model's plan at 2 and 3
+samples, the optimizer of each cut; for a uniform stack the cuts are 2 and 3 blocks): within one
+cut, the traces at the two batch sizes run the same ops, so their allocation curves are
+extrapolated point by point to the wanted batch size; then segment by segment, and in the blocks
+block by block, to the full model. The peak phase is chosen after extrapolation. Tests check
+this against full-depth traces (test_extrapolation.py, test_uneven_stacks.py).
 
 The caching allocator's reserve (rounding, cached free blocks) does not extrapolate block
 by block; the ratio of peak reserved to peak allocated of the deepest, largest trace is
@@ -23,11 +24,12 @@ from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, TENSOR_CATEGORIES, MemoryAn
 from anatomist.errors import InputError
 from anatomist.estimate.rules import BytesPerParamRule, bytes_per_param_rule
 from anatomist.estimate.sharding import shard
-from anatomist.estimate.traces import TRACE_BATCHES, TRACE_DEPTHS, Mode, affine, step_traces
+from anatomist.estimate.traces import TRACE_BATCHES, Mode, StepTraces, affine, step_traces
 from anatomist.hardware import GPU
 from anatomist.recipe import Recipe
-from anatomist.trace.records import Curves, PhasePeak, StepTrace
-from anatomist.trace.step import num_layers
+from anatomist.trace.plan import TracePlan
+from anatomist.trace.records import Curves, PhasePeak
+from anatomist.trace.step import Depth
 from anatomist.workload import Workload, resolve_dtype
 
 MAX_BATCH_SEARCH = 1 << 16
@@ -66,91 +68,90 @@ class MemoryEstimate:
 
 @dataclass(slots=True)
 class _Model:
-    """Traces at depth and batch in {1, 2}, and how to extrapolate them to the full model."""
+    """The traces of a plan's cuts at two batch sizes, and how to extrapolate them to the full model."""
 
-    passes: dict[tuple[int, int], StepTrace]
-    """The forward/backward (or inference) traces."""
-    optimizer: dict[int, StepTrace] | None
-    """The optimizer traces by depth; None in inference."""
+    traces: StepTraces
 
-    def _linear(self, f1: float, f2: float, depth: int) -> float:
-        return affine(f1, f2, depth, TRACE_DEPTHS[0])
+    @property
+    def plan(self) -> TracePlan:
+        return self.traces.plan
 
-    def parameters(self, depth: int, trainable: bool = False) -> int:
-        t1, t2 = (self.passes[d, TRACE_BATCHES[0]] for d in TRACE_DEPTHS)
-        if trainable:
-            return round(self._linear(t1.trainable_parameters, t2.trainable_parameters, depth))
-        return round(self._linear(t1.parameters, t2.parameters, depth))
-
-    def state_bytes(self, depth: int) -> int:
-        if self.optimizer is None:
+    def state_bytes(self) -> int:
+        optimizer = self.traces.optimizer
+        if optimizer is None:
             return 0
-        f1, f2 = (self.optimizer[d].static_bytes.get(MemoryCategory.OPTIMIZER_STATES, 0) for d in TRACE_DEPTHS)
-        return round(self._linear(f1, f2, depth))
+        return round(self.plan.combine(lambda c: optimizer[c].static_bytes.get(MemoryCategory.OPTIMIZER_STATES, 0)))
 
     def phases(self) -> list[Phase]:
-        phases = list(self.passes[TRACE_DEPTHS[0], TRACE_BATCHES[0]].phases)
-        return phases + ([Phase.OPTIMIZER] if self.optimizer else [])
+        phases = list(self.traces.passes[self.plan.base, TRACE_BATCHES[0]].phases)
+        return phases + ([Phase.OPTIMIZER] if self.traces.optimizer else [])
 
-    def phase_at(self, phase: Phase, depth: int, batch: int) -> PhasePeak:
-        """The peak of `phase` at `depth` blocks and `batch` samples per pass.
+    def phase_at(self, phase: Phase, batch: int) -> PhasePeak:
+        """The peak of `phase` of the full model at `batch` samples per pass.
 
-        Per depth, the batch-2 and batch-3 curves are extrapolated point by point to `batch`.
-        Then, segment by segment, the points of the 1-block trace are matched with the same
-        points of the 2-block trace (for the blocks segment: with its first and with its
-        last block) and extrapolated point by point to `depth`; the peak is the highest
-        point. Where a segment's points do not match up, its peaks are extrapolated instead.
+        Per cut, the batch-2 and batch-3 curves are extrapolated point by point to `batch`.
+        Then, segment by segment (in the blocks, block by block: each block of the base with the
+        same block of each other cut), the points of the base are matched with the same points of
+        the other cuts and extrapolated point by point to the full model (`TracePlan.combine`);
+        the peak is the highest point. Where a segment's points do not match up, its peaks are
+        extrapolated instead.
         """
-        if phase is Phase.OPTIMIZER and self.optimizer is not None:
-            curves = {d: self.optimizer[d].curves for d in TRACE_DEPTHS}
-            points = {d: (c, c.allocated, c.categories) for d, c in curves.items()}
-            ratio = curves[TRACE_DEPTHS[1]].reserve_ratio
+        optimizer = self.traces.optimizer
+        if phase is Phase.OPTIMIZER and optimizer is not None:
+            points = {c: (optimizer[c].curves, optimizer[c].curves.allocated, optimizer[c].curves.categories)
+                      for c in self.plan.cuts}
+            ratio = optimizer[self.plan.deepest].curves.reserve_ratio
         else:
-            points = {d: self._at_batch(d, batch) for d in TRACE_DEPTHS}
-            ratio = self.passes[TRACE_DEPTHS[1], TRACE_BATCHES[1]].curves.reserve_ratio
+            points = {c: self._at_batch(c, batch) for c in self.plan.cuts}
+            ratio = self.traces.passes[self.plan.deepest, TRACE_BATCHES[1]].curves.reserve_ratio
         best_allocated, best_categories = -1.0, None
-        keys = [k for k in points[TRACE_DEPTHS[0]][0].index if k[0] is phase]
+        keys = [k for k in points[self.plan.base][0].index if k[0] is phase]
         for key in keys:
-            for allocated, categories in self._segment_at_depth(points, key, depth):
-                i = int(np.argmax(allocated))
-                if allocated[i] > best_allocated:
-                    best_allocated, best_categories = float(allocated[i]), categories[i]
+            allocated, categories = self._segment(points, key)
+            i = int(np.argmax(allocated))
+            if allocated[i] > best_allocated:
+                best_allocated, best_categories = float(allocated[i]), categories[i]
         peak = PhasePeak.from_vector(best_allocated, best_categories if best_categories is not None else [0.0] * len(TENSOR_CATEGORIES))
         # Fragmentation does not extrapolate block by block; its ratio to the peak does, roughly.
         peak.reserved = max(peak.allocated, round(peak.allocated * ratio))
         if phase is not Phase.OPTIMIZER:
-            states = self.state_bytes(depth)  # alive, unchanged, through forward and backward
+            states = self.state_bytes()  # alive, unchanged, through forward and backward
             peak.categories[MemoryCategory.OPTIMIZER_STATES] += states
             peak.allocated += states
             peak.reserved += states
         return peak
 
-    def _segment_at_depth(
-        self, points: dict[int, tuple[Curves, np.ndarray, np.ndarray]], key: tuple[Phase, str, int], depth: int
-    ) -> list[tuple[np.ndarray, np.ndarray]]:
-        lo_d, hi_d = TRACE_DEPTHS
-        (k1, a1, c1), (k2, a2, c2) = points[lo_d], points[hi_d]
-        empty = np.empty(0, dtype=np.int64)
-        i1, i2 = k1.index.get(key, empty), k2.index.get(key, empty)
-        if len(i1) == 0 or len(i2) == 0:
-            return []
-        if len(i1) == len(i2):
-            alignments = [i2]
-        elif key[1] == "blocks" and len(i2) > len(i1):
-            alignments = [i2[: len(i1)], i2[-len(i1):]]
-        else:  # no point-wise match: extrapolate the segment peaks
-            j1, j2 = i1[np.argmax(a1[i1])], i2[np.argmax(a2[i2])]
-            return [(
-                np.array([affine(a1[j1], a2[j2], depth, lo_d)]),
-                affine(c1[j1], c2[j2], depth, lo_d)[None, :],
-            )]
-        return [
-            (affine(a1[i1], a2[j], depth, lo_d), affine(c1[i1], c2[j], depth, lo_d)) for j in alignments
-        ]
+    def _segment(
+        self, points: dict[Depth, tuple[Curves, np.ndarray, np.ndarray]], key: tuple[Phase, str, int, int]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The points of one segment (one block, in the blocks) of the base, extrapolated to the full model."""
+        k0, a0, c0 = points[self.plan.base]
+        i0 = k0.index[key]
+        matched = []
+        for delta in self.plan.deltas:
+            curves, a, c = points[delta.cut]
+            phase, segment, micro, block = key
+            i = curves.index.get((phase, segment, micro, delta.aligned(block) if block >= 0 else block))
+            matched.append((delta.multiplier, i, a, c))
+        if all(i is not None and len(i) == len(i0) for _, i, _, _ in matched):
+            allocated, categories = a0[i0].copy(), c0[i0].copy()
+            for m, i, a, c in matched:
+                allocated += m * (a[i] - a0[i0])
+                categories += m * (c[i] - c0[i0])
+            return allocated, categories
+        # No point-wise match: extrapolate the segment's peak (a cut without the segment adds nothing).
+        j0 = i0[np.argmax(a0[i0])]
+        allocated, categories = a0[j0:j0 + 1].copy(), c0[j0:j0 + 1].copy()
+        for m, i, a, c in matched:
+            if i is not None and len(i):
+                j = i[np.argmax(a[i])]
+                allocated += m * (a[j] - a0[j0])
+                categories += m * (c[j:j + 1] - c0[j0:j0 + 1])
+        return allocated, categories
 
-    def _at_batch(self, depth: int, batch: int) -> tuple[Curves, np.ndarray, np.ndarray]:
-        """The depth's curve (its points' keys, allocated, categories) extrapolated to `batch` samples."""
-        lo, hi = (self.passes[depth, b].curves for b in TRACE_BATCHES)
+    def _at_batch(self, cut: Depth, batch: int) -> tuple[Curves, np.ndarray, np.ndarray]:
+        """The cut's curve (its points' keys, allocated, categories) extrapolated to `batch` samples."""
+        lo, hi = (self.traces.passes[cut, b].curves for b in TRACE_BATCHES)
         if lo.keys != hi.keys:
             raise RuntimeError(
                 f"the traced op sequence changed between batch {TRACE_BATCHES[0]} and {TRACE_BATCHES[1]}; "
@@ -159,11 +160,6 @@ class _Model:
         allocated = affine(lo.allocated, hi.allocated, batch, TRACE_BATCHES[0])
         categories = affine(lo.categories, hi.categories, batch, TRACE_BATCHES[0])
         return lo, allocated, categories
-
-
-def _fit(workload: Workload, recipe: Recipe, gpu: GPU, mode: Mode) -> _Model:
-    traces = step_traces(workload, recipe, gpu.compute_capability, mode)
-    return _Model(traces.passes, traces.optimizer)
 
 
 def memory_limit_bytes(gpu: GPU, margin: float) -> int:
@@ -196,15 +192,14 @@ def estimate_memory(
     """
     limit = memory_limit_bytes(gpu, margin)
     recipe = resolve_dtype(workload, recipe)
-    model = _fit(workload, recipe, gpu, mode)
-    depth = num_layers(workload)
+    traces = step_traces(workload, recipe, gpu.compute_capability, mode)
+    model = _Model(traces)
     batch = recipe.per_device_train_batch_size
-    parameters = model.parameters(depth)
-    trainable = model.parameters(depth, trainable=True)
+    parameters, trainable = traces.parameters, traces.trainable_parameters
 
     def phases_at(b: int) -> dict[Phase, PhasePeak]:
         return {
-            phase: shard(model.phase_at(phase, depth, b), recipe, parameters, num_gpus, mode, phase)
+            phase: shard(model.phase_at(phase, b), recipe, parameters, num_gpus, mode, phase)
             for phase in model.phases()
         }
 
@@ -241,7 +236,7 @@ def estimate_memory(
         max_batch_size=max_batch,
         rule=rule,
         phase_peaks={str(p): v.allocated for p, v in phases.items()},
-        notes=_notes(workload, recipe, anatomy, rule),
+        notes=[*traces.notes, *_notes(workload, recipe, anatomy, rule)],
     )
 
 

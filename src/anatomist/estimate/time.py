@@ -151,7 +151,8 @@ def time_from_ops(
     step_s = sum(phases.values())
     flops = ops.flops_per_step(accumulation)
     samples = recipe.per_device_train_batch_size * accumulation
-    peak = gpu.peak_tflops(recipe_precision(recipe, gpu)) * 1e12
+    # A GPU without tensor cores for the dtype (bf16 on a V100) runs it at its fp32 rate at best.
+    peak = (gpu.peak_tflops(recipe_precision(recipe, gpu)) or gpu.fp32_tflops) * 1e12
     return TimeAnatomy(
         step_s=step_s,
         samples_per_second=samples / step_s,

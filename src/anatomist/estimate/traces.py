@@ -1,10 +1,15 @@
 """The traces the estimator takes of a step, shared by the memory and the time prediction.
 
 A training step is traced in two parts (forward/backward, optimizer: `trace.step.trace_part`)
-on models cut to `TRACE_DEPTHS` blocks; the passes at `TRACE_BATCHES` samples. Everything
-the estimator reports is extrapolated from these few traces: every figure of a step is
-affine in the number of repeated blocks and, at one depth, in the batch size (each block
-and each sample adds the same tensors and the same ops).
+on the cuts of the model its plan names (`trace.plan`: the model cut to 2 and 3 blocks for a
+stack of blocks all alike, one block of each kind for stacks of several, or the full model); the
+passes at `TRACE_BATCHES` samples. Everything the estimator reports is extrapolated from these
+few traces: every figure of a step is affine in the number of blocks of each kind and, for one
+cut, in the batch size (each block and each sample adds the same tensors and the same ops).
+
+Never silently wrong: after every plan, the parameter count the traces imply must equal the exact
+count of the full model built on the meta device. Where it does not, the model is traced at full
+depth; where even that disagrees, the notes say so.
 """
 
 from __future__ import annotations
@@ -13,15 +18,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 from anatomist.recipe import Recipe
+from anatomist.trace.plan import TRACE_DEPTHS, TracePlan, full_plan, model_plan
 from anatomist.trace.records import StepTrace
-from anatomist.trace.step import trace_part
-from anatomist.workload import Workload
+from anatomist.trace.step import Depth, Part, trace_part
+from anatomist.workload import Workload, resolve_dtype
+
+__all__ = ["TRACE_BATCHES", "TRACE_DEPTHS", "Mode", "StepTraces", "affine", "implied_parameters", "step_traces"]
 
 Mode = Literal["train", "inference"]
 
-TRACE_DEPTHS = (2, 3)
-"""Blocks of the traced models: not 1, where the first block, which reads the embeddings,
-would be the only one."""
 TRACE_BATCHES = (2, 3)
 """Batch sizes of the traces: not 1, where size-1 dimensions make some copies views, so the
 op sequence (and the curve) differs from every larger batch."""
@@ -34,26 +39,63 @@ def affine(f_lo: float, f_hi: float, x: int, lo: int) -> float:
 
 @dataclass(frozen=True, slots=True)
 class StepTraces:
-    """The traces of one recipe: passes by (depth, batch), optimizer by depth (None in inference)."""
+    """The traces of one recipe: passes by (cut, batch), optimizer by cut (None in inference)."""
 
-    passes: dict[tuple[int, int], StepTrace]
-    optimizer: dict[int, StepTrace] | None
+    plan: TracePlan
+    passes: dict[tuple[Depth, int], StepTrace]
+    optimizer: dict[Depth, StepTrace] | None
+    parameters: int
+    """Exact parameters of the full model as the recipe trains it (the meta-device count)."""
+    trainable_parameters: int
+    notes: tuple[str, ...]
+    """What the Estimate must say of how it was traced (plans other than uniform, a count that
+    does not add up)."""
 
 
 def step_traces(workload: Workload, recipe: Recipe, compute_capability: str, mode: Mode = "train",
                 *, use_cache: bool = True) -> StepTraces:
-    """The passes at TRACE_DEPTHS x TRACE_BATCHES and, in training, the optimizer at TRACE_DEPTHS."""
-    part = "forward-backward" if mode == "train" else "inference"
-    passes = {
-        (d, b): trace_part(workload, recipe, part, depth=d, batch_size=b, compute_capability=compute_capability,
-                           use_cache=use_cache)
-        for d in TRACE_DEPTHS for b in TRACE_BATCHES
-    }
-    optimizer = None
-    if mode == "train":
-        optimizer = {
-            d: trace_part(workload, recipe, "optimizer", depth=d, batch_size=1, compute_capability=compute_capability,
-                          use_cache=use_cache)
-            for d in TRACE_DEPTHS
+    """The passes of each cut of the plan at TRACE_BATCHES and, in training, the optimizer of each cut;
+    at full depth instead where the parameters they imply are not the model's exact count."""
+    recipe = resolve_dtype(workload, recipe)
+    model = model_plan(workload, recipe, use_cache=use_cache)
+
+    def traced(plan: TracePlan) -> StepTraces:
+        part: Part = "forward-backward" if mode == "train" else "inference"
+        passes = {
+            (c, b): trace_part(workload, recipe, part, depth=c, batch_size=b, compute_capability=compute_capability,
+                               use_cache=use_cache)
+            for c in plan.cuts for b in TRACE_BATCHES
         }
-    return StepTraces(passes=passes, optimizer=optimizer)
+        optimizer = None
+        if mode == "train":
+            optimizer = {
+                c: trace_part(workload, recipe, "optimizer", depth=c, batch_size=1,
+                              compute_capability=compute_capability, use_cache=use_cache)
+                for c in plan.cuts
+            }
+        return StepTraces(plan=plan, passes=passes, optimizer=optimizer, parameters=model.parameters,
+                          trainable_parameters=model.trainable_parameters,
+                          notes=(plan.note,) if plan.note else ())
+
+    traces = traced(model.plan)
+    implied = implied_parameters(traces)
+    exact = (model.parameters, model.trainable_parameters)
+    if implied != exact and model.plan.how != "full":
+        why = (f"the traced cuts imply {implied[0]:,} parameters ({implied[1]:,} trainable), the model has "
+               f"{exact[0]:,} ({exact[1]:,})")
+        traces = traced(full_plan(model.blocks, why))
+        implied = implied_parameters(traces)
+    if implied != exact:
+        note = (f"the traces count {implied[0]:,} parameters ({implied[1]:,} trainable) but the model built on "
+                f"the meta device has {exact[0]:,} ({exact[1]:,}): memory and time may be off accordingly")
+        traces = StepTraces(plan=traces.plan, passes=traces.passes, optimizer=traces.optimizer,
+                            parameters=traces.parameters, trainable_parameters=traces.trainable_parameters,
+                            notes=(*traces.notes, note))
+    return traces
+
+
+def implied_parameters(traces: StepTraces) -> tuple[int, int]:
+    """(parameters, trainable parameters) of the full model as the plan adds the traces up."""
+    at = {c: traces.passes[c, TRACE_BATCHES[0]] for c in traces.plan.cuts}
+    return (round(traces.plan.combine(lambda c: at[c].parameters)),
+            round(traces.plan.combine(lambda c: at[c].trainable_parameters)))

@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from anatomist.trace.records import StepTrace
 
@@ -36,7 +36,8 @@ MAX_DISK_BYTES = 512 * 2**20
 """Size of the disk cache beyond which the least recently written traces are deleted."""
 _SUFFIX = ".trace"
 
-_memory: OrderedDict[tuple[Any, ...], StepTrace] = OrderedDict()
+T = TypeVar("T")
+_memory: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
 _disk_enabled = os.environ.get("ANATOMIST_NO_CACHE", "") in ("", "0")
 
 
@@ -87,13 +88,16 @@ def disk_key(key: tuple[Any, ...]) -> str:
     return hashlib.sha256(repr((_versions(), key)).encode()).hexdigest()[:40]
 
 
-def get_or_trace(key: tuple[Any, ...], trace: Callable[[], StepTrace]) -> StepTrace:
-    """The trace of `key`: from memory, else from disk, else `trace()` (then stored in both)."""
+def get_or_trace(key: tuple[Any, ...], trace: Callable[[], T], kind: type[T] = StepTrace) -> T:  # type: ignore[assignment]
+    """The trace of `key`: from memory, else from disk, else `trace()` (then stored in both).
+
+    `kind`: the type of what is stored (a StepTrace, or another of anatomist's plain records
+    derived from the model alone, such as the estimator's trace plan)."""
     if key in _memory:
         _memory.move_to_end(key)
-        return _memory[key]
+        return _memory[key]  # type: ignore[return-value]
     name = disk_key(key) + _SUFFIX if _disk_enabled else None
-    found = _load(name) if name is not None else None
+    found = _load(name, kind) if name is not None else None
     if found is None:
         found = trace()
         if name is not None:
@@ -109,7 +113,7 @@ def clear_memory() -> None:
     _memory.clear()
 
 
-def _load(name: str) -> StepTrace | None:
+def _load(name: str, kind: type[T] = StepTrace) -> T | None:  # type: ignore[assignment]
     path = cache_dir() / name
     try:
         data = path.read_bytes()
@@ -123,7 +127,7 @@ def _load(name: str) -> StepTrace | None:
     except Exception as exc:  # noqa: BLE001 - any damage to the file means: trace again
         _warn(f"ignoring an unreadable trace cache entry {path} ({type(exc).__name__}); tracing again")
         return None
-    if not isinstance(value, StepTrace):
+    if not isinstance(value, kind):
         _warn(f"ignoring a trace cache entry of the wrong type {path}; tracing again")
         return None
     with _suppress_os_errors():
@@ -131,7 +135,7 @@ def _load(name: str) -> StepTrace | None:
     return value
 
 
-def _store(name: str, value: StepTrace) -> None:
+def _store(name: str, value: Any) -> None:
     folder = cache_dir()
     data = zlib.compress(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), 1)
     try:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 _original_dropout = F.dropout
 _original_sdpa = F.scaled_dot_product_attention
@@ -72,6 +73,18 @@ def _cuda_sdpa(
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         # The fused kernels take an additive mask; a bool one is converted the same way.
         attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(~attn_mask, float("-inf"))
+    if value.shape[-1] != query.shape[-1]:
+        # DeepSeek's multi-head latent attention: values narrower than queries and keys. CUDA's
+        # flash kernel needs one head size, so SDPA runs the memory-efficient kernel (out and an
+        # fp32 log-sum-exp kept for backward). It has no CPU kernel: fake tensors run its meta
+        # kernel; real CPU tensors (tests) take the math path.
+        if not isinstance(query, FakeTensor):
+            return _original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                  is_causal=is_causal, scale=scale)
+        out, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask, True, 0.0, is_causal, scale=scale
+        )
+        return out
     # Dropout is applied inside the fused CUDA kernels without keeping a mask, so the memory
     # is that of the kernel without dropout.
     out, _logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(

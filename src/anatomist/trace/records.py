@@ -53,6 +53,8 @@ class Event:
     """Where in the phase: "pre" (before the repeated blocks), "blocks", "post" (after them)."""
     micro_step: int = 0
     """Which micro-batch of an accumulating step (0 or 1)."""
+    block: int = -1
+    """In the "blocks" segment, which block (its place among the model's repeated blocks); else -1."""
 
 
 @dataclass(slots=True)
@@ -90,8 +92,8 @@ class Curves:
     curves line up event by event, and each point is affine in the batch size.
     """
 
-    keys: list[tuple[Phase, str, int]]
-    """(phase, segment, micro-step) of each point."""
+    keys: list[tuple[Phase, str, int, int]]
+    """(phase, segment, micro-step, block) of each point."""
     allocated: np.ndarray
     """[points] live bytes (each tensor rounded to the allocator's 512 B) after the allocation.
 
@@ -101,11 +103,11 @@ class Curves:
     """[points, len(TENSOR_CATEGORIES)] the same bytes by category."""
     reserve_ratio: float
     """Peak reserved over peak live bytes of the allocator replay."""
-    index: dict[tuple[Phase, str, int], np.ndarray] = dataclasses.field(init=False)
+    index: dict[tuple[Phase, str, int, int], np.ndarray] = dataclasses.field(init=False)
     """The positions of each key's points, in order."""
 
     def __post_init__(self) -> None:
-        positions: dict[tuple[Phase, str, int], list[int]] = {}
+        positions: dict[tuple[Phase, str, int, int], list[int]] = {}
         for i, key in enumerate(self.keys):
             positions.setdefault(key, []).append(i)
         self.index = {key: np.array(where, dtype=np.int64) for key, where in positions.items()}
@@ -122,7 +124,7 @@ class Curves:
     def peaks(self, phases: list[Phase]) -> dict[tuple[Phase, str], PhasePeak]:
         """The peak of every (phase, segment) of `phases` (zero where a segment has no point)."""
         best: dict[tuple[Phase, str], int] = {}
-        for i, (phase, segment, _micro) in enumerate(self.keys):
+        for i, (phase, segment, _micro, _block) in enumerate(self.keys):
             key = (phase, segment)
             if phase in phases and (key not in best or self.allocated[i] > self.allocated[best[key]]):
                 best[key] = i
@@ -143,7 +145,7 @@ def curves_of(trace: Trace) -> Curves:
     blocks: dict[int, Any] = {}
     index = {c: j for j, c in enumerate(TENSOR_CATEGORIES)}
     current = [0] * len(TENSOR_CATEGORIES)
-    keys: list[tuple[Phase, str, int]] = []
+    keys: list[tuple[Phase, str, int, int]] = []
     totals: list[int] = []
     rows: list[list[int]] = []
     live = 0
@@ -154,7 +156,7 @@ def curves_of(trace: Trace) -> Curves:
             size = round_size(event.nbytes)
             current[category] += size
             live += size
-            keys.append((event.phase, event.segment, event.micro_step))
+            keys.append((event.phase, event.segment, event.micro_step, event.block))
             totals.append(live)
             rows.append(list(current))
         else:

@@ -13,12 +13,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from anatomist.anatomy import MemoryCategory, Phase
+from anatomist.errors import InputError
 from anatomist.recipe import Recipe
 from anatomist.trace.allocator import round_size
 from anatomist.trace.autocast import cuda_autocast_policy
@@ -26,14 +30,18 @@ from anatomist.trace.cuda_model import cublas_workspace_bytes, cuda_code_paths, 
 from anatomist.trace.optimizers import build_optimizer
 from anatomist.trace.peft import apply_peft, counted_parameters
 from anatomist.trace.records import StepTrace, curves_of
+from anatomist.trace.stack import LAYER_COUNT_FIELDS, Cut, block_lists, cut_workload
 from anatomist.trace.tracer import StepTracer
 from anatomist.workload import Workload, resolve_dtype
 
-LAYER_COUNT_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers")
+Depth = int | Cut | None
+"""What a trace keeps of the model: every stack cut to that many blocks (int), the layers a `Cut`
+names, or the whole model (None)."""
 
 
 def model_at_depth(workload: Workload, num_layers: int) -> Workload:
-    """A copy of the workload whose model has `num_layers` repeated blocks."""
+    """A copy of the workload whose model has `num_layers` repeated blocks in every stack (the
+    per-layer lists repeated, the index lists cut): right for stacks of blocks all alike."""
     config = copy.deepcopy(workload.config)
     for name in LAYER_COUNT_FIELDS:
         if isinstance(getattr(config, name, None), int):
@@ -45,15 +53,6 @@ def model_at_depth(workload: Workload, num_layers: int) -> Workload:
     if isinstance(mlp_only, list):
         config.mlp_only_layers = [i for i in mlp_only if i < num_layers]
     return dataclasses.replace(workload, config=config)
-
-
-def num_layers(workload: Workload) -> int:
-    """Repeated blocks of the model (encoder and decoder stacks count once each)."""
-    for name in LAYER_COUNT_FIELDS:
-        value = getattr(workload.config, name, None)
-        if isinstance(value, int):
-            return value
-    return 1
 
 
 def lower_dtype(recipe: Recipe) -> torch.dtype | None:
@@ -86,7 +85,7 @@ optimizer share the passes' traces and the other way round; batch size, accumula
 2 micro-batches and sharding change no trace (they are arithmetic on it)."""
 
 
-def part_key(workload: Workload, recipe: Recipe, part: Part, depth: int | None, batch_size: int,
+def part_key(workload: Workload, recipe: Recipe, part: Part, depth: Depth, batch_size: int,
              compute_capability: str) -> tuple[Any, ...]:
     """Everything that decides the trace of `part`: the key of the trace caches."""
     recipe = resolve_dtype(workload, recipe)
@@ -97,7 +96,7 @@ def part_key(workload: Workload, recipe: Recipe, part: Part, depth: int | None, 
     )
 
 
-def trace_part(workload: Workload, recipe: Recipe, part: Part, *, depth: int, batch_size: int,
+def trace_part(workload: Workload, recipe: Recipe, part: Part, *, depth: Depth, batch_size: int,
                compute_capability: str, use_cache: bool = True) -> StepTrace:
     """The fake-tensor trace of one part of a step (see `trace_step`), with its ops recorded.
 
@@ -119,7 +118,7 @@ def trace_step(
     workload: Workload,
     recipe: Recipe,
     *,
-    depth: int | None,
+    depth: Depth,
     batch_size: int,
     compute_capability: str,
     part: Part = "forward-backward",
@@ -127,7 +126,8 @@ def trace_step(
     record_ops: bool = False,
     observers: tuple[Any, ...] = (),
 ) -> StepTrace:
-    """Trace one part of a step of `workload` cut to `depth` blocks (None: the full model).
+    """Trace one part of a step of `workload` cut to `depth` (an int: blocks per stack; a Cut: those
+    layers; None: the full model).
 
     The estimator traces a training step in two independent parts, so that recipes that
     differ only in the optimizer share the forward/backward trace (and vice versa):
@@ -143,7 +143,15 @@ def trace_step(
         observers: further dispatch modes to run inside the trace (e.g. a FlopCounterMode).
     """
     recipe = resolve_dtype(workload, recipe)
-    shallow = model_at_depth(workload, depth) if depth is not None else workload
+    if depth is None:  # a copy all the same: building sets num_labels and pad_token_id on the config
+        shallow = dataclasses.replace(workload, config=copy.deepcopy(workload.config))
+    else:
+        shallow = model_at_depth(workload, depth) if isinstance(depth, int) else cut_workload(workload, depth)
+    if workload.task == "sequence-classification" and getattr(shallow.config, "problem_type", None) is None:
+        # The loss the Trainer's integer labels get. Left unset, DeBERTa picks the labelled rows
+        # with nonzero(), whose size depends on the labels' values: a trace without data cannot
+        # follow it. The memory differs by a few bytes per sample.
+        shallow.config.problem_type = "single_label_classification" if workload.num_labels > 1 else "regression"
     attn = "sdpa" if recipe.attn_implementation == "flash_attention_2" else recipe.attn_implementation
     fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     if fake:
@@ -163,6 +171,7 @@ def trace_step(
     autocast = torch.autocast("cpu", dtype=lower) if lower is not None else contextlib.nullcontext()
     static: dict[MemoryCategory, int] = {}
     with contextlib.ExitStack() as modes:
+        modes.enter_context(data_dependent_code_is_input_error(workload, recipe))
         if lower is not None:
             modes.enter_context(cuda_autocast_policy())  # autocast casts as on CUDA, not as on CPU
         for mode in (fake_mode, *observers, tracer, cuda_code_paths()):
@@ -202,6 +211,32 @@ def trace_step(
     )
 
 
+@contextlib.contextmanager
+def data_dependent_code_is_input_error(workload: Workload, recipe: Recipe) -> Iterator[None]:
+    """Turn a fake tensor's refusal of a data-dependent op into one clear line (exit code 2).
+
+    Fake tensors have shapes but no values: an op whose output size depends on the values
+    (nonzero, masked_select, unique) cannot be traced. Model code that calls one on the step's
+    path cannot be estimated offline; the message names the op and the line of model code.
+
+    Raises:
+        InputError: in place of torch's DynamicOutputShapeException / DataDependentOutputException.
+    """
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    try:
+        yield
+    except (DynamicOutputShapeException, DataDependentOutputException) as exc:
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if "transformers" in f.filename]
+        where = f" in {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+        other = "sdpa" if recipe.attn_implementation == "eager" else "eager"
+        raise InputError(
+            f"{workload.name}: cannot be estimated without data: its code{where} calls {getattr(exc, 'func', exc)}, "
+            f"whose output size depends on the values; if that is its attention code, try "
+            f"--attn-implementation {other}"
+        ) from None
+
+
 def create_state(
     params: list[torch.nn.Parameter], recipe: Recipe, tracer: StepTracer
 ) -> tuple[torch.optim.Optimizer, int]:
@@ -220,7 +255,7 @@ def optimizer_phase(
     params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, recipe: Recipe, tracer: StepTracer
 ) -> None:
     """Unscale (fp16), clip and step, then free the gradients, as the Trainer does."""
-    tracer.phase, tracer.segment = Phase.OPTIMIZER, "pre"
+    tracer.phase, tracer.segment, tracer.block = Phase.OPTIMIZER, "pre", -1
     grads = [p.grad for p in params if p.grad is not None]
     if recipe.fp16:
         torch._foreach_mul_(grads, 1.0 / 65536.0)  # GradScaler.unscale_ works in place
@@ -254,30 +289,19 @@ def forward_backward(
     # Two micro-batches when gradients accumulate: the second forward runs with gradients alive.
     for micro in range(min(recipe.gradient_accumulation_steps, 2)):
         tracer.micro_step = micro
-        tracer.phase, tracer.segment = Phase.FORWARD, "pre"
+        tracer.phase, tracer.segment, tracer.block = Phase.FORWARD, "pre", -1
         batch = make_batch(workload, batch_size)
         with autocast:
             loss = model(**batch).loss
         loss = loss / recipe.gradient_accumulation_steps
         del batch
         tracer.label_phase_survivors(Phase.FORWARD, MemoryCategory.ACTIVATIONS)
-        tracer.phase, tracer.segment = Phase.BACKWARD, "post"
+        tracer.phase, tracer.segment, tracer.block = Phase.BACKWARD, "post", -1
         if scale is not None:
             loss = loss * scale
         loss.backward()
         del loss
         tracer.label_live([p.grad for p in params if p.grad is not None], MemoryCategory.GRADIENTS)
-
-
-def _repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The blocks of every ModuleList whose length is the model's layer count, in order."""
-    config = getattr(model, "config", None)
-    counts = {getattr(config, name, None) for name in LAYER_COUNT_FIELDS} - {None}
-    blocks: list[torch.nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) in counts and len(module) > 0:
-            blocks.extend(module)
-    return blocks
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -289,41 +313,46 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
 
 
 def _watch_blocks(model: torch.nn.Module, tracer: StepTracer) -> None:
-    """Mark the segments "pre", "blocks", "post" of forward and backward through hooks.
+    """Mark the segments "pre", "blocks", "post" of forward and backward, and in "blocks" which
+    block runs, through hooks (the blocks: `stack.block_lists`, in the model's order).
 
-    Forward enters "blocks" at the first block's input and "post" after the last block.
-    Backward runs the other way: it enters "blocks" when the gradient of the last block's
-    output exists, and "pre" when the gradient of the first block's input does.
+    Forward enters block i at its input. Backward runs the other way: it enters the last block
+    when the gradient of its output exists, block i - 1 when the gradient of block i's input
+    does, and "pre" at the gradient of the first block's input.
     """
-    blocks = _repeated_blocks(model)
+    blocks = [b for _, modules in block_lists(model, model.config) for b in modules]
     if not blocks:
         return
-    first, last = blocks[0], blocks[-1]
+    last = len(blocks) - 1
 
-    def set_segment(name: str) -> Any:
+    def enter(block: int) -> Any:
         def hook(*_: Any) -> None:
-            tracer.segment = name
+            tracer.segment, tracer.block = ("blocks", block) if block >= 0 else ("pre", -1)
 
         return hook
 
-    def enter_blocks(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if tracer.phase is not Phase.FORWARD:
-            return  # recomputation under gradient checkpointing
-        tracer.segment = "blocks"
-        hidden = _first_tensor(args) if args else _first_tensor(kwargs.get("hidden_states"))
-        if hidden is not None and hidden.requires_grad:
-            hidden.register_hook(set_segment("pre"))
+    def enter_block(block: int) -> Any:
+        def hook(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if tracer.phase is not Phase.FORWARD:
+                return  # recomputation under gradient checkpointing
+            tracer.segment, tracer.block = "blocks", block
+            hidden = _first_tensor(args) if args else _first_tensor(kwargs.get("hidden_states"))
+            if hidden is not None and hidden.requires_grad:
+                hidden.register_hook(enter(block - 1))
+
+        return hook
 
     def leave_blocks(_module: Any, _args: Any, output: Any) -> None:
         if tracer.phase is not Phase.FORWARD:
             return
-        tracer.segment = "post"
+        tracer.segment, tracer.block = "post", -1
         hidden = _first_tensor(output)
         if hidden is not None and hidden.requires_grad:
-            hidden.register_hook(set_segment("blocks"))
+            hidden.register_hook(enter(last))
 
-    first.register_forward_pre_hook(enter_blocks, with_kwargs=True)
-    last.register_forward_hook(leave_blocks)
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(enter_block(i), with_kwargs=True)
+    blocks[last].register_forward_hook(leave_blocks)
 
 
 def _inference_step(

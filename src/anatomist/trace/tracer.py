@@ -56,6 +56,8 @@ class StepTracer(TorchDispatchMode):
         self.trace = Trace()
         self.phase = Phase.SETUP
         self.segment = "pre"
+        self.block = -1
+        """Which repeated block runs (in the "blocks" segment), else -1."""
         self.micro_step = 0
         self._ids = itertools.count()
         self._live: dict[int, tuple[int, weakref.ref[Any]]] = {}  # storage key -> (alloc_id, ref)
@@ -80,7 +82,7 @@ class StepTracer(TorchDispatchMode):
         """An allocation that has no tensor here (e.g. the cuBLAS workspace); never freed."""
         alloc_id = next(self._ids)
         self.trace.allocations[alloc_id] = Allocation(alloc_id, nbytes, self.phase, category, True)
-        self.trace.events.append(Event(alloc_id, nbytes, self.phase, self.segment, self.micro_step))
+        self.trace.events.append(Event(alloc_id, nbytes, self.phase, self.segment, self.micro_step, self.block))
         return alloc_id
 
     # -- labelling -------------------------------------------------------------------
@@ -137,7 +139,7 @@ class StepTracer(TorchDispatchMode):
         alloc_id = next(self._ids)
         nbytes = int(st.nbytes())
         self.trace.allocations[alloc_id] = Allocation(alloc_id, nbytes, self.phase)
-        self.trace.events.append(Event(alloc_id, nbytes, self.phase, self.segment, self.micro_step))
+        self.trace.events.append(Event(alloc_id, nbytes, self.phase, self.segment, self.micro_step, self.block))
         ref = weakref.ref(st, self._freed_callback(key))
         self._live[key] = (alloc_id, ref)
         return alloc_id
@@ -147,6 +149,6 @@ class StepTracer(TorchDispatchMode):
             entry = self._live.pop(key, None)
             if entry is not None:
                 alloc = self.trace.allocations[entry[0]]
-                self.trace.events.append(Event(entry[0], -alloc.nbytes, self.phase, self.segment, self.micro_step))
+                self.trace.events.append(Event(entry[0], -alloc.nbytes, self.phase, self.segment, self.micro_step, self.block))
 
         return freed
