@@ -30,7 +30,7 @@ from anatomist.hardware import get_gpu
 from anatomist.model_catalog import catalog_entries
 from anatomist.recipe import Recipe
 from anatomist.trace import cache
-from anatomist.trace import plan as plan_module
+from anatomist.trace import cuts as cuts_module
 from anatomist.trace.step import trace_step
 from anatomist.workload import Workload, config_from_dict, load_workload
 
@@ -119,9 +119,9 @@ def test_a_plan_whose_count_is_wrong_falls_back_to_full_depth(monkeypatch):
     workload = _workload("t5-uneven-depths")
     workload.config.d_ff = 96  # a model of its own: no plan or trace of the other test is reused
     recipe = _recipe(workload)
-    uniform = plan_module.TracePlan(base=2, deltas=(plan_module.Delta(cut=3, multiplier=14, inserted=(1, 4)),),
+    uniform = cuts_module.TracePlan(base=2, deltas=(cuts_module.Delta(cut=3, multiplier=14, inserted=(1, 4)),),
                                     how="uniform")
-    monkeypatch.setattr(plan_module, "trace_plan", lambda *_: uniform)
+    monkeypatch.setattr(cuts_module, "trace_plan", lambda *_: uniform)
     traces = step_traces(workload, recipe, GPU.compute_capability, "inference")
     assert traces.plan.how == "full"
     assert "imply" in traces.plan.note and f"{traces.parameters:,}" in traces.plan.note

@@ -10,7 +10,7 @@ Batch size: each op's FLOPs and bytes are affine in it, so the passes at any bat
 extrapolated op by op from the traces at 2 and 3 samples (where the two op sequences do not
 line up, the batch is traced directly). Depth: op counts are linear in the number of
 repeated blocks of each kind, so the step is extrapolated from the cuts of the estimator's plan
-(`trace.plan`), for a uniform stack the traces at 2 and 3 blocks: n(L) = n2 + (L - 2)(n3 - n2).
+(`trace.cuts`), for a uniform stack the traces at 2 and 3 blocks: n(L) = n2 + (L - 2)(n3 - n2).
 
 Known limitations: the CPU code paths stand in for CUDA's (`trace.cuda_model`), so a few ops
 differ from what CUDA runs (e.g. CPU's flash-attention kernel stands in for the CUDA SDPA
@@ -26,7 +26,7 @@ from typing import Any
 from anatomist.anatomy import OpClass, Phase
 from anatomist.estimate.traces import TRACE_BATCHES, TRACE_DEPTHS, affine, step_traces
 from anatomist.recipe import Recipe
-from anatomist.trace.plan import TracePlan
+from anatomist.trace.cuts import TracePlan
 from anatomist.trace.records import COST_FIELDS, Signature
 from anatomist.trace.step import Depth, trace_part
 from anatomist.trace.tracer import STEP_PHASES

@@ -27,7 +27,7 @@ from anatomist.estimate.sharding import shard
 from anatomist.estimate.traces import TRACE_BATCHES, Mode, StepTraces, affine, step_traces
 from anatomist.hardware import GPU
 from anatomist.recipe import Recipe
-from anatomist.trace.plan import TracePlan
+from anatomist.trace.cuts import TracePlan
 from anatomist.trace.records import Curves, PhasePeak
 from anatomist.trace.step import Depth
 from anatomist.workload import Workload, resolve_dtype

@@ -1,7 +1,7 @@
 """The traces the estimator takes of a step, shared by the memory and the time prediction.
 
 A training step is traced in two parts (forward/backward, optimizer: `trace.step.trace_part`)
-on the cuts of the model its plan names (`trace.plan`: the model cut to 2 and 3 blocks for a
+on the cuts of the model its plan names (`trace.cuts`: the model cut to 2 and 3 blocks for a
 stack of blocks all alike, one block of each kind for stacks of several, or the full model); the
 passes at `TRACE_BATCHES` samples. Everything the estimator reports is extrapolated from these
 few traces: every figure of a step is affine in the number of blocks of each kind and, for one
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from anatomist.recipe import Recipe
-from anatomist.trace.plan import TRACE_DEPTHS, TracePlan, full_plan, model_plan
+from anatomist.trace.cuts import TRACE_DEPTHS, TracePlan, full_plan, model_plan
 from anatomist.trace.records import StepTrace
 from anatomist.trace.step import Depth, Part, trace_part
 from anatomist.workload import Workload, resolve_dtype
