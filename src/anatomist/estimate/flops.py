@@ -28,7 +28,8 @@ from anatomist.estimate.traces import TRACE_BATCHES, TRACE_DEPTHS, affine, step_
 from anatomist.recipe import Recipe
 from anatomist.trace.cuts import TracePlan
 from anatomist.trace.records import COST_FIELDS, Signature
-from anatomist.trace.step import Depth, trace_part
+from anatomist.trace import cache
+from anatomist.trace.step import Depth, part_key, trace_part
 from anatomist.trace.tracer import STEP_PHASES
 from anatomist.workload import Workload
 
@@ -80,6 +81,9 @@ class StepOps:
         return sorted({r.name for r in self.records if not r.known})
 
 
+_PASSES_OPS = cache.Memo(1024)
+
+
 def passes_ops(workload: Workload, recipe: Recipe, depth: Depth, compute_capability: str) -> tuple[Signature, ...]:
     """The ops of one micro-batch's passes at the recipe's batch size, of the model cut to `depth`.
 
@@ -88,6 +92,12 @@ def passes_ops(workload: Workload, recipe: Recipe, depth: Depth, compute_capabil
     traces at TRACE_BATCHES give every op's cost exactly. Where the sequences do not line
     up, the batch is traced directly."""
     batch = recipe.per_device_train_batch_size
+    key = part_key(workload, recipe, "forward-backward", depth, batch, compute_capability)
+    return _PASSES_OPS.get(key, lambda: _passes_ops(workload, recipe, depth, batch, compute_capability))
+
+
+def _passes_ops(workload: Workload, recipe: Recipe, depth: Depth, batch: int, compute_capability: str,
+                ) -> tuple[Signature, ...]:
 
     def traced(b: int) -> tuple[Signature, ...]:
         return trace_part(workload, recipe, "forward-backward", depth=depth, batch_size=b,
@@ -114,9 +124,21 @@ def _step_at_depth(workload: Workload, recipe: Recipe, depth: Depth, compute_cap
     return Counter(passes_ops(workload, recipe, depth, compute_capability)) + Counter(optimizer.ops)
 
 
+_STEP_OPS = cache.Memo(1024)
+"""step_ops by the keys of the traces it reads: recipes that differ in what no trace sees
+(sharding, torch.compile, accumulation beyond 2) share it."""
+
+
 def step_ops(workload: Workload, recipe: Recipe, compute_capability: str = DEFAULT_COMPUTE_CAPABILITY) -> StepOps:
     """Op records of one micro-batch (forward, backward) and one optimizer step, at full depth: from
-    the cuts of the estimator's plan (`traces.step_traces`), or a cut as deep as the model."""
+    the cuts of the estimator's plan (`traces.step_traces`), or a cut as deep as the model.
+    The result is shared: do not change it."""
+    key = (part_key(workload, recipe, "forward-backward", None, recipe.per_device_train_batch_size, compute_capability),
+           part_key(workload, recipe, "optimizer", None, 1, compute_capability))
+    return _STEP_OPS.get(key, lambda: _step_ops(workload, recipe, compute_capability))
+
+
+def _step_ops(workload: Workload, recipe: Recipe, compute_capability: str) -> StepOps:
     plan = step_traces(workload, recipe, compute_capability).plan
     layers = plan.deltas[0].multiplier + TRACE_DEPTHS[0] if plan.how == "uniform" else None
     if plan.how == "full" or (layers is not None and (layers in TRACE_DEPTHS or layers < TRACE_DEPTHS[0])):

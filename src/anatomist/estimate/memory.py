@@ -27,6 +27,7 @@ from anatomist.estimate.sharding import shard
 from anatomist.estimate.traces import TRACE_BATCHES, Mode, StepTraces, affine, step_traces
 from anatomist.hardware import GPU
 from anatomist.recipe import Recipe
+from anatomist.trace import cache
 from anatomist.trace.cuts import TracePlan
 from anatomist.trace.records import Curves, PhasePeak
 from anatomist.trace.step import Depth
@@ -225,7 +226,11 @@ def estimate_memory(
     def total_at(b: int) -> int:
         return max(p.reserved for p in phases_at(b).values()) + gpu.cuda_context_bytes
 
-    max_batch = _max_batch_size(total_at, limit)
+    # The largest batch does not depend on the recipe's own batch: recipes that differ only in
+    # it (and in accumulation beyond the 2 micro-batches a trace runs) share the search.
+    shape = recipe.replace(per_device_train_batch_size=1, gradient_accumulation_steps=min(recipe.gradient_accumulation_steps, 2))
+    key = (workload.trace_key(), shape, gpu.compute_capability, gpu.cuda_context_bytes, num_gpus, mode, limit)
+    max_batch = _MAX_BATCH.get(key, lambda: _max_batch_size(total_at, limit))
     rule = bytes_per_param_rule(recipe, parameters, mode, trainable if recipe.peft != "none" else None)
     return MemoryEstimate(
         anatomy=anatomy,
@@ -238,6 +243,9 @@ def estimate_memory(
         phase_peaks={str(p): v.allocated for p, v in phases.items()},
         notes=[*traces.notes, *_notes(workload, recipe, anatomy, rule)],
     )
+
+
+_MAX_BATCH = cache.Memo(4096)
 
 
 def _max_batch_size(total_at: Any, capacity: int) -> int:

@@ -108,9 +108,36 @@ def get_or_trace(key: tuple[Any, ...], trace: Callable[[], T], kind: type[T] = S
     return found
 
 
+class Memo:
+    """A bounded table of results derived from traces (least recently used out first), for the
+    arithmetic the planner repeats across recipes that share it. `clear_memory` empties it."""
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self.max_entries = max_entries
+        self._table: OrderedDict[Any, Any] = OrderedDict()
+        _memos.append(self)
+
+    def get(self, key: Any, compute: Callable[[], T]) -> T:
+        if key in self._table:
+            self._table.move_to_end(key)
+            return self._table[key]  # type: ignore[no-any-return]
+        value = self._table[key] = compute()
+        while len(self._table) > self.max_entries:
+            self._table.popitem(last=False)
+        return value
+
+    def clear(self) -> None:
+        self._table.clear()
+
+
+_memos: list[Memo] = []
+
+
 def clear_memory() -> None:
-    """Forget the traces held in this process (the disk cache stays)."""
+    """Forget the traces held in this process, and what was derived from them (the disk cache stays)."""
     _memory.clear()
+    for memo in _memos:
+        memo.clear()
 
 
 def _load(name: str, kind: type[T] = StepTrace) -> T | None:  # type: ignore[assignment]
