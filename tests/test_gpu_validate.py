@@ -73,7 +73,8 @@ def test_every_part_records_dry_run_rows(dry_run: Path) -> None:
     # c: the seeds' row through `anatomist bench --json`, and the suites other issues will add
     c = rows_of(dry_run, "c")
     assert c["seeds/fp16"]["status"] == "skipped" and "CUDA" in c["seeds/fp16"]["reason"]
-    assert "does not exist" in c["lora"]["reason"]
+    assert "exists; its rows run on a GPU only" in c["lora"]["reason"]  # the shipped lora suite
+    assert "does not exist" in c["long-context"]["reason"]
     # d: 2 weights modes x 2 kernels; the comparable cell has anatomist's forward/backward peaks
     d = rows_of(dry_run, "d")
     assert set(d) == {f"{w}/{a}/s16/b2" for w in ("bf16", "fp32-autocast") for a in ("eager", "sdpa")}
