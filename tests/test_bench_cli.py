@@ -48,6 +48,8 @@ def test_tiny_suite_runs_through_trainer_and_json(tmp_path, capsys):
     memory = first["measured"]["memory"]
     assert memory["peak_allocated"] > 0 and memory["weights"] > 0 and memory["optimizer_states"] > 0
     assert first["measured"]["samples_per_second"] > 0
+    # MFU and HFU sit side by side in the row; on CPU (no GPU peak) both are null
+    assert first["measured"]["time"]["mfu"] is None and first["measured"]["time"]["hfu"] is None
     assert set(first["predicted"]["memory"]) == set(memory)
     assert first["error_pct"]["peak_allocated"] is not None
     assert skipped["status"] == "skipped" and "CUDA" in skipped["reason"]

@@ -150,8 +150,9 @@ def render_time(t: TimeAnatomy, calibration_source: str) -> None:
     table.add_column("tokens/s", justify="right")
     table.add_column("TFLOP/s", justify="right")
     table.add_column("MFU", justify="right")
+    table.add_column("HFU", justify="right")  # with gradient checkpointing's recomputation
     table.add_row(f"{t.step_s * 1e3:,.1f} ms", f"{t.samples_per_second:,.1f}", f"{t.tokens_per_second:,.0f}",
-                  f"{t.flops_per_step / t.step_s / 1e12:,.1f}", f"{t.mfu:.0%}")
+                  f"{t.flops_per_step / t.step_s / 1e12:,.1f}", f"{t.mfu:.0%}", f"{t.hfu:.0%}")
     out.print(table)
     out.print("phases:  " + ", ".join(f"{k} {v * 1e3:,.1f} ms ({v / t.step_s:.0%})" for k, v in t.phases_s.items()))
     out.print("classes: " + ", ".join(f"{k} {v / t.step_s:.0%}" for k, v in t.classes_s.items()))
