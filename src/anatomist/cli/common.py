@@ -14,7 +14,7 @@ from anatomist.recipe import ATTN_IMPLEMENTATIONS, LOAD_DTYPES, OFFLOADS, OPTIMS
 if TYPE_CHECKING:
     from anatomist.estimate.time import Calibration
 
-_RECIPE_FLAGS = [
+_RECIPE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     # (flag, field, kwargs)
     ("--per-device-train-batch-size", "per_device_train_batch_size", {"type": int, "metavar": "N"}),
     ("--dtype", "dtype", {"metavar": "|".join(LOAD_DTYPES),
@@ -52,7 +52,7 @@ def add_recipe_flags(parser: argparse.ArgumentParser) -> None:
 
 def recipe_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) -> Recipe:
     """The recipe file (if any), else `base` over the defaults, overridden by the flags given."""
-    base = Recipe.from_file(args.recipe) if getattr(args, "recipe", None) else Recipe(**(base or {}))
+    start = Recipe.from_file(args.recipe) if getattr(args, "recipe", None) else Recipe(**(base or {}))
     changes: dict[str, Any] = {}
     for _, field, _ in _RECIPE_FLAGS:
         if getattr(args, field, None) is not None:
@@ -60,7 +60,7 @@ def recipe_from_args(args: argparse.Namespace, base: dict[str, Any] | None = Non
     for field in _BOOL_FLAGS:
         if getattr(args, field, None) is not None:
             changes[field] = getattr(args, field)
-    return Recipe.from_dict({**base.to_dict(), **changes}, source="flags")
+    return Recipe.from_dict({**start.to_dict(), **changes}, source="flags")
 
 
 def add_model_flags(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:

@@ -104,6 +104,7 @@ def render(result: Estimate) -> None:
     out = console()
     mem = result.memory
     a = mem.anatomy
+    assert a.device_total is not None and a.peak_reserved is not None  # an estimate has both
     w = result.workload
     out.print(
         f"[bold]{w.name}[/] ({w.task}, {mem.parameters / 1e6:,.1f} M parameters), seq {w.seq_len}, "

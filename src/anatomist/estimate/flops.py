@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from anatomist.anatomy import OpClass, Phase, StepFlops
 from anatomist.estimate.traces import TRACE_BATCHES, TRACE_DEPTHS, affine
@@ -103,7 +103,7 @@ def passes_ops(workload: Workload, recipe: Recipe, depth: int, compute_capabilit
     for a, b in zip(lo, hi, strict=True):
         if any(a[i] != b[i] for i in range(len(a)) if i not in COST_FIELDS):
             return traced(batch)
-        ops.append(tuple(round(affine(a[i], b[i], batch, TRACE_BATCHES[0])) if i in COST_FIELDS else a[i]
+        ops.append(tuple(round(affine(cast(int, a[i]), cast(int, b[i]), batch, TRACE_BATCHES[0])) if i in COST_FIELDS else a[i]
                          for i in range(len(a))))
     return tuple(ops)  # type: ignore[arg-type]
 
@@ -153,7 +153,7 @@ def _extrapolate(c_lo: Counter[Signature], c_hi: Counter[Signature], layers: int
     groups: dict[tuple[Any, ...], list[Signature]] = {}
     for sig in set(c_lo) | set(c_hi):
         groups.setdefault(group(sig), []).append(sig)
-    records = []
+    records: list[OpRecord] = []
     for key, sigs in groups.items():
         counts = {sig: count_at(sig) for sig in sigs}
         if all(n >= 0 for n in counts.values()):
@@ -162,7 +162,7 @@ def _extrapolate(c_lo: Counter[Signature], c_hi: Counter[Signature], layers: int
         count = sum(counts.values())
         if count <= 0:
             continue
-        mean_cost = [sum(sig[i] * counts[sig] for sig in sigs) / count for i in COST_FIELDS]
+        mean_cost = [sum(cast(int, sig[i]) * counts[sig] for sig in sigs) / count for i in COST_FIELDS]
         name, cls, phase, dtype, view, known = key
         mean: Signature = (name, cls, phase, dtype, round(mean_cost[0]), round(mean_cost[1]), round(mean_cost[2]),
                            view, known)

@@ -10,11 +10,13 @@ and each sample adds the same tensors and the same ops).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
+
+import numpy as np
 
 from anatomist.recipe import Recipe
 from anatomist.trace.records import StepTrace
-from anatomist.trace.step import trace_part
+from anatomist.trace.step import Part, trace_part
 from anatomist.workload import Workload
 
 Mode = Literal["train", "inference"]
@@ -27,7 +29,11 @@ TRACE_BATCHES = (2, 3)
 op sequence (and the curve) differs from every larger batch."""
 
 
-def affine(f_lo: float, f_hi: float, x: int, lo: int) -> float:
+Values = TypeVar("Values", float, np.ndarray)
+"""One figure or an array of them (a curve's points)."""
+
+
+def affine(f_lo: Values, f_hi: Values, x: int, lo: int) -> Values:
     """The value at x of the line through (lo, f_lo) and (lo + 1, f_hi)."""
     return f_lo + (x - lo) * (f_hi - f_lo)
 
@@ -43,7 +49,7 @@ class StepTraces:
 def step_traces(workload: Workload, recipe: Recipe, compute_capability: str, mode: Mode = "train",
                 *, use_cache: bool = True) -> StepTraces:
     """The passes at TRACE_DEPTHS x TRACE_BATCHES and, in training, the optimizer at TRACE_DEPTHS."""
-    part = "forward-backward" if mode == "train" else "inference"
+    part: Part = "forward-backward" if mode == "train" else "inference"
     passes = {
         (d, b): trace_part(workload, recipe, part, depth=d, batch_size=b, compute_capability=compute_capability,
                            use_cache=use_cache)

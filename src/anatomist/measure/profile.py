@@ -102,7 +102,8 @@ def _optimizer(model: torch.nn.Module, recipe: Recipe, cpu: bool) -> torch.optim
     from transformers import Trainer
 
     args = recipe.to_training_arguments("anatomist-profile", report_to="none", use_cpu=cpu)
-    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    # typed PreTrainedModel, but it only reads the model's parameters: a PEFT model works as well
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)  # type: ignore[arg-type]
     return cls([p for p in model.parameters() if p.requires_grad], **kwargs)
 
 

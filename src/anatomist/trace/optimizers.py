@@ -34,8 +34,10 @@ class Blockwise8bitAdamLayout(torch.optim.Optimizer):
     def __init__(self, params: Iterable[torch.Tensor], lr: float = 1e-3) -> None:
         super().__init__(params, {"lr": lr})
 
+    # The ignore below: torch types step as overloads returning the closure's loss; this layout
+    # takes no closure (the tracer's step has none) and returns nothing.
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # noqa: ARG002 - Optimizer API
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]  # noqa: ARG002 - Optimizer API
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
