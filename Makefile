@@ -20,7 +20,7 @@ test-gpu: setup
 	$(PY) -m pytest -q -m gpu
 
 # The dependency floors of pyproject.toml, in a venv of their own (.venv-floor, rebuilt each
-# time; needs PyPI, ~5 min): docs/floors.md.
+# time; needs PyPI, ~4 min): docs/floors.md.
 test-floor:
 	@bash scripts/test_floor.sh
 

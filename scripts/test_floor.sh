@@ -4,7 +4,7 @@
 # us: building and tracing models (transformers), LoRA/QLoRA (peft), the Trainer and Accelerate
 # loops and `accelerate launch` (accelerate, datasets), the report's charts (matplotlib).
 # torch's floor is tested only on a machine with an NVIDIA GPU; elsewhere the venv gets the torch
-# setup.sh installs (see floors.py). Needs PyPI; about 5 minutes on a 2-core machine. FLOOR_VENV=... to
+# setup.sh installs (see floors.py). Needs PyPI; about 4 minutes on a 2-core machine. FLOOR_VENV=... to
 # build elsewhere (default .venv-floor); the venv is rebuilt from scratch on every run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
