@@ -1,7 +1,7 @@
 # The two quick-start targets: `make demo` and `make test` (both set up .venv first).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-all test-gpu lint bench-speed validate-gpu validate-gpu-dry-run
+.PHONY: setup demo test test-all test-gpu test-floor lint bench-speed validate-gpu validate-gpu-dry-run
 
 setup:
 	@bash scripts/setup.sh
@@ -18,6 +18,11 @@ test-all: setup
 
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu
+
+# The dependency floors of pyproject.toml, in a venv of their own (.venv-floor, rebuilt each
+# time; needs PyPI, ~4 min): docs/floors.md.
+test-floor:
+	@bash scripts/test_floor.sh
 
 lint: setup
 	$(PY) -m ruff check src tests

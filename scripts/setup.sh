@@ -9,7 +9,7 @@ VPY=.venv/bin/python
 if ! "$VPY" -c "import torch" 2>/dev/null; then
   "$VPY" -m pip install -q --upgrade pip
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    "$VPY" -m pip install -q "torch>=2.5"
+    "$VPY" -m pip install -q "torch>=2.9"
   else
     # A CPU build: the pinned file this kind of machine carries, else PyTorch's CPU index.
     "$VPY" -m pip install -q torch==2.13.0 2>/dev/null \

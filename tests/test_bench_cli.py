@@ -37,17 +37,25 @@ def test_corrupt_results_file_exit_2_and_untouched(tmp_path, capsys):
 def test_tiny_suite_runs_through_trainer_and_json(tmp_path, capsys):
     results = tmp_path / "r.jsonl"
     suite = write_tiny_suite(tmp_path)
-    code = main(["bench", "--suite", str(suite), "--rows", "first,needs-gpu", "--results", str(results), "--json"])
+    with suite.open("a") as f:  # the seeds' "Using Accelerate" loop, on the tiny model
+        f.write("  - name: accelerate\n    loop: accelerate\n    recipe: {per_device_train_batch_size: 2, gradient_accumulation_steps: 2}\n")
+    code = main(["bench", "--suite", str(suite), "--rows", "first,needs-gpu,accelerate", "--results", str(results),
+                 "--json"])
     assert code == 0
     printed = json.loads(capsys.readouterr().out)
     stored = _rows(results)
-    assert [r["name"] for r in printed["rows"]] == [r["name"] for r in stored] == ["first", "needs-gpu"]
-    first, skipped = stored
+    assert [r["name"] for r in printed["rows"]] == [r["name"] for r in stored] == ["first", "needs-gpu", "accelerate"]
+    first, skipped, accelerate = stored
+    # the Accelerate loop (Accelerator, accumulate, track()) runs and is measured too
+    assert accelerate["status"] == "ok", accelerate["reason"]
+    assert accelerate["measured"]["samples_per_second"] > 0 and accelerate["measured"]["memory"]["weights"] > 0
     assert first["status"] == "ok", first["reason"]
     assert first["device"]["kind"] == "cpu"
     memory = first["measured"]["memory"]
     assert memory["peak_allocated"] > 0 and memory["weights"] > 0 and memory["optimizer_states"] > 0
     assert first["measured"]["samples_per_second"] > 0
+    # MFU and HFU sit side by side in the row; on CPU (no GPU peak) both are null
+    assert first["measured"]["time"]["mfu"] is None and first["measured"]["time"]["hfu"] is None
     assert set(first["predicted"]["memory"]) == set(memory)
     assert first["error_pct"]["peak_allocated"] is not None
     assert skipped["status"] == "skipped" and "CUDA" in skipped["reason"]

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from torch.utils.flop_counter import FlopCounterMode
 
-from anatomist.anatomy import Phase
-from anatomist.estimate.flops import OpRecord, _record, _step_at_depth, flops_per_step, passes_ops, step_ops
+from anatomist.anatomy import Phase, StepFlops
+from anatomist.estimate.flops import OpRecord, _record, _step_at_depth, passes_ops, step_flops, step_ops
 from anatomist.recipe import Recipe
 from anatomist.trace.ops import CUSTOM_FLOPS
 from anatomist.trace.step import trace_part, trace_step
@@ -55,7 +56,8 @@ def test_hand_formula_eager(tmp_path: Path) -> None:
     assert ops.flops(Phase.FORWARD) == FORWARD
     assert ops.flops(Phase.BACKWARD) == 2 * FORWARD
     assert ops.flops(Phase.OPTIMIZER) == 0
-    assert flops_per_step(w, recipe) == 3 * FORWARD == 3_552_000
+    assert step_flops(w, recipe) == StepFlops(model=3 * FORWARD, hardware=3 * FORWARD)
+    assert 3 * FORWARD == 3_552_000
     # Our per-op records add up to PyTorch's own FlopCounterMode total over the same passes.
     assert _counter_flops(w, recipe) == ops.flops(Phase.FORWARD) + ops.flops(Phase.BACKWARD)
 
@@ -63,15 +65,44 @@ def test_hand_formula_eager(tmp_path: Path) -> None:
 def test_accumulation_multiplies_micro_batches(tmp_path: Path) -> None:
     w = tiny_bert(tmp_path)
     recipe = Recipe(per_device_train_batch_size=2, attn_implementation="eager", gradient_accumulation_steps=3)
-    assert flops_per_step(w, recipe) == 3 * 3 * FORWARD
+    assert step_flops(w, recipe).model == 3 * 3 * FORWARD
 
 
-def test_checkpointing_adds_one_forward_of_the_blocks(tmp_path: Path) -> None:
+def test_checkpointing_adds_one_forward_of_the_blocks_to_hardware_flops_only(tmp_path: Path) -> None:
     w = tiny_bert(tmp_path)
-    plain = flops_per_step(w, Recipe(per_device_train_batch_size=2, attn_implementation="eager"))
-    ckpt = flops_per_step(w, Recipe(per_device_train_batch_size=2, attn_implementation="eager", gradient_checkpointing=True))
+    plain = step_flops(w, Recipe(per_device_train_batch_size=2, attn_implementation="eager"))
+    ckpt = step_flops(w, Recipe(per_device_train_batch_size=2, attn_implementation="eager", gradient_checkpointing=True))
+    # Model FLOPs (MFU) leave the recomputation out: the same step as without checkpointing.
+    assert ckpt.model == plain.model == plain.hardware == 3 * FORWARD
     # Recompute runs each block's forward again in backward (not the pooler or classifier).
-    assert ckpt - plain == BLOCKS_FORWARD == 1_179_648
+    assert ckpt.hardware - ckpt.model == BLOCKS_FORWARD == 1_179_648
+
+
+@pytest.mark.parametrize("recipe", [
+    # sdpa, 5 layers (extrapolated in depth from 2 and 3), batch 8 (extrapolated from 2 and 3), accumulation 3
+    Recipe(per_device_train_batch_size=8, gradient_accumulation_steps=3),
+    # bf16 autocast: the recomputed forward casts the weights again
+    Recipe(per_device_train_batch_size=2, bf16=True),
+], ids=["sdpa-extrapolated", "bf16"])
+def test_hardware_flops_add_one_forward_of_the_blocks_per_micro_batch(tmp_path: Path, recipe: Recipe) -> None:
+    w = tiny_bert(tmp_path, num_hidden_layers=5)
+    plain = step_flops(w, recipe)
+    ckpt = step_flops(w, replace(recipe, gradient_checkpointing=True))
+    assert ckpt.model == plain.model == plain.hardware
+    # 589,824 per block at 2 samples (the hand count above), linear in the batch
+    blocks = 5 * 589_824 * recipe.per_device_train_batch_size // 2 * recipe.gradient_accumulation_steps
+    assert ckpt.hardware - ckpt.model == blocks
+
+
+def test_model_flops_with_peft_are_the_step_without_checkpointing(tiny_model) -> None:
+    """With LoRA, checkpointing changes more than the recomputed forward: transformers makes the
+    frozen embeddings' output require a gradient, so backward also computes the first block's
+    input gradient. Model FLOPs leave that out with the recomputation."""
+    w = load_workload(str(tiny_model("llama")), seq_len=32)
+    lora = Recipe(per_device_train_batch_size=2, peft="lora")
+    plain, ckpt = step_flops(w, lora), step_flops(w, replace(lora, gradient_checkpointing=True))
+    assert ckpt.model == plain.model == plain.hardware
+    assert ckpt.hardware > ckpt.model
 
 
 def test_sdpa_counts_attention_through_the_cuda_formula(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from anatomist.anatomy import TENSOR_CATEGORIES, MemoryAnatomy
 from anatomist.bench.worker import build_dataset, predict
-from anatomist.estimate.flops import flops_per_step
+from anatomist.estimate.flops import step_flops
 from anatomist.measure import AnatomistCallback, track
 from anatomist.measure.monitor import device_snapshot
 from anatomist.recipe import Recipe
@@ -83,11 +83,13 @@ def test_activations_measured_at_a_backward_peak(tmp_path):
 def test_track_plain_loop(tmp_path):
     workload = _workload(tmp_path)
     model = workload.build_model("sdpa")
+    model.gradient_checkpointing_enable()
     optimizer = torch.optim.AdamW(model.parameters())
     batch = {"input_ids": torch.randint(100, 30000, (2, 16)), "labels": torch.tensor([0, 1])}
-    flops = flops_per_step(workload, Recipe(per_device_train_batch_size=2, optim="adamw_torch"))
+    flops = step_flops(workload, Recipe(per_device_train_batch_size=2, optim="adamw_torch", gradient_checkpointing=True))
+    assert flops.hardware > flops.model
     with track(model, optimizer, samples_per_step=2, tokens_per_sample=16, print_at_end=False,
-               flops_per_step=flops, peak_flops=1e12) as t:
+               flops=flops, peak_flops=1e12) as t:
         for _ in range(4):
             t.step_begin()
             model(**batch).loss.backward()
@@ -99,7 +101,10 @@ def test_track_plain_loop(tmp_path):
     assert t.summary.memory.gradients == t.summary.memory.weights - sum(
         -(-b.untyped_storage().nbytes() // 512) * 512 for b in model.buffers())
     assert not model._forward_hooks and not model._forward_pre_hooks  # hooks removed
-    assert t.summary.mfu == pytest.approx(flops / t.summary.median_step_s / 1e12)
+    # MFU counts the model FLOPs (no recomputation), HFU the hardware FLOPs; both are stored
+    assert t.summary.mfu == pytest.approx(flops.model / t.summary.median_step_s / 1e12)
+    assert t.summary.hfu == pytest.approx(flops.hardware / t.summary.median_step_s / 1e12)
+    assert {"mfu", "hfu"} <= set(t.summary.to_dict())
 
 
 def test_process_snapshot_without_gpu():

@@ -51,7 +51,12 @@ def test_checkpointing_is_slower(workload: Workload) -> None:
     assert ckpt.step_s > plain.step_s
     assert ckpt.phases_s["backward"] > plain.phases_s["backward"]
     assert ckpt.phases_s["forward"] == pytest.approx(plain.phases_s["forward"])
-    assert ckpt.flops_per_step > plain.flops_per_step
+    # MFU counts the model FLOPs, the same with or without checkpointing: the slower step has
+    # the lower MFU; HFU counts the recomputed forward too.
+    assert ckpt.flops_per_step == plain.flops_per_step == plain.hardware_flops_per_step
+    assert ckpt.hardware_flops_per_step > ckpt.flops_per_step
+    assert ckpt.mfu < plain.mfu == pytest.approx(plain.hfu)
+    assert ckpt.hfu == pytest.approx(ckpt.mfu * ckpt.hardware_flops_per_step / ckpt.flops_per_step)
 
 
 def test_accumulation_scales_forward_and_backward_not_optimizer(workload: Workload) -> None:
@@ -86,7 +91,8 @@ def test_estimate_json_has_time(workload: Workload) -> None:
 
     data = estimate(workload, Recipe(per_device_train_batch_size=8), get_gpu(A100)).to_dict()
     t = data["time"]
-    assert {"step_s", "samples_per_second", "tokens_per_second", "flops_per_step", "mfu"} <= set(t)
+    assert {"step_s", "samples_per_second", "tokens_per_second", "flops_per_step", "hardware_flops_per_step",
+            "mfu", "hfu"} <= set(t)
     assert t["calibrated"] is False
     inference = estimate(workload, Recipe(per_device_train_batch_size=8), get_gpu(A100), mode="inference").to_dict()
     assert "time" not in inference
@@ -109,3 +115,16 @@ def test_fit_calibration_recovers_known_factors(workload: Workload) -> None:
     assert fitted.contraction_fp32_efficiency == calibration().contraction_fp32_efficiency  # no fp32 step: kept
     with pytest.raises(ValueError):
         fit_calibration([], source="nothing")
+
+
+def test_cli_shows_mfu_and_hfu_under_checkpointing(cli, tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    args = (str(tmp_path), "--gpu", A100, "--seq-len", "128", "--batch-size", "8", "--gradient-checkpointing")
+    result = cli("estimate", *args, "--json")
+    assert result.returncode == 0, result.stderr
+    t = json.loads(result.stdout)["time"]
+    assert t["hardware_flops_per_step"] > t["flops_per_step"] and t["hfu"] > t["mfu"] > 0
+    table = cli("estimate", *args)
+    assert table.returncode == 0, table.stderr
+    assert "MFU" in table.stdout and "HFU" in table.stdout
+    assert f"{t['mfu']:.0%}" in table.stdout and f"{t['hfu']:.0%}" in table.stdout

@@ -130,7 +130,10 @@ def test_the_load_dtype_follows_the_config_unless_given(tiny_model):
     fp32 = estimate_memory(workload, Recipe(per_device_train_batch_size=2, dtype="float32"), gpu)
     assert fp32.anatomy.weights == pytest.approx(4 * fp32.parameters, rel=0.01)
     fp16 = step_ops(workload, Recipe(per_device_train_batch_size=2, dtype="float32", fp16=True))
-    assert {r.dtype for r in fp16.records if r.flops > 0} == {"float16"}
+    # transformers < 5.19 computes the rotary angles with autocast off: one fp32 product of
+    # inv_freq [8, 1] by the positions [1, 32] = 2 * 8 * 32 = 512 FLOPs; every other product is fp16
+    full_precision = [r for r in fp16.records if r.flops > 0 and r.dtype != "float16"]
+    assert sum(r.flops * r.count for r in full_precision) in (0, 512)
 
 
 def test_defaults_are_the_trainers_own():

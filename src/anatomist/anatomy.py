@@ -125,6 +125,26 @@ class MemoryAnatomy:
         return cls(**{**data, "peak_phase": Phase(data["peak_phase"])})
 
 
+@dataclass(kw_only=True, slots=True, frozen=True)
+class StepFlops:
+    """Floating-point operations of one optimizer step (2 per multiply-add), counted two ways.
+
+    The split of PaLM (Chowdhery et al. 2022, appendix B): model FLOPs utilisation (MFU)
+    counts only what the model's math needs, so that a recipe cannot raise it by doing more
+    work; hardware FLOPs utilisation (HFU) also counts the forward that gradient
+    checkpointing recomputes in backward. Without checkpointing the two are equal.
+    """
+
+    model: int
+    """Forward + backward of every micro-batch, without recomputation, + the optimizer step."""
+    hardware: int
+    """`model` + the forward recomputed in backward under gradient checkpointing."""
+
+    def utilization(self, step_s: float, peak_flops: float) -> tuple[float, float]:
+        """(MFU, HFU) of a step of `step_s` seconds on a device of `peak_flops` FLOP/s."""
+        return self.model / step_s / peak_flops, self.hardware / step_s / peak_flops
+
+
 @dataclass(kw_only=True, slots=True)
 class TimeAnatomy:
     """Where the time of one optimizer step goes."""
@@ -134,9 +154,13 @@ class TimeAnatomy:
     samples_per_second: float
     tokens_per_second: float
     flops_per_step: int
-    """Floating-point operations of one optimizer step (2 per multiply-add)."""
+    """Model FLOPs of one optimizer step (`StepFlops.model`: no recomputation)."""
+    hardware_flops_per_step: int
+    """Hardware FLOPs of one optimizer step (`StepFlops.hardware`: with recomputation)."""
     mfu: float
-    """Model FLOPs utilisation: achieved FLOP/s over the GPU's dense peak for the dtype."""
+    """Model FLOPs utilisation: model FLOP/s over the GPU's dense peak for the dtype."""
+    hfu: float
+    """Hardware FLOPs utilisation: the same with gradient checkpointing's recomputation counted."""
     phases_s: dict[str, float] = field(default_factory=dict)
     """Seconds per phase: forward, backward, optimizer."""
     classes_s: dict[str, float] = field(default_factory=dict)

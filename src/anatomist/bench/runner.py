@@ -20,7 +20,7 @@ from anatomist.bench.store import ResultsFile
 from anatomist.bench.suites import Row, Suite
 from anatomist.bench.worker import device_info, versions
 from anatomist.measure.monitor import cuda_available, device_snapshot
-from anatomist.workload import load_workload
+from anatomist.workload import Task, load_workload
 
 
 @dataclass(kw_only=True, slots=True)
@@ -31,7 +31,7 @@ class SuiteRun:
     model: str
     model_label: str
     model_config: dict[str, Any] | None
-    task: str
+    task: Task
     seq_len: int
     num_samples: int
     on_cpu: bool

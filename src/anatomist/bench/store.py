@@ -74,12 +74,12 @@ def open_results(path: str | Path, *, create: bool = True) -> ResultsFile:
         if not create:
             raise InputError(f"results file {str(p)!r} does not exist")
         p.parent.mkdir(parents=True, exist_ok=True)
-        header = {"anatomist_results": SCHEMA_VERSION, "format": "one JSON row per line, see docs/bench.md"}
+        new = {"anatomist_results": SCHEMA_VERSION, "format": "one JSON row per line, see docs/bench.md"}
         with p.open("w", encoding="utf-8") as fh:
-            fh.write(json.dumps(header) + "\n")
+            fh.write(json.dumps(new) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
-        return ResultsFile(path=p, header=header)
+        return ResultsFile(path=p, header=new)
     raw = p.read_bytes()
     lines = raw.split(b"\n")
     torn = lines[-1] != b""  # a last line without newline: a write cut short, never a finished row

@@ -17,7 +17,7 @@ import yaml
 
 from anatomist.errors import InputError
 from anatomist.recipe import Recipe
-from anatomist.workload import TASKS
+from anatomist.workload import TASKS, Task
 
 Loop = Literal["trainer", "accelerate"]
 _SUITE_KEYS = {"name", "description", "model", "task", "seq_len", "num_samples", "num_train_epochs", "cpu", "rows"}
@@ -56,7 +56,7 @@ class Suite:
     model: str
     seq_len: int
     num_samples: int
-    task: str = "sequence-classification"
+    task: Task = "sequence-classification"
     """Which head is trained (the seeds' experiment classifies; a language model suite is causal-lm)."""
     num_train_epochs: float = 1
     description: str = ""
@@ -126,7 +126,7 @@ def _suite_from_dict(data: Any, where: str) -> Suite:
         value = data.get(key, 512)
         if not isinstance(value, int) or value <= 0:
             raise InputError(f"{where}: {key} must be a positive integer, got {value!r}")
-    task = data.get("task", "sequence-classification")
+    task: Task = data.get("task", "sequence-classification")
     if task not in TASKS:
         raise InputError(f"{where}: task must be one of {', '.join(TASKS)}, got {task!r}")
     return Suite(

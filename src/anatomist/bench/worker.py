@@ -114,7 +114,7 @@ def run_trainer(workload: Workload, recipe: Recipe, ds: Any, epochs: float, out_
 
     model = training_model(workload, recipe, str(Path(out_dir) / "base"))
     flops, peak = mfu_inputs(workload, recipe)
-    callback = AnatomistCallback(tokens_per_sample=workload.seq_len, print_at_end=False, flops_per_step=flops, peak_flops=peak)
+    callback = AnatomistCallback(tokens_per_sample=workload.seq_len, print_at_end=False, flops=flops, peak_flops=peak)
     args = recipe.to_training_arguments(
         out_dir, num_train_epochs=epochs, report_to="none", logging_strategy="no", save_strategy="no",
         disable_tqdm=True, use_cpu=not cuda_available(),
@@ -153,7 +153,7 @@ def run_accelerate(workload: Workload, recipe: Recipe, ds: Any, epochs: float, o
     flops, peak = mfu_inputs(workload, recipe)
     with track(accelerator.unwrap_model(model), optimizer, samples_per_step=samples_per_step,
                tokens_per_sample=workload.seq_len, mixed_precision=recipe.mixed_precision, print_at_end=False,
-               flops_per_step=flops, peak_flops=peak) as t:
+               flops=flops, peak_flops=peak) as t:
         for _epoch in range(max(1, round(epochs))):
             for index, batch in enumerate(loader):
                 if index % recipe.gradient_accumulation_steps == 0:
@@ -248,7 +248,8 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
                 "tokens_per_second": summary.tokens_per_second,
                 "trainer_samples_per_second": float(metrics["train_samples_per_second"]),
                 "memory": summary.memory.to_dict() if summary.memory is not None else None,
-                "time": {"median_step_s": summary.median_step_s, "steps": summary.steps},
+                "time": {"median_step_s": summary.median_step_s, "steps": summary.steps,
+                         "mfu": summary.mfu, "hfu": summary.hfu},  # None without a catalogued GPU
                 "device_memory": summary.device, "allocator": summary.allocator,
                 "cuda_context_bytes": summary.cuda_context_bytes,
             }

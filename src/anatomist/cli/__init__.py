@@ -12,6 +12,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from anatomist import __version__
 from anatomist.errors import InputError
@@ -20,7 +21,7 @@ SUBCOMMAND_MODULES = ("estimate", "plan", "bench", "calibrate", "profile", "repo
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse would print usage + exit 2; keep one line
+    def error(self, message: str) -> NoReturn:  # argparse would print usage + exit 2; keep one line
         self.exit(2, f"anatomist: error: {message}\n")
 
 

@@ -113,6 +113,7 @@ def render(result: Estimate) -> None:
     out = console()
     mem = result.memory
     a = mem.anatomy
+    assert a.device_total is not None and a.peak_reserved is not None  # an estimate has both
     w = result.workload
     out.print(
         f"[bold]{w.name}[/] ({w.task}, {mem.parameters / 1e6:,.1f} M parameters), seq {w.seq_len}, "
@@ -159,8 +160,9 @@ def render_time(t: TimeAnatomy, calibration_source: str) -> None:
     table.add_column("tokens/s", justify="right")
     table.add_column("TFLOP/s", justify="right")
     table.add_column("MFU", justify="right")
+    table.add_column("HFU", justify="right")  # with gradient checkpointing's recomputation
     table.add_row(f"{t.step_s * 1e3:,.1f} ms", f"{t.samples_per_second:,.1f}", f"{t.tokens_per_second:,.0f}",
-                  f"{t.flops_per_step / t.step_s / 1e12:,.1f}", f"{t.mfu:.0%}")
+                  f"{t.flops_per_step / t.step_s / 1e12:,.1f}", f"{t.mfu:.0%}", f"{t.hfu:.0%}")
     out.print(table)
     out.print("phases:  " + ", ".join(f"{k} {v * 1e3:,.1f} ms ({v / t.step_s:.0%})" for k, v in t.phases_s.items()))
     out.print("classes: " + ", ".join(f"{k} {v / t.step_s:.0%}" for k, v in t.classes_s.items()))

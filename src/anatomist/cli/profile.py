@@ -44,8 +44,10 @@ def run(args: argparse.Namespace) -> int:
 def render(r: ProfileResult) -> None:
     out = console()
     out.print(f"[bold]profile[/] on {r.device}: {r.steps} steps after 1 warm-up, {r.step_s * 1e3:,.1f} ms/step, "
-              f"{r.flops_per_step / 1e9:,.2f} GFLOP/step, {r.achieved_tflops:,.4f} TFLOP/s achieved"
-              + (f", MFU {r.mfu:.1%}" if r.mfu is not None else " (MFU: no GPU)"))
+              f"{r.flops_per_step / 1e9:,.2f} GFLOP/step ({r.hardware_flops_per_step / 1e9:,.2f} with recomputation), "
+              f"{r.achieved_tflops:,.4f} TFLOP/s achieved"
+              + (f", MFU {r.mfu:.1%}, HFU {r.hfu:.1%}" if r.mfu is not None and r.hfu is not None
+                 else " (MFU, HFU: no GPU)"))
     table = Table(title="Operation classes", title_justify="left")
     for col in ("class", "FLOPs", "time"):
         table.add_column(col, justify="left" if col == "class" else "right")

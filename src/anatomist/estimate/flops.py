@@ -4,7 +4,8 @@ The traces (`traces.step_traces`, fake tensors, no GPU) record each op's cost si
 (`trace.ops.op_signature`: FLOPs by PyTorch's flop_counter formulas, 2 per multiply-add;
 bytes read + written; class; phase) for one micro-batch's forward and backward (with
 recomputation under gradient checkpointing) and one optimizer step. The same traces give the
-memory prediction.
+memory prediction. `step_flops` counts a step two ways: hardware FLOPs (what runs, recomputation
+included: HFU) and model FLOPs (the same step without gradient checkpointing: MFU).
 
 Batch size: each op's FLOPs and bytes are affine in it, so the passes at any batch size are
 extrapolated op by op from the traces at 2 and 3 samples (where the two op sequences do not
@@ -19,16 +20,17 @@ kernels; its FLOPs are counted with the same formula as CUDA's).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from anatomist.anatomy import OpClass, Phase
+from anatomist.anatomy import OpClass, Phase, StepFlops
 from anatomist.estimate.traces import TRACE_BATCHES, TRACE_DEPTHS, affine, step_traces
 from anatomist.recipe import Recipe
+from anatomist.trace import cache
 from anatomist.trace.cuts import TracePlan
 from anatomist.trace.records import COST_FIELDS, Signature
-from anatomist.trace import cache
 from anatomist.trace.step import Depth, part_key, trace_part
 from anatomist.trace.tracer import STEP_PHASES
 from anatomist.workload import Workload
@@ -112,7 +114,7 @@ def _passes_ops(workload: Workload, recipe: Recipe, depth: Depth, batch: int, co
     for a, b in zip(lo, hi, strict=True):
         if any(a[i] != b[i] for i in range(len(a)) if i not in COST_FIELDS):
             return traced(batch)
-        ops.append(tuple(round(affine(a[i], b[i], batch, TRACE_BATCHES[0])) if i in COST_FIELDS else a[i]
+        ops.append(tuple(round(affine(cast(int, a[i]), cast(int, b[i]), batch, TRACE_BATCHES[0])) if i in COST_FIELDS else a[i]
                          for i in range(len(a))))
     return tuple(ops)  # type: ignore[arg-type]
 
@@ -175,7 +177,7 @@ def _extrapolate(plan: TracePlan, counts: dict[Depth, Counter[Signature]]) -> li
     groups: dict[tuple[Any, ...], list[Signature]] = {}
     for sig in {s for calls in counts.values() for s in calls}:
         groups.setdefault(group(sig), []).append(sig)
-    records = []
+    records: list[OpRecord] = []
     for key, sigs in groups.items():
         at = {sig: count_at(sig) for sig in sigs}
         if all(n >= 0 for n in at.values()):
@@ -184,7 +186,7 @@ def _extrapolate(plan: TracePlan, counts: dict[Depth, Counter[Signature]]) -> li
         count = sum(at.values())
         if count <= 0:
             continue
-        mean_cost = [sum(sig[i] * at[sig] for sig in sigs) / count for i in COST_FIELDS]
+        mean_cost = [sum(cast(int, sig[i]) * at[sig] for sig in sigs) / count for i in COST_FIELDS]
         name, cls, phase, dtype, view, known = key
         mean: Signature = (name, cls, phase, dtype, round(mean_cost[0]), round(mean_cost[1]), round(mean_cost[2]),
                            view, known)
@@ -192,10 +194,27 @@ def _extrapolate(plan: TracePlan, counts: dict[Depth, Counter[Signature]]) -> li
     return records
 
 
-def flops_per_step(workload: Workload, recipe: Recipe, compute_capability: str = DEFAULT_COMPUTE_CAPABILITY) -> int:
-    """FLOPs of one optimizer step: accumulation x (forward + backward (+ recompute)) + optimizer.
+def step_flops(workload: Workload, recipe: Recipe, compute_capability: str = DEFAULT_COMPUTE_CAPABILITY, *,
+               ops: StepOps | None = None) -> StepFlops:
+    """FLOPs of one optimizer step, accumulation x (forward + backward) + optimizer, two ways:
+    hardware FLOPs, what the recipe runs (gradient checkpointing's recomputed forward
+    included), and model FLOPs, the same step traced without gradient checkpointing.
+
+    Model FLOPs come from a trace without checkpointing rather than by subtracting the
+    recomputation, because checkpointing changes more than the recomputed forward: with
+    frozen embeddings (PEFT) transformers makes the input require a gradient so that the
+    checkpointed blocks get one, and backward then also computes the gradient of the first
+    block's input, which the model's math does not need.
 
     Counted by PyTorch's flop_counter formulas on the real model code (2 FLOPs per
     multiply-add; matrix products, convolutions and attention only, the MFU convention).
+
+    Args:
+        ops: `step_ops(workload, recipe)` where the caller has them already.
     """
-    return step_ops(workload, recipe, compute_capability).flops_per_step(recipe.gradient_accumulation_steps)
+    accumulation = recipe.gradient_accumulation_steps
+    hardware = (ops or step_ops(workload, recipe, compute_capability)).flops_per_step(accumulation)
+    if not recipe.gradient_checkpointing:
+        return StepFlops(model=hardware, hardware=hardware)
+    plain = dataclasses.replace(recipe, gradient_checkpointing=False)
+    return StepFlops(model=step_ops(workload, plain, compute_capability).flops_per_step(accumulation), hardware=hardware)

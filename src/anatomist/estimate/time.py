@@ -11,6 +11,8 @@ else fp32; normalizations stay in fp32 under autocast, as the trace shows. The m
 forward and backward repeat `gradient_accumulation_steps` times; gradient checkpointing's
 recomputation is already in the traced backward; the optimizer step runs once and is
 bytes-bound (foreach AdamW's kernels read and write weights, gradients and both moments).
+MFU counts the model FLOPs (the step without gradient checkpointing), HFU the hardware FLOPs
+(recomputation included): `flops.step_flops`.
 
 The efficiency factors live in data/time_calibration.toml; until they come from a GPU run
 they are placeholders and every result says `calibrated = False`.
@@ -33,7 +35,7 @@ import numpy as np
 
 from anatomist.anatomy import OpClass, Phase, TimeAnatomy
 from anatomist.errors import InputError
-from anatomist.estimate.flops import OpRecord, StepOps, step_ops
+from anatomist.estimate.flops import OpRecord, StepOps, step_flops, step_ops
 from anatomist.hardware import GPU, Precision
 from anatomist.recipe import Recipe
 from anatomist.workload import Workload, resolve_dtype
@@ -97,7 +99,7 @@ def calibration_toml(cal: Calibration) -> str:
 
 
 def recipe_precision(recipe: Recipe, gpu: GPU) -> Precision:
-    """The dtype whose dense peak the recipe's matrix products run at (the MFU denominator):
+    """The dtype whose dense peak the recipe's matrix products run at (the MFU and HFU denominator):
     the autocast dtype, else the weights' dtype (`recipe.dtype` resolved: not "auto")."""
     if recipe.fp16 or recipe.dtype == "float16":
         return "fp16"
@@ -149,16 +151,19 @@ def time_from_ops(
         phases[record.phase] += seconds
         classes[record.op_class] += seconds
     step_s = sum(phases.values())
-    flops = ops.flops_per_step(accumulation)
+    flops = step_flops(workload, recipe, gpu.compute_capability, ops=ops)
     samples = recipe.per_device_train_batch_size * accumulation
     # A GPU without tensor cores for the dtype (bf16 on a V100) runs it at its fp32 rate at best.
     peak = (gpu.peak_tflops(recipe_precision(recipe, gpu)) or gpu.fp32_tflops) * 1e12
+    mfu, hfu = flops.utilization(step_s, peak)
     return TimeAnatomy(
         step_s=step_s,
         samples_per_second=samples / step_s,
         tokens_per_second=samples * workload.seq_len / step_s,
-        flops_per_step=flops,
-        mfu=flops / step_s / peak,
+        flops_per_step=flops.model,
+        hardware_flops_per_step=flops.hardware,
+        mfu=mfu,
+        hfu=hfu,
         phases_s={str(p): s for p, s in phases.items()},
         classes_s={str(c): s for c, s in classes.items()},
         calibrated=cal.calibrated,
@@ -227,9 +232,3 @@ def fit_calibration(steps: list[TimedStep], *, source: str) -> Calibration:
         contraction_tensor_core_efficiency=contraction if tensor_cores else base.contraction_tensor_core_efficiency,
         contraction_fp32_efficiency=base.contraction_fp32_efficiency if tensor_cores else contraction,
     )
-
-
-def achieved(flops_per_step: int, step_s: float, recipe: Recipe, gpu: GPU) -> tuple[float, float]:
-    """Achieved TFLOP/s and MFU of a measured step against the GPU's dense peak for the recipe's dtype."""
-    tflops = flops_per_step / step_s / 1e12
-    return tflops, tflops / gpu.peak_tflops(recipe_precision(recipe, gpu))

@@ -15,7 +15,9 @@ depth; where even that disagrees, the notes say so.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
+
+import numpy as np
 
 from anatomist.recipe import Recipe
 from anatomist.trace.cuts import TRACE_DEPTHS, TracePlan, full_plan, model_plan
@@ -32,7 +34,11 @@ TRACE_BATCHES = (2, 3)
 op sequence (and the curve) differs from every larger batch."""
 
 
-def affine(f_lo: float, f_hi: float, x: int, lo: int) -> float:
+Values = TypeVar("Values", float, np.ndarray)
+"""One figure or an array of them (a curve's points)."""
+
+
+def affine(f_lo: Values, f_hi: Values, x: int, lo: int) -> Values:
     """The value at x of the line through (lo, f_lo) and (lo + 1, f_hi)."""
     return f_lo + (x - lo) * (f_hi - f_lo)
 

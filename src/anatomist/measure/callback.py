@@ -11,13 +11,16 @@ per-step cost is two perf_counter calls and a list append (benchmarks/callback_o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import TrainerCallback
 
 from anatomist.measure.recorder import Recorder, RunSummary
 from anatomist.measure.summary import print_summary
+
+if TYPE_CHECKING:
+    from anatomist.anatomy import StepFlops
 
 
 class AnatomistCallback(TrainerCallback):
@@ -28,7 +31,8 @@ class AnatomistCallback(TrainerCallback):
         attribute_step: optimizer step (0-based) whose memory is attributed; None: none.
         log_every: sample memory every N steps into the summary's history (0: never).
         print_at_end: print the summary table on stderr when training ends.
-        flops_per_step, peak_flops: for MFU (both needed; `anatomist.measure.mfu_inputs` gives them).
+        flops, peak_flops: a step's model and hardware FLOPs and the GPU's peak FLOP/s, for MFU
+            and HFU (both needed; `anatomist.measure.mfu_inputs` gives them).
     """
 
     def __init__(
@@ -38,14 +42,14 @@ class AnatomistCallback(TrainerCallback):
         attribute_step: int | None = 1,
         log_every: int = 0,
         print_at_end: bool = True,
-        flops_per_step: int | None = None,
+        flops: StepFlops | None = None,
         peak_flops: float | None = None,
     ) -> None:
         self.tokens_per_sample = tokens_per_sample
         self.attribute_step = attribute_step
         self.log_every = log_every
         self.print_at_end = print_at_end
-        self.flops_per_step = flops_per_step
+        self.flops = flops
         self.peak_flops = peak_flops
         self.recorder: Recorder | None = None
         self.summary: RunSummary | None = None
@@ -54,7 +58,7 @@ class AnatomistCallback(TrainerCallback):
         samples = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(args.world_size, 1)
         self.recorder = Recorder(
             samples_per_step=samples, tokens_per_sample=self.tokens_per_sample, attribute_step=self.attribute_step,
-            log_every=self.log_every, flops_per_step=self.flops_per_step, peak_flops=self.peak_flops,
+            log_every=self.log_every, flops=self.flops, peak_flops=self.peak_flops,
         )
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from anatomist.anatomy import OpClass, Phase
 from anatomist.errors import InputError
-from anatomist.estimate.flops import step_ops
+from anatomist.estimate.flops import step_flops, step_ops
 from anatomist.hardware import detect_local_gpu
 from anatomist.op_classes import classify, is_known
 from anatomist.recipe import OPTIM_PACKAGES, Recipe
@@ -54,9 +54,15 @@ class ProfileResult:
     step_s: float
     """Mean wall time of one profiled step (the three ranges)."""
     flops_per_step: int
+    """Model FLOPs of one step (no recomputation; `StepFlops.model`)."""
+    hardware_flops_per_step: int
+    """Hardware FLOPs of one step (with gradient checkpointing's recomputation; `StepFlops.hardware`)."""
     achieved_tflops: float
+    """Model FLOPs per second."""
     mfu: float | None
     """Against the local GPU's dense peak for the recipe's dtype; None on CPU."""
+    hfu: float | None
+    """The same with the hardware FLOPs; None on CPU."""
     op_time_s: float
     """Self time of all ATen ops per step, as the profiler reports it."""
     notes: list[str] = field(default_factory=list)
@@ -65,7 +71,8 @@ class ProfileResult:
         return {
             "classes": self.classes, "phases": self.phases, "top_ops": self.top_ops, "device": self.device,
             "unknown_ops": self.unknown_ops, "steps": self.steps, "step_s": self.step_s,
-            "flops_per_step": self.flops_per_step, "achieved_tflops": self.achieved_tflops, "mfu": self.mfu,
+            "flops_per_step": self.flops_per_step, "hardware_flops_per_step": self.hardware_flops_per_step,
+            "achieved_tflops": self.achieved_tflops, "mfu": self.mfu, "hfu": self.hfu,
             "op_time_s": self.op_time_s, "notes": self.notes,
         }
 
@@ -95,7 +102,8 @@ def _optimizer(model: torch.nn.Module, recipe: Recipe, cpu: bool) -> torch.optim
     from transformers import Trainer
 
     args = recipe.to_training_arguments("anatomist-profile", report_to="none", use_cpu=cpu)
-    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    # typed PreTrainedModel, but it only reads the model's parameters: a PEFT model works as well
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)  # type: ignore[arg-type]
     return cls([p for p in model.parameters() if p.requires_grad], **kwargs)
 
 
@@ -183,21 +191,22 @@ def _summarise(events: Any, workload: Workload, recipe: Recipe, steps: int, devi
     if total_us <= 0:
         raise RuntimeError("the profiler recorded no ATen op time; cannot split the step by class")
     gpu = detect_local_gpu() if not cpu else None
-    ops = step_ops(workload, recipe, *([gpu.compute_capability] if gpu is not None else []))
+    compute_capability = [gpu.compute_capability] if gpu is not None else []  # else flops' default
+    ops = step_ops(workload, recipe, *compute_capability)
     accumulation = recipe.gradient_accumulation_steps
     class_flops = dict.fromkeys(OpClass, 0.0)
     for r in ops.records:
         class_flops[r.op_class] += (r.flops + r.approx_flops) * r.calls_per_step(accumulation)
     all_flops = sum(class_flops.values()) or 1.0
-    flops_per_step = ops.flops_per_step(accumulation)
+    flops = step_flops(workload, recipe, *compute_capability, ops=ops)
     phases = {f"{p}_s": phase_us[p] / steps / 1e6 for p in PHASES}
     step_s = sum(phases.values())
-    achieved = flops_per_step / step_s / 1e12
-    mfu = None
+    mfu: float | None = None
+    hfu: float | None = None
     if gpu is not None:
         from anatomist.estimate.time import recipe_precision
 
-        mfu = achieved / gpu.peak_tflops(recipe_precision(recipe, gpu))
+        mfu, hfu = flops.utilization(step_s, gpu.peak_tflops(recipe_precision(recipe, gpu)) * 1e12)
     top = sorted(by_op.items(), key=lambda kv: -kv[1])[:TOP_OPS]
     unknown = sorted({n for n in by_op if not is_known(n)} | set(ops.unknown_ops()))
     device_name = torch.cuda.get_device_name(device) if not cpu else f"cpu ({torch.get_num_threads()} threads)"
@@ -210,9 +219,11 @@ def _summarise(events: Any, workload: Workload, recipe: Recipe, steps: int, devi
         unknown_ops=unknown,
         steps=steps,
         step_s=step_s,
-        flops_per_step=flops_per_step,
-        achieved_tflops=achieved,
+        flops_per_step=flops.model,
+        hardware_flops_per_step=flops.hardware,
+        achieved_tflops=flops.model / step_s / 1e12,
         mfu=mfu,
+        hfu=hfu,
         op_time_s=total_us / steps / 1e6,
         notes=[f"wall time per profiled step {wall_s:.4f} s (profiler overhead included)",
                "flops_pct: matrix products counted exactly (flop_counter), other ops approximately per element"],

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from anatomist.anatomy import MemoryAnatomy
+from anatomist.anatomy import MemoryAnatomy, StepFlops
 from anatomist.measure.attribution import StepAttributor
 from anatomist.measure.monitor import (
     allocator_stats,
@@ -46,6 +46,9 @@ class RunSummary:
     allocator: dict[str, Any] | None
     cuda_context_bytes: int | None
     mfu: float | None = None
+    """Model FLOPs utilisation of the median step (`StepFlops.model`); None without FLOPs and a peak."""
+    hfu: float | None = None
+    """Hardware FLOPs utilisation: the same with gradient checkpointing's recomputation counted."""
     history: list[dict[str, Any]] = field(default_factory=list)
     """Every `log_every` steps: step, step_s and memory in use."""
 
@@ -64,6 +67,8 @@ class Recorder:
         attribute_step: index (0-based) of the optimizer step to attribute; None: none.
             The default 1 is the first steady-state step (step 0 creates the optimizer state).
         log_every: record memory in `history` every this many steps (0: never).
+        flops, peak_flops: FLOPs of one optimizer step and the device's dense peak FLOP/s, for
+            MFU and HFU (both needed; `mfu_inputs` gives them).
     """
 
     def __init__(
@@ -73,14 +78,14 @@ class Recorder:
         tokens_per_sample: int | None = None,
         attribute_step: int | None = 1,
         log_every: int = 0,
-        flops_per_step: int | None = None,
+        flops: StepFlops | None = None,
         peak_flops: float | None = None,
     ) -> None:
         self.samples_per_step = samples_per_step
         self.tokens_per_sample = tokens_per_sample
         self.attribute_step = attribute_step
         self.log_every = log_every
-        self.flops_per_step = flops_per_step
+        self.flops = flops
         self.peak_flops = peak_flops
         self.cuda = cuda_available()
         self.context_bytes = measure_cuda_context_bytes() if self.cuda else None
@@ -130,31 +135,33 @@ class Recorder:
         median = statistics.median(self.step_times_s) if self.step_times_s else None
         sps = self.samples_per_step / median if median else None
         tps = sps * self.tokens_per_sample if sps is not None and self.tokens_per_sample else None
-        mfu = None
-        if median and self.flops_per_step and self.peak_flops:
-            mfu = self.flops_per_step / median / self.peak_flops
+        mfu: float | None = None
+        hfu: float | None = None
+        if median and self.flops is not None and self.peak_flops:
+            mfu, hfu = self.flops.utilization(median, self.peak_flops)
         stats = allocator_stats()
         return RunSummary(
             train_runtime_s=runtime, steps=self._steps, samples_per_second=sps, tokens_per_second=tps,
             median_step_s=median, memory=self.memory, device=device_snapshot().to_dict(),
             allocator=stats.to_dict() if stats else None, cuda_context_bytes=self.context_bytes, mfu=mfu,
-            history=self.history,
+            hfu=hfu, history=self.history,
         )
 
 
-def mfu_inputs(workload: Workload, recipe: Recipe) -> tuple[int | None, float | None]:
-    """What MFU needs: FLOPs of one optimizer step on one device (counted on fake tensors by
-    `anatomist.estimate.flops`) and the local GPU's dense peak FLOP/s for the recipe's
-    precision. (None, None) where there is no GPU, or one the catalog does not know."""
+def mfu_inputs(workload: Workload, recipe: Recipe) -> tuple[StepFlops | None, float | None]:
+    """What MFU and HFU need: the model and hardware FLOPs of one optimizer step on one device
+    (counted on fake tensors by `anatomist.estimate.flops.step_flops`) and the local GPU's
+    dense peak FLOP/s for the recipe's precision. (None, None) where there is no GPU, or one
+    the catalog does not know."""
     from anatomist.hardware import detect_local_gpu
 
     gpu = detect_local_gpu()
     if gpu is None:
         return None, None
-    from anatomist.estimate.flops import flops_per_step
+    from anatomist.estimate.flops import step_flops
     from anatomist.estimate.time import recipe_precision
     from anatomist.workload import resolve_dtype
 
     recipe = resolve_dtype(workload, recipe)
 
-    return flops_per_step(workload, recipe, gpu.compute_capability), gpu.peak_tflops(recipe_precision(recipe, gpu)) * 1e12
+    return step_flops(workload, recipe, gpu.compute_capability), gpu.peak_tflops(recipe_precision(recipe, gpu)) * 1e12

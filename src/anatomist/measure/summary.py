@@ -25,6 +25,8 @@ def summary_table(summary: RunSummary) -> Table:
         table.add_row("tokens/s", f"{summary.tokens_per_second:,.0f}")
     if summary.mfu is not None:
         table.add_row("MFU", f"{summary.mfu:.1%}")
+    if summary.hfu is not None:
+        table.add_row("HFU (with recomputation)", f"{summary.hfu:.1%}")
     memory = summary.memory
     if memory is not None:
         table.add_row(f"peak allocated ({memory.peak_phase})", _mib(memory.peak_allocated))

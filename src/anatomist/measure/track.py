@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from anatomist.measure.recorder import Recorder, RunSummary
 from anatomist.measure.summary import print_summary
+
+if TYPE_CHECKING:
+    from anatomist.anatomy import StepFlops
 
 
 class Tracker:
@@ -50,7 +53,7 @@ def track(
     attribute_step: int | None = 1,
     log_every: int = 0,
     print_at_end: bool = True,
-    flops_per_step: int | None = None,
+    flops: StepFlops | None = None,
     peak_flops: float | None = None,
 ) -> Iterator[Tracker]:
     """Measure the loop inside the `with` block; print the summary when it ends.
@@ -59,11 +62,12 @@ def track(
         model, optimizer: needed for the memory attribution (else only time and device memory).
         samples_per_step: samples per optimizer step, for samples/s.
         mixed_precision: "no", "fp16" or "bf16" (the autocast dtype, for weight copies).
-        flops_per_step, peak_flops: for MFU (both needed; see `mfu_inputs`).
+        flops, peak_flops: a step's model and hardware FLOPs and the GPU's peak FLOP/s, for MFU
+            and HFU (both needed; see `mfu_inputs`).
     """
     lower = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision)
     recorder = Recorder(samples_per_step=samples_per_step, tokens_per_sample=tokens_per_sample,
-                        attribute_step=attribute_step, log_every=log_every, flops_per_step=flops_per_step,
+                        attribute_step=attribute_step, log_every=log_every, flops=flops,
                         peak_flops=peak_flops)
     tracker = Tracker(model, optimizer, lower, recorder)
     try:

@@ -18,7 +18,6 @@ import yaml
 from anatomist.errors import InputError
 from anatomist.estimate.sharding import BUCKET_ELEMENTS
 from anatomist.recipe import Recipe
-
 from anatomist.workload import PEFT_TASK_TYPES
 
 Target = Literal["trainer", "accelerate", "deepspeed", "trl"]

@@ -150,7 +150,7 @@ def explain_infeasible(
     sharded = smallest.recipe.replace(zero_stage=3, offload="cpu", fsdp="none")
     for n in (2, 4, 8, 16, 32, 64):
         total = estimate_memory(workload, sharded, gpu, num_gpus=n).anatomy.device_total
-        if total <= limit:
+        if total is not None and total <= limit:  # an estimate always has one
             options.append(f"{n} GPUs with ZeRO-3 + CPU offload ({_gib(total)} per device; --gpus {n})")
             break
     if space.num_gpus == 1 and not any(c.recipe.offload != "none" for c in candidates):

@@ -34,7 +34,9 @@ class Candidate:
 
     @property
     def device_total(self) -> int:
-        return self.memory.anatomy.device_total
+        total = self.memory.anatomy.device_total
+        assert total is not None  # an estimate always has one (only a CPU measurement has none)
+        return total
 
     @property
     def samples_per_second(self) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import textwrap
 from collections.abc import Callable
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 import matplotlib
 
@@ -171,7 +171,8 @@ def predicted_vs_measured(results: list[RecipeResult]) -> Figure | None:
     speed_rows = [r for r in mem_rows if r.measured_samples_per_second and r.predicted_samples_per_second]
     fig = _figure(width_in=8.0 if speed_rows else 5.0, height_in=4.2)
     axes = fig.subplots(1, 2 if speed_rows else 1, squeeze=False)[0]
-    mem_pairs = [tuple(b / GIB for b in comparable_peaks(r.predicted_memory, r.measured_memory)) for r in mem_rows]
+    # mem_rows have both peaks (filtered above)
+    mem_pairs = [tuple(cast(int, b) / GIB for b in comparable_peaks(r.predicted_memory, r.measured_memory)) for r in mem_rows]
     label = distinguishing(mem_rows)
     _parity(axes[0], mem_pairs, [label(r) for r in mem_rows], "peak memory (GiB)")  # type: ignore[arg-type]
     if speed_rows:

@@ -13,7 +13,7 @@ import datetime as _dt
 from dataclasses import dataclass
 from html import escape
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from anatomist import __version__
 from anatomist.anatomy import GIB, MemoryCategory
@@ -143,7 +143,7 @@ def _memory_table(results: list[RecipeResult]) -> str:
 
 def _throughput_table(results: list[RecipeResult]) -> str:
     rows_in = [r for r in results if r.samples_per_second and peak_bytes(r.memory) is not None]
-    front = set(pareto_front([(peak_bytes(r.memory), float(r.samples_per_second or 0)) for r in rows_in]))
+    front = set(pareto_front([(cast(int, peak_bytes(r.memory)), float(r.samples_per_second or 0)) for r in rows_in]))  # rows_in have one
     rows = []
     for i, r in enumerate(rows_in):
         peak = peak_bytes(r.memory)

@@ -2,8 +2,9 @@
 
 A trace depends only on what `step.part_key` names (the model config, task, sequence length,
 the recipe fields that shape that part, depth, batch size, the cuBLAS workspace size); the
-disk key adds the anatomist, torch and transformers versions and a digest of this package's
-own source, so a changed tracer never reads an old trace.
+disk key adds the anatomist, torch, transformers and peft versions (peft wraps the traced
+model under LoRA) and a digest of this package's own source, so a changed tracer or library
+never reads an old trace.
 
 On disk: one zlib-compressed pickle per trace in the user cache folder
 (`platformdirs.user_cache_dir("anatomist")/traces`, or `$ANATOMIST_CACHE_DIR/traces`),
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import os
 import pickle
 import sys
@@ -74,13 +76,17 @@ def _code_digest() -> str:
 
 
 @cache
-def _versions() -> tuple[str, ...]:
+def _versions() -> tuple[str | None, ...]:
     import torch
     import transformers
 
     from anatomist import __version__
 
-    return (__version__, torch.__version__, transformers.__version__, _code_digest())
+    try:
+        peft_version: str | None = importlib.metadata.version("peft")  # without importing it (slow)
+    except importlib.metadata.PackageNotFoundError:
+        peft_version = None
+    return (__version__, torch.__version__, transformers.__version__, peft_version, _code_digest())
 
 
 def disk_key(key: tuple[Any, ...]) -> str:

@@ -39,8 +39,10 @@ class BlockwiseAdamLayout(torch.optim.Optimizer):
         self.bits = bits
         """8: blockwise uint8 codes for large parameters; 32: fp32 moments for all (paged_adamw_32bit)."""
 
+    # The ignore below: torch types step as overloads returning the closure's loss; this layout
+    # takes no closure (the tracer's step has none) and returns nothing.
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # noqa: ARG002 - Optimizer API
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]  # noqa: ARG002 - Optimizer API
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:

@@ -99,8 +99,9 @@ class QuantizedLinearLayout(torch.nn.Linear):
         return out.to(in_dtype)
 
 
-def _quantize(model: torch.nn.Module, recipe: Recipe) -> None:
-    """Replace every nn.Linear but the output embedding by its bitsandbytes layout, in place."""
+def _quantize(model: Any, recipe: Recipe) -> None:
+    """Replace every nn.Linear of `model` (a transformers model: its output embeddings and the
+    flags peft reads are not nn.Module's) but the output embedding by its bitsandbytes layout, in place."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -197,7 +197,7 @@ def trace_step(
             else:
                 for p in params:
                     p.grad = torch.zeros_like(p)  # what backward leaves behind
-                tracer.label_live([p.grad for p in params], MemoryCategory.GRADIENTS)
+                tracer.label_live([p.grad for p in params if p.grad is not None], MemoryCategory.GRADIENTS)
                 phases = [Phase.OPTIMIZER]
             optimizer_phase(params, optimizer, recipe, tracer)
     return StepTrace(
@@ -277,7 +277,8 @@ def forward_backward(
 ) -> None:
     model.train()
     if recipe.gradient_checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        # transformers' methods (the newer name first): not nn.Module's, so typed Any
+        enable: Any = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()
     scale: torch.Tensor | None = None
     if recipe.fp16:  # GradScaler: scale and growth tracker on the device
