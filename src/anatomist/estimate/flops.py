@@ -25,6 +25,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, cast
 
+import numpy as np
+
 from anatomist.anatomy import OpClass, Phase, StepFlops
 from anatomist.estimate.traces import TRACE_BATCHES, TRACE_DEPTHS, affine, step_traces
 from anatomist.recipe import Recipe
@@ -108,15 +110,12 @@ def _passes_ops(workload: Workload, recipe: Recipe, depth: Depth, batch: int, co
     lo, hi = (traced(b) for b in TRACE_BATCHES)
     if batch in TRACE_BATCHES:
         return lo if batch == TRACE_BATCHES[0] else hi
-    if len(lo) != len(hi):
+    first, last = COST_FIELDS[0], COST_FIELDS[-1] + 1  # the costs are one run of fields
+    if [a[:first] + a[last:] for a in lo] != [b[:first] + b[last:] for b in hi]:
         return traced(batch)
-    ops = []
-    for a, b in zip(lo, hi, strict=True):
-        if any(a[i] != b[i] for i in range(len(a)) if i not in COST_FIELDS):
-            return traced(batch)
-        ops.append(tuple(round(affine(cast(int, a[i]), cast(int, b[i]), batch, TRACE_BATCHES[0])) if i in COST_FIELDS else a[i]
-                         for i in range(len(a))))
-    return tuple(ops)  # type: ignore[arg-type]
+    costs = np.rint(affine(np.array([a[first:last] for a in lo], dtype=np.float64),
+                           np.array([b[first:last] for b in hi], dtype=np.float64), batch, TRACE_BATCHES[0]))
+    return tuple(a[:first] + tuple(map(int, c)) + a[last:] for a, c in zip(lo, costs.tolist(), strict=True))  # type: ignore[misc]
 
 
 def _step_at_depth(workload: Workload, recipe: Recipe, depth: Depth, compute_capability: str) -> Counter[Signature]:

@@ -30,7 +30,7 @@ from anatomist.recipe import Recipe
 from anatomist.trace import cache
 from anatomist.trace.cuts import TracePlan
 from anatomist.trace.records import Curves, PhasePeak
-from anatomist.trace.step import Depth
+from anatomist.trace.step import Depth, Part, part_key
 from anatomist.workload import Workload, resolve_dtype
 
 MAX_BATCH_SEARCH = 1 << 16
@@ -198,9 +198,15 @@ def estimate_memory(
     batch = recipe.per_device_train_batch_size
     parameters, trainable = traces.parameters, traces.trainable_parameters
 
+    # The traces' keys name the model's peaks at any batch: recipes that share the traces share them.
+    passes: Part = "forward-backward" if mode == "train" else "inference"
+    traced = (part_key(workload, recipe, passes, None, 0, gpu.compute_capability),
+              part_key(workload, recipe, "optimizer", None, 1, gpu.compute_capability) if mode == "train" else None)
+
     def phases_at(b: int) -> dict[Phase, PhasePeak]:
         return {
-            phase: shard(model.phase_at(phase, b), recipe, parameters, num_gpus, mode, phase)
+            phase: shard(_PHASE_PEAKS.get((traced, phase, b), lambda: model.phase_at(phase, b)),
+                         recipe, parameters, num_gpus, mode, phase)
             for phase in model.phases()
         }
 
@@ -246,6 +252,8 @@ def estimate_memory(
 
 
 _MAX_BATCH = cache.Memo(4096)
+_PHASE_PEAKS = cache.Memo(8192)
+"""PhasePeak by (traces, phase, batch); shared, so never changed after it is made (`shard` copies)."""
 
 
 def _max_batch_size(total_at: Any, capacity: int) -> int:
