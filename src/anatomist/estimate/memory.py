@@ -205,7 +205,7 @@ def estimate_memory(
 
     def phases_at(b: int) -> dict[Phase, PhasePeak]:
         return {
-            phase: shard(_PHASE_PEAKS.get((traced, phase, b), lambda: model.phase_at(phase, b)),
+            phase: shard(_PHASE_PEAKS.get((traced, phase, b), lambda p=phase: model.phase_at(p, b)),
                          recipe, parameters, num_gpus, mode, phase)
             for phase in model.phases()
         }
