@@ -23,6 +23,7 @@ import numpy as np
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, TENSOR_CATEGORIES, MemoryAnatomy, MemoryCategory, Phase
 from anatomist.errors import InputError
 from anatomist.estimate.loss_peak import loss_peak_note
+from anatomist.estimate.moe import moe_note
 from anatomist.estimate.rules import BytesPerParamRule, bytes_per_param_rule
 from anatomist.estimate.sharding import shard
 from anatomist.estimate.traces import TRACE_BATCHES, Mode, StepTraces, affine, step_traces
@@ -282,6 +283,7 @@ def _notes(workload: Workload, recipe: Recipe, anatomy: MemoryAnatomy, rule: Byt
         )
     if recipe.attn_implementation == "flash_attention_2":
         notes.append("flash_attention_2: modelled as a fused kernel keeping output + log-sum-exp (as SDPA flash)")
-    if workload.is_moe:
-        notes.append("Mixture of Experts: all experts' weights are kept; activations follow the router's real choice")
+    moe = moe_note(workload, recipe)
+    if moe is not None:
+        notes.append(moe)
     return notes
