@@ -27,6 +27,7 @@ Optim = Literal[
     "sgd",
 ]
 AttnImplementation = Literal["eager", "sdpa", "flash_attention_2"]
+ExpertsImplementation = Literal["grouped_mm", "batched_mm", "eager"]
 Offload = Literal["none", "cpu", "nvme"]
 Fsdp = Literal["none", "full_shard", "shard_grad_op"]
 LoadDtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -35,6 +36,7 @@ QuantType = Literal["nf4", "fp4"]
 
 OPTIMS: tuple[str, ...] = get_args(Optim)
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttnImplementation)
+EXPERTS_IMPLEMENTATIONS: tuple[str, ...] = get_args(ExpertsImplementation)
 OFFLOADS: tuple[str, ...] = get_args(Offload)
 FSDP_MODES: tuple[str, ...] = get_args(Fsdp)
 LOAD_DTYPES: tuple[str, ...] = get_args(LoadDtype)
@@ -103,6 +105,11 @@ class Recipe:
     attn_implementation: AttnImplementation = _field(
         "sdpa", "Attention kernel (the model's; transformers' default sdpa): eager keeps the [b, heads, s, s] "
         "probabilities, sdpa and flash_attention_2 do not.")
+    experts_implementation: ExpertsImplementation = _field(
+        "grouped_mm", "Mixture-of-Experts kernel, as from_pretrained(experts_implementation=...); no effect on dense "
+        "models. grouped_mm (transformers' default) runs a layer's routed tokens as grouped matrix products; "
+        "batched_mm copies each routed token's expert weights (meant for decoding); eager loops over the experts "
+        "the router picked, whose sizes follow the data: it cannot be estimated (refused).")
     torch_compile: bool = _trainer_default("torch_compile", "Compile the model with torch.compile (inductor).")
     dataloader_num_workers: int = _trainer_default(
         "dataloader_num_workers", "DataLoader worker processes feeding the GPU.")
@@ -168,6 +175,11 @@ class Recipe:
             raise InputError(
                 f"unknown attn_implementation {self.attn_implementation!r}; "
                 f"known: {', '.join(ATTN_IMPLEMENTATIONS)}"
+            )
+        if self.experts_implementation not in EXPERTS_IMPLEMENTATIONS:
+            raise InputError(
+                f"unknown experts_implementation {self.experts_implementation!r}; "
+                f"known: {', '.join(EXPERTS_IMPLEMENTATIONS)}"
             )
         if self.dataloader_num_workers < 0:
             raise InputError(f"dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")

@@ -120,9 +120,11 @@ class Workload:
             )
         return dtype
 
-    def build_model(self, attn_implementation: str = "sdpa", dtype: str = "auto") -> Any:
+    def build_model(self, attn_implementation: str = "sdpa", dtype: str = "auto",
+                    experts_implementation: str | None = None) -> Any:
         """Instantiate the task model from the config (random init, no weights loaded) with its
-        weights in `dtype` (`from_pretrained`'s meaning; "auto" is the config's dtype)."""
+        weights in `dtype` (`from_pretrained`'s meaning; "auto" is the config's dtype) and, where
+        given, the Mixture-of-Experts kernel `experts_implementation` (else transformers' choice)."""
         import torch
         import transformers
 
@@ -140,10 +142,11 @@ class Workload:
             if getattr(config, "pad_token_id", None) is None:
                 config.pad_token_id = 0  # decoder classifiers need one to find the last token
         torch_dtype = getattr(torch, self.weights_dtype(dtype))
+        experts = {"experts_implementation": experts_implementation} if experts_implementation else {}
         try:
             return auto.from_config(
                 config, attn_implementation=attn_implementation, trust_remote_code=self.trust_remote_code,
-                dtype=torch_dtype,
+                dtype=torch_dtype, **experts,
             )
         except ValueError as exc:
             first = str(exc).splitlines()[0]

@@ -84,8 +84,9 @@ def training_model(workload: Workload, recipe: Recipe, folder: str | None = None
     load, so the random weights are saved to `folder` first) and prepared with
     `prepare_model_for_kbit_training`; LoRA adapters come from `get_peft_model`."""
     from anatomist.plan.emit import bnb_config, lora_config
+    from anatomist.trace.experts import build_kwargs
 
-    model = workload.build_model(recipe.attn_implementation, recipe.dtype)
+    model = workload.build_model(recipe.attn_implementation, recipe.dtype, **build_kwargs(workload, recipe))
     quantization = bnb_config(recipe)
     if quantization is not None:
         if folder is None:

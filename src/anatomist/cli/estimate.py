@@ -145,6 +145,11 @@ def render(result: Estimate) -> None:
     if rule.total_bytes is not None:
         per_param = f"{rule.total_per_param:g} B/param = " if rule.total_per_param is not None else ""
         out.print(f"seeds' rule: {per_param}{gib(rule.total_bytes)} + activations")
+    if result.moe is not None:
+        lo, hi = result.moe.peak_range_bytes
+        peak = f"{gib(lo)} allocated, the same" if lo == hi else f"{gib(lo)} to {gib(hi)} allocated"
+        out.print(f"MoE peak for any routing: {peak} from balanced ({result.moe.balanced_tokens_per_expert:,.0f} "
+                  f"tokens per expert) to one expert receiving every token ({result.moe.max_tokens_per_expert:,})")
     for note in mem.notes:
         out.print(f"  - {note}")
     if result.time is not None:

@@ -22,6 +22,8 @@ import numpy as np
 
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, TENSOR_CATEGORIES, MemoryAnatomy, MemoryCategory, Phase
 from anatomist.errors import InputError
+from anatomist.estimate.loss_peak import loss_peak_note
+from anatomist.estimate.moe import moe_note
 from anatomist.estimate.rules import BytesPerParamRule, bytes_per_param_rule
 from anatomist.estimate.sharding import shard
 from anatomist.estimate.traces import TRACE_BATCHES, Mode, StepTraces, affine, step_traces
@@ -247,7 +249,7 @@ def estimate_memory(
         max_batch_size=max_batch,
         rule=rule,
         phase_peaks={str(p): v.allocated for p, v in phases.items()},
-        notes=[*traces.notes, *_notes(workload, recipe, anatomy, rule)],
+        notes=[*traces.notes, *_notes(workload, recipe, anatomy, rule, traces)],
     )
 
 
@@ -274,8 +276,12 @@ def _max_batch_size(total_at: Any, capacity: int) -> int:
     return lo
 
 
-def _notes(workload: Workload, recipe: Recipe, anatomy: MemoryAnatomy, rule: BytesPerParamRule) -> list[str]:
+def _notes(workload: Workload, recipe: Recipe, anatomy: MemoryAnatomy, rule: BytesPerParamRule,
+           traces: StepTraces) -> list[str]:
     notes = list(rule.explain(anatomy, recipe))
+    loss = loss_peak_note(workload, recipe, anatomy, traces)
+    if loss is not None:
+        notes.append(loss)
     if recipe.peft != "none":
         base = (f"{recipe.bnb_4bit_quant_type} 4-bit" if recipe.load_in_4bit else "int8" if recipe.load_in_8bit
                 else recipe.dtype)
@@ -293,6 +299,7 @@ def _notes(workload: Workload, recipe: Recipe, anatomy: MemoryAnatomy, rule: Byt
         )
     if recipe.attn_implementation == "flash_attention_2":
         notes.append("flash_attention_2: modelled as a fused kernel keeping output + log-sum-exp (as SDPA flash)")
-    if workload.is_moe:
-        notes.append("Mixture of Experts: all experts' weights are kept; activations follow the router's real choice")
+    moe = moe_note(workload, recipe)
+    if moe is not None:
+        notes.append(moe)
     return notes

@@ -7,6 +7,7 @@ from typing import Any
 
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN
 from anatomist.estimate.memory import MemoryEstimate, estimate_memory
+from anatomist.estimate.moe import MoeRouting, moe_routing
 from anatomist.estimate.time import Calibration, estimate_time
 from anatomist.estimate.time import calibration as default_calibration
 from anatomist.estimate.traces import Mode
@@ -28,6 +29,8 @@ class Estimate:
     memory: MemoryEstimate
     time: Any | None = None
     """A TimeAnatomy once the time prediction exists for this recipe."""
+    moe: MoeRouting | None = None
+    """The routing a Mixture-of-Experts estimate assumes and its peak range (None for a dense model)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -49,6 +52,8 @@ class Estimate:
             "phase_peaks": self.memory.phase_peaks,
             "notes": self.memory.notes,
         }
+        if self.moe is not None:
+            out["moe"] = self.moe.to_dict()
         if self.time is not None:
             out["time"] = self.time.to_dict()
         return out
@@ -65,4 +70,4 @@ def estimate(
     time = estimate_time(workload, recipe, gpu, calibration) if mode == "train" else None
     source = (calibration or default_calibration()).source
     return Estimate(workload=workload, recipe=recipe, gpu=gpu, mode=mode, margin=margin, memory=memory, time=time,
-                    extra={"time_calibration": source})
+                    moe=moe_routing(workload, recipe, memory.anatomy), extra={"time_calibration": source})

@@ -21,6 +21,7 @@ import numpy as np
 
 from anatomist.recipe import Recipe
 from anatomist.trace.cuts import TRACE_DEPTHS, TracePlan, full_plan, model_plan
+from anatomist.trace.experts import check_traceable
 from anatomist.trace.records import StepTrace
 from anatomist.trace.step import Depth, Part, trace_part
 from anatomist.workload import Workload, resolve_dtype
@@ -63,6 +64,7 @@ def step_traces(workload: Workload, recipe: Recipe, compute_capability: str, mod
     """The passes of each cut of the plan at TRACE_BATCHES and, in training, the optimizer of each cut;
     at full depth instead where the parameters they imply are not the model's exact count."""
     recipe = resolve_dtype(workload, recipe)
+    check_traceable(workload, recipe)  # before the caches: a config's experts kernel is not in their keys
     model = model_plan(workload, recipe, use_cache=use_cache)
 
     def traced(plan: TracePlan) -> StepTraces:

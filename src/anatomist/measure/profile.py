@@ -32,6 +32,7 @@ from anatomist.estimate.flops import step_flops, step_ops
 from anatomist.hardware import detect_local_gpu
 from anatomist.op_classes import classify, is_known
 from anatomist.recipe import OPTIM_PACKAGES, Recipe
+from anatomist.trace.experts import build_kwargs
 from anatomist.trace.step import make_batch
 from anatomist.workload import Workload, resolve_dtype
 
@@ -114,7 +115,7 @@ def training_step(workload: Workload, recipe: Recipe, device: torch.device) -> C
     range and ends with a device synchronisation, so wall-clock timing of a call is honest."""
     cpu = device.type == "cpu"
     with contextlib.redirect_stderr(None):
-        model = workload.build_model(recipe.attn_implementation, recipe.dtype).to(device)
+        model = workload.build_model(recipe.attn_implementation, recipe.dtype, **build_kwargs(workload, recipe)).to(device)
     model.train()
     if recipe.gradient_checkpointing:
         model.gradient_checkpointing_enable()

@@ -138,6 +138,8 @@ def trainer_snippet(recipe: Recipe, num_gpus: int = 1, *, model: str = "MODEL",
         lines.append(f"from peft import {', '.join(helpers)}")
     lines += [f"from transformers import {', '.join(imports)}", ""]
     load = f'dtype="{recipe.dtype}", attn_implementation="{recipe.attn_implementation}"'
+    if recipe.experts_implementation != "grouped_mm":  # transformers' default, and no argument for a dense model
+        load += f', experts_implementation="{recipe.experts_implementation}"'
     if bnb:
         lines.append(f"quantization_config = BitsAndBytesConfig({_call_args(bnb)})")
         load += ", quantization_config=quantization_config"

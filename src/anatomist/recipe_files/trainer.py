@@ -172,10 +172,12 @@ def _model_config(data: dict[str, Any], kind: str, reading: Reading, file: str) 
     if data.get("torch_dtype") is not None:
         reading.set("dtype", data["torch_dtype"], file, "torch_dtype")
     kwargs = data.get("model_init_kwargs") or {}
-    for key, name in (("dtype", "dtype"), ("torch_dtype", "dtype"), ("attn_implementation", "attn_implementation")):
+    read = {"dtype": "dtype", "torch_dtype": "dtype", "attn_implementation": "attn_implementation",
+            "experts_implementation": "experts_implementation"}
+    for key, name in read.items():
         if kwargs.get(key) is not None:
             reading.set(name, kwargs[key], file, f"model_init_kwargs.{key}")
-    reading.skip_all("model_init_kwargs", kwargs, keep=("dtype", "torch_dtype", "attn_implementation"))
+    reading.skip_all("model_init_kwargs", kwargs, keep=tuple(read))
     if data.get("use_peft"):
         reading.set("peft", "lora", file, "use_peft")
     targets = data.get("lora_target_modules")

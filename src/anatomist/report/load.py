@@ -369,6 +369,7 @@ _SHORT = {
     "tf32": "tf32",
     "optim": "{}",
     "attn_implementation": "{}",
+    "experts_implementation": "{}",
     "torch_compile": "compile",
     "dataloader_num_workers": "workers{}",
     "dataloader_pin_memory": "pin",

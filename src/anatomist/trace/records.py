@@ -103,6 +103,10 @@ class Curves:
     """[points, len(TENSOR_CATEGORIES)] the same bytes by category."""
     reserve_ratio: float
     """Peak reserved over peak live bytes of the allocator replay."""
+    post_bytes: np.ndarray
+    """[points] activation and temporary bytes live that were made in the "post" segment (after the
+    last block: the head and the loss, forward and backward). A causal LM's logits, their fp32 copy
+    and the loss's log-softmax are these; they do not depend on the depth."""
     index: dict[tuple[Phase, str, int, int], np.ndarray] = dataclasses.field(init=False)
     """The positions of each key's points, in order."""
 
@@ -114,7 +118,7 @@ class Curves:
 
     def __getstate__(self) -> dict[str, Any]:  # `index` is derived: not pickled
         return {"keys": self.keys, "allocated": self.allocated, "categories": self.categories,
-                "reserve_ratio": self.reserve_ratio}
+                "reserve_ratio": self.reserve_ratio, "post_bytes": self.post_bytes}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         for name, value in state.items():
@@ -144,11 +148,14 @@ def curves_of(trace: Trace) -> Curves:
     allocator = CachingAllocator()
     blocks: dict[int, Any] = {}
     index = {c: j for j, c in enumerate(TENSOR_CATEGORIES)}
+    transient = {index[MemoryCategory.ACTIVATIONS], index[MemoryCategory.TEMPORARY]}
+    made_in_post: set[int] = set()
     current = [0] * len(TENSOR_CATEGORIES)
     keys: list[tuple[Phase, str, int, int]] = []
     totals: list[int] = []
     rows: list[list[int]] = []
-    live = 0
+    post: list[int] = []
+    live = post_live = 0
     for event in trace.events:
         category = index[trace.allocations[event.alloc_id].category]
         if event.nbytes > 0:
@@ -156,21 +163,29 @@ def curves_of(trace: Trace) -> Curves:
             size = round_size(event.nbytes)
             current[category] += size
             live += size
+            if event.segment == "post" and category in transient:
+                made_in_post.add(event.alloc_id)
+                post_live += size
             keys.append((event.phase, event.segment, event.micro_step, event.block))
             totals.append(live)
             rows.append(list(current))
+            post.append(post_live)
         else:
             block = blocks.pop(event.alloc_id, None)
             if block is not None:
                 size = round_size(-event.nbytes)
                 current[category] -= size
                 live -= size
+                if event.alloc_id in made_in_post:
+                    made_in_post.discard(event.alloc_id)
+                    post_live -= size
                 allocator.free(block)
     return Curves(
         keys=keys,
         allocated=np.asarray(totals, dtype=np.float64),
         categories=np.asarray(rows, dtype=np.float64).reshape(len(rows), len(TENSOR_CATEGORIES)),
         reserve_ratio=max(1.0, allocator.peak_reserved / max(max(totals, default=0), 1)),
+        post_bytes=np.asarray(post, dtype=np.float64),
     )
 
 

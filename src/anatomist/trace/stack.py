@@ -216,8 +216,10 @@ def meta_model(workload: Workload, recipe: Recipe) -> torch.nn.Module:
 
     attn = "sdpa" if recipe.attn_implementation == "flash_attention_2" else recipe.attn_implementation
     own = dataclasses.replace(workload, config=copy.deepcopy(workload.config))
+    from anatomist.trace.experts import build_kwargs
+
     with torch.device("meta"), contextlib.redirect_stderr(None):
-        return own.build_model(attn, recipe.dtype)
+        return own.build_model(attn, recipe.dtype, **build_kwargs(workload, recipe))
 
 
 def layout_of(workload: Workload, recipe: Recipe) -> Layout:

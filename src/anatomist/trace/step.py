@@ -27,6 +27,7 @@ from anatomist.recipe import Recipe
 from anatomist.trace.allocator import round_size
 from anatomist.trace.autocast import cuda_autocast_policy
 from anatomist.trace.cuda_model import cublas_workspace_bytes, cuda_code_paths, fake_parameters
+from anatomist.trace.experts import build_kwargs, check_traceable
 from anatomist.trace.optimizers import build_optimizer
 from anatomist.trace.peft import apply_peft, counted_parameters
 from anatomist.trace.records import StepTrace, curves_of
@@ -76,8 +77,9 @@ PEFT_FIELDS = ("peft", "lora_r", "lora_dropout", "lora_target_modules", "load_in
                "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype")
 """What changes the model a trace builds under PEFT (which layers, which adapters, what is trainable)."""
 PART_FIELDS: dict[str, tuple[str, ...]] = {
-    "forward-backward": ("dtype", "gradient_checkpointing", "fp16", "bf16", "attn_implementation", *PEFT_FIELDS),
-    "inference": ("dtype", "fp16", "bf16", "attn_implementation", *PEFT_FIELDS),
+    "forward-backward": ("dtype", "gradient_checkpointing", "fp16", "bf16", "attn_implementation",
+                         "experts_implementation", *PEFT_FIELDS),
+    "inference": ("dtype", "fp16", "bf16", "attn_implementation", "experts_implementation", *PEFT_FIELDS),
     "optimizer": ("dtype", "optim", "fp16", "max_grad_norm", *PEFT_FIELDS),
 }
 """The recipe fields that change each part's trace. Recipes that differ only in the
@@ -153,13 +155,15 @@ def trace_step(
         # follow it. The memory differs by a few bytes per sample.
         shallow.config.problem_type = "single_label_classification" if workload.num_labels > 1 else "regression"
     attn = "sdpa" if recipe.attn_implementation == "flash_attention_2" else recipe.attn_implementation
+    experts = build_kwargs(workload, recipe)
     fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     if fake:
+        check_traceable(workload, recipe)
         with torch.device("meta"), contextlib.redirect_stderr(None):
-            model = apply_peft(shallow.build_model(attn, recipe.dtype), recipe, workload.task)
+            model = apply_peft(shallow.build_model(attn, recipe.dtype, **experts), recipe, workload.task)
         fake_parameters(model, fake_mode)
     else:
-        model = apply_peft(shallow.build_model(attn, recipe.dtype), recipe, workload.task)
+        model = apply_peft(shallow.build_model(attn, recipe.dtype, **experts), recipe, workload.task)
     lower = lower_dtype(recipe)
     tracer = StepTracer(lower_precision_dtype=lower, record_ops=record_ops)
     params = [p for p in model.parameters() if p.requires_grad]  # what the Trainer's optimizer gets
@@ -230,10 +234,13 @@ def data_dependent_code_is_input_error(workload: Workload, recipe: Recipe) -> It
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if "transformers" in f.filename]
         where = f" in {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
         other = "sdpa" if recipe.attn_implementation == "eager" else "eager"
+        experts = (" (if it is a Mixture-of-Experts loop over the experts the router picked: only transformers' "
+                   "grouped_mm and batched_mm experts kernels can be estimated)"
+                   if workload.config is not None and workload.is_moe else "")
         raise InputError(
             f"{workload.name}: cannot be estimated without data: its code{where} calls {getattr(exc, 'func', exc)}, "
             f"whose output size depends on the values; if that is its attention code, try "
-            f"--attn-implementation {other}"
+            f"--attn-implementation {other}{experts}"
         ) from None
 
 

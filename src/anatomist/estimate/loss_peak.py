@@ -1,0 +1,104 @@
+"""Say so when the peak of a step is the logits of the loss.
+
+A language-model head turns every token into a vocabulary-wide row of logits, and transformers'
+loss upcasts them to fp32 and keeps the log-softmax for backward: at 128k-150k vocabularies and
+long sequences these copies, not the blocks' activations, are often what the peak is made of
+(batch 1 x 32,768 tokens x 151,936 vocabulary is 18.5 GiB per fp32 copy). The trace knows which
+bytes they are: the activations and temporaries made after the last block (`Curves.post_bytes`),
+which do not depend on the depth. This module finds the peak of the full model's "post" segment,
+extrapolated as the estimator extrapolates every point, and when the step's peak is that point
+and those bytes are a large share of it, writes the note.
+
+Criterion (both must hold):
+- the peak is in the "post" segment of forward or backward: the post segment's highest point has
+  the activations and temporaries of the anatomy's peak (within `SAME_POINT_TOLERANCE`; the
+  other categories are not compared, as ZeRO sharding changes them);
+- the bytes made after the last block are at least `LOSS_SHARE` (half) of the activations and
+  temporaries there: the head and the loss hold more of the peak than all the blocks' saved
+  activations together. (Llama-3.1-8B at 131,072 tokens without gradient checkpointing peaks in
+  the loss too, but its 192 GiB of logits are a fifth of 1,024 GiB: the blocks are the problem
+  there, and the note would mislead.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from anatomist.anatomy import GIB, TENSOR_CATEGORIES, MemoryAnatomy, MemoryCategory, Phase
+from anatomist.estimate.traces import TRACE_BATCHES, StepTraces, affine
+from anatomist.recipe import Recipe
+from anatomist.trace.step import Depth
+from anatomist.workload import Workload
+
+LOSS_SHARE = 0.5
+"""Share of the peak's activations and temporaries that the head and the loss must hold for the note."""
+SAME_POINT_TOLERANCE = 1e-3
+"""Relative difference under which the post segment's peak is taken to be the step's peak."""
+
+_TRANSIENT = [TENSOR_CATEGORIES.index(MemoryCategory.ACTIVATIONS), TENSOR_CATEGORIES.index(MemoryCategory.TEMPORARY)]
+
+
+@dataclass(frozen=True, slots=True)
+class LossPeak:
+    """The highest point of the full model's post segment (head and loss) in one phase."""
+
+    transient_bytes: float
+    """Activations + temporaries live there."""
+    loss_bytes: float
+    """Of those, the bytes made after the last block (logits, their fp32 copy, log-softmax, gradients)."""
+
+
+def post_segment_peak(traces: StepTraces, phase: Phase, batch: int) -> LossPeak | None:
+    """The post segment's highest point of the full model at `batch` samples, in `phase`; None where
+    the traces have no post segment or its points do not line up between the cuts."""
+    plan = traces.plan
+    columns: dict[Depth, tuple[Any, Any]] = {}  # per cut: [points, categories] and [points], at `batch`
+    for cut in plan.cuts:
+        lo, hi = (traces.passes[cut, b].curves for b in TRACE_BATCHES)
+        keys = sorted(k for k in lo.index if k[0] is phase and k[1] == "post")
+        if not keys or lo.keys != hi.keys:
+            return None
+        at = np.concatenate([lo.index[k] for k in keys])
+        columns[cut] = (affine(lo.categories[at], hi.categories[at], batch, TRACE_BATCHES[0]),  # type: ignore[arg-type]
+                        affine(lo.post_bytes[at], hi.post_bytes[at], batch, TRACE_BATCHES[0]))  # type: ignore[arg-type]
+    if len({len(p) for _, p in columns.values()}) != 1:
+        return None
+    categories: Any = plan.combine(lambda c: columns[c][0])  # point by point, as the estimator's curves
+    post: Any = plan.combine(lambda c: columns[c][1])
+    i = int(np.argmax(categories.sum(axis=1)))
+    return LossPeak(transient_bytes=float(categories[i, _TRANSIENT].sum()), loss_bytes=float(post[i]))
+
+
+def loss_peak_note(workload: Workload, recipe: Recipe, anatomy: MemoryAnatomy, traces: StepTraces) -> str | None:
+    """The note for an anatomy whose peak is the logits of the loss (see the module's criterion), else None."""
+    if anatomy.peak_phase not in (Phase.FORWARD, Phase.BACKWARD):
+        return None
+    peak = post_segment_peak(traces, anatomy.peak_phase, recipe.per_device_train_batch_size)
+    transient = anatomy.activations + anatomy.temporary
+    if peak is None or transient <= 0:
+        return None
+    if abs(peak.transient_bytes - transient) > SAME_POINT_TOLERANCE * transient:
+        return None  # the peak is elsewhere (in the blocks, or before them)
+    if peak.loss_bytes < LOSS_SHARE * transient:
+        return None
+    return (f"the peak is the logits of the loss: {peak.loss_bytes / GIB:.1f} GiB of the {transient / GIB:.1f} GiB "
+            f"of activations and temporaries at the peak (in {anatomy.peak_phase}) are the LM head's output and "
+            f"the loss's copies of it ({_logits_size(workload, recipe)}); fewer tokens per micro-batch shrink them "
+            "in proportion, gradient checkpointing does not; a chunked or fused linear + cross-entropy (Liger "
+            "Kernel's) that never holds the logits is not modelled")
+
+
+def _logits_size(workload: Workload, recipe: Recipe) -> str:
+    """`batch x tokens x vocabulary` and what one copy of the logits takes in each dtype the loss holds."""
+    vocab = int(workload.config.get_text_config().vocab_size)
+    batch = recipe.per_device_train_batch_size
+    elements = batch * workload.seq_len * vocab
+    half = recipe.mixed_precision if recipe.mixed_precision != "no" else (
+        recipe.dtype if recipe.dtype in ("bfloat16", "float16") else None)
+    half_name = {"bf16": "bf16", "fp16": "fp16", "bfloat16": "bf16", "float16": "fp16"}.get(half or "")
+    copies = f"{elements * 2 / GIB:.1f} GiB per {half_name} copy, " if half_name else ""
+    return (f"{batch} x {workload.seq_len:,} tokens x {vocab:,} vocabulary: {copies}"
+            f"{elements * 4 / GIB:.1f} GiB per fp32 copy")

@@ -1,0 +1,105 @@
+"""Mixture of Experts: what the estimate assumes of the routing, and how far a real routing can move it.
+
+Routing is data dependent and a fake-tensor trace has no data. What the trace can and cannot follow
+is the experts kernel's business (`trace.experts`): transformers' grouped_mm (its default) and
+batched_mm run every layer's T x k routed rows (T tokens of a micro-batch, a top-k router) whatever the
+router picks, and a trace only succeeds where no tensor's size depends on the values. So for every
+step that traces, the memory is the same for any routing:
+
+- balanced, as the auxiliary load-balancing loss aims (Shazeer et al. 2017, "Outrageously Large
+  Neural Networks", section 4; Fedus et al. 2021, "Switch Transformers", section 2.2): T x k / E rows
+  per expert;
+- the worst case a user may hit, one expert receiving every token: T rows (a top-k router picks an
+  expert at most once per token), the other experts sharing the rest.
+
+Both hold the same tensors (a real CPU step whose router sends every token to the same experts keeps
+exactly those of a balanced one: tests/test_moe.py), so the range (`MoeRouting.peak_range_bytes`) has
+equal ends and the output says why. What a skewed load does change is time (the busiest expert's
+group dominates the grouped product), which the roofline, counting FLOPs that the split does not
+change either, does not model. Expert parallelism (experts on several devices) is not modelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from anatomist.anatomy import MemoryAnatomy
+from anatomist.recipe import Recipe
+from anatomist.trace.experts import OWN_CODE, experts_kernel
+from anatomist.workload import Workload, moe_counts
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MoeRouting:
+    """The routing an estimate of a Mixture-of-Experts model assumes, per MoE layer and micro-batch."""
+
+    experts_implementation: str
+    """The experts kernel modelled (`trace.experts.experts_kernel`)."""
+    experts: int
+    """Routed experts per MoE layer (shared experts, which take every token, not counted)."""
+    experts_per_token: int
+    tokens: int
+    """Tokens of one micro-batch on one device: batch x sequence length."""
+    peak_range_bytes: tuple[int, int]
+    """Peak allocated bytes from balanced routing to one expert receiving every token (equal: see the module)."""
+
+    @property
+    def routed_rows(self) -> int:
+        """(token, expert) pairs: the rows the experts kernel runs."""
+        return self.tokens * self.experts_per_token
+
+    @property
+    def balanced_tokens_per_expert(self) -> float:
+        return self.routed_rows / self.experts
+
+    @property
+    def max_tokens_per_expert(self) -> int:
+        """Every token once: what one expert receives at worst."""
+        return self.tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "experts_implementation": self.experts_implementation,
+            "experts": self.experts,
+            "experts_per_token": self.experts_per_token,
+            "tokens": self.tokens,
+            "routed_rows": self.routed_rows,
+            "balanced_tokens_per_expert": self.balanced_tokens_per_expert,
+            "max_tokens_per_expert": self.max_tokens_per_expert,
+            "peak_range_bytes": list(self.peak_range_bytes),
+        }
+
+
+def moe_routing(workload: Workload, recipe: Recipe, anatomy: MemoryAnatomy) -> MoeRouting | None:
+    """The routing assumption and peak range of an estimate (None for a dense model)."""
+    counts = moe_counts(workload.config)
+    kernel = experts_kernel(workload, recipe)
+    if counts is None or kernel is None:
+        return None
+    per_token, experts = counts
+    return MoeRouting(
+        experts_implementation=kernel, experts=experts, experts_per_token=per_token,
+        tokens=recipe.per_device_train_batch_size * workload.seq_len,
+        peak_range_bytes=(anatomy.peak_allocated, anatomy.peak_allocated),
+    )
+
+
+def moe_note(workload: Workload, recipe: Recipe) -> str | None:
+    """What the notes say of a Mixture-of-Experts estimate: the routing assumed and why any other gives the
+    same memory (None for a dense model)."""
+    counts = moe_counts(workload.config)
+    kernel = experts_kernel(workload, recipe)
+    if counts is None or kernel is None:
+        return None
+    per_token, experts = counts
+    tokens = recipe.per_device_train_batch_size * workload.seq_len
+    rows = tokens * per_token
+    kept = "all experts' weights are kept (and trained)"
+    if kernel == OWN_CODE:
+        return (f"Mixture of Experts: {kept}; the experts run {kernel} (not one of transformers' experts kernels), "
+                "traced as written: its tensor sizes do not depend on the routing, or the trace would have failed")
+    return (f"Mixture of Experts ({kernel}): balanced routing assumed, as the auxiliary loss aims ({tokens:,} "
+            f"tokens x top-{per_token} / {experts} experts = {rows / experts:,.0f} tokens per expert and layer); "
+            f"{kernel} runs all {rows:,} routed rows whatever the split, so a skewed one, up to an expert receiving "
+            f"every token, keeps the same memory and costs time only (not modelled); {kept}")

@@ -1,0 +1,97 @@
+"""Which experts kernel a Mixture-of-Experts model runs, and which ones a trace without data can follow.
+
+transformers 5 runs the experts of the models it decorates with `use_experts_implementation` (Mixtral,
+Qwen2/3-MoE, DeepSeek-V2/V3, gpt-oss, OLMoE, ...) through the kernel `from_pretrained(experts_implementation=...)`
+names (`transformers.integrations.moe`); models it does not decorate (Llama 4, JetMoE, ...) run their own code.
+
+- grouped_mm, the default: the T x k (token, expert) pairs of T tokens and a top-k router are sorted by expert
+  and go through grouped matrix products over all T x k rows; the per-expert counts (`offs`) only say where each
+  group starts. Every tensor has T x k (or T) rows whatever the router picks.
+- batched_mm: gathers every pair's expert weights ([T x k, 2 x intermediate, hidden]) and runs batched products:
+  T x k rows too, whatever the routing (meant for decoding a few tokens: in training the weight copies are huge).
+- eager: a loop over the experts the router picked, each taking its tokens with `torch.where` on the choice:
+  tensor sizes follow the data, which a fake tensor does not have. Refused, with one line.
+
+A trace succeeds only where no tensor's size depends on the values (fake tensors raise otherwise), so a traced
+MoE step keeps the same tensors for every routing: see `estimate.moe`.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from anatomist.errors import InputError
+from anatomist.recipe import Recipe
+from anatomist.workload import Workload
+
+MODELLED = ("grouped_mm", "batched_mm")
+"""The experts kernels whose step a trace follows (sizes independent of the routing)."""
+OWN_CODE = "the model's own code"
+"""What `experts_kernel` names for MoE models that transformers' kernels do not serve."""
+
+
+def experts_kernel(workload: Workload, recipe: Recipe) -> str | None:
+    """The experts kernel `workload`'s model runs under `recipe`: an `experts_implementation` name,
+    OWN_CODE where its class takes none, None for a dense model."""
+    if not workload.is_moe:
+        return None
+    cls = _model_class(workload.config, workload.task)
+    if cls is None or not _takes_kernels(cls):
+        return OWN_CODE
+    return recipe.experts_implementation
+
+
+def build_kwargs(workload: Workload, recipe: Recipe) -> dict[str, Any]:
+    """What `from_pretrained` / `from_config` is given for the recipe's experts kernel: nothing for
+    grouped_mm (transformers' default, which a model without kernels must not be asked for by name)."""
+    if recipe.experts_implementation == "grouped_mm" or not workload.is_moe:
+        return {}
+    return {"experts_implementation": recipe.experts_implementation}
+
+
+def check_traceable(workload: Workload, recipe: Recipe) -> None:
+    """Refuse, before tracing, the experts kernels whose sizes follow the data.
+
+    Raises:
+        InputError: experts_implementation eager on a Mixture-of-Experts model, or a config that names
+            an experts kernel other than the recipe's (transformers would run the config's).
+    """
+    if not workload.is_moe:
+        return
+    named = getattr(workload.config, "_experts_implementation", None)
+    if named is not None and named != recipe.experts_implementation:
+        raise InputError(
+            f"{workload.name}: its config sets experts_implementation={named!r} but the recipe models "
+            f"{recipe.experts_implementation!r}: pass --experts-implementation {named} (modelled: "
+            f"{', '.join(MODELLED)}) or remove it from the config"
+        )
+    if experts_kernel(workload, recipe) == "eager":
+        raise InputError(
+            f"{workload.name}: experts_implementation='eager' loops over the experts the router picked, with "
+            f"tensor sizes that follow the data, which an estimate without data cannot know; modelled: "
+            f"{', '.join(MODELLED)} (grouped_mm is transformers' default)"
+        )
+
+
+def _model_class(config: Any, task: str) -> type | None:
+    from transformers.models.auto import modeling_auto as auto
+
+    mapping = {
+        "causal-lm": auto.MODEL_FOR_CAUSAL_LM_MAPPING,
+        "sequence-classification": auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+        "seq2seq-lm": auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING,
+        "masked-lm": auto.MODEL_FOR_MASKED_LM_MAPPING,
+    }[task]
+    try:
+        cls: Any = mapping[type(config)]
+    except KeyError:  # remote code, or no such head
+        return None
+    return cls if isinstance(cls, type) else None
+
+
+@cache
+def _takes_kernels(cls: type) -> bool:
+    """Whether transformers runs this model class's experts through its kernels (its own test:
+    the class's module uses the `use_experts_implementation` decorator)."""
+    return bool(cls._can_set_experts_implementation())  # type: ignore[attr-defined]
