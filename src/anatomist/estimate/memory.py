@@ -205,12 +205,11 @@ def estimate_memory(
     traced = (part_key(workload, recipe, passes, None, 0, gpu.compute_capability),
               part_key(workload, recipe, "optimizer", None, 1, gpu.compute_capability) if mode == "train" else None)
 
+    def peak_at(phase: Phase, b: int) -> PhasePeak:
+        return _PHASE_PEAKS.get((traced, phase, b), lambda: model.phase_at(phase, b))
+
     def phases_at(b: int) -> dict[Phase, PhasePeak]:
-        return {
-            phase: shard(_PHASE_PEAKS.get((traced, phase, b), lambda p=phase: model.phase_at(p, b)),
-                         recipe, parameters, num_gpus, mode, phase)
-            for phase in model.phases()
-        }
+        return {phase: shard(peak_at(phase, b), recipe, parameters, num_gpus, mode, phase) for phase in model.phases()}
 
     phases = phases_at(batch)
     peak_phase = max(phases, key=lambda p: phases[p].allocated)
