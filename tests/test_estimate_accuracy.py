@@ -27,21 +27,13 @@ temporaries included, where anatomist keeps those under temporary).
 
 from __future__ import annotations
 
-import contextlib
-import math
-
 import pytest
 import torch
-from torch.distributed._tools import mem_tracker
-from torch.distributed._tools.mem_tracker import MemTracker
+from memtracker_step import count_as_on_cuda, measure_step, round_to_block
 
 from anatomist.estimate.memory import estimate_memory
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
-from anatomist.trace.autocast import cuda_autocast_policy
-from anatomist.trace.cuda_model import cuda_code_paths
-from anatomist.trace.optimizers import build_optimizer
-from anatomist.trace.step import make_batch
 from anatomist.workload import load_workload, resolve_dtype
 
 GPU = get_gpu("A100-80GB")
@@ -60,49 +52,17 @@ CATEGORIES_AT_PEAK = {"weights": ("PARAM", "BUFFER"), "gradients": ("GRAD",)}
 
 
 def _measured(workload, recipe: Recipe) -> tuple[dict[str, int], dict[str, int]]:
-    """MemTracker's snapshots of one steady-state step, at its peak and after it: bytes by
-    MemTracker's categories and Total."""
+    """MemTracker's snapshots of one steady-state step of the full-depth model, at its peak and after it."""
     torch.manual_seed(0)
     model = workload.build_model(recipe.attn_implementation, recipe.dtype)
-    model.train()
     if recipe.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(recipe, params)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if recipe.bf16 else contextlib.nullcontext()
-    policy = cuda_autocast_policy() if recipe.bf16 else contextlib.nullcontext()
-
-    def step() -> None:
-        with autocast:
-            loss = model(**make_batch(workload, BATCH)).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, recipe.max_grad_norm, foreach=True)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    with cuda_code_paths(), policy:
-        step()  # creates the optimizer state
-        tracker = MemTracker()
-        tracker.track_external(model, optimizer)
-        with tracker:
-            step()
-    (peak,) = tracker.get_tracker_snapshot("peak").values()
-    (after,) = tracker.get_tracker_snapshot("current").values()
-
-    def by_name(stats: dict) -> dict[str, int]:
-        return {str(k).removeprefix("_MemRefType."): v for k, v in stats.items()}
-
-    return by_name(peak), by_name(after)
-
-
-def _round(nbytes: int) -> int:
-    return math.ceil(nbytes / mem_tracker._PYTORCH_MIN_ALLOCATE) * mem_tracker._PYTORCH_MIN_ALLOCATE
+    return measure_step(workload, recipe, model, BATCH)
 
 
 @pytest.fixture
 def counted_as_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(mem_tracker._WeakRefInfo, "_calculate_mem_consumed",
-                        lambda self: _round(self.size * self.element_size))
+    count_as_on_cuda(monkeypatch)
 
 
 def _half_copies_bytes(workload, recipe: Recipe) -> int:
@@ -111,7 +71,7 @@ def _half_copies_bytes(workload, recipe: Recipe) -> int:
         model = workload.build_model(recipe.attn_implementation, recipe.dtype)
     params = {id(p): p for m in model.modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"
               for p in (m.weight, m.bias) if p is not None}
-    return sum(_round(p.numel() * 2) for p in params.values())
+    return sum(round_to_block(p.numel() * 2) for p in params.values())
 
 
 @pytest.mark.parametrize("model", ["bert", "gpt2", "llama"])

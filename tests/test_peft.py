@@ -7,17 +7,13 @@ from importlib.util import find_spec
 
 import pytest
 import torch
-from torch.distributed._tools import mem_tracker
-from torch.distributed._tools.mem_tracker import MemTracker
+from memtracker_step import count_as_on_cuda, measure_step
 
 from anatomist.bench.worker import training_model
 from anatomist.errors import InputError
 from anatomist.estimate.memory import estimate_memory
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
-from anatomist.trace.cuda_model import cuda_code_paths
-from anatomist.trace.optimizers import build_optimizer
-from anatomist.trace.step import make_batch
 from anatomist.workload import load_workload, resolve_dtype
 
 GPU = get_gpu("A100-80GB")
@@ -54,8 +50,7 @@ def test_lora_step_matches_pytorchs_accounting(tiny_model, monkeypatch, model):
     """A real LoRA step (bf16 base, fp32 adapters, AdamW over the adapters) of the model the bench
     trains (`training_model`: get_peft_model with a LoraConfig) measured by MemTracker, counted
     with the CUDA allocator's 512-byte rounding (see test_estimate_accuracy.py)."""
-    monkeypatch.setattr(mem_tracker._WeakRefInfo, "_calculate_mem_consumed",
-                        lambda self: -(-self.size * self.element_size // 512) * 512)
+    count_as_on_cuda(monkeypatch)
     # MemTracker hooks every parameter's gradient, which torch refuses on a frozen one; a frozen
     # base parameter never has a gradient, so its hooks are skipped.
     for name in ("register_hook", "register_post_accumulate_grad_hook"):
@@ -69,30 +64,10 @@ def test_lora_step_matches_pytorchs_accounting(tiny_model, monkeypatch, model):
     recipe = resolve_dtype(workload, Recipe(per_device_train_batch_size=5, peft="lora", dtype="bfloat16"))
     predicted = estimate_memory(workload, recipe, GPU).anatomy
     torch.manual_seed(0)
-    peft_model = training_model(workload, recipe)
-    peft_model.train()
-    params = [p for p in peft_model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(recipe, params)
-
-    def step() -> None:
-        peft_model(**make_batch(workload, 5)).loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, recipe.max_grad_norm, foreach=True)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    with cuda_code_paths():
-        step()
-        tracker = MemTracker()
-        tracker.track_external(peft_model, optimizer)
-        with tracker:
-            step()
-    (peak,) = tracker.get_tracker_snapshot("peak").values()
-    (after,) = tracker.get_tracker_snapshot("current").values()
-    kinds = {str(k).removeprefix("_MemRefType."): v for k, v in peak.items()}
+    kinds, after = measure_step(workload, recipe, training_model(workload, recipe), 5)
     assert predicted.peak_allocated - predicted.functionality == pytest.approx(kinds["Total"], rel=0.05)
     assert predicted.weights == pytest.approx(kinds["PARAM"] + kinds["BUFFER"], rel=0.05)
-    opt_after = {str(k).removeprefix("_MemRefType."): v for k, v in after.items()}["OPT"]
-    assert predicted.optimizer_states == pytest.approx(opt_after, rel=0.05)
+    assert predicted.optimizer_states == pytest.approx(after["OPT"], rel=0.05)
 
 
 @pytest.mark.parametrize(("recipe", "message"), [
