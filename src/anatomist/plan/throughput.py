@@ -18,7 +18,6 @@ Their constants live in data/plan_throughput.toml with their sources; none was m
 
 from __future__ import annotations
 
-import contextlib
 import tomllib
 from functools import cache
 from importlib import resources
@@ -28,7 +27,7 @@ from anatomist.anatomy import TimeAnatomy
 from anatomist.estimate.time import Calibration, estimate_time
 from anatomist.hardware import GPU
 from anatomist.recipe import Recipe
-from anatomist.workload import Workload
+from anatomist.workload import Workload, resolve_dtype
 
 
 class TimeModel(Protocol):
@@ -42,26 +41,13 @@ def constants() -> dict[str, Any]:
     return tomllib.loads(resources.files("anatomist.data").joinpath("plan_throughput.toml").read_text())
 
 
-_PARAMS: dict[tuple[Any, ...], int] = {}
-
-
 def parameter_count(workload: Workload, recipe: Recipe | None = None) -> int:
-    """Parameters of the task model, built on the meta device (no memory, no weights); with a
+    """Parameters of the task model (the estimator's exact count, `trace.cuts.model_plan`); with a
     LoRA/QLoRA `recipe`, its trainable (adapter) parameters, as PEFT makes them."""
-    import torch
+    from anatomist.trace.cuts import model_plan
 
-    from anatomist.trace.peft import apply_peft
-
-    adapters = (recipe.peft, recipe.lora_r, recipe.lora_target_modules) if recipe and recipe.peft != "none" else None
-    key = (workload.trace_key(), adapters)
-    if key not in _PARAMS:
-        with torch.device("meta"), contextlib.redirect_stderr(None):
-            model = workload.build_model("sdpa")
-            if adapters and recipe:
-                model = apply_peft(model, recipe.replace(peft="lora", load_in_4bit=False, load_in_8bit=False),
-                                   workload.task)
-        _PARAMS[key] = sum(p.numel() for p in model.parameters() if p.requires_grad or not adapters)
-    return _PARAMS[key]
+    plan = model_plan(workload, resolve_dtype(workload, recipe or Recipe()))
+    return plan.trainable_parameters if recipe is not None and recipe.peft != "none" else plan.parameters
 
 
 def offload_s(workload: Workload, recipe: Recipe, *, num_gpus: int = 1) -> float:
