@@ -224,6 +224,15 @@ class Recipe:
         """The autocast the Trainer runs (`--fp16`/`--bf16`), whatever the weights' dtype."""
         return "fp16" if self.fp16 else "bf16" if self.bf16 else "no"
 
+    def lora_config_kwargs(self, task_type: str | None) -> dict[str, Any]:
+        """peft.LoraConfig keyword arguments of the adapters (`task_type`: peft's TaskType name)."""
+        kwargs: dict[str, Any] = {"r": self.lora_r, "lora_alpha": self.lora_alpha, "lora_dropout": self.lora_dropout,
+                                  "bias": "none", "task_type": task_type}
+        names = [n.strip() for n in (self.lora_target_modules or "").split(",") if n.strip()]
+        if names:  # none: PEFT's default targets for the architecture
+            kwargs["target_modules"] = "all-linear" if names == ["all-linear"] else names
+        return kwargs
+
     @property
     def quantized(self) -> bool:
         """True when the base's linear weights are loaded by bitsandbytes (4- or 8-bit)."""

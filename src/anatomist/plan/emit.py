@@ -60,19 +60,7 @@ def trainer_kwargs(recipe: Recipe) -> dict[str, Any]:
 
 def lora_config(recipe: Recipe, task: str = "causal-lm") -> dict[str, Any] | None:
     """peft.LoraConfig keyword arguments of a LoRA/QLoRA recipe (None for full fine-tuning)."""
-    if recipe.peft == "none":
-        return None
-    kwargs: dict[str, Any] = {"r": recipe.lora_r, "lora_alpha": recipe.lora_alpha, "lora_dropout": recipe.lora_dropout,
-                              "bias": "none", "task_type": PEFT_TASK_TYPES.get(task)}
-    targets = _target_modules(recipe)
-    if targets is not None:
-        kwargs["target_modules"] = targets
-    return kwargs
-
-
-def _target_modules(recipe: Recipe) -> str | list[str] | None:
-    names = [n.strip() for n in (recipe.lora_target_modules or "").split(",") if n.strip()]
-    return None if not names else "all-linear" if names == ["all-linear"] else names
+    return recipe.lora_config_kwargs(PEFT_TASK_TYPES.get(task)) if recipe.peft != "none" else None
 
 
 def bnb_config(recipe: Recipe) -> dict[str, Any] | None:
@@ -107,7 +95,7 @@ def trl_config(recipe: Recipe, *, model: str = "MODEL", seq_len: int = 1024) -> 
     if recipe.peft != "none":
         config.update({"use_peft": True, "lora_r": recipe.lora_r, "lora_alpha": recipe.lora_alpha,
                        "lora_dropout": recipe.lora_dropout})
-        targets = _target_modules(recipe)
+        targets = recipe.lora_config_kwargs(None).get("target_modules")
         if targets is not None:
             config["lora_target_modules"] = [targets] if isinstance(targets, str) else targets
     if recipe.load_in_8bit:

@@ -120,12 +120,7 @@ def apply_peft(model: torch.nn.Module, recipe: Recipe, task: str) -> torch.nn.Mo
     if recipe.quantized:
         _quantize(model, recipe)
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=recipe.gradient_checkpointing)
-    targets: Any = None
-    if recipe.lora_target_modules:
-        names = [n.strip() for n in recipe.lora_target_modules.split(",") if n.strip()]
-        targets = "all-linear" if names == ["all-linear"] else names
-    config = peft.LoraConfig(r=recipe.lora_r, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout,
-                             target_modules=targets, task_type=PEFT_TASK_TYPES.get(task))
+    config = peft.LoraConfig(**recipe.lora_config_kwargs(PEFT_TASK_TYPES.get(task)))
     try:
         return peft.get_peft_model(model, config)
     except ValueError as exc:
