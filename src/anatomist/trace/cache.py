@@ -39,7 +39,6 @@ MAX_DISK_BYTES = 512 * 2**20
 _SUFFIX = ".trace"
 
 T = TypeVar("T")
-_memory: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
 _disk_enabled = os.environ.get("ANATOMIST_NO_CACHE", "") in ("", "0")
 
 
@@ -94,29 +93,10 @@ def disk_key(key: tuple[Any, ...]) -> str:
     return hashlib.sha256(repr((_versions(), key)).encode()).hexdigest()[:40]
 
 
-def get_or_trace(key: tuple[Any, ...], trace: Callable[[], T], kind: type[T] = StepTrace) -> T:  # type: ignore[assignment]
-    """The trace of `key`: from memory, else from disk, else `trace()` (then stored in both).
-
-    `kind`: the type of what is stored (a StepTrace, or another of anatomist's plain records
-    derived from the model alone, such as the estimator's trace plan)."""
-    if key in _memory:
-        _memory.move_to_end(key)
-        return _memory[key]  # type: ignore[return-value]
-    name = disk_key(key) + _SUFFIX if _disk_enabled else None
-    found = _load(name, kind) if name is not None else None
-    if found is None:
-        found = trace()
-        if name is not None:
-            _store(name, found)
-    _memory[key] = found
-    while len(_memory) > MAX_MEMORY_ENTRIES:
-        _memory.popitem(last=False)
-    return found
-
-
 class Memo:
-    """A bounded table of results derived from traces (least recently used out first), for the
-    arithmetic the planner repeats across recipes that share it. `clear_memory` empties it."""
+    """A bounded in-process table (least recently used out first): the traces themselves, and
+    the arithmetic on them the planner repeats across recipes that share it. `clear_memory`
+    empties every one."""
 
     def __init__(self, max_entries: int = 4096) -> None:
         self.max_entries = max_entries
@@ -137,11 +117,32 @@ class Memo:
 
 
 _memos: list[Memo] = []
+_memory = Memo(MAX_MEMORY_ENTRIES)
+"""The traces of this process."""
+
+
+def get_or_trace(key: tuple[Any, ...], trace: Callable[[], T], kind: type[T] = StepTrace) -> T:  # type: ignore[assignment]
+    """The trace of `key`: from memory, else from disk, else `trace()` (then stored in both).
+
+    `kind`: the type of what is stored (a StepTrace, or another of anatomist's plain records
+    derived from the model alone, such as the estimator's trace plan)."""
+
+    def from_disk_or_trace() -> T:
+        name = disk_key(key) + _SUFFIX if _disk_enabled else None
+        found = _load(name, kind) if name is not None else None
+        if found is None:
+            found = trace()
+            if name is not None:
+                _store(name, found)
+        return found
+
+    return _memory.get(key, from_disk_or_trace)
+
+
 
 
 def clear_memory() -> None:
     """Forget the traces held in this process, and what was derived from them (the disk cache stays)."""
-    _memory.clear()
     for memo in _memos:
         memo.clear()
 
