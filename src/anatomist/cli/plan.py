@@ -61,6 +61,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
+def _names(flag: str, what: str, text: str, known: tuple[str, ...], *, allow_none: bool = False) -> tuple[str, ...]:
+    """The comma-separated names of `flag`, each one of `known`."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in known]
+    if unknown or not (names or allow_none):
+        raise InputError(f"{flag}: unknown {what}(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(known)}")
+    return names
+
+
 def build_plan(args: argparse.Namespace) -> Plan:
     from anatomist.plan.search import plan
     from anatomist.plan.throughput import predict_time
@@ -68,21 +77,9 @@ def build_plan(args: argparse.Namespace) -> Plan:
     apply_cache_flag(args)
     gpu = get_gpu(args.gpu)
     calibration = calibration_from_args(args)
-    optims = tuple(o.strip() for o in args.optims.split(",") if o.strip())
-    unknown = [o for o in optims if o not in OPTIMS]
-    if unknown or not optims:
-        raise InputError(f"--optims: unknown optimizer(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(OPTIMS)}")
-    precisions = None
-    if args.precisions is not None:
-        precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
-        unknown = [p for p in precisions if p not in PRECISIONS]
-        if unknown or not precisions:
-            raise InputError(f"--precisions: unknown precision(s) {', '.join(unknown) or '(none given)'}; "
-                             f"known: {', '.join(PRECISIONS)}")
-    added = [m.strip() for m in args.peft.split(",") if m.strip()]
-    unknown = [m for m in added if m not in ("lora", "qlora")]
-    if unknown:
-        raise InputError(f"--peft: unknown method(s) {', '.join(unknown)}; known: lora, qlora")
+    optims = _names("--optims", "optimizer", args.optims, OPTIMS)
+    precisions = None if args.precisions is None else _names("--precisions", "precision", args.precisions, tuple(PRECISIONS))
+    added = _names("--peft", "method", args.peft, ("lora", "qlora"), allow_none=True)
     lora = {k: getattr(args, k) for k in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
             if getattr(args, k) is not None}
     if lora and not added:
