@@ -99,9 +99,10 @@ class Workload:
 
     @property
     def config_dtype(self) -> str:
-        """The dtype the config names (`dtype`, or `torch_dtype` in older configs), else float32:
-        what `from_pretrained(dtype="auto")` loads the weights in."""
-        value = getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None)
+        """The dtype the config names, else float32: what `from_pretrained(dtype="auto")` loads the weights
+        in. (A config.json's older `torch_dtype` is read into `dtype` by transformers >= 5, whose
+        `torch_dtype` attribute only repeats it with a deprecation warning.)"""
+        value = getattr(self.config, "dtype", None)
         name = str(value).removeprefix("torch.") if value is not None else "float32"
         return name if name in ("float32", "bfloat16", "float16") else "float32"
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN
@@ -78,3 +80,36 @@ def calibration_from_args(args: argparse.Namespace) -> Calibration | None:
     from anatomist.estimate.time import load_calibration
 
     return load_calibration(args.calibration)
+
+
+@contextlib.contextmanager
+def tracing_progress() -> Iterator[None]:
+    """A progress bar on stderr while step parts are traced side by side (`trace.pool`), on a terminal only."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from anatomist.cli.render import console
+    from anatomist.trace import pool
+
+    # Refreshed by each report, not by a thread of its own: the next pool forks this process.
+    progress = Progress(TextColumn("tracing step parts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console(stderr=True), transient=True, auto_refresh=False)
+    tasks: list[Any] = []
+
+    def report(done: int, total: int) -> None:
+        if not tasks:
+            tasks.append(progress.add_task("", total=total))
+            progress.start()
+        progress.update(tasks[0], completed=done, total=total)
+        progress.refresh()
+        if done == total:
+            progress.stop()
+            progress.remove_task(tasks.pop())
+
+    with pool.watch(report):
+        try:
+            yield
+        finally:
+            progress.stop()

@@ -17,6 +17,7 @@ from anatomist.cli.common import (
     calibration_from_args,
     note_missing_packages,
     print_json,
+    tracing_progress,
     warn,
 )
 from anatomist.cli.recipe_flags import add_recipe_flags, recipe_file_from_args, recipe_from_args
@@ -97,7 +98,8 @@ def _given(*values: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = build_estimate(args)
+    with tracing_progress():
+        result = build_estimate(args)
     if args.json:
         print_json(result.to_dict())
     else:

@@ -17,6 +17,7 @@ from anatomist.cli.common import (
     apply_cache_flag,
     calibration_from_args,
     print_json,
+    tracing_progress,
 )
 from anatomist.cli.render import console, gib
 from anatomist.errors import InputError
@@ -98,7 +99,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
 def run(args: argparse.Namespace) -> int:
     if args.output and not args.emit:
         raise InputError(f"-o/--output needs --emit {'|'.join(TARGETS)}")
-    result = build_plan(args)
+    with tracing_progress():
+        result = build_plan(args)
     if args.emit and args.output:
         written = write(result.best.recipe, args.emit, args.output, result.space.num_gpus,
                         model=result.workload.repo_id, task=result.workload.task, seq_len=result.workload.seq_len)

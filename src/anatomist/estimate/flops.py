@@ -174,7 +174,7 @@ def _extrapolate(plan: TracePlan, counts: dict[Depth, Counter[Signature]]) -> li
         return plan.combine(lambda c: counts[c].get(sig, 0))
 
     groups: dict[tuple[Any, ...], list[Signature]] = {}
-    for sig in {s for calls in counts.values() for s in calls}:
+    for sig in dict.fromkeys(s for calls in counts.values() for s in calls):  # in trace order: sums do not depend on hashing
         groups.setdefault(group(sig), []).append(sig)
     records: list[OpRecord] = []
     for key, sigs in groups.items():

@@ -14,19 +14,22 @@ depth; where even that disagrees, the notes say so.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 import numpy as np
 
+from anatomist.errors import InputError
 from anatomist.recipe import Recipe
 from anatomist.trace.cuts import TRACE_DEPTHS, TracePlan, full_plan, model_plan
 from anatomist.trace.experts import check_traceable
 from anatomist.trace.records import StepTrace
-from anatomist.trace.step import Depth, Part, trace_part
+from anatomist.trace.step import Depth, Part, trace_part, trace_parts
 from anatomist.workload import Workload, resolve_dtype
 
-__all__ = ["TRACE_BATCHES", "TRACE_DEPTHS", "Mode", "StepTraces", "affine", "implied_parameters", "step_traces"]
+__all__ = ["TRACE_BATCHES", "TRACE_DEPTHS", "Mode", "StepTraces", "affine", "implied_parameters", "parts_of", "prefetch",
+           "step_traces"]
 
 Mode = Literal["train", "inference"]
 
@@ -68,19 +71,14 @@ def step_traces(workload: Workload, recipe: Recipe, compute_capability: str, mod
     model = model_plan(workload, recipe, use_cache=use_cache)
 
     def traced(plan: TracePlan) -> StepTraces:
-        part: Part = "forward-backward" if mode == "train" else "inference"
-        passes = {
-            (c, b): trace_part(workload, recipe, part, depth=c, batch_size=b, compute_capability=compute_capability,
-                               use_cache=use_cache)
-            for c in plan.cuts for b in TRACE_BATCHES
-        }
-        optimizer = None
-        if mode == "train":
-            optimizer = {
-                c: trace_part(workload, recipe, "optimizer", depth=c, batch_size=1,
-                              compute_capability=compute_capability, use_cache=use_cache)
-                for c in plan.cuts
-            }
+        parts = parts_of(plan, mode)
+        if use_cache:
+            trace_parts(workload, [(recipe, *p) for p in parts], compute_capability)
+        traces = {(part, c, b): trace_part(workload, recipe, part, depth=c, batch_size=b,
+                                           compute_capability=compute_capability, use_cache=use_cache)
+                  for part, c, b in parts}
+        passes = {(c, b): t for (part, c, b), t in traces.items() if part != "optimizer"}
+        optimizer = {c: t for (part, c, _), t in traces.items() if part == "optimizer"} if mode == "train" else None
         return StepTraces(plan=plan, passes=passes, optimizer=optimizer, parameters=model.parameters,
                           trainable_parameters=model.trainable_parameters,
                           notes=(plan.note,) if plan.note else ())
@@ -100,6 +98,30 @@ def step_traces(workload: Workload, recipe: Recipe, compute_capability: str, mod
                             parameters=traces.parameters, trainable_parameters=traces.trainable_parameters,
                             notes=(*traces.notes, note))
     return traces
+
+
+def parts_of(plan: TracePlan, mode: Mode) -> list[tuple[Part, Depth, int]]:
+    """(part, cut, batch size) of each trace `step_traces` reads for `plan`: the passes of each cut at
+    TRACE_BATCHES and, in training, the optimizer of each cut."""
+    part: Part = "forward-backward" if mode == "train" else "inference"
+    parts: list[tuple[Part, Depth, int]] = [(part, c, b) for c in plan.cuts for b in TRACE_BATCHES]
+    if mode == "train":
+        parts += [("optimizer", c, 1) for c in plan.cuts]
+    return parts
+
+
+def prefetch(workload: Workload, recipes: Iterable[Recipe], compute_capability: str, mode: Mode = "train") -> None:
+    """Trace side by side what `step_traces` of each recipe will read (see `trace.step.trace_parts`)."""
+    requests = []
+    for recipe in recipes:
+        recipe = resolve_dtype(workload, recipe)
+        try:
+            check_traceable(workload, recipe)
+        except InputError:
+            continue  # step_traces says so, in its turn
+        plan = model_plan(workload, recipe).plan
+        requests += [(recipe, *p) for p in parts_of(plan, mode)]
+    trace_parts(workload, requests, compute_capability)
 
 
 def implied_parameters(traces: StepTraces) -> tuple[int, int]:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, GIB, TimeAnatomy
 from anatomist.errors import InputError
 from anatomist.estimate.memory import MemoryEstimate, estimate_memory, memory_limit_bytes
+from anatomist.estimate.traces import prefetch
 from anatomist.hardware import GPU, catalog
 from anatomist.plan.space import SearchSpace, enumerate_recipes, precisions_for
 from anatomist.plan.throughput import TimeModel, predict_time
@@ -158,7 +159,9 @@ def plan(
     if objective not in ("throughput", "memory"):
         raise InputError(f"--objective must be throughput or memory, got {objective!r}")
     evaluate = Evaluator(workload, gpu, space.num_gpus, margin, time_model or predict_time)
-    candidates = [evaluate(r) for r in enumerate_recipes(space, gpu)]
+    recipes = list(enumerate_recipes(space, gpu))
+    prefetch(workload, recipes, gpu.compute_capability)  # every trace the recipes read, side by side
+    candidates = [evaluate(r) for r in recipes]
     calibrated = all(c.time.calibrated for c in candidates)
     feasible = [c for c in candidates if c.fits]
     if not feasible:

@@ -112,6 +112,9 @@ class Memo:
             self._table.popitem(last=False)
         return value
 
+    def __contains__(self, key: Any) -> bool:
+        return key in self._table
+
     def clear(self) -> None:
         self._table.clear()
 
@@ -139,6 +142,22 @@ def get_or_trace(key: tuple[Any, ...], trace: Callable[[], T], kind: type[T] = S
     return _memory.get(key, from_disk_or_trace)
 
 
+def has(key: tuple[Any, ...], kind: type[Any] = StepTrace) -> bool:
+    """Whether `get_or_trace(key, ...)` would not trace: the entry is in memory, or on disk (then
+    loaded into memory)."""
+    if key in _memory:
+        return True
+    found = _load(disk_key(key) + _SUFFIX, kind) if _disk_enabled else None
+    if found is not None:
+        _memory.get(key, lambda: found)
+    return found is not None
+
+
+def put(key: tuple[Any, ...], value: Any) -> None:
+    """Store what was traced elsewhere (another process) as `get_or_trace` would have."""
+    _memory.get(key, lambda: value)
+    if _disk_enabled:
+        _store(disk_key(key) + _SUFFIX, value)
 
 
 def clear_memory() -> None:

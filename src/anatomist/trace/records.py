@@ -204,6 +204,9 @@ class StepTrace:
     op_count: int
     static_bytes: dict[MemoryCategory, int] = dataclasses.field(default_factory=dict)
     """Bytes alive through the whole step that the trace made at set-up (optimizer state)."""
+    first_micro_batch: StepTrace | None = None
+    """Passes of two micro-batches: the trace of the first alone, which is what a step of one
+    micro-batch traces (the same events up to the second's start, the same ops)."""
 
     def peaks(self) -> dict[tuple[Phase, str], PhasePeak]:
         """The peak of every (phase, segment) of the traced phases."""

@@ -13,8 +13,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,7 +31,7 @@ from anatomist.trace.cuda_model import cublas_workspace_bytes, cuda_code_paths, 
 from anatomist.trace.experts import build_kwargs, check_traceable
 from anatomist.trace.optimizers import build_optimizer
 from anatomist.trace.peft import apply_peft, counted_parameters
-from anatomist.trace.records import StepTrace, curves_of
+from anatomist.trace.records import StepTrace, Trace, curves_of
 from anatomist.trace.stack import LAYER_COUNT_FIELDS, Cut, block_lists, cut_workload
 from anatomist.trace.tracer import StepTracer
 from anatomist.workload import Workload, resolve_dtype
@@ -112,8 +113,58 @@ def trace_part(workload: Workload, recipe: Recipe, part: Part, *, depth: Depth, 
                           compute_capability=compute_capability, part=part, record_ops=True)
 
     if not use_cache:
-        return run()
-    return cache.get_or_trace(part_key(workload, recipe, part, depth, batch_size, compute_capability), run)
+        return dataclasses.replace(run(), first_micro_batch=None)
+    return cache.get_or_trace(part_key(workload, recipe, part, depth, batch_size, compute_capability),
+                              lambda: _keep_first_micro_batch(workload, (recipe, part, depth, batch_size),
+                                                              compute_capability, run()))
+
+
+PartRequest = tuple[Recipe, Part, Depth, int]
+"""A part of a recipe's step at a depth and batch size: what `trace_part` is asked for."""
+
+
+def trace_parts(workload: Workload, requests: Iterable[PartRequest], compute_capability: str) -> None:
+    """Put into the trace cache the parts `requests` name that it lacks, traced side by side in forked
+    processes (`trace.pool`). Where they cannot be (one core, not Linux, a job that failed), nothing
+    is stored: `trace_part` traces each when asked, in this process. The passes of one micro-batch
+    are not traced where those of two are: they are the first of the two."""
+    from anatomist.trace import cache, pool
+
+    wanted: dict[tuple[Any, ...], PartRequest] = {}
+    derived: set[tuple[Any, ...]] = set()
+    for request in requests:
+        recipe, part, depth, batch = request
+        key = part_key(workload, recipe, part, depth, batch, compute_capability)
+        if key in wanted or cache.has(key):
+            continue
+        wanted[key] = request
+        if part == "forward-backward" and recipe.gradient_accumulation_steps > 1:
+            derived.add(_first_micro_batch_key(workload, request, compute_capability))
+    jobs = [(key, request) for key, request in wanted.items() if key not in derived]
+    work = [functools.partial(trace_step, workload, recipe, depth=depth, batch_size=batch,
+                              compute_capability=compute_capability, part=part, record_ops=True)
+            for _, (recipe, part, depth, batch) in jobs]
+    for index, trace in pool.run_all(work):
+        if trace is not None:
+            key, request = jobs[index]
+            cache.put(key, _keep_first_micro_batch(workload, request, compute_capability, trace))
+
+
+def _first_micro_batch_key(workload: Workload, request: PartRequest, compute_capability: str) -> tuple[Any, ...]:
+    recipe, part, depth, batch = request
+    one = dataclasses.replace(recipe, gradient_accumulation_steps=1)
+    return part_key(workload, one, part, depth, batch, compute_capability)
+
+
+def _keep_first_micro_batch(workload: Workload, request: PartRequest, compute_capability: str,
+                            traced: StepTrace) -> StepTrace:
+    """Store the passes of one micro-batch that a trace of two holds under their own key; the trace without them."""
+    from anatomist.trace import cache
+
+    if traced.first_micro_batch is None:
+        return traced
+    cache.put(_first_micro_batch_key(workload, request, compute_capability), traced.first_micro_batch)
+    return dataclasses.replace(traced, first_micro_batch=None)
 
 
 def trace_step(
@@ -204,7 +255,7 @@ def trace_step(
                 tracer.label_live([p.grad for p in params if p.grad is not None], MemoryCategory.GRADIENTS)
                 phases = [Phase.OPTIMIZER]
             optimizer_phase(params, optimizer, recipe, tracer)
-    return StepTrace(
+    traced = StepTrace(
         phases=phases,
         curves=curves_of(tracer.trace),
         ops=tuple(tracer.trace.ops),
@@ -213,6 +264,11 @@ def trace_step(
         op_count=tracer.trace.op_count,
         static_bytes=static,
     )
+    if part == "forward-backward" and tracer.second_micro_batch is not None:
+        events, op_count = tracer.second_micro_batch
+        first = Trace(allocations=tracer.trace.allocations, events=tracer.trace.events[:events])
+        traced.first_micro_batch = dataclasses.replace(traced, curves=curves_of(first), op_count=op_count)
+    return traced
 
 
 @contextlib.contextmanager
@@ -296,7 +352,7 @@ def forward_backward(
     _watch_blocks(model, tracer)
     # Two micro-batches when gradients accumulate: the second forward runs with gradients alive.
     for micro in range(min(recipe.gradient_accumulation_steps, 2)):
-        tracer.micro_step = micro
+        tracer.begin_micro_batch(micro)
         tracer.phase, tracer.segment, tracer.block = Phase.FORWARD, "pre", -1
         batch = make_batch(workload, batch_size)
         with autocast:

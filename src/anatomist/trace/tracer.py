@@ -59,6 +59,8 @@ class StepTracer(TorchDispatchMode):
         self.block = -1
         """Which repeated block runs (in the "blocks" segment), else -1."""
         self.micro_step = 0
+        self.second_micro_batch: tuple[int, int] | None = None
+        """(events, op count) when the second micro-batch began (None: it did not)."""
         self._ids = itertools.count()
         self._live: dict[int, tuple[int, weakref.ref[Any]]] = {}  # storage key -> (alloc_id, ref)
         self._weight_keys: set[int] = set()
@@ -84,6 +86,11 @@ class StepTracer(TorchDispatchMode):
         self.trace.allocations[alloc_id] = Allocation(alloc_id, nbytes, self.phase, category, True)
         self.trace.events.append(Event(alloc_id, nbytes, self.phase, self.segment, self.micro_step, self.block))
         return alloc_id
+
+    def begin_micro_batch(self, micro: int) -> None:
+        self.micro_step = micro
+        if micro == 1:
+            self.second_micro_batch = (len(self.trace.events), self.trace.op_count)
 
     # -- labelling -------------------------------------------------------------------
     def set_category(self, alloc_id: int, category: MemoryCategory) -> None:

@@ -1,0 +1,97 @@
+"""Trace several step parts at once, in processes forked from this one.
+
+A plan needs a few dozen traces, an estimate six; each is a few tenths of a second of
+single-threaded Python (fake-tensor dispatch), so they are traced side by side, one process
+per core. The workers are forked: they start with torch, transformers and the model's config
+already imported, where a fresh interpreter would spend seconds importing them again.
+
+Only where forking is safe (Linux; macOS frameworks are not fork-safe). A job that fails in a
+worker comes back as None: the caller traces it again in this process, where its error is
+raised as usual. The workers' stderr goes to /dev/null (the same warnings once per process
+would repeat); what a trace has to say reaches the user from the parent's own traces.
+
+`ANATOMIST_JOBS` sets the number of processes (1: trace in this process only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import multiprocessing
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+MAX_JOBS = 8
+"""At most this many worker processes (each holds its own copy of the traced model's tensors' metadata)."""
+
+_watchers: list[Callable[[int, int], None]] = []
+"""Called with (jobs done, jobs) as the workers finish (`watch`)."""
+
+_jobs: Sequence[Callable[[], Any]] = ()
+"""The jobs of the running `run_all`: the forked workers find them here by index."""
+
+
+def jobs() -> int:
+    """How many processes trace at once: ANATOMIST_JOBS, else the cores this process may use (at most MAX_JOBS);
+    1 where forking is unsafe."""
+    if sys.platform != "linux":
+        return 1
+    wanted = os.environ.get("ANATOMIST_JOBS", "")
+    if wanted.strip():
+        try:
+            return max(1, int(wanted))
+        except ValueError:
+            return 1
+    return max(1, min(MAX_JOBS, len(os.sched_getaffinity(0))))
+
+
+def run_all(work: Sequence[Callable[[], Any]]) -> Iterator[tuple[int, Any]]:
+    """Run each of `work` in a forked worker; yield (index, result) as each finishes, result None
+    where the job raised. Yields nothing where fewer than two processes would run (see `jobs`):
+    the caller then runs the jobs itself."""
+    processes = min(jobs(), len(work))
+    if processes < 2:
+        return
+    global _jobs
+    _jobs = work
+    gc.freeze()  # the workers share this process's pages: keep the collector from touching (copying) them
+    try:
+        context = multiprocessing.get_context("fork")
+        with context.Pool(processes, initializer=_quiet) as pool:
+            for report in _watchers:
+                report(0, len(work))
+            for done, result in enumerate(pool.imap_unordered(_run, range(len(work)), chunksize=1), start=1):
+                for report in _watchers:
+                    report(done, len(work))
+                yield result
+    finally:
+        _jobs = ()
+        gc.unfreeze()
+
+
+@contextlib.contextmanager
+def watch(report: Callable[[int, int], None]) -> Iterator[None]:
+    """Within the block, `report(done, total)` is called each time a worker finishes a job (a progress bar)."""
+    _watchers.append(report)
+    try:
+        yield
+    finally:
+        _watchers.remove(report)
+
+
+def _quiet() -> None:
+    """A worker: no Ctrl-C of its own (the parent stops the pool), stderr to /dev/null."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+
+
+def _run(index: int) -> tuple[int, Any]:
+    try:
+        return index, _jobs[index]()
+    except Exception:  # noqa: BLE001 - the caller traces it again in-process, where the error is raised
+        return index, None

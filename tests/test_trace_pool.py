@@ -1,0 +1,123 @@
+"""Tracing side by side (trace.pool): forked workers trace what this process would, byte for byte;
+no trace depends on when the cyclic collector runs (the CLI raises its thresholds)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import pickle
+from pathlib import Path
+
+import pytest
+
+from anatomist.recipe import Recipe
+from anatomist.trace import cache, pool, step
+from anatomist.workload import load_workload, resolve_dtype
+
+CC = "8.0"
+
+
+@pytest.fixture
+def cache_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("ANATOMIST_CACHE_DIR", str(tmp_path / "cache"))
+    cache.clear_memory()
+    cache.set_disk_cache(True)
+    yield cache.cache_dir()
+    cache.clear_memory()
+
+
+@pytest.fixture
+def traced_here(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The parts `trace_step` traced in this process (a forked worker counts in its own copy)."""
+    calls: list[str] = []
+    real = step.trace_step
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["part"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(step, "trace_step", counted)
+    return calls
+
+
+def _requests(folder: Path) -> tuple[object, list[step.PartRequest]]:
+    workload = load_workload(str(folder), seq_len=32)
+    recipe = resolve_dtype(workload, Recipe(bf16=True))
+    two = dataclasses.replace(recipe, gradient_accumulation_steps=2)  # its first micro-batch: the first request
+    return workload, [(recipe, "forward-backward", 2, 2), (recipe, "forward-backward", 3, 2), (recipe, "optimizer", 2, 1),
+                      (two, "forward-backward", 2, 2)]
+
+
+def test_workers_trace_what_this_process_would(tiny_model, cache_folder: Path, traced_here: list[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ANATOMIST_JOBS", "2")
+    workload, requests = _requests(tiny_model("llama"))
+    step.trace_parts(workload, requests, CC)
+    assert traced_here == []  # all in the workers
+    assert len(list(cache_folder.glob("*.trace"))) == len(requests)  # stored by this process
+    for recipe, part, depth, batch in requests:
+        from_worker = step.trace_part(workload, recipe, part, depth=depth, batch_size=batch, compute_capability=CC)
+        here = step.trace_part(workload, recipe, part, depth=depth, batch_size=batch, compute_capability=CC,
+                               use_cache=False)
+        assert pickle.dumps(from_worker) == pickle.dumps(here)
+    assert len(traced_here) == len(requests)  # the uncached ones only
+    step.trace_parts(workload, requests, CC)  # all cached: nothing to trace
+    assert len(traced_here) == len(requests)
+
+
+def test_one_job_traces_nothing_ahead(tiny_model, cache_folder: Path, traced_here: list[str],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """ANATOMIST_JOBS=1: nothing forked, nothing stored; trace_part traces each part when asked."""
+    monkeypatch.setenv("ANATOMIST_JOBS", "1")
+    workload, requests = _requests(tiny_model("gpt2"))
+    step.trace_parts(workload, requests, CC)
+    assert traced_here == [] and not cache_folder.exists()
+
+
+def test_a_failed_job_comes_back_as_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ANATOMIST_JOBS", "2")
+    assert dict(pool.run_all([lambda: 1, lambda: 1 // 0, lambda: 3])) == {0: 1, 1: None, 2: 3}
+    monkeypatch.setenv("ANATOMIST_JOBS", "not a number")
+    assert pool.jobs() == 1
+
+
+def test_no_trace_depends_on_the_cyclic_collector(tiny_model) -> None:
+    """A storage kept alive by a reference cycle would die when the collector runs: collecting as
+    often as it can and not at all must give the same trace."""
+    workload, requests = _requests(tiny_model("llama"))
+    recipe, part, depth, batch = requests[0]
+
+    def traced() -> bytes:
+        return pickle.dumps(step.trace_step(workload, recipe, part=part, depth=depth, batch_size=batch,
+                                            compute_capability=CC, record_ops=True))
+
+    thresholds = gc.get_threshold()
+    try:
+        gc.set_threshold(1, 1, 1)
+        eager = traced()
+        gc.disable()
+        never = traced()
+    finally:
+        gc.enable()
+        gc.set_threshold(*thresholds)
+    assert eager == never
+
+
+@pytest.mark.parametrize(("name", "recipe"), [
+    ("llama", Recipe(bf16=True, gradient_accumulation_steps=4)),
+    ("bert", Recipe(fp16=True, gradient_checkpointing=True, gradient_accumulation_steps=2)),
+])
+def test_one_micro_batch_is_the_first_of_two(tiny_model, name: str, recipe: Recipe) -> None:
+    """The passes of one micro-batch are kept from a trace of two (trace_parts does not trace them
+    again): byte for byte what tracing one micro-batch gives."""
+    workload = load_workload(str(tiny_model(name)), seq_len=32)
+    recipe = resolve_dtype(workload, recipe)
+    one = dataclasses.replace(recipe, gradient_accumulation_steps=1)
+
+    def traced(r: Recipe) -> step.StepTrace:
+        return step.trace_step(workload, r, part="forward-backward", depth=2, batch_size=2, compute_capability=CC,
+                               record_ops=True)
+
+    two = traced(recipe)
+    assert two.first_micro_batch is not None and two.op_count > two.first_micro_batch.op_count
+    assert pickle.dumps(two.first_micro_batch) == pickle.dumps(traced(one))
