@@ -78,6 +78,8 @@ def test_the_key_names_what_shapes_the_trace(tiny_model) -> None:
     assert key(base) == key(base.replace(optim="adafactor"))  # the passes do not see the optimizer
     assert key(base, "optimizer") != key(base.replace(optim="adafactor"), "optimizer")
     assert key(base) == key(base.replace(per_device_train_batch_size=16))  # batch size is extrapolated
+    assert key(base) != key(base.replace(attn_implementation="eager"))
+    assert key(base) == key(base.replace(attn_implementation="flash_attention_2"))  # traced as SDPA
     longer = load_workload(str(tiny_model("bert")), seq_len=64)
     assert part_key(longer, base, "forward-backward", 2, 2, "8.0") != key(base)
 

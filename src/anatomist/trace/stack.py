@@ -209,12 +209,18 @@ def _kinds(rows: list[dict[tuple[str, str], Any]], varying: list[tuple[str, str]
     return tuple(seen.setdefault(repr([row.get(k) for k in varying]), len(seen)) for row in rows)
 
 
+def traced_attention(recipe: Recipe) -> str:
+    """The attention the traced model is built with: SDPA stands in for flash_attention_2 (which needs
+    CUDA and its package); SDPA's flash kernel keeps the same output and log-sum-exp."""
+    return "sdpa" if recipe.attn_implementation == "flash_attention_2" else recipe.attn_implementation
+
+
 def meta_model(workload: Workload, recipe: Recipe) -> torch.nn.Module:
     """The base model on the meta device, from a copy of the config (building sets num_labels and
     pad_token_id on the config it is given)."""
     import contextlib
 
-    attn = "sdpa" if recipe.attn_implementation == "flash_attention_2" else recipe.attn_implementation
+    attn = traced_attention(recipe)
     own = dataclasses.replace(workload, config=copy.deepcopy(workload.config))
     from anatomist.trace.experts import build_kwargs
 

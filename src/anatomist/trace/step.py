@@ -32,7 +32,7 @@ from anatomist.trace.experts import build_kwargs, check_traceable
 from anatomist.trace.optimizers import build_optimizer
 from anatomist.trace.peft import apply_peft, counted_parameters
 from anatomist.trace.records import StepTrace, Trace, curves_of
-from anatomist.trace.stack import LAYER_COUNT_FIELDS, Cut, block_lists, cut_workload
+from anatomist.trace.stack import LAYER_COUNT_FIELDS, Cut, block_lists, cut_workload, traced_attention
 from anatomist.trace.tracer import StepTracer
 from anatomist.workload import Workload, resolve_dtype
 
@@ -85,7 +85,8 @@ PART_FIELDS: dict[str, tuple[str, ...]] = {
 }
 """The recipe fields that change each part's trace. Recipes that differ only in the
 optimizer share the passes' traces and the other way round; batch size, accumulation beyond
-2 micro-batches and sharding change no trace (they are arithmetic on it)."""
+2 micro-batches and sharding change no trace (they are arithmetic on it); flash_attention_2
+shares SDPA's (`stack.traced_attention`)."""
 
 
 def part_key(workload: Workload, recipe: Recipe, part: Part, depth: Depth, batch_size: int,
@@ -93,8 +94,10 @@ def part_key(workload: Workload, recipe: Recipe, part: Part, depth: Depth, batch
     """Everything that decides the trace of `part`: the key of the trace caches."""
     recipe = resolve_dtype(workload, recipe)
     micro_batches = min(recipe.gradient_accumulation_steps, 2) if part == "forward-backward" else 1
+    fields = tuple(traced_attention(recipe) if f == "attn_implementation" else getattr(recipe, f)
+                   for f in PART_FIELDS[part])
     return (
-        *workload.trace_key(), part, tuple(getattr(recipe, f) for f in PART_FIELDS[part]), micro_batches,
+        *workload.trace_key(), part, fields, micro_batches,
         depth, batch_size if part != "optimizer" else 1, cublas_workspace_bytes(compute_capability),
     )
 
@@ -205,7 +208,7 @@ def trace_step(
         # with nonzero(), whose size depends on the labels' values: a trace without data cannot
         # follow it. The memory differs by a few bytes per sample.
         shallow.config.problem_type = "single_label_classification" if workload.num_labels > 1 else "regression"
-    attn = "sdpa" if recipe.attn_implementation == "flash_attention_2" else recipe.attn_implementation
+    attn = traced_attention(recipe)
     experts = build_kwargs(workload, recipe)
     fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     if fake:
