@@ -9,9 +9,13 @@ setup:
 demo: setup
 	$(PY) -m anatomist estimate
 
+# Tests run in pytest-xdist workers, one per core up to 4, a test file per worker at a time
+# (--dist loadfile: a module's fixtures are built once). TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+
 test: setup
 	@bash scripts/install_browser.sh
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-all: setup
 	$(PY) -m pytest -q -m "not gpu"

@@ -23,8 +23,10 @@ MAX_POSITIONS = 131072
 
 
 @pytest.fixture
-def no_trace_cache():
-    """Every estimate traces: the disk cache off and the memory cache emptied, restored afterwards."""
+def no_trace_cache(monkeypatch: pytest.MonkeyPatch):
+    """Every estimate traces, in this process (its CPU time is what is compared): the disk cache off,
+    the memory cache emptied, restored afterwards; no worker processes."""
+    monkeypatch.setenv("ANATOMIST_JOBS", "1")
     enabled = cache.disk_cache_enabled()
     cache.set_disk_cache(False)
     cache.clear_memory()
