@@ -143,7 +143,8 @@ def trace_parts(workload: Workload, requests: Iterable[PartRequest], compute_cap
         wanted[key] = request
         if part == "forward-backward" and recipe.gradient_accumulation_steps > 1:
             derived.add(_first_micro_batch_key(workload, request, compute_capability))
-    jobs = [(key, request) for key, request in wanted.items() if key not in derived]
+    jobs = sorted(((key, request) for key, request in wanted.items() if key not in derived),
+                  key=lambda job: -_size_guess(job[1]))  # the longest first: no long job left for the end
     work = [functools.partial(trace_step, workload, recipe, depth=depth, batch_size=batch,
                               compute_capability=compute_capability, part=part, record_ops=True)
             for _, (recipe, part, depth, batch) in jobs]
@@ -151,6 +152,16 @@ def trace_parts(workload: Workload, requests: Iterable[PartRequest], compute_cap
         if trace is not None:
             key, request = jobs[index]
             cache.put(key, _keep_first_micro_batch(workload, request, compute_capability, trace))
+
+
+def _size_guess(request: PartRequest) -> float:
+    """How long a part takes to trace, roughly (its ops): blocks, micro-batches, recomputation."""
+    recipe, part, depth, _ = request
+    blocks = depth if isinstance(depth, int) else depth.blocks if isinstance(depth, Cut) else 100
+    if part == "optimizer":
+        return blocks
+    micro = min(recipe.gradient_accumulation_steps, 2) if part == "forward-backward" else 1
+    return 2 * blocks * micro * (1.5 if recipe.gradient_checkpointing else 1)
 
 
 def _first_micro_batch_key(workload: Workload, request: PartRequest, compute_capability: str) -> tuple[Any, ...]:
