@@ -6,7 +6,8 @@
 - `cuda_model`: the CUDA code paths a CPU-only torch is steered onto;
 - `optimizers`: the optimizer the Trainer would build;
 - `records`, `allocator`: torch-free results and the caching-allocator replay;
-- `cache`: the in-memory and on-disk trace cache.
+- `cache`: the in-memory and on-disk trace cache;
+- `pool`: tracing several parts side by side in forked processes.
 
 `estimate/` extrapolates traces into predictions; `measure/` attributes real steps with the
 same tracer.
