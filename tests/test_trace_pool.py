@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import pickle
+import time
 from pathlib import Path
 
 import pytest
@@ -79,6 +81,14 @@ def test_a_failed_job_comes_back_as_none(monkeypatch: pytest.MonkeyPatch) -> Non
     assert dict(pool.run_all([lambda: 1, lambda: 1 // 0, lambda: 3])) == {0: 1, 1: None, 2: 3}
     monkeypatch.setenv("ANATOMIST_JOBS", "not a number")
     assert pool.jobs() == 1
+
+
+def test_a_dead_worker_ends_the_pool_without_hanging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that dies (killed, out of memory) takes its job with it: run_all stops and the caller
+    traces what it did not get, in-process."""
+    monkeypatch.setenv("ANATOMIST_JOBS", "2")
+    got = dict(pool.run_all([lambda: os._exit(3), lambda: time.sleep(0.5) or 2, lambda: 3]))
+    assert 0 not in got and set(got) <= {1, 2}
 
 
 def test_no_trace_depends_on_the_cyclic_collector(tiny_model) -> None:

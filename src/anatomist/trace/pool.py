@@ -22,6 +22,8 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 MAX_JOBS = 8
@@ -50,24 +52,34 @@ def jobs() -> int:
 
 def run_all(work: Sequence[Callable[[], Any]]) -> Iterator[tuple[int, Any]]:
     """Run each of `work` in a forked worker; yield (index, result) as each finishes, result None
-    where the job raised. Yields nothing where fewer than two processes would run (see `jobs`):
-    the caller then runs the jobs itself."""
+    where the job raised. Yields nothing where fewer than two processes would run (see `jobs`),
+    and stops early where the workers cannot be started or one dies (killed, out of memory):
+    the caller runs what it did not get itself."""
     processes = min(jobs(), len(work))
-    if processes < 2:
+    if processes < 2 or multiprocessing.current_process().daemon:  # a daemon may not have children
         return
     global _jobs
     _jobs = work
     gc.freeze()  # the workers share this process's pages: keep the collector from touching (copying) them
+    executor = None
+    finished = False
     try:
-        context = multiprocessing.get_context("fork")
-        with context.Pool(processes, initializer=_quiet) as pool:
+        # All workers are forked at the first submit, before the executor starts its thread.
+        executor = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"), initializer=_quiet)
+        futures = [executor.submit(_run, index) for index in range(len(work))]
+        for report in _watchers:
+            report(0, len(work))
+        for done, future in enumerate(as_completed(futures), start=1):
+            result = future.result()
             for report in _watchers:
-                report(0, len(work))
-            for done, result in enumerate(pool.imap_unordered(_run, range(len(work)), chunksize=1), start=1):
-                for report in _watchers:
-                    report(done, len(work))
-                yield result
+                report(done, len(work))
+            yield result
+        finished = True
+    except (OSError, BrokenProcessPool):
+        return
     finally:
+        if executor is not None:  # interrupted: the running jobs end on their own, the rest never start
+            executor.shutdown(wait=finished, cancel_futures=True)
         _jobs = ()
         gc.unfreeze()
 
