@@ -59,6 +59,18 @@ def tiny_model(tmp_path: Path):
     return make
 
 
+@pytest.fixture
+def cache_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A trace cache of the test's own, on disk and empty in memory; its folder of traces."""
+    from anatomist.trace import cache
+
+    monkeypatch.setenv("ANATOMIST_CACHE_DIR", str(tmp_path / "cache"))
+    cache.clear_memory()
+    cache.set_disk_cache(True)
+    yield cache.cache_dir()
+    cache.clear_memory()
+
+
 @dataclass(frozen=True, slots=True)
 class CliResult:
     """What a shell would see from `anatomist ARGS`: the exit code and the two streams."""

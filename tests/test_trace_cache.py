@@ -19,15 +19,6 @@ from anatomist.workload import load_workload
 GPU = get_gpu("A100-80GB")
 
 
-@pytest.fixture
-def cache_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("ANATOMIST_CACHE_DIR", str(tmp_path / "cache"))
-    cache.clear_memory()
-    cache.set_disk_cache(True)
-    yield cache.cache_dir()
-    cache.clear_memory()
-
-
 def _estimate(folder: Path, **recipe: object) -> dict:
     workload = load_workload(str(folder), seq_len=32)
     return estimate(workload, Recipe(per_device_train_batch_size=3, **recipe), GPU).to_dict()

@@ -13,19 +13,10 @@ from pathlib import Path
 import pytest
 
 from anatomist.recipe import Recipe
-from anatomist.trace import cache, pool, step
+from anatomist.trace import pool, step
 from anatomist.workload import load_workload, resolve_dtype
 
 CC = "8.0"
-
-
-@pytest.fixture
-def cache_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("ANATOMIST_CACHE_DIR", str(tmp_path / "cache"))
-    cache.clear_memory()
-    cache.set_disk_cache(True)
-    yield cache.cache_dir()
-    cache.clear_memory()
 
 
 @pytest.fixture

@@ -142,12 +142,12 @@ def get_or_trace(key: tuple[Any, ...], trace: Callable[[], T], kind: type[T] = S
     return _memory.get(key, from_disk_or_trace)
 
 
-def has(key: tuple[Any, ...], kind: type[Any] = StepTrace) -> bool:
-    """Whether `get_or_trace(key, ...)` would not trace: the entry is in memory, or on disk (then
+def has(key: tuple[Any, ...]) -> bool:
+    """Whether `get_or_trace(key, ...)` would not trace a StepTrace: it is in memory, or on disk (then
     loaded into memory)."""
     if key in _memory:
         return True
-    found = _load(disk_key(key) + _SUFFIX, kind) if _disk_enabled else None
+    found = _load(disk_key(key) + _SUFFIX) if _disk_enabled else None
     if found is not None:
         _memory.get(key, lambda: found)
     return found is not None
