@@ -70,8 +70,15 @@ def test_one_job_traces_nothing_ahead(tiny_model, cache_folder: Path, traced_her
 def test_a_failed_job_comes_back_as_none(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ANATOMIST_JOBS", "2")
     assert dict(pool.run_all([lambda: 1, lambda: 1 // 0, lambda: 3])) == {0: 1, 1: None, 2: 3}
-    monkeypatch.setenv("ANATOMIST_JOBS", "not a number")
-    assert pool.jobs() == 1
+
+
+@pytest.mark.parametrize("value", ["not a number", "0", "-2", "1.5"])
+def test_bad_anatomist_jobs_is_one_line_and_exit_2(cli, tiny_model, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("ANATOMIST_JOBS", value)
+    result = cli("estimate", str(tiny_model("gpt2")), "--seq-len", "32", "--no-cache")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        f"anatomist: error: ANATOMIST_JOBS must be a whole number of processes, 1 or more; got {value!r}"]
 
 
 def test_a_dead_worker_ends_the_pool_without_hanging(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,6 +26,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+from anatomist.errors import InputError
+
 MAX_JOBS = 8
 """At most this many worker processes (each holds its own copy of the traced model's tensors' metadata)."""
 
@@ -38,16 +40,17 @@ _jobs: Sequence[Callable[[], Any]] = ()
 
 def jobs() -> int:
     """How many processes trace at once: ANATOMIST_JOBS, else the cores this process may use (at most MAX_JOBS);
-    1 where forking is unsafe."""
+    1 where forking is unsafe.
+
+    Raises:
+        InputError: ANATOMIST_JOBS is not a whole number of at least 1.
+    """
+    wanted = os.environ.get("ANATOMIST_JOBS", "").strip()
+    if wanted and not (wanted.isdigit() and int(wanted) >= 1):
+        raise InputError(f"ANATOMIST_JOBS must be a whole number of processes, 1 or more; got {wanted!r}")
     if sys.platform != "linux":
         return 1
-    wanted = os.environ.get("ANATOMIST_JOBS", "")
-    if wanted.strip():
-        try:
-            return max(1, int(wanted))
-        except ValueError:
-            return 1
-    return max(1, min(MAX_JOBS, len(os.sched_getaffinity(0))))
+    return int(wanted) if wanted else max(1, min(MAX_JOBS, len(os.sched_getaffinity(0))))
 
 
 def run_all(work: Sequence[Callable[[], Any]]) -> Iterator[tuple[int, Any]]:
