@@ -10,7 +10,9 @@ stay subprocesses because what they test only exists in a real process:
 - the installed console script (`anatomist`, from [project.scripts]) starts and answers;
 - `--help`, a bad flag and `gpus` import neither torch nor transformers (sys.modules of a fresh
   interpreter: in-process, the test session has imported both long before);
-- `anatomist bench` survives SIGKILL: the test kills the process group mid-suite, then resumes.
+- `anatomist bench` survives SIGKILL: the test kills the process group mid-suite, then resumes;
+- the process ends without the interpreter's teardown (`cli.run`) but still runs the exit handlers,
+  waits for a thread that has not finished and keeps the exit code.
 """
 
 from __future__ import annotations
@@ -114,3 +116,31 @@ def test_bench_sigkill_loses_no_finished_row_and_resume_continues(tmp_path: Path
     assert [r["name"] for r in final] == ["first", "needs-gpu", "accum"]  # no row twice
     assert final[0] == survived[0]
     assert [r["name"] for r in json.loads(done.stdout)["rows"]] == ["first", "needs-gpu", "accum"]
+
+
+EXIT_SEEN = (
+    "import atexit, sys, threading, time\n"
+    "from pathlib import Path\n"
+    "import anatomist.cli as cli\n"
+    "folder = Path(sys.argv[1])\n"
+    "def work():\n"
+    "    time.sleep(0.5)\n"
+    "    (folder / 'thread').write_text('done')\n"
+    "def main():\n"
+    "    atexit.register(lambda: (folder / 'atexit').write_text('done'))\n"
+    "    if sys.argv[2] == 'thread':\n"
+    "        threading.Thread(target=work).start()\n"
+    "    print('buffered output', end='')\n"
+    "    return 3\n"
+    "cli.main = main\n"
+    "cli.run()\n"
+)
+
+
+@pytest.mark.parametrize("thread", ["thread", "no-thread"])
+def test_fast_exit_runs_exit_handlers_and_waits_for_threads(tmp_path: Path, thread: str) -> None:
+    proc = subprocess.run([sys.executable, "-c", EXIT_SEEN, str(tmp_path), thread], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 3 and proc.stdout == "buffered output", proc.stderr
+    assert (tmp_path / "atexit").read_text() == "done"
+    assert (tmp_path / "thread").exists() == (thread == "thread")

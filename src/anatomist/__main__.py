@@ -1,5 +1,3 @@
-import sys
+from anatomist.cli import run
 
-from anatomist.cli import main
-
-sys.exit(main())
+run()
