@@ -21,10 +21,9 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from anatomist.anatomy import MemoryCategory, Phase
-from anatomist.trace.ops import op_signature
+from anatomist.trace.ops import op_signature, tensors_in
 from anatomist.trace.records import Allocation, Event, Trace
 
 _aten = torch.ops.aten
@@ -128,16 +127,14 @@ class StepTracer(TorchDispatchMode):
             and (st := _storage_of(args[0])) is not None
             and st._cdata in self._weight_keys
         )
-        flat, _ = tree_flatten(out)
-        for t in flat:
-            if isinstance(t, torch.Tensor):
-                st = _storage_of(t)
-                if st is None or st._cdata in self._live:
-                    continue
-                alloc_id = self._add(st, st._cdata)
-                self.trace.allocations[alloc_id].op = func.__name__
-                if is_weight_cast:
-                    self.set_category(alloc_id, MemoryCategory.WEIGHTS)
+        for t in tensors_in(out):
+            st = _storage_of(t)
+            if st is None or st._cdata in self._live:
+                continue
+            alloc_id = self._add(st, st._cdata)
+            self.trace.allocations[alloc_id].op = func.__name__
+            if is_weight_cast:
+                self.set_category(alloc_id, MemoryCategory.WEIGHTS)
         if self.record_ops and self.micro_step == 0 and self.phase in STEP_PHASES:
             self.trace.ops.append(op_signature(func, args, kwargs, out, self.phase))
         return out
