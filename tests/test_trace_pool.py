@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import operator
 import os
 import pickle
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -69,7 +71,32 @@ def test_one_job_traces_nothing_ahead(tiny_model, cache_folder: Path, traced_her
 
 def test_a_failed_job_comes_back_as_none(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ANATOMIST_JOBS", "2")
-    assert dict(pool.run_all([lambda: 1, lambda: 1 // 0, lambda: 3])) == {0: 1, 1: None, 2: 3}
+    assert dict(pool.run_all([partial(int, 1), partial(operator.floordiv, 1, 0), partial(int, 3)])) == {
+        0: 1, 1: None, 2: 3}
+
+
+def test_a_job_that_does_not_pickle_comes_back_as_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not sent to a worker: the caller runs it in-process."""
+    monkeypatch.setenv("ANATOMIST_JOBS", "2")
+    assert dict(pool.run_all([partial(int, 1), lambda: 2])) == {0: 1, 1: None}
+
+
+def _sleep_then(value: int) -> int:
+    time.sleep(0.5)
+    return value
+
+
+def test_kept_workers_serve_every_batch_of_the_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first run_all of a kept() block forks the workers; the next ones find the same processes."""
+    monkeypatch.setenv("ANATOMIST_JOBS", "2")
+    with pool.kept():
+        first = set(dict(pool.run_all([partial(_sleep_then, 0), partial(os.getpid)] * 2)).values()) - {0}
+        second = set(dict(pool.run_all([partial(_sleep_then, 0), partial(os.getpid)] * 2)).values()) - {0}
+        assert first and second <= first and os.getpid() not in first
+        after_a_failure = dict(pool.run_all([partial(operator.floordiv, 1, 0), partial(int, 3)]))
+        assert after_a_failure == {0: None, 1: 3}
+    outside = set(dict(pool.run_all([partial(_sleep_then, 0), partial(os.getpid)] * 2)).values()) - {0}
+    assert outside and not outside & first  # new workers outside the block
 
 
 @pytest.mark.parametrize("value", ["not a number", "0", "-2", "1.5"])
@@ -85,7 +112,7 @@ def test_a_dead_worker_ends_the_pool_without_hanging(monkeypatch: pytest.MonkeyP
     """A worker that dies (killed, out of memory) takes its job with it: run_all stops and the caller
     traces what it did not get, in-process."""
     monkeypatch.setenv("ANATOMIST_JOBS", "2")
-    got = dict(pool.run_all([lambda: os._exit(3), lambda: time.sleep(0.5) or 2, lambda: 3]))
+    got = dict(pool.run_all([partial(os._exit, 3), partial(_sleep_then, 2), partial(int, 3)]))
     assert 0 not in got and set(got) <= {1, 2}
 
 

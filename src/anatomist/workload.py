@@ -60,6 +60,7 @@ class Workload:
     num_labels: int = 2
     extra: dict[str, Any] = field(default_factory=dict)
     _trace_key: tuple[Any, ...] | None = field(default=None, init=False, repr=False, compare=False)
+    _is_moe: bool | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def model_type(self) -> str:
@@ -82,7 +83,11 @@ class Workload:
 
     @property
     def is_moe(self) -> bool:
-        return moe_counts(self.config) is not None
+        """Computed once, like `trace_key` (a plan asks for every recipe: the config's attribute
+        lookups are slow)."""
+        if self._is_moe is None:
+            self._is_moe = moe_counts(self.config) is not None
+        return self._is_moe
 
     @property
     def max_positions(self) -> int | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from anatomist.anatomy import GIB, MIB
+from anatomist.estimate.traces import prefetch
 from anatomist.hardware import GPU
 from anatomist.plan.search import SPEED_TIE, Candidate, Evaluator, SearchSpace, smallest_fitting_gpu
 from anatomist.plan.space import (
@@ -103,8 +104,10 @@ def explain(best: Candidate, evaluate: Evaluator, space: SearchSpace, objective:
     """One line per axis: the chosen value, why, and what each alternative would do."""
     reasons = []
     goal = "fastest" if objective == "throughput" else "smallest"
-    for axis, label, alternatives in _axes(space, evaluate.gpu):
-        alts = [(name, evaluate(recipe)) for name, recipe in alternatives(best.recipe)]
+    axes = [(axis, label, alternatives(best.recipe)) for axis, label, alternatives in _axes(space, evaluate.gpu)]
+    prefetch(evaluate.workload, [recipe for *_, named in axes for _, recipe in named], evaluate.gpu.compute_capability)
+    for axis, label, named in axes:
+        alts = [(name, evaluate(recipe)) for name, recipe in named]
         if not alts:
             continue
         if axis == "torch.compile" and all(

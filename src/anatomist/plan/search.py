@@ -20,6 +20,7 @@ from anatomist.hardware import GPU, catalog
 from anatomist.plan.space import SearchSpace, enumerate_recipes, precisions_for
 from anatomist.plan.throughput import TimeModel, predict_time
 from anatomist.recipe import Recipe
+from anatomist.trace import pool
 from anatomist.workload import Workload
 
 Objective = Literal["throughput", "memory"]
@@ -160,16 +161,17 @@ def plan(
         raise InputError(f"--objective must be throughput or memory, got {objective!r}")
     evaluate = Evaluator(workload, gpu, space.num_gpus, margin, time_model or predict_time)
     recipes = list(enumerate_recipes(space, gpu))
-    prefetch(workload, recipes, gpu.compute_capability)  # every trace the recipes read, side by side
-    candidates = [evaluate(r) for r in recipes]
+    with pool.kept():  # the workers that trace the candidates then trace the alternatives the reasons compare
+        prefetch(workload, recipes, gpu.compute_capability)  # every trace the recipes read, side by side
+        candidates = [evaluate(r) for r in recipes]
+        feasible = [c for c in candidates if c.fits]
+        if not feasible:
+            raise InputError(explain_infeasible(workload, gpu, space, candidates, limit, margin))
+        best = choose(feasible, objective)
+        best.reasons = explain(best, evaluate, space, objective, limit)
     calibrated = all(c.time.calibrated for c in candidates)
-    feasible = [c for c in candidates if c.fits]
-    if not feasible:
-        raise InputError(explain_infeasible(workload, gpu, space, candidates, limit, margin))
-    best = choose(feasible, objective)
     front = pareto_front(feasible)
     _, precision_notes = precisions_for(gpu)
-    best.reasons = explain(best, evaluate, space, objective, limit)
     for c in front:
         if c is not best and not c.reasons:
             c.reasons = [f"Pareto front: {c.samples_per_second:.1f} samples/s at {c.device_total / GIB:.2f} GiB"]

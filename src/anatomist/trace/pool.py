@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
@@ -34,8 +34,8 @@ MAX_JOBS = 8
 _watchers: list[Callable[[int, int], None]] = []
 """Called with (jobs done, jobs) as the workers finish (`watch`)."""
 
-_jobs: Sequence[Callable[[], Any]] = ()
-"""The jobs of the running `run_all`: the forked workers find them here by index."""
+_kept: list[ProcessPoolExecutor | None] = []
+"""The workers kept for the innermost `kept()` block (None until its first `run_all` starts them)."""
 
 
 def jobs() -> int:
@@ -54,37 +54,68 @@ def jobs() -> int:
 
 
 def run_all(work: Sequence[Callable[[], Any]]) -> Iterator[tuple[int, Any]]:
-    """Run each of `work` in a forked worker; yield (index, result) as each finishes, result None
-    where the job raised. Yields nothing where fewer than two processes would run (see `jobs`),
-    and stops early where the workers cannot be started or one dies (killed, out of memory):
-    the caller runs what it did not get itself."""
+    """Run each of `work` (picklable: a module-level function, or a functools.partial of one) in a
+    forked worker; yield (index, result) as each finishes, result None where the job raised. Yields
+    nothing where fewer than two processes would run (see `jobs`), and stops early where the workers
+    cannot be started or one dies (killed, out of memory): the caller runs what it did not get itself.
+
+    Inside a `kept()` block the workers outlive the call, for the block's next `run_all`."""
     processes = min(jobs(), len(work))
     if processes < 2 or multiprocessing.current_process().daemon:  # a daemon may not have children
         return
-    global _jobs
-    _jobs = work
-    gc.freeze()  # the workers share this process's pages: keep the collector from touching (copying) them
-    executor = None
+    keep = bool(_kept)
+    executor = _kept[-1] if keep else None
+    futures: dict[Future[Any], int] = {}
     finished = False
     try:
-        # All workers are forked at the first submit, before the executor starts its thread.
-        executor = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"), initializer=_quiet)
-        futures = [executor.submit(_run, index) for index in range(len(work))]
+        if executor is None:
+            executor = ProcessPoolExecutor(jobs() if keep else processes, mp_context=multiprocessing.get_context("fork"),
+                                           initializer=_quiet)
+            if keep:
+                _kept[-1] = executor
+        gc.freeze()  # the workers share this process's pages: keep the collector from touching (copying) them
+        try:  # a new executor forks all its workers at the first submit, before it starts its thread
+            futures = {executor.submit(_run, job): index for index, job in enumerate(work)}
+        finally:
+            gc.unfreeze()
         for report in _watchers:
             report(0, len(work))
         for done, future in enumerate(as_completed(futures), start=1):
-            result = future.result()
+            try:
+                result = future.result()
+            except BrokenProcessPool:
+                raise
+            except Exception:  # noqa: BLE001 - not sent (a job that does not pickle): the caller runs it
+                result = None
             for report in _watchers:
                 report(done, len(work))
-            yield result
+            yield futures[future], result
         finished = True
     except (OSError, BrokenProcessPool):
         return
     finally:
-        if executor is not None:  # interrupted: the running jobs end on their own, the rest never start
+        for future in futures:  # interrupted: the running jobs end on their own, the rest never start
+            future.cancel()
+        if executor is not None and not (keep and finished):
             executor.shutdown(wait=finished, cancel_futures=True)
-        _jobs = ()
-        gc.unfreeze()
+            if keep:
+                _kept[-1] = None  # the next call starts new workers
+
+
+@contextlib.contextmanager
+def kept() -> Iterator[None]:
+    """Within the block, the workers the first `run_all` forks serve every later one, already started
+    and warmed up (torch's fake-tensor dispatch cache filled by their earlier traces): a plan traces
+    its candidates, then the alternatives its reasons compare."""
+    _kept.append(None)
+    completed = False
+    try:
+        yield
+        completed = True
+    finally:
+        executor = _kept.pop()
+        if executor is not None:  # interrupted: the running jobs end on their own
+            executor.shutdown(wait=completed, cancel_futures=True)
 
 
 @contextlib.contextmanager
@@ -105,8 +136,8 @@ def _quiet() -> None:
     os.close(devnull)
 
 
-def _run(index: int) -> tuple[int, Any]:
+def _run(job: Callable[[], Any]) -> Any:
     try:
-        return index, _jobs[index]()
+        return job()
     except Exception:  # noqa: BLE001 - the caller traces it again in-process, where the error is raised
-        return index, None
+        return None

@@ -112,8 +112,7 @@ def trace_part(workload: Workload, recipe: Recipe, part: Part, *, depth: Depth, 
     from anatomist.trace import cache
 
     def run() -> StepTrace:
-        return trace_step(workload, recipe, depth=depth, batch_size=batch_size,
-                          compute_capability=compute_capability, part=part, record_ops=True)
+        return _trace_request(workload, (recipe, part, depth, batch_size), compute_capability)
 
     if not use_cache:
         return dataclasses.replace(run(), first_micro_batch=None)
@@ -145,13 +144,18 @@ def trace_parts(workload: Workload, requests: Iterable[PartRequest], compute_cap
             derived.add(_first_micro_batch_key(workload, request, compute_capability))
     jobs = sorted(((key, request) for key, request in wanted.items() if key not in derived),
                   key=lambda job: -_size_guess(job[1]))  # the longest first: no long job left for the end
-    work = [functools.partial(trace_step, workload, recipe, depth=depth, batch_size=batch,
-                              compute_capability=compute_capability, part=part, record_ops=True)
-            for _, (recipe, part, depth, batch) in jobs]
+    work = [functools.partial(_trace_request, workload, request, compute_capability) for _, request in jobs]
     for index, trace in pool.run_all(work):
         if trace is not None:
             key, request = jobs[index]
             cache.put(key, _keep_first_micro_batch(workload, request, compute_capability, trace))
+
+
+def _trace_request(workload: Workload, request: PartRequest, compute_capability: str) -> StepTrace:
+    """The trace of `request`, with its ops recorded: what `trace_part` stores, and a worker's job (`trace_parts`)."""
+    recipe, part, depth, batch = request
+    return trace_step(workload, recipe, depth=depth, batch_size=batch, compute_capability=compute_capability,
+                      part=part, record_ops=True)
 
 
 def _size_guess(request: PartRequest) -> float:
