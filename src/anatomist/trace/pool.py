@@ -60,17 +60,16 @@ def run_all(work: Sequence[Callable[[], Any]]) -> Iterator[tuple[int, Any]]:
     cannot be started or one dies (killed, out of memory): the caller runs what it did not get itself.
 
     Inside a `kept()` block the workers outlive the call, for the block's next `run_all`."""
-    processes = min(jobs(), len(work))
-    if processes < 2 or multiprocessing.current_process().daemon:  # a daemon may not have children
-        return
     keep = bool(_kept)
     executor = _kept[-1] if keep else None
+    processes = jobs() if keep else min(jobs(), len(work))
+    if not work or (executor is None and processes < 2) or multiprocessing.current_process().daemon:  # a daemon may not fork
+        return
     futures: dict[Future[Any], int] = {}
     finished = False
     try:
         if executor is None:
-            executor = ProcessPoolExecutor(jobs() if keep else processes, mp_context=multiprocessing.get_context("fork"),
-                                           initializer=_quiet)
+            executor = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"), initializer=_quiet)
             if keep:
                 _kept[-1] = executor
         gc.freeze()  # the workers share this process's pages: keep the collector from touching (copying) them
