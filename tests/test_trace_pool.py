@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import multiprocessing
 import operator
 import os
 import pickle
@@ -86,17 +87,28 @@ def _sleep_then(value: int) -> int:
     return value
 
 
+def _pid_after(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
 def test_kept_workers_serve_every_batch_of_the_block(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first run_all of a kept() block forks the workers; the next ones find the same processes."""
+    """The first run_all of a kept() block forks the workers; the next ones are sent to the same
+    processes, which end with the block."""
     monkeypatch.setenv("ANATOMIST_JOBS", "2")
+    pids = [partial(_pid_after, 0.2)] * 4
+
+    def children() -> set[int]:
+        return {p.pid for p in multiprocessing.active_children() if p.pid is not None}
+
     with pool.kept():
-        first = set(dict(pool.run_all([partial(_sleep_then, 0), partial(os.getpid)] * 2)).values()) - {0}
-        second = set(dict(pool.run_all([partial(_sleep_then, 0), partial(os.getpid)] * 2)).values()) - {0}
-        assert first and second <= first and os.getpid() not in first
-        after_a_failure = dict(pool.run_all([partial(operator.floordiv, 1, 0), partial(int, 3)]))
-        assert after_a_failure == {0: None, 1: 3}
-    outside = set(dict(pool.run_all([partial(_sleep_then, 0), partial(os.getpid)] * 2)).values()) - {0}
-    assert outside and not outside & first  # new workers outside the block
+        first = set(dict(pool.run_all(pids)).values())
+        workers = children()
+        assert first <= workers and os.getpid() not in first
+        second = set(dict(pool.run_all(pids)).values())
+        assert second <= workers and children() == workers  # no process started, none replaced
+        assert dict(pool.run_all([partial(operator.floordiv, 1, 0), partial(int, 3)])) == {0: None, 1: 3}
+    assert not children() & workers
 
 
 @pytest.mark.parametrize("value", ["not a number", "0", "-2", "1.5"])
