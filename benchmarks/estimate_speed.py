@@ -8,12 +8,12 @@ process, median of `--repeats` runs:
   estimate cold  anatomist estimate bert-large-uncased (empty trace cache)
   estimate warm  the same, trace cache filled
   plan cold/warm anatomist plan bert-large-uncased --gpu V100-16GB --global-batch-size 32
-  --help, gpus   (neither imports torch or transformers)
+  --help, gpus, models  (none imports torch or transformers)
 
     .venv/bin/python benchmarks/estimate_speed.py [--repeats 3]
 
 The issue's bars: estimate <= 1.25x cold, <= 1.1x warm; plan (>= 200 distinct recipes)
-<= 2.5x cold, <= 1.3x warm; --help/gpus under 1 s.
+<= 2.5x cold, <= 1.3x warm; --help/gpus/models under 1 s.
 """
 
 from __future__ import annotations
@@ -72,11 +72,12 @@ def main() -> int:
     median_of("plan warm", PLAN, cold=False)
     median_of("--help", ["-m", "anatomist", "--help"], cold=False)
     median_of("gpus", ["-m", "anatomist", "gpus"], cold=False)
+    median_of("models", ["-m", "anatomist", "models"], cold=False)
     plan = json.loads(plan_out)
     floor = results["floor"]
     print(f"plan: {plan['candidates']} candidates, {plan['feasible']} fit")
     print("ratios to the import floor: " + ", ".join(
-        f"{name} {value / floor:.2f}x" for name, value in results.items() if name not in ("floor", "--help", "gpus")))
+        f"{name} {value / floor:.2f}x" for name, value in results.items() if name not in ("floor", "--help", "gpus", "models")))
     shutil.rmtree(cache, ignore_errors=True)
     return 0
 

@@ -14,7 +14,7 @@ import pytest
 
 from anatomist.cli import main
 from anatomist.model_catalog import catalog_entries, find_entry, summarize
-from anatomist.workload import config_from_dict, load_workload
+from anatomist.workload import config_from_dict, load_workload, moe_counts
 
 ENTRIES = sorted(catalog_entries())
 
@@ -89,6 +89,24 @@ def test_catalog_metadata_never_reaches_transformers():
     config = load_workload("Qwen3-8B").config
     assert not hasattr(config, "_anatomist")
     assert "_anatomist" not in config.to_json_string()
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_summary_read_from_the_json_is_the_one_transformers_config_gives(name: str) -> None:
+    """`anatomist models` reads the config.json alone; transformers' config (aliases such as GPT-2's
+    n_layer, class defaults) is the truth it must match, for every entry."""
+    entry = catalog_entries()[name]
+    config = config_from_dict(dict(entry.config), name, trust_remote_code=False)
+    text = config.get_text_config()
+    workload = load_workload(name)
+    summary = summarize(entry)
+    encoder_decoder = getattr(config, "is_encoder_decoder", False)
+    assert summary.layers == text.num_hidden_layers
+    assert summary.decoder_layers == (text.num_decoder_layers if encoder_decoder else None)
+    assert summary.context_length == workload.max_positions
+    assert (summary.experts_per_token, summary.experts) == (moe_counts(config) or (None, None))
+    for field, value in entry.defaults.items():
+        assert field not in entry.config and getattr(text, field) == value
 
 
 def test_summary_of_moe_encoder_decoder_and_text_models():

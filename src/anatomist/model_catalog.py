@@ -10,13 +10,17 @@ published figure, which catches a mistyped field.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from typing import Any
 
 METADATA_KEY = "_anatomist"
 """The catalog's own key in a config file; stripped before transformers sees the config."""
+
+LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
+"""The names a config.json gives its block count (GPT-2's and T5's are aliases in transformers'
+`attribute_map`); an encoder-decoder's is the encoder's."""
 
 DEFAULT_TOLERANCE = 0.005
 """Built vs published parameter count, relative: 0.5% unless an entry says otherwise."""
@@ -45,10 +49,17 @@ class CatalogEntry:
     """Anything a reader should know (text tower only, fields left out, ...)."""
     config: dict[str, Any]
     """The config.json fields, without the catalog's own key."""
+    defaults: dict[str, Any] = field(default_factory=dict)
+    """Fields the config.json leaves to transformers' config class, spelled out where `anatomist
+    models` shows them (it reads the JSON without transformers; the catalog test checks each)."""
 
     @property
     def model_type(self) -> str:
         return str(self.config["model_type"])
+
+    def config_field(self, name: str) -> Any:
+        """A config field as transformers reads it: the JSON's, else the class default in `defaults`, else None."""
+        return self.config.get(name, self.defaults.get(name))
 
 
 @cache
@@ -95,6 +106,7 @@ def _entry(name: str, data: dict[str, Any]) -> CatalogEntry:
             name=name, hub_id=meta["hub_id"], parameters=int(meta["parameters"]),
             parameters_source=meta["parameters_source"], config_source=meta["config_source"],
             tolerance=float(meta.get("tolerance", DEFAULT_TOLERANCE)), note=meta.get("note", ""), config=config,
+            defaults=dict(meta.get("defaults", {})),
         )
     except KeyError as exc:
         raise ValueError(f"catalog entry {name}: {METADATA_KEY} lacks {exc.args[0]!r}") from None
@@ -129,17 +141,17 @@ class ModelSummary:
 
 
 def summarize(entry: CatalogEntry) -> ModelSummary:
-    """Family, size, depth, context length and experts of an entry (builds its config, not the model)."""
-    from anatomist.workload import Workload, config_from_dict, moe_counts
+    """Family, size, depth, context length and experts of an entry, read from its config.json fields
+    alone (`anatomist models` imports neither transformers nor torch; tests/test_catalog.py checks
+    every entry against the config transformers builds)."""
+    from anatomist.workload import context_length, experts_of
 
-    config = config_from_dict(dict(entry.config), f"catalog entry {entry.name}", trust_remote_code=False)
-    workload = Workload(name=entry.name, config=config, task="causal-lm", seq_len=1)
-    text = config.get_text_config()
-    layers = int(text.num_hidden_layers)
-    decoder_layers = getattr(text, "num_decoder_layers", None) if getattr(config, "is_encoder_decoder", False) else None
-    moe = moe_counts(config)
+    field = entry.config_field
+    layers = next(int(field(name)) for name in LAYER_FIELDS if field(name) is not None)
+    decoder_layers = int(field("num_decoder_layers") or layers) if field("is_encoder_decoder") else None
+    moe = experts_of(field)
     return ModelSummary(
         name=entry.name, hub_id=entry.hub_id, family=entry.model_type, parameters=entry.parameters,
-        layers=layers, decoder_layers=decoder_layers, context_length=workload.max_positions,
+        layers=layers, decoder_layers=decoder_layers, context_length=context_length(field, entry.model_type),
         experts=moe[1] if moe else None, experts_per_token=moe[0] if moe else None,
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -92,15 +93,8 @@ class Workload:
     @property
     def max_positions(self) -> int | None:
         """Longest sequence the config's position embeddings allow, None where nothing limits it."""
-        config = self.config.get_text_config()
-        for attr in ("max_position_embeddings", "n_positions"):
-            value = getattr(config, attr, None)
-            if isinstance(value, int) and value > 0:
-                pad = getattr(config, "pad_token_id", None)
-                if self.model_type in _POSITIONS_AFTER_PADDING and isinstance(pad, int) and 0 <= pad < value - 1:
-                    return value - pad - 1  # RoBERTa: 514 embeddings, padding_idx 1 -> 512 tokens
-                return value
-        return None
+        text = self.config.get_text_config()
+        return context_length(lambda name: getattr(text, name, None), self.model_type)
 
     @property
     def config_dtype(self) -> str:
@@ -350,18 +344,39 @@ def _config_from_hub(model: str, *, trust_remote_code: bool, allow_network: bool
     return _check_estimator_fields(config, model), "hub" if allow_network else "hf-cache"
 
 
+ConfigField = Callable[[str], Any]
+"""A config's field by name, None where it has none: getattr on a transformers config, or `dict.get`
+on its JSON (what `anatomist models` reads, without importing transformers)."""
+
+
 def moe_counts(config: Any) -> tuple[int, int] | None:
-    """(experts per token, routed experts) for a Mixture-of-Experts config, else None.
+    """(experts per token, routed experts) for a Mixture-of-Experts config, else None (see `experts_of`)."""
+    text = config.get_text_config()
+    return experts_of(lambda name: getattr(text, name, None))
+
+
+def experts_of(field: ConfigField) -> tuple[int, int] | None:
+    """(experts per token, routed experts) of a text config's fields, else None.
 
     The expert count goes by num_local_experts (Mixtral, gpt-oss), num_experts (Qwen-MoE) or
     n_routed_experts (DeepSeek); shared experts are not counted.
     """
-    config = config.get_text_config()
-    experts = (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-               or getattr(config, "n_routed_experts", None))
-    per_token = getattr(config, "num_experts_per_tok", None)
+    experts = field("num_local_experts") or field("num_experts") or field("n_routed_experts")
+    per_token = field("num_experts_per_tok")
     if experts and per_token:
         return int(per_token), int(experts)
+    return None
+
+
+def context_length(field: ConfigField, model_type: str) -> int | None:
+    """Longest sequence a text config's position embeddings allow, None where nothing limits it."""
+    for name in ("max_position_embeddings", "n_positions"):
+        value = field(name)
+        if isinstance(value, int) and value > 0:
+            pad = field("pad_token_id")
+            if model_type in _POSITIONS_AFTER_PADDING and isinstance(pad, int) and 0 <= pad < value - 1:
+                return value - pad - 1  # RoBERTa: 514 embeddings, padding_idx 1 -> 512 tokens
+            return value
     return None
 
 
