@@ -8,8 +8,9 @@ stay subprocesses because what they test only exists in a real process:
   including anything that torch or transformers print while they are imported (in-process,
   pytest's capture and warning filters would hide that);
 - the installed console script (`anatomist`, from [project.scripts]) starts and answers;
-- `--help`, a bad flag, `gpus` and `models` import neither torch nor transformers (sys.modules of a fresh
-  interpreter: in-process, the test session has imported both long before);
+- `--help`, a bad flag, an unknown GPU or model, `gpus` and `models` import neither torch nor
+  transformers (sys.modules of a fresh interpreter: in-process, the test session has imported
+  both long before);
 - `anatomist bench` survives SIGKILL: the test kills the process group mid-suite, then resumes;
 - the process ends without the interpreter's teardown (`cli.run`) but still runs the exit handlers,
   waits for a thread that has not finished and keeps the exit code.
@@ -64,8 +65,10 @@ IMPORTS_SEEN = (
 
 
 @pytest.mark.parametrize("argv", [["estimate", "--help"], ["profile", "--help"], ["estimate", "--fsdp", "hybrid"],
-                                  ["estimate", "--zero-stage", "9"], ["gpus", "--json"], ["models"]],
-                         ids=["estimate-help", "profile-help", "bad-choice", "bad-stage", "gpus", "models"])
+                                  ["estimate", "--zero-stage", "9"], ["gpus", "--json"], ["models"],
+                                  ["estimate", "--gpu", "V100"], ["plan", "no-such-model", "--gpu", "T4"]],
+                         ids=["estimate-help", "profile-help", "bad-choice", "bad-stage", "gpus", "models", "unknown-gpu",
+                              "unknown-model"])
 def test_help_bad_flags_gpus_and_models_import_neither_torch_nor_transformers(argv: list[str]) -> None:
     """The recipe flags are generated from the Recipe dataclass without transformers' HfArgumentParser."""
     proc = subprocess.run([sys.executable, "-c", IMPORTS_SEEN, *argv], capture_output=True, text=True,

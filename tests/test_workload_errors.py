@@ -144,3 +144,23 @@ def test_roberta_positions_start_after_the_padding_index(tmp_path, capsys):
 )
 def test_default_task_follows_the_architecture(model, task):
     assert load_workload(model).task == task
+
+
+def test_a_model_in_the_local_hf_cache_is_found_and_one_missing_is_one_line(tiny_model, tmp_path: Path,
+                                                                              monkeypatch, capsys) -> None:
+    """The cache as huggingface_hub lays it out: refs/main names the snapshot that holds config.json."""
+    import huggingface_hub.constants
+
+    repo = tmp_path / "hub" / "models--someone--tiny-bert"
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    shutil.copy(tiny_model("bert") / "config.json", snapshot / "config.json")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    workload = load_workload("someone/tiny-bert", seq_len=32)
+    assert workload.source == "hf-cache" and workload.model_type == "bert"
+    for missing in ("someone/other-bert", "not a repo id"):
+        line = estimate_error(capsys, missing, "--seq-len", "32")
+        assert line.startswith(f"anatomist: error: unknown model {missing!r}: not a path, not in the catalog, "
+                               "not in the local HF cache")

@@ -325,9 +325,8 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _config_from_hub(model: str, *, trust_remote_code: bool, allow_network: bool) -> tuple[Any, str] | None:
-    if "/" not in model and not allow_network:
-        # A bare name that is not in the catalog may still be cached under its own id.
-        pass
+    if not allow_network and not _in_hf_cache(model):
+        return None  # said without importing transformers (and torch): a mistyped name is a quick error
     from transformers import AutoConfig
 
     try:
@@ -342,6 +341,18 @@ def _config_from_hub(model: str, *, trust_remote_code: bool, allow_network: bool
             raise InputError(f"{model}: needs remote code; rerun with --trust-remote-code if you trust it") from None
         raise InputError(f"{model}: invalid config: {message}") from None
     return _check_estimator_fields(config, model), "hub" if allow_network else "hf-cache"
+
+
+def _in_hf_cache(model: str) -> bool:
+    """Whether the local Hugging Face cache holds a config.json for the repo id `model` (huggingface_hub's
+    own lookup, the one transformers makes with local_files_only)."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError
+
+    try:
+        return isinstance(try_to_load_from_cache(model, "config.json"), str)
+    except HFValidationError:  # not a repo id
+        return False
 
 
 ConfigField = Callable[[str], Any]

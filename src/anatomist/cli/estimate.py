@@ -58,21 +58,24 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def build_estimate(args: argparse.Namespace) -> Estimate:
-    from anatomist.estimate.predict import estimate
     from anatomist.workload import resolve_dtype
 
     apply_cache_flag(args)
+    gpu = get_gpu(args.gpu)  # a mistyped GPU or model is said before anything imports transformers
     source = recipe_file_from_args(args)
     # What the command line gives wins over what the file says; without MODEL from either: the
     # seeds' experiment, with the batch size the seeds name.
     model = _given(args.model, source.model if source else None)
     seq_len = _given(args.seq_len, source.seq_len if source else None)
     num_gpus = _given(args.gpus, source.num_gpus if source else None, 1)
-    recipe = recipe_from_args(args, base=SEEDS_RECIPE if model is None else None, source=source)
-    gpu = get_gpu(args.gpu)
-    calibration = calibration_from_args(args)
     if num_gpus <= 0:
         raise InputError(f"--gpus must be greater than 0, got {num_gpus}")
+    workload = load_workload(
+        model or DEFAULT_MODEL, seq_len=seq_len, task=args.task,
+        trust_remote_code=args.trust_remote_code, allow_network=args.allow_network,
+    )
+    recipe = recipe_from_args(args, base=SEEDS_RECIPE if model is None else None, source=source)
+    calibration = calibration_from_args(args)
     if recipe.bf16 and not gpu.bf16:
         raise InputError(f"bf16 needs an Ampere or newer GPU; {gpu.name} has none (use --fp16)")
     if recipe.tf32 and not gpu.tf32:
@@ -80,14 +83,12 @@ def build_estimate(args: argparse.Namespace) -> Estimate:
     if recipe.dtype == "bfloat16" and not gpu.bf16:
         raise InputError(f"--dtype bfloat16 needs an Ampere or newer GPU; {gpu.name} has none (use --dtype float16 or float32)")
     note_missing_packages(recipe)
-    workload = load_workload(
-        model or DEFAULT_MODEL, seq_len=seq_len, task=args.task,
-        trust_remote_code=args.trust_remote_code, allow_network=args.allow_network,
-    )
     recipe = resolve_dtype(workload, recipe)
     if recipe.dtype == "bfloat16" and not gpu.bf16:
         warn(f"{workload.name} loads in bfloat16 (its config's dtype) but {gpu.name} has no bf16 tensor cores: "
              "it runs emulated and slowly there; --dtype float16 or float32 is the usual choice")
+    from anatomist.estimate.predict import estimate  # imports torch
+
     return estimate(workload, recipe, gpu, mode=args.mode, num_gpus=num_gpus, calibration=calibration,
                     margin=args.memory_margin)
 

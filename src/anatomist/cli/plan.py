@@ -72,9 +72,6 @@ def _names(flag: str, what: str, text: str, known: tuple[str, ...], *, allow_non
 
 
 def build_plan(args: argparse.Namespace) -> Plan:
-    from anatomist.plan.search import plan
-    from anatomist.plan.throughput import predict_time
-
     apply_cache_flag(args)
     gpu = get_gpu(args.gpu)
     calibration = calibration_from_args(args)
@@ -85,13 +82,16 @@ def build_plan(args: argparse.Namespace) -> Plan:
             if getattr(args, k) is not None}
     if lora and not added:
         raise InputError(f"--{next(iter(lora)).replace('_', '-')} needs --peft lora and/or qlora")
+    workload = load_workload(args.model, seq_len=args.seq_len, task=args.task,
+                             trust_remote_code=args.trust_remote_code, allow_network=args.allow_network)
     space = SearchSpace(
         global_batch_size=args.global_batch_size, num_gpus=args.gpus, optims=optims,
         compile_options=(False,) if args.no_compile else (False, True),
         precisions=precisions, methods=("full", *dict.fromkeys(added)), base=Recipe(**lora),
     )
-    workload = load_workload(args.model, seq_len=args.seq_len, task=args.task,
-                             trust_remote_code=args.trust_remote_code, allow_network=args.allow_network)
+    from anatomist.plan.search import plan  # imports torch
+    from anatomist.plan.throughput import predict_time
+
     time_model = functools.partial(predict_time, calibration=calibration) if calibration else None
     return plan(workload, gpu, space=space, objective=args.objective, margin=args.memory_margin, time_model=time_model)
 
