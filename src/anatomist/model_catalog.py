@@ -18,10 +18,6 @@ from typing import Any
 METADATA_KEY = "_anatomist"
 """The catalog's own key in a config file; stripped before transformers sees the config."""
 
-LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
-"""The names a config.json gives its block count (GPT-2's and T5's are aliases in transformers'
-`attribute_map`); an encoder-decoder's is the encoder's."""
-
 DEFAULT_TOLERANCE = 0.005
 """Built vs published parameter count, relative: 0.5% unless an entry says otherwise."""
 
@@ -144,7 +140,7 @@ def summarize(entry: CatalogEntry) -> ModelSummary:
     """Family, size, depth, context length and experts of an entry, read from its config.json fields
     alone (`anatomist models` imports neither transformers nor torch; tests/test_catalog.py checks
     every entry against the config transformers builds)."""
-    from anatomist.workload import context_length, experts_of
+    from anatomist.workload import LAYER_FIELDS, context_length, experts_of
 
     field = entry.config_field
     layers = next(int(field(name)) for name in LAYER_FIELDS if field(name) is not None)

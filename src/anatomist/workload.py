@@ -35,6 +35,10 @@ PEFT_TASK_TYPES = {"sequence-classification": "SEQ_CLS", "causal-lm": "CAUSAL_LM
 # Canonical transformers names; a config class may store them under its own (GPT-2's n_layer).
 ESTIMATOR_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
 
+LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
+"""The names a config.json gives its (encoder's) block count: GPT-2's and T5's are aliases in
+transformers' `attribute_map`."""
+
 # Encoders that transformers also gives a causal-LM class (BertLMHeadModel, ...): still encoders.
 _ENCODER_TYPES = ("bert", "roberta", "deberta", "deberta-v2", "distilbert", "albert", "electra")
 

@@ -30,10 +30,9 @@ from typing import Any
 import torch
 
 from anatomist.recipe import Recipe
-from anatomist.workload import Workload
+from anatomist.workload import LAYER_FIELDS, Workload
 
-LAYER_COUNT_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers",
-                      "decoder_layers")
+LAYER_COUNT_FIELDS = (*LAYER_FIELDS, "num_decoder_layers", "encoder_layers", "decoder_layers")
 """Config fields that hold the depth of a stack (as the config classes store or alias them)."""
 INDEX_LIST_FIELDS = ("mlp_only_layers", "moe_layers", "full_attn_idxs")
 """Config fields that list layer indices (Qwen-MoE's dense layers, Llama 4's MoE layers, LFM2's attention)."""
