@@ -24,7 +24,7 @@ from anatomist.cli.recipe_flags import add_recipe_flags, recipe_file_from_args, 
 from anatomist.cli.render import console, gib
 from anatomist.errors import InputError
 from anatomist.hardware import get_gpu
-from anatomist.workload import load_workload
+from anatomist.workload import load_workload, resolve_dtype
 
 if TYPE_CHECKING:
     from anatomist.estimate.predict import Estimate
@@ -58,8 +58,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def build_estimate(args: argparse.Namespace) -> Estimate:
-    from anatomist.workload import resolve_dtype
-
     apply_cache_flag(args)
     gpu = get_gpu(args.gpu)  # a mistyped GPU or model is said before anything imports transformers
     source = recipe_file_from_args(args)
