@@ -13,7 +13,7 @@ import pytest
 
 HERE = Path(__file__).parent / "fixtures" / "identity"
 sys.path.insert(0, str(HERE))
-from cases import CASES  # noqa: E402
+from cases import CASES, PLAN_CASES  # noqa: E402
 
 FAST = ("bert-seeds", "gpt2-fp16-zero2", "qwen3-inference")
 """Run by default (a few seconds each, cold); the rest are marked slow."""
@@ -26,3 +26,11 @@ def test_estimate_is_unchanged(cli, name: str) -> None:
     kept = json.loads((HERE / f"{name}.json").read_text())
     got = json.loads(result.stdout)
     assert got == kept
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PLAN_CASES))
+def test_plan_is_unchanged(cli, name: str) -> None:
+    result = cli("plan", *PLAN_CASES[name], "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == json.loads((HERE / f"{name}.json").read_text())
