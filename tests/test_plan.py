@@ -11,12 +11,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from anatomist.axes.shardings import shardings_for
 from anatomist.errors import InputError
 from anatomist.estimate.time import estimate_time
 from anatomist.hardware import get_gpu
 from anatomist.plan import SearchSpace, plan
 from anatomist.plan.search import pareto_front
-from anatomist.plan.space import SINGLE_GPU_SHARDING
 from anatomist.plan.throughput import parameter_count, predict_time
 from anatomist.recipe import Recipe
 from anatomist.workload import load_workload
@@ -81,7 +81,7 @@ def test_plan_picks_fastest_that_fits_and_explains(tiny) -> None:
     space = SearchSpace(global_batch_size=32, optims=("adamw_torch_fused", "adafactor"), compile_options=(False,))
     result = plan(tiny, gpu, space=space, margin=0.1)
     # 6 batch options x 2 ckpt x 4 precisions (fp32, tf32, bf16, bf16-weights) x 2 optims x 2 sharding = 192
-    assert len(result.candidates) == 6 * 2 * 4 * 2 * len(SINGLE_GPU_SHARDING) == 192
+    assert len(result.candidates) == 6 * 2 * 4 * 2 * len(shardings_for(1)) == 192
     limit = int(64 * 2**20 * 0.9)
     assert result.limit_bytes == limit
     assert all(c.fits == (c.device_total <= limit) for c in result.candidates)

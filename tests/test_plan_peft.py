@@ -12,10 +12,11 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from anatomist.axes.precisions import precision_of
 from anatomist.hardware import get_gpu
 from anatomist.plan import SearchSpace, plan
 from anatomist.plan.emit import bnb_config, lora_config, render, trainer_snippet, trl_config, write
-from anatomist.plan.space import enumerate_recipes, method_of, precision_of
+from anatomist.plan.space import enumerate_recipes, method_of
 from anatomist.recipe import Recipe
 from anatomist.workload import load_workload
 

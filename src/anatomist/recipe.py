@@ -14,18 +14,11 @@ from dataclasses import dataclass, fields
 from functools import cache
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
+from anatomist.axes.optimizers import OPTIMIZERS, optimizer
+from anatomist.axes.precisions import HALF_DTYPES
+from anatomist.axes.shardings import FSDP_STAGES
 from anatomist.errors import InputError
 
-Optim = Literal[
-    "adamw_torch",
-    "adamw_torch_fused",
-    "adafactor",
-    "adamw_bnb_8bit",
-    "adamw_torch_8bit",
-    "paged_adamw_8bit",
-    "paged_adamw_32bit",
-    "sgd",
-]
 AttnImplementation = Literal["eager", "sdpa", "flash_attention_2"]
 ExpertsImplementation = Literal["grouped_mm", "batched_mm", "eager"]
 Offload = Literal["none", "cpu", "nvme"]
@@ -34,7 +27,6 @@ LoadDtype = Literal["auto", "float32", "bfloat16", "float16"]
 Peft = Literal["none", "lora", "qlora"]
 QuantType = Literal["nf4", "fp4"]
 
-OPTIMS: tuple[str, ...] = get_args(Optim)
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttnImplementation)
 EXPERTS_IMPLEMENTATIONS: tuple[str, ...] = get_args(ExpertsImplementation)
 OFFLOADS: tuple[str, ...] = get_args(Offload)
@@ -42,11 +34,6 @@ FSDP_MODES: tuple[str, ...] = get_args(Fsdp)
 LOAD_DTYPES: tuple[str, ...] = get_args(LoadDtype)
 PEFT_METHODS: tuple[str, ...] = get_args(Peft)
 QUANT_TYPES: tuple[str, ...] = get_args(QuantType)
-HALF_DTYPES = ("bfloat16", "float16")
-
-# The package each optimizer needs at run time (the estimator needs none of them).
-OPTIM_PACKAGES: dict[str, str] = {"adamw_bnb_8bit": "bitsandbytes", "adamw_torch_8bit": "torchao",
-                                  "paged_adamw_8bit": "bitsandbytes", "paged_adamw_32bit": "bitsandbytes"}
 
 
 @cache
@@ -101,7 +88,8 @@ class Recipe:
         "bf16", "bf16 autocast (mixed precision: fp32 master weights when loaded in float32); Ampere or newer.")
     tf32: bool = _trainer_default(
         "tf32", "Allow TF32 tensor cores for fp32 matrix products; Ampere or newer.", when_none=False)
-    optim: Optim = _trainer_default("optim", "Optimizer, as TrainingArguments.optim names it.")
+    optim: str = _trainer_default("optim", "Optimizer, as TrainingArguments.optim names it (axes/optimizers.py).",
+                                  choices=tuple(OPTIMIZERS))
     attn_implementation: AttnImplementation = _field(
         "sdpa", "Attention kernel (the model's; transformers' default sdpa): eager keeps the [b, heads, s, s] "
         "probabilities, sdpa and flash_attention_2 do not.")
@@ -169,8 +157,7 @@ class Recipe:
                 "gradients; load in float32 for fp16 mixed precision (--dtype float32 --fp16), or use "
                 "--dtype bfloat16 [--bf16]"
             )
-        if self.optim not in OPTIMS:
-            raise InputError(f"unknown optim {self.optim!r}; known: {', '.join(OPTIMS)}")
+        optimizer(self.optim)  # raises for one anatomist does not model
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise InputError(
                 f"unknown attn_implementation {self.attn_implementation!r}; "
@@ -217,7 +204,7 @@ class Recipe:
     @property
     def sharding_stage(self) -> int:
         """The ZeRO-equivalent sharding stage: DeepSpeed's own, or FSDP's (full_shard = 3, shard_grad_op = 2)."""
-        return {"full_shard": 3, "shard_grad_op": 2}.get(self.fsdp, self.zero_stage)
+        return FSDP_STAGES.get(self.fsdp, self.zero_stage)
 
     @property
     def mixed_precision(self) -> Literal["no", "fp16", "bf16"]:
@@ -267,7 +254,8 @@ class Recipe:
 
     def missing_packages(self) -> list[str]:
         """Optional packages this recipe needs at run time that are not importable here."""
-        needed = [OPTIM_PACKAGES[self.optim]] if self.optim in OPTIM_PACKAGES else []
+        package = optimizer(self.optim).package
+        needed = [package] if package else []
         if self.attn_implementation == "flash_attention_2":
             needed.append("flash_attn")
         if self.zero_stage:
@@ -284,7 +272,7 @@ class Recipe:
             "gradient_checkpointing": self.gradient_checkpointing,
             "fp16": self.fp16,
             "bf16": self.bf16,
-            "optim": "sgd" if self.optim == "sgd" else self.optim,
+            "optim": self.optim,
             "torch_compile": self.torch_compile,
             "dataloader_num_workers": self.dataloader_num_workers,
             "dataloader_pin_memory": self.dataloader_pin_memory,
@@ -294,9 +282,7 @@ class Recipe:
             kwargs["tf32"] = True
         if self.fsdp != "none":
             kwargs["fsdp"] = self.fsdp
-        if self.optim == "sgd":
-            kwargs["optim_args"] = "momentum=0.9"
-        return kwargs
+        return kwargs | dict(optimizer(self.optim).trainer_kwargs)
 
     def to_training_arguments(self, output_dir: str, **extra: Any) -> Any:
         """A real transformers.TrainingArguments for this recipe."""
@@ -334,6 +320,7 @@ class FieldKind:
 def field_kinds() -> dict[str, FieldKind]:
     """Each Recipe field's FieldKind, by name (the annotations here are strings: resolved once)."""
     kinds = {}
+    listed = {f.name: f.metadata["choices"] for f in fields(Recipe) if "choices" in f.metadata}
     for name, hint in get_type_hints(Recipe).items():
         args = get_args(hint)
         optional = type(None) in args and get_origin(hint) is not Literal
@@ -342,6 +329,6 @@ def field_kinds() -> dict[str, FieldKind]:
         if get_origin(hint) is Literal:
             choices = get_args(hint)
             kinds[name] = FieldKind(type=type(choices[0]), choices=choices, optional=optional)
-        else:
-            kinds[name] = FieldKind(type=hint, choices=None, optional=optional)
+        else:  # a registry's names (optimizers) are choices too
+            kinds[name] = FieldKind(type=hint, choices=listed.get(name), optional=optional)
     return kinds

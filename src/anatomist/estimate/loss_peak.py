@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from anatomist.anatomy import GIB, TENSOR_CATEGORIES, MemoryAnatomy, MemoryCategory, Phase
+from anatomist.axes.precisions import half_dtype
 from anatomist.estimate.traces import TRACE_BATCHES, StepTraces, affine
 from anatomist.recipe import Recipe
 from anatomist.trace.step import Depth
@@ -96,9 +97,7 @@ def _logits_size(workload: Workload, recipe: Recipe) -> str:
     vocab = int(workload.config.get_text_config().vocab_size)
     batch = recipe.per_device_train_batch_size
     elements = batch * workload.seq_len * vocab
-    half = recipe.mixed_precision if recipe.mixed_precision != "no" else (
-        recipe.dtype if recipe.dtype in ("bfloat16", "float16") else None)
-    half_name = {"bf16": "bf16", "fp16": "fp16", "bfloat16": "bf16", "float16": "fp16"}.get(half or "")
+    half_name = {"bfloat16": "bf16", "float16": "fp16"}.get(half_dtype(recipe) or "")
     copies = f"{elements * 2 / GIB:.1f} GiB per {half_name} copy, " if half_name else ""
     return (f"{batch} x {workload.seq_len:,} tokens x {vocab:,} vocabulary: {copies}"
             f"{elements * 4 / GIB:.1f} GiB per fp32 copy")

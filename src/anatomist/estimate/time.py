@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from anatomist.anatomy import OpClass, Phase, TimeAnatomy
+from anatomist.axes.precisions import matmul_precision
 from anatomist.errors import InputError
 from anatomist.estimate.flops import OpRecord, StepOps, step_flops, step_ops
 from anatomist.hardware import GPU, Precision
@@ -98,16 +99,6 @@ def calibration_toml(cal: Calibration) -> str:
     ])
 
 
-def recipe_precision(recipe: Recipe, gpu: GPU) -> Precision:
-    """The dtype whose dense peak the recipe's matrix products run at (the MFU and HFU denominator):
-    the autocast dtype, else the weights' dtype (`recipe.dtype` resolved: not "auto")."""
-    if recipe.fp16 or recipe.dtype == "float16":
-        return "fp16"
-    if recipe.bf16 or recipe.dtype == "bfloat16":
-        return "bf16"
-    return "tf32" if recipe.tf32 and gpu.tf32 else "fp32"
-
-
 def _peak_seconds(record: OpRecord, recipe: Recipe, gpu: GPU) -> tuple[float, float, float]:
     """(tensor-core, CUDA-core, memory) seconds of one call at 100% of the datasheet peaks.
 
@@ -154,7 +145,7 @@ def time_from_ops(
     flops = step_flops(workload, recipe, gpu.compute_capability, ops=ops)
     samples = recipe.per_device_train_batch_size * accumulation
     # A GPU without tensor cores for the dtype (bf16 on a V100) runs it at its fp32 rate at best.
-    peak = (gpu.peak_tflops(recipe_precision(recipe, gpu)) or gpu.fp32_tflops) * 1e12
+    peak = (gpu.peak_tflops(matmul_precision(recipe, gpu)) or gpu.fp32_tflops) * 1e12
     mfu, hfu = flops.utilization(step_s, peak)
     return TimeAnatomy(
         step_s=step_s,
@@ -201,7 +192,7 @@ def fit_calibration(steps: list[TimedStep], *, source: str) -> Calibration:
     if not steps:
         raise ValueError("fit_calibration needs at least one measured step")
     base = calibration()
-    tensor_cores = any(recipe_precision(s.recipe, s.gpu) != "fp32" for s in steps)
+    tensor_cores = any(matmul_precision(s.recipe, s.gpu) != "fp32" for s in steps)
     measured = np.array([s.step_s for s in steps])
     peaks, repeats, launches = [], [], []
     for s in steps:

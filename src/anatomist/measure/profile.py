@@ -27,11 +27,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from anatomist.anatomy import OpClass, Phase
+from anatomist.axes.optimizers import optimizer
 from anatomist.errors import InputError
 from anatomist.estimate.flops import step_flops, step_ops
 from anatomist.hardware import detect_local_gpu
 from anatomist.op_classes import classify, is_known
-from anatomist.recipe import OPTIM_PACKAGES, Recipe
+from anatomist.recipe import Recipe
 from anatomist.trace.experts import build_kwargs
 from anatomist.trace.step import make_batch
 from anatomist.workload import Workload, resolve_dtype
@@ -90,7 +91,7 @@ def check_runnable(recipe: Recipe, steps: int, device: torch.device) -> None:
     if recipe.attn_implementation == "flash_attention_2" and (cpu or recipe.missing_packages()):
         why = "a CUDA GPU" if cpu else "the flash_attn package (pip install flash-attn)"
         raise InputError(f"flash_attention_2 needs {why}; use --attn-implementation sdpa")
-    if recipe.optim in OPTIM_PACKAGES and (cpu or recipe.missing_packages()):
+    if optimizer(recipe.optim).package and (cpu or recipe.missing_packages()):
         raise InputError(f"optim {recipe.optim} needs a CUDA GPU and its package ({', '.join(recipe.missing_packages()) or 'installed'})")
     if recipe.zero_stage or recipe.offload != "none":
         raise InputError("profile runs one process without DeepSpeed; drop --zero-stage/--offload (use `anatomist bench`)")
@@ -205,9 +206,9 @@ def _summarise(events: Any, workload: Workload, recipe: Recipe, steps: int, devi
     mfu: float | None = None
     hfu: float | None = None
     if gpu is not None:
-        from anatomist.estimate.time import recipe_precision
+        from anatomist.axes.precisions import matmul_precision
 
-        mfu, hfu = flops.utilization(step_s, gpu.peak_tflops(recipe_precision(recipe, gpu)) * 1e12)
+        mfu, hfu = flops.utilization(step_s, gpu.peak_tflops(matmul_precision(recipe, gpu)) * 1e12)
     top = sorted(by_op.items(), key=lambda kv: -kv[1])[:TOP_OPS]
     unknown = sorted({n for n in by_op if not is_known(n)} | set(ops.unknown_ops()))
     device_name = torch.cuda.get_device_name(device) if not cpu else f"cpu ({torch.get_num_threads()} threads)"

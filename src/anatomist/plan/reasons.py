@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from anatomist.anatomy import GIB, MIB
+from anatomist.axes.precisions import precision, precision_of
+from anatomist.axes.shardings import sharding_of
 from anatomist.estimate.traces import prefetch
 from anatomist.hardware import GPU
 from anatomist.plan.search import SPEED_TIE, Candidate, Evaluator, SearchSpace, smallest_fitting_gpu
@@ -19,10 +21,7 @@ from anatomist.plan.space import (
     METHODS,
     PEFT_TRADE_OFF,
     method_of,
-    precision_fields,
-    precision_of,
     searched_precisions,
-    sharding_of,
 )
 from anatomist.recipe import Recipe
 from anatomist.workload import Workload
@@ -57,8 +56,8 @@ def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[Recipe], st
             if m == method_of(r):
                 continue
             precisions = searched_precisions(space, gpu, m)
-            precision = precision_of(r) if precision_of(r) in precisions else precisions[-1]
-            alts.append((m, r.replace(**{**METHODS[m], **precision_fields(precision)})))
+            name = precision_of(r) if precision_of(r) in precisions else precisions[-1]
+            alts.append((m, r.replace(**{**METHODS[m], **precision(name).fields})))
         return alts
 
     def batch_alts(r: Recipe) -> list[tuple[str, Recipe]]:
@@ -71,9 +70,9 @@ def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[Recipe], st
     def sharding_alts(r: Recipe) -> list[tuple[str, Recipe]]:
         base = {"zero_stage": 0, "offload": "none", "fsdp": "none"}
         return [
-            (name, r.replace(**{**base, **fields}))  # type: ignore[arg-type]
-            for name, fields in space.sharding_options(method_of(r)).items()
-            if name != sharding_of(r, space.num_gpus)
+            (spec.name, r.replace(**{**base, **spec.fields}))  # type: ignore[arg-type]
+            for spec in space.sharding_options(method_of(r))
+            if spec.name != sharding_of(r, space.num_gpus)
         ]
 
     attn = ["eager", "sdpa"] + (["flash_attention_2"] if float(gpu.compute_capability) >= 8.0 else [])
@@ -86,7 +85,7 @@ def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[Recipe], st
                      r.replace(gradient_checkpointing=not r.gradient_checkpointing))]
          if len(space.checkpointing_options) > 1 else []),
         ("precision", precision_of,
-         lambda r: [(p, r.replace(**precision_fields(p))) for p in searched_precisions(space, gpu, method_of(r))
+         lambda r: [(p, r.replace(**precision(p).fields)) for p in searched_precisions(space, gpu, method_of(r))
                     if p != precision_of(r)]),
         ("optimizer", lambda r: r.optim,
          lambda r: [(o, r.replace(optim=o)) for o in space.optims if o != r.optim]),

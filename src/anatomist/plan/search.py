@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, GIB, TimeAnatomy
+from anatomist.axes.precisions import searchable_on
 from anatomist.errors import InputError
 from anatomist.estimate.memory import MemoryEstimate, estimate_memory, memory_limit_bytes
 from anatomist.estimate.traces import prefetch
 from anatomist.hardware import GPU, catalog
-from anatomist.plan.space import SearchSpace, enumerate_recipes, precisions_for
+from anatomist.plan.space import SearchSpace, enumerate_recipes
 from anatomist.plan.throughput import TimeModel, predict_time
 from anatomist.recipe import Recipe
 from anatomist.trace import pool
@@ -171,7 +172,7 @@ def plan(
         best.reasons = explain(best, evaluate, space, objective, limit)
     calibrated = all(c.time.calibrated for c in candidates)
     front = pareto_front(feasible)
-    _, precision_notes = precisions_for(gpu)
+    _, precision_notes = searchable_on(gpu)
     for c in front:
         if c is not best and not c.reasons:
             c.reasons = [f"Pareto front: {c.samples_per_second:.1f} samples/s at {c.device_total / GIB:.2f} GiB"]

@@ -23,13 +23,14 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from anatomist.anatomy import MemoryCategory, Phase
+from anatomist.axes.optimizers import optimizer as optimizer_spec
+from anatomist.axes.precisions import autocast_dtype
 from anatomist.errors import InputError
 from anatomist.recipe import Recipe
 from anatomist.trace.allocator import round_size
 from anatomist.trace.autocast import cuda_autocast_policy
 from anatomist.trace.cuda_model import cublas_workspace_bytes, cuda_code_paths, fake_parameters
 from anatomist.trace.experts import build_kwargs, check_traceable
-from anatomist.trace.optimizers import build_optimizer
 from anatomist.trace.peft import apply_peft, counted_parameters
 from anatomist.trace.records import StepTrace, Trace, curves_of
 from anatomist.trace.stack import LAYER_COUNT_FIELDS, Cut, block_lists, cut_workload, traced_attention
@@ -58,7 +59,14 @@ def model_at_depth(workload: Workload, num_layers: int) -> Workload:
 
 
 def lower_dtype(recipe: Recipe) -> torch.dtype | None:
-    return torch.float16 if recipe.fp16 else torch.bfloat16 if recipe.bf16 else None
+    """The autocast dtype of `recipe` (None: no autocast)."""
+    name = autocast_dtype(recipe)
+    return getattr(torch, name) if name else None
+
+
+def build_optimizer(recipe: Recipe, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer the Trainer builds for `recipe` (as it behaves on CUDA: `axes.optimizers`)."""
+    return optimizer_spec(recipe.optim).build(params)
 
 
 def make_batch(workload: Workload, batch_size: int) -> dict[str, torch.Tensor]:
