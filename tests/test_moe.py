@@ -56,7 +56,7 @@ def test_real_step_keeps_the_same_tensors_for_any_routing(tmp_path, monkeypatch,
 
         monkeypatch.setattr(modeling_qwen3_moe.Qwen3MoeTopKRouter, "forward", forward)
         recipe = Recipe(per_device_train_batch_size=4, experts_implementation=kernel)
-        trace = trace_step(workload, recipe, depth=None, batch_size=4, compute_capability=GPU.compute_capability,
+        trace = trace_step(workload, recipe.resolved(workload), depth=None, batch_size=4, compute_capability=GPU.compute_capability,
                            part="train-step", fake=False)
         curves[name] = trace.curves.allocated
     assert np.array_equal(*curves.values()) is same

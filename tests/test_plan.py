@@ -59,20 +59,20 @@ def test_global_batch_that_cannot_be_split_is_input_error() -> None:
 def test_sharding_terms_of_the_time_model(tiny) -> None:
     gpu = get_gpu("A100-80GB")
     r = Recipe(per_device_train_batch_size=4, gradient_accumulation_steps=2)
-    one = estimate_time(tiny, r, gpu)
+    one = estimate_time(tiny, r.resolved(tiny), gpu)
     # One device, no sharding: the estimator's step, nothing added.
-    assert predict_time(tiny, r, gpu).step_s == pytest.approx(one.step_s)
+    assert predict_time(tiny, r.resolved(tiny), gpu).step_s == pytest.approx(one.step_s)
     # ZeRO-Offload: the GPU optimizer step is replaced by PCIe traffic and CPU Adam (fp32: 4 B down, 4 B up).
-    n = parameter_count(tiny)
-    offloaded = predict_time(tiny, r.replace(zero_stage=2, offload="cpu"), gpu)
+    n = parameter_count(tiny, r.resolved(tiny))
+    offloaded = predict_time(tiny, (r.replace(zero_stage=2, offload="cpu")).resolved(tiny), gpu)
     assert offloaded.phases_s["optimizer"] == 0
     assert offloaded.phases_s["offload"] == pytest.approx(n * 8 / 12e9 + n / 1e9)
     # Two devices: ZeRO-1 halves the optimizer step; the all-reduce moves 2 x 1/2 x fp32 gradients.
-    zero1 = predict_time(tiny, r.replace(zero_stage=1), gpu, num_gpus=2)
+    zero1 = predict_time(tiny, (r.replace(zero_stage=1)).resolved(tiny), gpu, num_gpus=2)
     assert zero1.phases_s["optimizer"] == pytest.approx(one.phases_s["optimizer"] / 2)
     assert zero1.phases_s["communication"] == pytest.approx(2 * 0.5 * n * 4 / 100e9)
     assert zero1.samples_per_second == pytest.approx(2 * 8 / zero1.step_s)
-    zero3 = predict_time(tiny, r.replace(zero_stage=3), gpu, num_gpus=2)
+    zero3 = predict_time(tiny, (r.replace(zero_stage=3)).resolved(tiny), gpu, num_gpus=2)
     assert zero3.phases_s["communication"] == pytest.approx(1.5 * zero1.phases_s["communication"])
 
 

@@ -1,9 +1,16 @@
 """Recipe: the training knobs of the seeds' methods table, named as in TrainingArguments.
 
 The defaults are today's: every field that TrainingArguments has takes the installed
-transformers' own default (read from the dataclass the first time a Recipe is made, not
-copied: e.g. `optim` is `adamw_torch_fused` with torch >= 2.8), and `dtype` is
+transformers' own default (`trainer_defaults`: read from the dataclass once per transformers
+version, not copied: e.g. `optim` is `adamw_torch_fused` with torch >= 2.8), and `dtype` is
 `from_pretrained`'s default, "auto" (the checkpoint's dtype).
+
+Two steps turn what a user gives into what the estimator reads, both at the entry points (the
+CLI, a recipe file, `estimate()`, `plan()`), never below them:
+- `Recipe.with_presets(**given)` (and `from_dict`): the presets the given values imply, filled in
+  where the user is silent (`peft="qlora"`: QLORA_PRESET). `Recipe(...)` itself never rewrites a value.
+- `recipe.resolved(workload)`: a `ResolvedRecipe`, its load dtype made concrete for the model
+  ("auto" -> the config's). Everything below the entry points takes a ResolvedRecipe.
 """
 
 from __future__ import annotations
@@ -12,12 +19,16 @@ import dataclasses
 import importlib.util
 from dataclasses import dataclass, fields
 from functools import cache
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Literal, Self, get_args, get_origin, get_type_hints
 
 from anatomist.axes.optimizers import OPTIMIZERS, optimizer
 from anatomist.axes.precisions import HALF_DTYPES
 from anatomist.axes.shardings import FSDP_STAGES
 from anatomist.errors import InputError
+from anatomist.trainer_defaults import trainer_defaults
+
+if TYPE_CHECKING:
+    from anatomist.workload import Workload
 
 AttnImplementation = Literal["eager", "sdpa", "flash_attention_2"]
 ExpertsImplementation = Literal["grouped_mm", "batched_mm", "eager"]
@@ -36,12 +47,11 @@ PEFT_METHODS: tuple[str, ...] = get_args(Peft)
 QUANT_TYPES: tuple[str, ...] = get_args(QuantType)
 
 
-@cache
-def trainer_defaults() -> dict[str, Any]:
-    """The installed transformers' TrainingArguments defaults, by field name."""
-    from transformers import TrainingArguments
-
-    return {f.name: f.default for f in fields(TrainingArguments) if f.default is not dataclasses.MISSING}
+QLORA_PRESET: dict[str, Any] = {"load_in_4bit": True, "bnb_4bit_use_double_quant": True,
+                                "bnb_4bit_compute_dtype": "bfloat16", "gradient_checkpointing": True}
+"""What `peft="qlora"` means in practice (Dettmers et al. 2023, "QLoRA", sec. 3: NF4 with double
+quantization, bf16 compute; PEFT's prepare_model_for_kbit_training turns on gradient checkpointing):
+filled in by `Recipe.with_presets` where the user is silent."""
 
 
 def _trainer_default(name: str, help: str, *, when_none: Any = None, **metadata: Any) -> Any:
@@ -184,10 +194,9 @@ class Recipe:
             raise InputError("fsdp and DeepSpeed ZeRO (zero_stage) are exclusive: choose one sharding engine")
         if self.peft not in PEFT_METHODS:
             raise InputError(f"unknown peft {self.peft!r}; known: {', '.join(PEFT_METHODS)}")
-        if self.peft == "qlora" and not self.load_in_4bit:  # the preset: what QLoRA means in practice
-            for name, value in (("load_in_4bit", True), ("bnb_4bit_use_double_quant", True),
-                                ("bnb_4bit_compute_dtype", "bfloat16"), ("gradient_checkpointing", True)):
-                object.__setattr__(self, name, value)
+        if self.peft == "qlora" and not self.load_in_4bit:
+            raise InputError("peft=qlora is LoRA on a 4-bit base: set load_in_4bit=True, or make the recipe with "
+                             "Recipe.with_presets(peft='qlora', ...) for QLoRA's usual settings")
         if self.lora_r <= 0:
             raise InputError(f"lora_r must be greater than 0, got {self.lora_r}")
         if not 0 <= self.lora_dropout < 1:
@@ -230,15 +239,39 @@ class Recipe:
         """True when the weights are loaded in bf16 or fp16 ("auto" must be resolved first)."""
         return self.dtype in HALF_DTYPES
 
-    def replace(self, **changes: Any) -> Recipe:
+    def replace(self, **changes: Any) -> Self:
+        """A copy with `changes` (of this class: a ResolvedRecipe stays one); no preset is applied."""
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def with_presets(cls, **given: Any) -> Recipe:
+        """The recipe `given` sets, with the presets its values imply where `given` is silent:
+        `peft="qlora"` is QLoRA as people run it (QLORA_PRESET).
+
+        Example:
+            >>> Recipe.with_presets(peft="qlora").load_in_4bit
+            True
+        """
+        preset = QLORA_PRESET if given.get("peft") == "qlora" else {}
+        return cls(**{**preset, **given})
+
+    def resolved(self, workload: Workload) -> ResolvedRecipe:
+        """This recipe settled for `workload`: its load dtype concrete ("auto" -> the config's).
+
+        Raises:
+            InputError: a dtype the model's code rejects, or one that with the recipe's precision
+                flags makes a combination PyTorch refuses.
+        """
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return ResolvedRecipe(**{**values, "dtype": workload.weights_dtype(self.dtype)})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "recipe") -> Recipe:
-        """Build a Recipe from its own field names; unknown keys and values of the wrong type are an error.
+        """Build a Recipe from its own field names, with the presets they imply (`with_presets`); unknown
+        keys and values of the wrong type are an error.
 
         Files in other tools' formats (TrainingArguments, TRL, accelerate, DeepSpeed): recipe_files.py.
         """
@@ -250,7 +283,7 @@ class Recipe:
         for name, value in data.items():
             if not kinds[name].accepts(value):
                 raise InputError(f"{source}: field {name} must be {kinds[name].describe()}, got {value!r}")
-        return cls(**data)
+        return cls.with_presets(**data)
 
     def missing_packages(self) -> list[str]:
         """Optional packages this recipe needs at run time that are not importable here."""
@@ -289,6 +322,17 @@ class Recipe:
         from transformers import TrainingArguments
 
         return TrainingArguments(output_dir=output_dir, **self.to_training_arguments_kwargs(), **extra)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ResolvedRecipe(Recipe):
+    """A Recipe settled for one model (`Recipe.resolved`): its `dtype` is float32, bfloat16 or float16,
+    never "auto". The estimator, the tracer and the time model take only this."""
+
+    def __post_init__(self) -> None:
+        if self.dtype == "auto":
+            raise TypeError("a ResolvedRecipe has a concrete dtype: make it with recipe.resolved(workload)")
+        Recipe.__post_init__(self)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,13 +18,10 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from anatomist.errors import InputError
 from anatomist.model_catalog import METADATA_KEY, catalog_entries, find_entry
-
-if TYPE_CHECKING:
-    from anatomist.recipe import Recipe
 
 Task = Literal["sequence-classification", "causal-lm", "seq2seq-lm", "masked-lm"]
 TASKS: tuple[str, ...] = ("sequence-classification", "causal-lm", "seq2seq-lm", "masked-lm")
@@ -393,14 +390,3 @@ def context_length(field: ConfigField, model_type: str) -> int | None:
                 return value - pad - 1  # RoBERTa: 514 embeddings, padding_idx 1 -> 512 tokens
             return value
     return None
-
-
-def resolve_dtype(workload: Workload, recipe: Recipe) -> Recipe:
-    """`recipe` with its load dtype made concrete for `workload` ("auto" -> the config's).
-
-    Raises:
-        InputError: a dtype the model's code rejects, or one that with the recipe's precision
-            flags makes a combination PyTorch refuses (Recipe's own validation).
-    """
-    dtype = workload.weights_dtype(recipe.dtype)
-    return recipe if dtype == recipe.dtype else recipe.replace(dtype=dtype)

@@ -30,7 +30,7 @@ import numpy as np
 from anatomist.anatomy import GIB, TENSOR_CATEGORIES, MemoryAnatomy, MemoryCategory, Phase
 from anatomist.axes.precisions import half_dtype
 from anatomist.estimate.traces import TRACE_BATCHES, StepTraces, affine
-from anatomist.recipe import Recipe
+from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.step import Depth
 from anatomist.workload import Workload
 
@@ -73,7 +73,7 @@ def post_segment_peak(traces: StepTraces, phase: Phase, batch: int) -> LossPeak 
     return LossPeak(transient_bytes=float(categories[i, _TRANSIENT].sum()), loss_bytes=float(post[i]))
 
 
-def loss_peak_note(workload: Workload, recipe: Recipe, anatomy: MemoryAnatomy, traces: StepTraces) -> str | None:
+def loss_peak_note(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnatomy, traces: StepTraces) -> str | None:
     """The note for an anatomy whose peak is the logits of the loss (see the module's criterion), else None."""
     if anatomy.peak_phase not in (Phase.FORWARD, Phase.BACKWARD):
         return None
@@ -92,7 +92,7 @@ def loss_peak_note(workload: Workload, recipe: Recipe, anatomy: MemoryAnatomy, t
             "Kernel's) that never holds the logits is not modelled")
 
 
-def _logits_size(workload: Workload, recipe: Recipe) -> str:
+def _logits_size(workload: Workload, recipe: ResolvedRecipe) -> str:
     """`batch x tokens x vocabulary` and what one copy of the logits takes in each dtype the loss holds."""
     vocab = int(workload.config.get_text_config().vocab_size)
     batch = recipe.per_device_train_batch_size

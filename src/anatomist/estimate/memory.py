@@ -28,12 +28,12 @@ from anatomist.estimate.rules import BytesPerParamRule, bytes_per_param_rule
 from anatomist.estimate.sharding import shard
 from anatomist.estimate.traces import TRACE_BATCHES, Mode, StepTraces, affine, step_traces
 from anatomist.hardware import GPU
-from anatomist.recipe import Recipe
+from anatomist.recipe import ResolvedRecipe
 from anatomist.trace import cache
 from anatomist.trace.cuts import TracePlan
 from anatomist.trace.records import Curves, PhasePeak
 from anatomist.trace.step import Depth, Part, part_key
-from anatomist.workload import Workload, resolve_dtype
+from anatomist.workload import Workload
 
 MAX_BATCH_SEARCH = 1 << 16
 
@@ -177,7 +177,7 @@ def memory_limit_bytes(gpu: GPU, margin: float) -> int:
 
 
 def estimate_memory(
-    workload: Workload, recipe: Recipe, gpu: GPU, *, mode: Mode = "train", num_gpus: int = 1,
+    workload: Workload, recipe: ResolvedRecipe, gpu: GPU, *, mode: Mode = "train", num_gpus: int = 1,
     margin: float = DEFAULT_MEMORY_MARGIN,
 ) -> MemoryEstimate:
     """Predict the memory anatomy of one step of `recipe` on `gpu`.
@@ -194,7 +194,6 @@ def estimate_memory(
         A MemoryEstimate whose anatomy categories add up to device_total.
     """
     limit = memory_limit_bytes(gpu, margin)
-    recipe = resolve_dtype(workload, recipe)
     traces = step_traces(workload, recipe, gpu.compute_capability, mode)
     model = _Model(traces)
     batch = recipe.per_device_train_batch_size
@@ -275,7 +274,7 @@ def _max_batch_size(total_at: Any, capacity: int) -> int:
     return lo
 
 
-def _notes(workload: Workload, recipe: Recipe, anatomy: MemoryAnatomy, rule: BytesPerParamRule,
+def _notes(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnatomy, rule: BytesPerParamRule,
            traces: StepTraces) -> list[str]:
     notes = list(rule.explain(anatomy, recipe))
     loss = loss_peak_note(workload, recipe, anatomy, traces)

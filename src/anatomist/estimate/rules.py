@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from anatomist.anatomy import GIB, MemoryAnatomy, Phase
 from anatomist.axes.optimizers import optimizer as optimizer_spec
-from anatomist.recipe import Recipe
+from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.peft import BLOCK_4BIT, NESTED_BLOCK
 
 
@@ -86,7 +86,7 @@ class BytesPerParamRule:
             return f"{self.gradients_per_param:g} B{trainable or '/param'} = {self.gradients_bytes / GIB:.2f} GiB"
         return "-" if category == "gradients" else ""
 
-    def explain(self, traced: MemoryAnatomy, recipe: Recipe) -> Iterator[str]:
+    def explain(self, traced: MemoryAnatomy, recipe: ResolvedRecipe) -> Iterator[str]:
         """One line per component where the trace at the peak differs from the rule by > 5%,
         with the reason; a method the recipe does not use is never the reason."""
 
@@ -140,7 +140,7 @@ class BytesPerParamRule:
             yield f"gradients: rule {self.describe('gradients')}, traced {traced.gradients / GIB:.2f} GiB: {why}"
 
 
-def frozen_bytes_per_param(recipe: Recipe) -> float:
+def frozen_bytes_per_param(recipe: ResolvedRecipe) -> float:
     """Bytes of one frozen base parameter: the load dtype's, or bitsandbytes' packed storage
     (4-bit: half a byte plus an fp32 absmax per block; with double quantization a uint8 absmax
     per block and an fp32 one per NESTED_BLOCK blocks, as trace/peft.py lays them out)."""
@@ -152,7 +152,7 @@ def frozen_bytes_per_param(recipe: Recipe) -> float:
     return 2.0 if recipe.half_weights else 4.0
 
 
-def bytes_per_param_rule(recipe: Recipe, parameters: int, mode: str, trainable: int | None = None) -> BytesPerParamRule:
+def bytes_per_param_rule(recipe: ResolvedRecipe, parameters: int, mode: str, trainable: int | None = None) -> BytesPerParamRule:
     """The rule's bytes per parameter for `recipe` (its `dtype` resolved: not "auto");
     `trainable`: the adapters' parameters under PEFT."""
     spec = optimizer_spec(recipe.optim)

@@ -38,8 +38,8 @@ from anatomist.axes.precisions import matmul_precision
 from anatomist.errors import InputError
 from anatomist.estimate.flops import OpRecord, StepOps, step_flops, step_ops
 from anatomist.hardware import GPU, Precision
-from anatomist.recipe import Recipe
-from anatomist.workload import Workload, resolve_dtype
+from anatomist.recipe import ResolvedRecipe
+from anatomist.workload import Workload
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -99,7 +99,7 @@ def calibration_toml(cal: Calibration) -> str:
     ])
 
 
-def _peak_seconds(record: OpRecord, recipe: Recipe, gpu: GPU) -> tuple[float, float, float]:
+def _peak_seconds(record: OpRecord, recipe: ResolvedRecipe, gpu: GPU) -> tuple[float, float, float]:
     """(tensor-core, CUDA-core, memory) seconds of one call at 100% of the datasheet peaks.
 
     A matrix product runs at the peak of its dtype: fp16/bf16 under autocast, TF32 where the
@@ -118,7 +118,7 @@ def _peak_seconds(record: OpRecord, recipe: Recipe, gpu: GPU) -> tuple[float, fl
     return (0.0, seconds, memory_s) if precision == "fp32" else (seconds, 0.0, memory_s)
 
 
-def op_call_s(record: OpRecord, recipe: Recipe, gpu: GPU, cal: Calibration | None = None) -> float:
+def op_call_s(record: OpRecord, recipe: ResolvedRecipe, gpu: GPU, cal: Calibration | None = None) -> float:
     """Predicted seconds of one call of `record` on `gpu` (0 for views: no kernel)."""
     cal = cal or calibration()
     if record.view:
@@ -129,7 +129,7 @@ def op_call_s(record: OpRecord, recipe: Recipe, gpu: GPU, cal: Calibration | Non
 
 
 def time_from_ops(
-    ops: StepOps, workload: Workload, recipe: Recipe, gpu: GPU, cal: Calibration | None = None
+    ops: StepOps, workload: Workload, recipe: ResolvedRecipe, gpu: GPU, cal: Calibration | None = None
 ) -> TimeAnatomy:
     """Add the per-op roofline times of `ops` up into a step's TimeAnatomy (`cal`: the
     factors to use; default data/time_calibration.toml)."""
@@ -161,9 +161,8 @@ def time_from_ops(
     )
 
 
-def estimate_time(workload: Workload, recipe: Recipe, gpu: GPU, cal: Calibration | None = None) -> TimeAnatomy:
+def estimate_time(workload: Workload, recipe: ResolvedRecipe, gpu: GPU, cal: Calibration | None = None) -> TimeAnatomy:
     """Predicted time of one optimizer step of `recipe` on `gpu` (see the module docstring)."""
-    recipe = resolve_dtype(workload, recipe)
     return time_from_ops(step_ops(workload, recipe, gpu.compute_capability), workload, recipe, gpu, cal)
 
 
@@ -172,7 +171,7 @@ class TimedStep:
     """A measured step for `fit_calibration`: what ran, where, and its seconds per optimizer step."""
 
     workload: Workload
-    recipe: Recipe
+    recipe: ResolvedRecipe
     gpu: GPU
     step_s: float
 

@@ -21,12 +21,12 @@ from typing import Literal, TypeVar
 import numpy as np
 
 from anatomist.errors import InputError
-from anatomist.recipe import Recipe
+from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.cuts import TRACE_DEPTHS, TracePlan, full_plan, model_plan
 from anatomist.trace.experts import check_traceable
 from anatomist.trace.records import StepTrace
 from anatomist.trace.step import Depth, Part, trace_part, trace_parts
-from anatomist.workload import Workload, resolve_dtype
+from anatomist.workload import Workload
 
 __all__ = ["TRACE_BATCHES", "TRACE_DEPTHS", "Mode", "StepTraces", "affine", "implied_parameters", "parts_of", "prefetch",
            "step_traces"]
@@ -62,11 +62,10 @@ class StepTraces:
     does not add up)."""
 
 
-def step_traces(workload: Workload, recipe: Recipe, compute_capability: str, mode: Mode = "train",
+def step_traces(workload: Workload, recipe: ResolvedRecipe, compute_capability: str, mode: Mode = "train",
                 *, use_cache: bool = True) -> StepTraces:
     """The passes of each cut of the plan at TRACE_BATCHES and, in training, the optimizer of each cut;
     at full depth instead where the parameters they imply are not the model's exact count."""
-    recipe = resolve_dtype(workload, recipe)
     check_traceable(workload, recipe)  # before the caches: a config's experts kernel is not in their keys
     model = model_plan(workload, recipe, use_cache=use_cache)
 
@@ -110,11 +109,10 @@ def parts_of(plan: TracePlan, mode: Mode) -> list[tuple[Part, Depth, int]]:
     return parts
 
 
-def prefetch(workload: Workload, recipes: Iterable[Recipe], compute_capability: str, mode: Mode = "train") -> None:
+def prefetch(workload: Workload, recipes: Iterable[ResolvedRecipe], compute_capability: str, mode: Mode = "train") -> None:
     """Trace side by side what `step_traces` of each recipe will read (see `trace.step.trace_parts`)."""
     requests = []
     for recipe in recipes:
-        recipe = resolve_dtype(workload, recipe)
         try:
             check_traceable(workload, recipe)
         except InputError:

@@ -32,10 +32,10 @@ from anatomist.errors import InputError
 from anatomist.estimate.flops import step_flops, step_ops
 from anatomist.hardware import detect_local_gpu
 from anatomist.op_classes import classify, is_known
-from anatomist.recipe import Recipe
+from anatomist.recipe import Recipe, ResolvedRecipe
 from anatomist.trace.experts import build_kwargs
 from anatomist.trace.step import make_batch
-from anatomist.workload import Workload, resolve_dtype
+from anatomist.workload import Workload
 
 PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
 TOP_OPS = 10
@@ -79,7 +79,7 @@ class ProfileResult:
         }
 
 
-def check_runnable(recipe: Recipe, steps: int, device: torch.device) -> None:
+def check_runnable(recipe: ResolvedRecipe, steps: int, device: torch.device) -> None:
     """Raise InputError for a recipe this machine cannot run, before any model is built."""
     if steps <= 0:
         raise InputError(f"--steps must be greater than 0, got {steps}")
@@ -99,7 +99,7 @@ def check_runnable(recipe: Recipe, steps: int, device: torch.device) -> None:
         raise InputError("profile does not support --torch-compile yet (the op classes would be inductor kernels)")
 
 
-def _optimizer(model: torch.nn.Module, recipe: Recipe, cpu: bool) -> torch.optim.Optimizer:
+def _optimizer(model: torch.nn.Module, recipe: ResolvedRecipe, cpu: bool) -> torch.optim.Optimizer:
     """The optimizer the Trainer would build for this recipe (its own class and arguments)."""
     from transformers import Trainer
 
@@ -109,7 +109,7 @@ def _optimizer(model: torch.nn.Module, recipe: Recipe, cpu: bool) -> torch.optim
     return cls([p for p in model.parameters() if p.requires_grad], **kwargs)
 
 
-def training_step(workload: Workload, recipe: Recipe, device: torch.device) -> Callable[[], None]:
+def training_step(workload: Workload, recipe: ResolvedRecipe, device: torch.device) -> Callable[[], None]:
     """A real training step of the real model (random init) on `device`, as the Trainer runs it:
     `gradient_accumulation_steps` micro-batches (forward under autocast, backward, loss-scaled
     under fp16), unscale, clip, optimizer step, zero_grad. Each phase is a `record_function`
@@ -159,7 +159,7 @@ def profile_training(workload: Workload, recipe: Recipe, *, steps: int = 3) -> P
         InputError: a recipe this machine cannot run, or steps <= 0.
     """
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    recipe = resolve_dtype(workload, recipe)
+    recipe = recipe.resolved(workload)
     check_runnable(recipe, steps, device)
     cpu = device.type == "cpu"
     train_step = training_step(workload, recipe, device)
@@ -174,7 +174,7 @@ def profile_training(workload: Workload, recipe: Recipe, *, steps: int = 3) -> P
     return _summarise(prof.events(), workload, recipe, steps, device, wall_s)
 
 
-def _summarise(events: Any, workload: Workload, recipe: Recipe, steps: int, device: torch.device, wall_s: float) -> ProfileResult:
+def _summarise(events: Any, workload: Workload, recipe: ResolvedRecipe, steps: int, device: torch.device, wall_s: float) -> ProfileResult:
     cpu = device.type == "cpu"
     by_op: dict[str, float] = defaultdict(float)  # microseconds over all steps
     phase_us: dict[str, float] = defaultdict(float)

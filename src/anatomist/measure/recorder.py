@@ -160,8 +160,6 @@ def mfu_inputs(workload: Workload, recipe: Recipe) -> tuple[StepFlops | None, fl
         return None, None
     from anatomist.axes.precisions import matmul_precision
     from anatomist.estimate.flops import step_flops
-    from anatomist.workload import resolve_dtype
-
-    recipe = resolve_dtype(workload, recipe)
+    recipe = recipe.resolved(workload)
 
     return step_flops(workload, recipe, gpu.compute_capability), gpu.peak_tflops(matmul_precision(recipe, gpu)) * 1e12

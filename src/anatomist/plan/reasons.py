@@ -23,10 +23,10 @@ from anatomist.plan.space import (
     method_of,
     searched_precisions,
 )
-from anatomist.recipe import Recipe
+from anatomist.recipe import ResolvedRecipe
 from anatomist.workload import Workload
 
-Alternatives = Callable[[Recipe], list[tuple[str, Recipe]]]
+Alternatives = Callable[[ResolvedRecipe], list[tuple[str, ResolvedRecipe]]]
 
 
 def _gib(n: int) -> str:
@@ -47,9 +47,9 @@ def _compare(best: Candidate, alt_label: str, alt: Candidate, limit: int) -> str
     return f"{alt_label}: {speed_txt}, {mem_txt}"
 
 
-def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[Recipe], str], Alternatives]]:
+def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[ResolvedRecipe], str], Alternatives]]:
 
-    def method_alts(r: Recipe) -> list[tuple[str, Recipe]]:
+    def method_alts(r: ResolvedRecipe) -> list[tuple[str, ResolvedRecipe]]:
         """The other methods, at their own precision nearest to `r`'s (QLoRA has one)."""
         alts = []
         for m in space.methods:
@@ -60,14 +60,14 @@ def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[Recipe], st
             alts.append((m, r.replace(**{**METHODS[m], **precision(name).fields})))
         return alts
 
-    def batch_alts(r: Recipe) -> list[tuple[str, Recipe]]:
+    def batch_alts(r: ResolvedRecipe) -> list[tuple[str, ResolvedRecipe]]:
         return [
             (f"batch {b} x {a}", r.replace(per_device_train_batch_size=b, gradient_accumulation_steps=a))
             for b, a in space.batch_options()
             if b != r.per_device_train_batch_size
         ]
 
-    def sharding_alts(r: Recipe) -> list[tuple[str, Recipe]]:
+    def sharding_alts(r: ResolvedRecipe) -> list[tuple[str, ResolvedRecipe]]:
         base = {"zero_stage": 0, "offload": "none", "fsdp": "none"}
         return [
             (spec.name, r.replace(**{**base, **spec.fields}))  # type: ignore[arg-type]
@@ -150,7 +150,7 @@ def explain_infeasible(
         options.append(f"a GPU with more memory ({larger.name}, {_gib(larger.memory_bytes)})")
     from anatomist.estimate.memory import estimate_memory
 
-    sharded = smallest.recipe.replace(zero_stage=3, offload="cpu", fsdp="none")
+    sharded = smallest.recipe.replace(zero_stage=3, offload="cpu", fsdp="none").resolved(workload)
     for n in (2, 4, 8, 16, 32, 64):
         total = estimate_memory(workload, sharded, gpu, num_gpus=n).anatomy.device_total
         if total is not None and total <= limit:  # an estimate always has one

@@ -22,7 +22,6 @@ import importlib.metadata
 import os
 import pickle
 import sys
-import tempfile
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from anatomist.trace.records import StepTrace
+from anatomist.user_cache import cache_root, write_atomically
 
 MAX_MEMORY_ENTRIES = 256
 """Traces kept in memory per process (a bert-large trace is about 1 MB)."""
@@ -53,13 +53,8 @@ def disk_cache_enabled() -> bool:
 
 
 def cache_dir() -> Path:
-    """Where traces are stored: $ANATOMIST_CACHE_DIR/traces, else the platform's user cache."""
-    root = os.environ.get("ANATOMIST_CACHE_DIR")
-    if not root:
-        import platformdirs
-
-        root = platformdirs.user_cache_dir("anatomist", appauthor=False)
-    return Path(root) / "traces"
+    """Where traces are stored: `traces/` in anatomist's user cache folder (`user_cache.cache_root`)."""
+    return cache_root() / "traces"
 
 
 @cache
@@ -192,15 +187,7 @@ def _store(name: str, value: Any) -> None:
     folder = cache_dir()
     data = zlib.compress(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), 1)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=_SUFFIX)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, folder / name)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(folder / name, data)
     except OSError as exc:
         _warn(f"cannot write the trace cache in {folder} ({exc}); continuing without it")
         return

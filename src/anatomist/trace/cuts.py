@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from anatomist.recipe import Recipe
+from anatomist.recipe import ResolvedRecipe
 from anatomist.trace import cache
 from anatomist.trace.stack import Cut, CutStack, Layout, cut_matches, layout_of
 from anatomist.trace.step import PEFT_FIELDS, Depth
@@ -96,7 +96,7 @@ class ModelPlan:
     """Repeated blocks of the full model (0 where no stack was found)."""
 
 
-def model_plan(workload: Workload, recipe: Recipe, *, use_cache: bool = True) -> ModelPlan:
+def model_plan(workload: Workload, recipe: ResolvedRecipe, *, use_cache: bool = True) -> ModelPlan:
     """The trace plan and exact parameter count of `workload`'s model under the recipe's PEFT
     setting: from the trace cache, else from the model built on the meta device."""
 
@@ -117,7 +117,7 @@ def full_plan(blocks: int, why: str) -> TracePlan:
     return TracePlan(base=None, deltas=(), how="full", note=f"{why}: traced at full depth{counted}, not extrapolated")
 
 
-def trace_plan(workload: Workload, recipe: Recipe, layout: Layout) -> TracePlan:
+def trace_plan(workload: Workload, recipe: ResolvedRecipe, layout: Layout) -> TracePlan:
     """The cuts to trace for `layout` (see the module docstring)."""
     if not layout.stacks:
         return full_plan(layout.blocks, "no stack of blocks as deep as the config says (shared or unlisted layers)")

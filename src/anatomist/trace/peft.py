@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from anatomist.errors import InputError
-from anatomist.recipe import Recipe
+from anatomist.recipe import ResolvedRecipe
 from anatomist.workload import PEFT_TASK_TYPES
 
 BLOCK_4BIT = 64
@@ -64,7 +64,7 @@ class QuantizedLinearLayout(torch.nn.Linear):
     out_features and a non-floating `weight`: adapters are made in fp32, as over Params4bit).
     """
 
-    def __init__(self, linear: torch.nn.Linear, recipe: Recipe) -> None:
+    def __init__(self, linear: torch.nn.Linear, recipe: ResolvedRecipe) -> None:
         torch.nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         n = self.in_features * self.out_features
@@ -99,7 +99,7 @@ class QuantizedLinearLayout(torch.nn.Linear):
         return out.to(in_dtype)
 
 
-def _quantize(model: Any, recipe: Recipe) -> None:
+def _quantize(model: Any, recipe: ResolvedRecipe) -> None:
     """Replace every nn.Linear of `model` (a transformers model: its output embeddings and the
     flags peft reads are not nn.Module's) but the output embedding by its bitsandbytes layout, in place."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -111,7 +111,7 @@ def _quantize(model: Any, recipe: Recipe) -> None:
     model.is_loaded_in_8bit = recipe.load_in_8bit
 
 
-def apply_peft(model: torch.nn.Module, recipe: Recipe, task: str) -> torch.nn.Module:
+def apply_peft(model: torch.nn.Module, recipe: ResolvedRecipe, task: str) -> torch.nn.Module:
     """The model as `recipe` trains it: quantized base, kbit preparation, LoRA adapters (on meta)."""
     if recipe.peft == "none":
         return model

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from anatomist.recipe import Recipe
+from anatomist.recipe import ResolvedRecipe
 from anatomist.workload import LAYER_FIELDS, Workload
 
 LAYER_COUNT_FIELDS = (*LAYER_FIELDS, "num_decoder_layers", "encoder_layers", "decoder_layers")
@@ -208,13 +208,13 @@ def _kinds(rows: list[dict[tuple[str, str], Any]], varying: list[tuple[str, str]
     return tuple(seen.setdefault(repr([row.get(k) for k in varying]), len(seen)) for row in rows)
 
 
-def traced_attention(recipe: Recipe) -> str:
+def traced_attention(recipe: ResolvedRecipe) -> str:
     """The attention the traced model is built with: SDPA stands in for flash_attention_2 (which needs
     CUDA and its package); SDPA's flash kernel keeps the same output and log-sum-exp."""
     return "sdpa" if recipe.attn_implementation == "flash_attention_2" else recipe.attn_implementation
 
 
-def meta_model(workload: Workload, recipe: Recipe) -> torch.nn.Module:
+def meta_model(workload: Workload, recipe: ResolvedRecipe) -> torch.nn.Module:
     """The base model on the meta device, from a copy of the config (building sets num_labels and
     pad_token_id on the config it is given)."""
     import contextlib
@@ -227,7 +227,7 @@ def meta_model(workload: Workload, recipe: Recipe) -> torch.nn.Module:
         return own.build_model(attn, recipe.dtype, **build_kwargs(workload, recipe))
 
 
-def layout_of(workload: Workload, recipe: Recipe) -> Layout:
+def layout_of(workload: Workload, recipe: ResolvedRecipe) -> Layout:
     """The stacks and block kinds of the full model, and its exact parameter count as `recipe` trains
     it (PEFT adapters, quantized layout), built on the meta device."""
     import contextlib
@@ -282,7 +282,7 @@ def cut_workload(workload: Workload, cut: Cut) -> Workload:
     return dataclasses.replace(workload, config=cut_config(workload.config, cut))
 
 
-def cut_matches(workload: Workload, recipe: Recipe, layout: Layout, cut: Cut) -> bool:
+def cut_matches(workload: Workload, recipe: ResolvedRecipe, layout: Layout, cut: Cut) -> bool:
     """Whether the model `cut` builds has, in each stack, blocks of the kinds of the layers it keeps.
 
     Compared are the signature items that tell the full model's kinds apart; items alike in every

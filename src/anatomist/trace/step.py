@@ -26,7 +26,7 @@ from anatomist.anatomy import MemoryCategory, Phase
 from anatomist.axes.optimizers import optimizer as optimizer_spec
 from anatomist.axes.precisions import autocast_dtype
 from anatomist.errors import InputError
-from anatomist.recipe import Recipe
+from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.allocator import round_size
 from anatomist.trace.autocast import cuda_autocast_policy
 from anatomist.trace.cuda_model import cublas_workspace_bytes, cuda_code_paths, fake_parameters
@@ -35,7 +35,7 @@ from anatomist.trace.peft import apply_peft, counted_parameters
 from anatomist.trace.records import StepTrace, Trace, curves_of
 from anatomist.trace.stack import LAYER_COUNT_FIELDS, Cut, block_lists, cut_workload, traced_attention
 from anatomist.trace.tracer import StepTracer
-from anatomist.workload import Workload, resolve_dtype
+from anatomist.workload import Workload
 
 Depth = int | Cut | None
 """What a trace keeps of the model: every stack cut to that many blocks (int), the layers a `Cut`
@@ -58,13 +58,13 @@ def model_at_depth(workload: Workload, num_layers: int) -> Workload:
     return dataclasses.replace(workload, config=config)
 
 
-def lower_dtype(recipe: Recipe) -> torch.dtype | None:
+def lower_dtype(recipe: ResolvedRecipe) -> torch.dtype | None:
     """The autocast dtype of `recipe` (None: no autocast)."""
     name = autocast_dtype(recipe)
     return getattr(torch, name) if name else None
 
 
-def build_optimizer(recipe: Recipe, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def build_optimizer(recipe: ResolvedRecipe, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The optimizer the Trainer builds for `recipe` (as it behaves on CUDA: `axes.optimizers`)."""
     return optimizer_spec(recipe.optim).build(params)
 
@@ -97,10 +97,11 @@ optimizer share the passes' traces and the other way round; batch size, accumula
 shares SDPA's (`stack.traced_attention`)."""
 
 
-def part_key(workload: Workload, recipe: Recipe, part: Part, depth: Depth, batch_size: int,
+def part_key(workload: Workload, recipe: ResolvedRecipe, part: Part, depth: Depth, batch_size: int,
              compute_capability: str) -> tuple[Any, ...]:
     """Everything that decides the trace of `part`: the key of the trace caches."""
-    recipe = resolve_dtype(workload, recipe)
+    if not isinstance(recipe, ResolvedRecipe):  # "auto" would key the same trace twice
+        raise TypeError("trace keys take a ResolvedRecipe: recipe.resolved(workload)")
     micro_batches = min(recipe.gradient_accumulation_steps, 2) if part == "forward-backward" else 1
     fields = tuple(traced_attention(recipe) if f == "attn_implementation" else getattr(recipe, f)
                    for f in PART_FIELDS[part])
@@ -110,7 +111,7 @@ def part_key(workload: Workload, recipe: Recipe, part: Part, depth: Depth, batch
     )
 
 
-def trace_part(workload: Workload, recipe: Recipe, part: Part, *, depth: Depth, batch_size: int,
+def trace_part(workload: Workload, recipe: ResolvedRecipe, part: Part, *, depth: Depth, batch_size: int,
                compute_capability: str, use_cache: bool = True) -> StepTrace:
     """The fake-tensor trace of one part of a step (see `trace_step`), with its ops recorded.
 
@@ -129,7 +130,7 @@ def trace_part(workload: Workload, recipe: Recipe, part: Part, *, depth: Depth, 
                                                               compute_capability, run()))
 
 
-PartRequest = tuple[Recipe, Part, Depth, int]
+PartRequest = tuple[ResolvedRecipe, Part, Depth, int]
 """A part of a recipe's step at a depth and batch size: what `trace_part` is asked for."""
 
 
@@ -195,7 +196,7 @@ def _keep_first_micro_batch(workload: Workload, request: PartRequest, compute_ca
 
 def trace_step(
     workload: Workload,
-    recipe: Recipe,
+    recipe: ResolvedRecipe,
     *,
     depth: Depth,
     batch_size: int,
@@ -221,7 +222,6 @@ def trace_step(
         record_ops: also record each op's cost signature (for the FLOPs and time model).
         observers: further dispatch modes to run inside the trace (e.g. a FlopCounterMode).
     """
-    recipe = resolve_dtype(workload, recipe)
     if depth is None:  # a copy all the same: building sets num_labels and pad_token_id on the config
         shallow = dataclasses.replace(workload, config=copy.deepcopy(workload.config))
     else:
@@ -298,7 +298,7 @@ def trace_step(
 
 
 @contextlib.contextmanager
-def data_dependent_code_is_input_error(workload: Workload, recipe: Recipe) -> Iterator[None]:
+def data_dependent_code_is_input_error(workload: Workload, recipe: ResolvedRecipe) -> Iterator[None]:
     """Turn a fake tensor's refusal of a data-dependent op into one clear line (exit code 2).
 
     Fake tensors have shapes but no values: an op whose output size depends on the values
@@ -327,7 +327,7 @@ def data_dependent_code_is_input_error(workload: Workload, recipe: Recipe) -> It
 
 
 def create_state(
-    params: list[torch.nn.Parameter], recipe: Recipe, tracer: StepTracer
+    params: list[torch.nn.Parameter], recipe: ResolvedRecipe, tracer: StepTracer
 ) -> tuple[torch.optim.Optimizer, int]:
     """The optimizer, with the state a first step creates (from zero gradients)."""
     optimizer = build_optimizer(recipe, params)
@@ -341,7 +341,7 @@ def create_state(
 
 
 def optimizer_phase(
-    params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, recipe: Recipe, tracer: StepTracer
+    params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, recipe: ResolvedRecipe, tracer: StepTracer
 ) -> None:
     """Unscale (fp16), clip and step, then free the gradients, as the Trainer does."""
     tracer.phase, tracer.segment, tracer.block = Phase.OPTIMIZER, "pre", -1
@@ -359,7 +359,7 @@ def forward_backward(
     model: torch.nn.Module,
     params: list[torch.nn.Parameter],
     workload: Workload,
-    recipe: Recipe,
+    recipe: ResolvedRecipe,
     batch_size: int,
     tracer: StepTracer,
     autocast: Any,
