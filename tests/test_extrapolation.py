@@ -15,7 +15,7 @@ from anatomist.anatomy import TENSOR_CATEGORIES, MemoryCategory
 from anatomist.estimate.memory import estimate_memory
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
-from anatomist.trace.step import trace_step
+from anatomist.trace.driver import trace_step
 from anatomist.workload import load_workload
 
 GPU = get_gpu("A100-80GB")

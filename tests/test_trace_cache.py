@@ -13,7 +13,8 @@ from anatomist.estimate.predict import estimate
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.trace import cache
-from anatomist.trace.step import part_key, trace_part
+from anatomist.trace.keys import part_key
+from anatomist.trace.parts import trace_part
 from anatomist.workload import load_workload
 
 GPU = get_gpu("A100-80GB")

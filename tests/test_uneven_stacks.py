@@ -31,7 +31,7 @@ from anatomist.model_catalog import catalog_entries
 from anatomist.recipe import Recipe
 from anatomist.trace import cache
 from anatomist.trace import cuts as cuts_module
-from anatomist.trace.step import trace_step
+from anatomist.trace.driver import trace_step
 from anatomist.workload import Workload, config_from_dict, load_workload
 
 GPU = get_gpu("A100-80GB")

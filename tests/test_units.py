@@ -85,7 +85,7 @@ def test_optimizer_choice_matches_the_trainer(tmp_path):
     import torch
     from transformers import Trainer, TrainingArguments
 
-    from anatomist.trace.step import build_optimizer
+    from anatomist.trace.driver import build_optimizer
 
     params = [torch.nn.Parameter(torch.zeros(4))]
     for optim in ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd"):

@@ -122,10 +122,11 @@ class Workload:
         return dtype
 
     def build_model(self, attn_implementation: str = "sdpa", dtype: str = "auto",
-                    experts_implementation: str | None = None) -> Any:
+                    experts_implementation: str | None = None, config: Any = None) -> Any:
         """Instantiate the task model from the config (random init, no weights loaded) with its
         weights in `dtype` (`from_pretrained`'s meaning; "auto" is the config's dtype) and, where
-        given, the Mixture-of-Experts kernel `experts_implementation` (else transformers' choice)."""
+        given, the Mixture-of-Experts kernel `experts_implementation` (else transformers' choice).
+        `config`: another config of the same model to build instead (a cut of it, `trace.cutting`)."""
         import torch
         import transformers
 
@@ -137,7 +138,7 @@ class Workload:
         }[self.task]
         # A copy: from_config writes the dtype into the config it is given, and the workload's
         # config must stay as loaded (it is the trace caches' key and says what "auto" means).
-        config = copy.deepcopy(self.config)
+        config = copy.deepcopy(self.config if config is None else config)
         if self.task == "sequence-classification":
             config.num_labels = self.num_labels
             if getattr(config, "pad_token_id", None) is None:

@@ -179,8 +179,7 @@ def predict(workload: Workload, recipe: ResolvedRecipe) -> tuple[dict[str, Any],
     """The estimator's prediction for this row on this device, and notes on how it was made."""
     from anatomist.estimate.memory import estimate_memory
     from anatomist.estimate.time import estimate_time
-    from anatomist.hardware import detect_local_gpu, get_gpu
-    from anatomist.trace.cuda_model import cublas_workspace_bytes
+    from anatomist.hardware import cublas_workspace_bytes, detect_local_gpu, get_gpu
 
     notes: list[str] = []
     gpu = detect_local_gpu() if cuda_available() else None

@@ -27,14 +27,14 @@ from typing import Any, cast
 
 import numpy as np
 
-from anatomist.anatomy import OpClass, Phase, StepFlops
+from anatomist.anatomy import STEP_PHASES, OpClass, Phase, StepFlops
 from anatomist.estimate.traces import TRACE_BATCHES, TRACE_DEPTHS, affine, step_traces
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace import cache
 from anatomist.trace.cuts import TracePlan
+from anatomist.trace.keys import Depth, part_key
+from anatomist.trace.parts import trace_part
 from anatomist.trace.records import COST_FIELDS, Signature
-from anatomist.trace.step import Depth, part_key, trace_part
-from anatomist.trace.tracer import STEP_PHASES
 from anatomist.workload import Workload
 
 DEFAULT_COMPUTE_CAPABILITY = "8.0"

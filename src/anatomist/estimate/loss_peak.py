@@ -31,7 +31,7 @@ from anatomist.anatomy import GIB, TENSOR_CATEGORIES, MemoryAnatomy, MemoryCateg
 from anatomist.axes.precisions import half_dtype
 from anatomist.estimate.traces import TRACE_BATCHES, StepTraces, affine
 from anatomist.recipe import ResolvedRecipe
-from anatomist.trace.step import Depth
+from anatomist.trace.keys import Depth
 from anatomist.workload import Workload
 
 LOSS_SHARE = 0.5

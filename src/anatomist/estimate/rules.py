@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from anatomist.anatomy import GIB, MemoryAnatomy, Phase
 from anatomist.axes.optimizers import optimizer as optimizer_spec
+from anatomist.axes.quantization import BLOCK_4BIT, NESTED_BLOCK
 from anatomist.recipe import ResolvedRecipe
-from anatomist.trace.peft import BLOCK_4BIT, NESTED_BLOCK
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,6 +1,6 @@
 """The traces the estimator takes of a step, shared by the memory and the time prediction.
 
-A training step is traced in two parts (forward/backward, optimizer: `trace.step.trace_part`)
+A training step is traced in two parts (forward/backward, optimizer: `trace.parts.trace_part`)
 on the cuts of the model its plan names (`trace.cuts`: the model cut to 2 and 3 blocks for a
 stack of blocks all alike, one block of each kind for stacks of several, or the full model); the
 passes at `TRACE_BATCHES` samples. Everything the estimator reports is extrapolated from these
@@ -24,8 +24,9 @@ from anatomist.errors import InputError
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.cuts import TRACE_DEPTHS, TracePlan, full_plan, model_plan
 from anatomist.trace.experts import check_traceable
+from anatomist.trace.keys import Depth, Part
+from anatomist.trace.parts import trace_part, trace_parts
 from anatomist.trace.records import StepTrace
-from anatomist.trace.step import Depth, Part, trace_part, trace_parts
 from anatomist.workload import Workload
 
 __all__ = ["TRACE_BATCHES", "TRACE_DEPTHS", "Mode", "StepTraces", "affine", "implied_parameters", "parts_of", "prefetch",
@@ -110,7 +111,7 @@ def parts_of(plan: TracePlan, mode: Mode) -> list[tuple[Part, Depth, int]]:
 
 
 def prefetch(workload: Workload, recipes: Iterable[ResolvedRecipe], compute_capability: str, mode: Mode = "train") -> None:
-    """Trace side by side what `step_traces` of each recipe will read (see `trace.step.trace_parts`)."""
+    """Trace side by side what `step_traces` of each recipe will read (see `trace.parts.trace_parts`)."""
     requests = []
     for recipe in recipes:
         try:

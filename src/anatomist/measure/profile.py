@@ -34,7 +34,7 @@ from anatomist.hardware import detect_local_gpu
 from anatomist.op_classes import classify, is_known
 from anatomist.recipe import Recipe, ResolvedRecipe
 from anatomist.trace.experts import build_kwargs
-from anatomist.trace.step import make_batch
+from anatomist.trace.inputs import make_batch
 from anatomist.workload import Workload
 
 PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)

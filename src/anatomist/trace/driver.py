@@ -1,23 +1,23 @@
-"""Drive one training (or inference) step of a real Transformers model under the tracer.
+"""Drive one part of a training (or inference) step of a real Transformers model under the tracer.
 
-What prediction and measurement share: building the model cut to a depth, the inputs, and
-the step itself. The step is the Trainer's: forward under autocast, loss / accumulation steps, backward
+The step is the Trainer's: forward under autocast, loss / accumulation steps, backward
 (loss-scaled under fp16), gradient clipping, optimizer step, zero_grad(set_to_none=True).
 The optimizer state a first step would create is made before the traced step, so the step
 is a steady-state one; two micro-batches run when gradients accumulate, so that a forward
-pass happens with gradients already alive.
+pass happens with gradients already alive (`keys.traced_micro_batches`).
+
+What the model is (`cutting.traced_config`), what it is fed (`inputs.make_batch`) and which
+traces are kept (`parts`, `keys`, `cache`) live beside this module.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
-import functools
 import traceback
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -26,36 +26,20 @@ from anatomist.anatomy import MemoryCategory, Phase
 from anatomist.axes.optimizers import optimizer as optimizer_spec
 from anatomist.axes.precisions import autocast_dtype
 from anatomist.errors import InputError
+from anatomist.hardware import cublas_workspace_bytes
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.allocator import round_size
 from anatomist.trace.autocast import cuda_autocast_policy
-from anatomist.trace.cuda_model import cublas_workspace_bytes, cuda_code_paths, fake_parameters
+from anatomist.trace.cuda_model import cuda_code_paths, fake_parameters
+from anatomist.trace.cutting import traced_config
 from anatomist.trace.experts import build_kwargs, check_traceable
+from anatomist.trace.inputs import make_batch
+from anatomist.trace.keys import Depth, Part, traced_attention, traced_micro_batches
 from anatomist.trace.peft import apply_peft, counted_parameters
 from anatomist.trace.records import StepTrace, Trace, curves_of
-from anatomist.trace.stack import LAYER_COUNT_FIELDS, Cut, block_lists, cut_workload, traced_attention
+from anatomist.trace.stack import block_lists
 from anatomist.trace.tracer import StepTracer
 from anatomist.workload import Workload
-
-Depth = int | Cut | None
-"""What a trace keeps of the model: every stack cut to that many blocks (int), the layers a `Cut`
-names, or the whole model (None)."""
-
-
-def model_at_depth(workload: Workload, num_layers: int) -> Workload:
-    """A copy of the workload whose model has `num_layers` repeated blocks in every stack (the
-    per-layer lists repeated, the index lists cut): right for stacks of blocks all alike."""
-    config = copy.deepcopy(workload.config)
-    for name in LAYER_COUNT_FIELDS:
-        if isinstance(getattr(config, name, None), int):
-            setattr(config, name, num_layers)
-    layer_types = getattr(config, "layer_types", None)
-    if isinstance(layer_types, list) and layer_types:
-        config.layer_types = (layer_types * num_layers)[:num_layers]
-    mlp_only = getattr(config, "mlp_only_layers", None)
-    if isinstance(mlp_only, list):
-        config.mlp_only_layers = [i for i in mlp_only if i < num_layers]
-    return dataclasses.replace(workload, config=config)
 
 
 def lower_dtype(recipe: ResolvedRecipe) -> torch.dtype | None:
@@ -67,131 +51,6 @@ def lower_dtype(recipe: ResolvedRecipe) -> torch.dtype | None:
 def build_optimizer(recipe: ResolvedRecipe, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The optimizer the Trainer builds for `recipe` (as it behaves on CUDA: `axes.optimizers`)."""
     return optimizer_spec(recipe.optim).build(params)
-
-
-def make_batch(workload: Workload, batch_size: int) -> dict[str, torch.Tensor]:
-    """Inputs as the seeds' dataset gives them: random token ids, labels for the task."""
-    shape = (batch_size, workload.seq_len)
-    ids = torch.randint(100, 30000, shape) if workload.config.vocab_size > 30000 else torch.randint(
-        0, workload.config.vocab_size, shape
-    )
-    if workload.task == "sequence-classification":
-        return {"input_ids": ids, "labels": torch.zeros(batch_size, dtype=torch.long)}
-    return {"input_ids": ids, "labels": ids.clone()}
-
-
-Part = Literal["forward-backward", "optimizer", "inference", "train-step"]
-
-PEFT_FIELDS = ("peft", "lora_r", "lora_dropout", "lora_target_modules", "load_in_4bit", "load_in_8bit",
-               "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype")
-"""What changes the model a trace builds under PEFT (which layers, which adapters, what is trainable)."""
-PART_FIELDS: dict[str, tuple[str, ...]] = {
-    "forward-backward": ("dtype", "gradient_checkpointing", "fp16", "bf16", "attn_implementation",
-                         "experts_implementation", *PEFT_FIELDS),
-    "inference": ("dtype", "fp16", "bf16", "attn_implementation", "experts_implementation", *PEFT_FIELDS),
-    "optimizer": ("dtype", "optim", "fp16", "max_grad_norm", *PEFT_FIELDS),
-}
-"""The recipe fields that change each part's trace. Recipes that differ only in the
-optimizer share the passes' traces and the other way round; batch size, accumulation beyond
-2 micro-batches and sharding change no trace (they are arithmetic on it); flash_attention_2
-shares SDPA's (`stack.traced_attention`)."""
-
-
-def part_key(workload: Workload, recipe: ResolvedRecipe, part: Part, depth: Depth, batch_size: int,
-             compute_capability: str) -> tuple[Any, ...]:
-    """Everything that decides the trace of `part`: the key of the trace caches."""
-    if not isinstance(recipe, ResolvedRecipe):  # "auto" would key the same trace twice
-        raise TypeError("trace keys take a ResolvedRecipe: recipe.resolved(workload)")
-    micro_batches = min(recipe.gradient_accumulation_steps, 2) if part == "forward-backward" else 1
-    fields = tuple(traced_attention(recipe) if f == "attn_implementation" else getattr(recipe, f)
-                   for f in PART_FIELDS[part])
-    return (
-        *workload.trace_key(), part, fields, micro_batches,
-        depth, batch_size if part != "optimizer" else 1, cublas_workspace_bytes(compute_capability),
-    )
-
-
-def trace_part(workload: Workload, recipe: ResolvedRecipe, part: Part, *, depth: Depth, batch_size: int,
-               compute_capability: str, use_cache: bool = True) -> StepTrace:
-    """The fake-tensor trace of one part of a step (see `trace_step`), with its ops recorded.
-
-    Served from the trace cache (memory, then disk: `trace.cache`) when the same part was
-    traced before with everything that shapes it equal (`part_key`).
-    """
-    from anatomist.trace import cache
-
-    def run() -> StepTrace:
-        return _trace_request(workload, (recipe, part, depth, batch_size), compute_capability)
-
-    if not use_cache:
-        return dataclasses.replace(run(), first_micro_batch=None)
-    return cache.get_or_trace(part_key(workload, recipe, part, depth, batch_size, compute_capability),
-                              lambda: _keep_first_micro_batch(workload, (recipe, part, depth, batch_size),
-                                                              compute_capability, run()))
-
-
-PartRequest = tuple[ResolvedRecipe, Part, Depth, int]
-"""A part of a recipe's step at a depth and batch size: what `trace_part` is asked for."""
-
-
-def trace_parts(workload: Workload, requests: Iterable[PartRequest], compute_capability: str) -> None:
-    """Put into the trace cache the parts `requests` name that it lacks, traced side by side in forked
-    processes (`trace.pool`). Where they cannot be (one core, not Linux, a job that failed), nothing
-    is stored: `trace_part` traces each when asked, in this process. The passes of one micro-batch
-    are not traced where those of two are: they are the first of the two."""
-    from anatomist.trace import cache, pool
-
-    wanted: dict[tuple[Any, ...], PartRequest] = {}
-    derived: set[tuple[Any, ...]] = set()
-    for request in requests:
-        recipe, part, depth, batch = request
-        key = part_key(workload, recipe, part, depth, batch, compute_capability)
-        if key in wanted or cache.has(key):
-            continue
-        wanted[key] = request
-        if part == "forward-backward" and recipe.gradient_accumulation_steps > 1:
-            derived.add(_first_micro_batch_key(workload, request, compute_capability))
-    jobs = sorted(((key, request) for key, request in wanted.items() if key not in derived),
-                  key=lambda job: -_size_guess(job[1]))  # the longest first: no long job left for the end
-    work = [functools.partial(_trace_request, workload, request, compute_capability) for _, request in jobs]
-    for index, trace in pool.run_all(work):
-        if trace is not None:
-            key, request = jobs[index]
-            cache.put(key, _keep_first_micro_batch(workload, request, compute_capability, trace))
-
-
-def _trace_request(workload: Workload, request: PartRequest, compute_capability: str) -> StepTrace:
-    """The trace of `request`, with its ops recorded: what `trace_part` stores, and a worker's job (`trace_parts`)."""
-    recipe, part, depth, batch = request
-    return trace_step(workload, recipe, depth=depth, batch_size=batch, compute_capability=compute_capability,
-                      part=part, record_ops=True)
-
-
-def _size_guess(request: PartRequest) -> float:
-    """How long a part takes to trace, roughly (its ops): blocks, micro-batches, recomputation."""
-    recipe, part, depth, _ = request
-    blocks = depth if isinstance(depth, int) else depth.blocks if isinstance(depth, Cut) else 100
-    if part == "optimizer":
-        return blocks
-    micro = min(recipe.gradient_accumulation_steps, 2) if part == "forward-backward" else 1
-    return 2 * blocks * micro * (1.5 if recipe.gradient_checkpointing else 1)
-
-
-def _first_micro_batch_key(workload: Workload, request: PartRequest, compute_capability: str) -> tuple[Any, ...]:
-    recipe, part, depth, batch = request
-    one = dataclasses.replace(recipe, gradient_accumulation_steps=1)
-    return part_key(workload, one, part, depth, batch, compute_capability)
-
-
-def _keep_first_micro_batch(workload: Workload, request: PartRequest, compute_capability: str,
-                            traced: StepTrace) -> StepTrace:
-    """Store the passes of one micro-batch that a trace of two holds under their own key; the trace without them."""
-    from anatomist.trace import cache
-
-    if traced.first_micro_batch is None:
-        return traced
-    cache.put(_first_micro_batch_key(workload, request, compute_capability), traced.first_micro_batch)
-    return dataclasses.replace(traced, first_micro_batch=None)
 
 
 def trace_step(
@@ -222,65 +81,83 @@ def trace_step(
         record_ops: also record each op's cost signature (for the FLOPs and time model).
         observers: further dispatch modes to run inside the trace (e.g. a FlopCounterMode).
     """
-    if depth is None:  # a copy all the same: building sets num_labels and pad_token_id on the config
-        shallow = dataclasses.replace(workload, config=copy.deepcopy(workload.config))
-    else:
-        shallow = model_at_depth(workload, depth) if isinstance(depth, int) else cut_workload(workload, depth)
-    if workload.task == "sequence-classification" and getattr(shallow.config, "problem_type", None) is None:
-        # The loss the Trainer's integer labels get. Left unset, DeBERTa picks the labelled rows
-        # with nonzero(), whose size depends on the labels' values: a trace without data cannot
-        # follow it. The memory differs by a few bytes per sample.
-        shallow.config.problem_type = "single_label_classification" if workload.num_labels > 1 else "regression"
-    attn = traced_attention(recipe)
-    experts = build_kwargs(workload, recipe)
     fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    if fake:
-        check_traceable(workload, recipe)
-        with torch.device("meta"), contextlib.redirect_stderr(None):
-            model = apply_peft(shallow.build_model(attn, recipe.dtype, **experts), recipe, workload.task)
-        fake_parameters(model, fake_mode)
-    else:
-        model = apply_peft(shallow.build_model(attn, recipe.dtype, **experts), recipe, workload.task)
-    lower = lower_dtype(recipe)
-    tracer = StepTracer(lower_precision_dtype=lower, record_ops=record_ops)
+    model = traced_model(workload, recipe, depth, fake_mode if fake else None)
+    tracer = StepTracer(lower_precision_dtype=lower_dtype(recipe), record_ops=record_ops)
     params = [p for p in model.parameters() if p.requires_grad]  # what the Trainer's optimizer gets
     for p in model.parameters():
         tracer.register(p, MemoryCategory.WEIGHTS)
     for b in model.buffers():
         tracer.register(b, MemoryCategory.WEIGHTS)
-    workspace = cublas_workspace_bytes(compute_capability)
-    autocast = torch.autocast("cpu", dtype=lower) if lower is not None else contextlib.nullcontext()
-    static: dict[MemoryCategory, int] = {}
-    with contextlib.ExitStack() as modes:
-        modes.enter_context(data_dependent_code_is_input_error(workload, recipe))
-        if lower is not None:
-            modes.enter_context(cuda_autocast_policy())  # autocast casts as on CUDA, not as on CPU
-        for mode in (fake_mode, *observers, tracer, cuda_code_paths()):
-            modes.enter_context(mode)
+    with _tracing(workload, recipe, tracer, fake_mode, observers):
         # cuBLAS workspaces live from the first matrix product on: one for the main thread's
         # handle and, in training, one for the autograd engine's device thread. A steady-state
         # step starts with both.
         tracer.phase = Phase.SETUP
         for _ in range(1 if part == "inference" else 2):
-            tracer.allocate_extra(workspace, MemoryCategory.FUNCTIONALITY)
-        if part == "inference":
-            _inference_step(model, workload, batch_size, tracer, autocast)
-            phases = [Phase.FORWARD]
-        elif part == "forward-backward":
-            forward_backward(model, params, workload, recipe, batch_size, tracer, autocast)
-            phases = [Phase.FORWARD, Phase.BACKWARD]
-        else:
-            optimizer, state_bytes = create_state(params, recipe, tracer)
-            static = {MemoryCategory.OPTIMIZER_STATES: state_bytes}
-            if part == "train-step":
-                forward_backward(model, params, workload, recipe, batch_size, tracer, autocast)
-                phases = [Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER]
-            else:
-                for p in params:
-                    p.grad = torch.zeros_like(p)  # what backward leaves behind
-                tracer.label_live([p.grad for p in params if p.grad is not None], MemoryCategory.GRADIENTS)
-                phases = [Phase.OPTIMIZER]
-            optimizer_phase(params, optimizer, recipe, tracer)
+            tracer.allocate_extra(cublas_workspace_bytes(compute_capability), MemoryCategory.FUNCTIONALITY)
+        phases, static = _run_part(part, model, params, workload, recipe, batch_size, tracer)
+    return _step_trace(tracer, model, params, phases, static, part)
+
+
+def traced_model(workload: Workload, recipe: ResolvedRecipe, depth: Depth, fake_mode: Any | None) -> torch.nn.Module:
+    """The model of `workload` cut to `depth` as `recipe` trains it (PEFT applied): on fake tensors in
+    `fake_mode` (built on the meta device first: no memory), else real CPU tensors."""
+    config = traced_config(workload, depth)
+    experts = build_kwargs(workload, recipe)
+    if fake_mode is None:
+        base = workload.build_model(traced_attention(recipe), recipe.dtype, config=config, **experts)
+        return apply_peft(base, recipe, workload.task)
+    check_traceable(workload, recipe)
+    with torch.device("meta"), contextlib.redirect_stderr(None):
+        base = workload.build_model(traced_attention(recipe), recipe.dtype, config=config, **experts)
+        model = apply_peft(base, recipe, workload.task)
+    fake_parameters(model, fake_mode)
+    return model
+
+
+@contextlib.contextmanager
+def _tracing(workload: Workload, recipe: ResolvedRecipe, tracer: StepTracer, fake_mode: Any,
+             observers: tuple[Any, ...]) -> Iterator[None]:
+    """The dispatch modes a traced step runs in, outermost first: errors made readable, CUDA's autocast
+    policy, fake tensors, the observers, the tracer, CUDA's code paths."""
+    with contextlib.ExitStack() as modes:
+        modes.enter_context(data_dependent_code_is_input_error(workload, recipe))
+        if lower_dtype(recipe) is not None:
+            modes.enter_context(cuda_autocast_policy())  # autocast casts as on CUDA, not as on CPU
+        for mode in (fake_mode, *observers, tracer, cuda_code_paths()):
+            modes.enter_context(mode)
+        yield
+
+
+def _run_part(part: Part, model: torch.nn.Module, params: list[torch.nn.Parameter], workload: Workload,
+              recipe: ResolvedRecipe, batch_size: int, tracer: StepTracer) -> tuple[list[Phase], dict[MemoryCategory, int]]:
+    """Run `part` of the step; (the phases it ran, the static bytes it made: the optimizer state)."""
+    lower = lower_dtype(recipe)
+    autocast = torch.autocast("cpu", dtype=lower) if lower is not None else contextlib.nullcontext()
+    if part == "inference":
+        _inference_step(model, workload, batch_size, tracer, autocast)
+        return [Phase.FORWARD], {}
+    if part == "forward-backward":
+        forward_backward(model, params, workload, recipe, batch_size, tracer, autocast)
+        return [Phase.FORWARD, Phase.BACKWARD], {}
+    optimizer, state_bytes = create_state(params, recipe, tracer)
+    if part == "train-step":
+        forward_backward(model, params, workload, recipe, batch_size, tracer, autocast)
+        phases = [Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER]
+    else:
+        for p in params:
+            p.grad = torch.zeros_like(p)  # what backward leaves behind
+        tracer.label_live([p.grad for p in params if p.grad is not None], MemoryCategory.GRADIENTS)
+        phases = [Phase.OPTIMIZER]
+    optimizer_phase(params, optimizer, recipe, tracer)
+    return phases, {MemoryCategory.OPTIMIZER_STATES: state_bytes}
+
+
+def _step_trace(tracer: StepTracer, model: torch.nn.Module, params: list[torch.nn.Parameter], phases: list[Phase],
+                static: dict[MemoryCategory, int], part: Part) -> StepTrace:
+    """What a trace keeps: the curves and ops, the parameters, and, of a forward-backward trace of two
+    micro-batches, the first micro-batch on its own."""
     traced = StepTrace(
         phases=phases,
         curves=curves_of(tracer.trace),
@@ -377,7 +254,7 @@ def forward_backward(
         scale = scaler_state[0]
     _watch_blocks(model, tracer)
     # Two micro-batches when gradients accumulate: the second forward runs with gradients alive.
-    for micro in range(min(recipe.gradient_accumulation_steps, 2)):
+    for micro in range(traced_micro_batches(recipe, "forward-backward")):
         tracer.begin_micro_batch(micro)
         tracer.phase, tracer.segment, tracer.block = Phase.FORWARD, "pre", -1
         batch = make_batch(workload, batch_size)
