@@ -80,7 +80,7 @@ def test_a_recipe_file_is_read_as_recipe_reads_it_and_its_notes_reach_the_page(l
 
 
 @pytest.mark.parametrize(("params", "message"), [
-    ({"model": "no-such-model"}, "unknown model 'no-such-model': not a path, not in the catalog"),
+    ({"model": "no-such-model"}, "not in the local HF cache (this server does not ask the Hub: upload the model's"),
     ({"model": "/etc/hostname"}, "model '/etc/hostname': the page takes a catalog name or a Hub id, not a path"),
     ({"model": "gpt2", "gpu": "a100"}, "'a100'"),
     ({"model": "gpt2", "fp16": "true", "bf16": "true"}, "fp16 and bf16 are mutually exclusive"),
@@ -97,8 +97,11 @@ def test_bad_input_is_http_400_with_one_line(live: LiveServer, params: dict[str,
 
 
 @pytest.mark.parametrize(("kind", "name", "text", "message"), [
-    ("config", "config.json", '{"model_type": "llama", "hidden_size": ', "config.json is not valid JSON (Expecting value"),
-    ("config", "config.json", "[1, 2]", "config.json must be a JSON object naming its model_type"),
+    ("config", "config.json", '{"model_type": "llama", "hidden_size": ', "config.json: not valid JSON (Expecting value"),
+    ("config", "config.json", "[1, 2]", "config.json: a config.json must hold a JSON object"),
+    ("config", "config.json", '{"model_type": "llama", "num_hidden_layers": 0}', "config.json: field num_hidden_layers"),
+    ("config", "config.json", '{"model_type": "mystery", "auto_map": {"AutoConfig": "x.MysteryConfig"}}',
+     "config.json: model_type='mystery' needs the model's own code (auto_map); the page never runs a model's own code"),
     ("recipe", "ta.json", '{"per_device_train_batch_size": 4, "deepspeed": "/etc/ds.json"}',
      "ta.json: deepspeed names another file ('/etc/ds.json')"),
     ("recipe", "acc.yaml", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds.json\n",

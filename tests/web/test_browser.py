@@ -212,7 +212,7 @@ def test_bad_input_is_one_clear_line_on_the_page(browser: Any, live: LiveServer,
     bad.write_text('{"model_type": "llama", "hidden_size": 64,')
     d.find_element("id", "f-config-file").send_keys(str(bad))
     _until(lambda: "not valid JSON" in _text(d, "error"), "the upload's error")
-    assert _text(d, "error").startswith("config.json is not valid JSON (") and _text(d, "f-config-name") == ""
+    assert _text(d, "error").startswith("config.json: not valid JSON (") and _text(d, "f-config-name") == ""
 
 
 @pytest.mark.skipif(not os.environ.get("ANATOMIST_WEB_SCREENSHOT"), reason="set ANATOMIST_WEB_SCREENSHOT=PATH to save it")

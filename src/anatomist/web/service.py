@@ -39,6 +39,12 @@ EMIT_FILES = {"trainer": "training_args.json", "accelerate": "accelerate_config.
 """The file each `plan --emit` target is written to (the trainer snippet names ds_config.json)."""
 CHARTS = ("memory", "throughput")
 FILE_REFERENCES = ("deepspeed", "fsdp_config", "deepspeed_config_file")
+CLI_ADVICE = {
+    "rerun with --trust-remote-code if you trust it":
+        "the page never runs a model's own code (anatomist estimate --trust-remote-code does, on your machine)",
+    "(pass --allow-network to ask the Hub)": "(this server does not ask the Hub: upload the model's config.json)",
+}
+"""The CLI's advice that the page cannot follow, and what to say instead."""
 """Keys whose string value makes a recipe file read another file (recipe_files: referenced_file)."""
 
 _chart_lock = threading.Lock()  # the charts set matplotlib's global rcParams while they draw
@@ -144,21 +150,19 @@ def check_upload(upload: Upload, uploads: UploadStore) -> None:
     """Refuse an upload the library would refuse, when it arrives (the message names the file as uploaded).
 
     Raises:
-        InputError: a config.json that is not a JSON object; a recipe file the CLI's --recipe refuses, or
-            one that names another file or a path on the server.
+        InputError: a config.json the CLI refuses (not JSON, an unknown architecture, one that needs its own
+            code, a field transformers rejects); a recipe file --recipe refuses, or one that names another file
+            or a path on the server.
     """
+    from anatomist.workload import load_workload
+
     try:
         if upload.kind == "config":
-            try:
-                data = json.loads(upload.path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as exc:
-                raise InputError(f"config.json is not valid JSON ({exc.msg} at line {exc.lineno})") from None
-            if not isinstance(data, dict) or not data.get("model_type"):
-                raise InputError("config.json must be a JSON object naming its model_type (as a model's config.json does)")
+            load_workload(str(upload.path))  # as `anatomist estimate config.json` reads it; remote code refused
         else:
             _read_recipe(upload)
     except InputError as exc:
-        raise InputError(uploads.shown(str(exc))) from None
+        raise InputError(_for_the_page(str(exc), uploads)) from None
 
 
 def run_view(form: Form, uploads: UploadStore, *, allow_network: bool, progress: Progress) -> dict[str, Any]:
@@ -172,7 +176,7 @@ def run_view(form: Form, uploads: UploadStore, *, allow_network: bool, progress:
             view = _estimate(form, uploads, allow_network, progress) if form.view == "estimate" else \
                 _plan(form, uploads, allow_network, progress)
         except InputError as exc:
-            raise InputError(uploads.shown(str(exc))) from None
+            raise InputError(_for_the_page(str(exc), uploads)) from None
     notes, _ = capture.notes(written)
     view["messages"] = notes
     return json.loads(uploads.shown(json.dumps(view)))
@@ -351,6 +355,13 @@ def _references(data: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
             if key in FILE_REFERENCES and isinstance(value, str) and value.strip().lower() not in ("", "none"):
                 yield f"{prefix}{key}", value
             yield from _references(value, f"{prefix}{key}.")
+
+
+def _for_the_page(message: str, uploads: UploadStore) -> str:
+    """A library message as the page says it: no server folder, no flag the page cannot pass."""
+    for cli, page in CLI_ADVICE.items():
+        message = message.replace(cli, page)
+    return uploads.shown(message)
 
 
 def _command(argv: list[str], uploads: UploadStore) -> str:

@@ -40,7 +40,7 @@ async function api(path, options = {}) {
   const response = await fetch(path, init);
   let body = null;
   try { body = await response.json(); } catch (_) { body = null; }
-  if (!response.ok && !(response.status === 202)) {
+  if (!response.ok) {
     throw new ApiError((body && body.error) || `${response.status} ${response.statusText}`, body);
   }
   return body;
