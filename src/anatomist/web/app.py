@@ -57,7 +57,7 @@ SECURITY_HEADERS = [
 
 
 @dataclass(kw_only=True, slots=True)
-class Server:
+class State:
     """What the routes share: the uploads, the jobs, and whether configs may come from the Hub."""
 
     uploads: UploadStore
@@ -66,10 +66,10 @@ class Server:
     schema: dict[str, Any] | None = None
 
 
-def create_app(*, allow_network: bool = False, allowed_hosts: list[str] | None = None) -> Starlette:
+def create_app(*, allow_network: bool = False, allowed_hosts: list[str] | None = None) -> ASGIApp:
     """The page's app. `allowed_hosts`: the Host headers answered (None: any), so that a page elsewhere
     cannot reach a server bound to localhost through DNS rebinding."""
-    state = Server(uploads=UploadStore(), jobs=JobRunner(), allow_network=allow_network)
+    state = State(uploads=UploadStore(), jobs=JobRunner(), allow_network=allow_network)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -96,11 +96,10 @@ def create_app(*, allow_network: bool = False, allowed_hosts: list[str] | None =
     middleware = [Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts)] if allowed_hosts else []
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={HTTPException: _http_error, Exception: _internal_error})
-    app.state.server = state
-    return _SecurityHeaders(app)  # type: ignore[return-value]
+    return _SecurityHeaders(app)
 
 
-def _with(state: Server, handler: Any) -> Any:
+def _with(state: State, handler: Any) -> Any:
     """The route calling `handler(state, request)` once the warm-up is over, its errors as JSON."""
     async def endpoint(request: Request) -> Response:
         await state.jobs.ready()
@@ -115,13 +114,13 @@ def _with(state: Server, handler: Any) -> Any:
     return endpoint
 
 
-async def schema(state: Server, request: Request) -> Response:
+async def schema(state: State, request: Request) -> Response:
     if state.schema is None:  # the Recipe's defaults import transformers: once, off the event loop
         state.schema = await run_in_threadpool(lambda: service.schema(allow_network=state.allow_network))
     return JSONResponse(state.schema)
 
 
-async def upload(state: Server, request: Request) -> Response:
+async def upload(state: State, request: Request) -> Response:
     body = await _json_body(request)
     kind, name, text = body.get("kind"), body.get("name") or "", body.get("text")
     if not isinstance(text, str) or not isinstance(name, str) or not isinstance(kind, str):
@@ -135,7 +134,7 @@ async def upload(state: Server, request: Request) -> Response:
     return JSONResponse({"id": item.id, "name": item.name, "kind": item.kind})
 
 
-async def upload_info(state: Server, request: Request) -> Response:
+async def upload_info(state: State, request: Request) -> Response:
     upload_id = request.path_params["upload_id"]
     item = state.uploads.find(upload_id)
     if item is None:
@@ -143,7 +142,7 @@ async def upload_info(state: Server, request: Request) -> Response:
     return JSONResponse({"id": item.id, "name": item.name, "kind": item.kind})
 
 
-async def run(state: Server, request: Request) -> Response:
+async def run(state: State, request: Request) -> Response:
     params = await _json_body(request)
     fields = await run_in_threadpool(service.fields)
     form = parse(params, fields)
@@ -153,11 +152,11 @@ async def run(state: Server, request: Request) -> Response:
     return _job_response(job)
 
 
-async def job_status(state: Server, request: Request) -> Response:
+async def job_status(state: State, request: Request) -> Response:
     return _job_response(_job(state, request))
 
 
-async def chart(state: Server, request: Request) -> Response:
+async def chart(state: State, request: Request) -> Response:
     job, name = _done(state, request), request.path_params["chart"]
     key = f"chart:{name}"
     if key not in job.cache:
@@ -166,7 +165,7 @@ async def chart(state: Server, request: Request) -> Response:
     return Response(job.cache[key], media_type="image/png", headers={"cache-control": "private, max-age=3600"})
 
 
-async def files(state: Server, request: Request) -> Response:
+async def files(state: State, request: Request) -> Response:
     job = _done(state, request)
     pick, target = request.path_params["pick"], request.path_params["target"]
     key = f"files:{pick}:{target}"
@@ -184,14 +183,14 @@ async def files(state: Server, request: Request) -> Response:
     return Response(emitted[name], media_type=media, headers={"content-disposition": f'attachment; filename="{name}"'})
 
 
-def _job(state: Server, request: Request) -> Job:
+def _job(state: State, request: Request) -> Job:
     job = state.jobs.get(request.path_params["job_id"])
     if job is None:
         raise HTTPException(404, "no such job on this server (it restarted, or forgot it): run it again")
     return job
 
 
-def _done(state: Server, request: Request) -> Job:
+def _done(state: State, request: Request) -> Job:
     job = _job(state, request)
     if job.status != "done" or job.view is None:
         raise InputError(f"job {job.id} has no answer ({job.status})")
@@ -201,7 +200,7 @@ def _done(state: Server, request: Request) -> Job:
 def _job_response(job: Job) -> Response:
     body = job.to_dict()
     if job.status == "error":
-        return JSONResponse({**body, "error": job.error}, status_code=500 if job.retry else 400)
+        return JSONResponse({**body, "error": job.error}, status_code=500 if job.internal else 400)
     return JSONResponse(body, status_code=200 if job.status == "done" else 202)
 
 

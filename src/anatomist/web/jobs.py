@@ -53,8 +53,8 @@ class Job:
     finished_s: float | None = None
     view: dict[str, Any] | None = None
     error: str | None = None
-    retry: bool = False
-    """An internal error: the next request for the same key runs it again."""
+    internal: bool = False
+    """The error is an unexpected exception (HTTP 500), not bad input (400)."""
     cache: dict[str, Any] = field(default_factory=dict)
     """What was derived from the view on request (chart PNGs), by name."""
     future: Future[None] | None = None
@@ -82,14 +82,15 @@ class JobRunner:
         self._closed = False
 
     def submit(self, key: str, work: Work) -> Job:
-        """The job for `key`: the one already made (not an internal error), else a new one queued.
+        """The job for `key`: the one queued, running or done, else a new one queued (an error is never
+        reused: what it depended on, an upload, the Hub, may be there now).
 
         Raises:
             Busy: MAX_WAITING jobs are queued or running.
         """
         with self._lock:
             job = self._by_key.get(key)
-            if job is not None and not job.retry:
+            if job is not None and job.status != "error":
                 self._jobs.move_to_end(job.id)
                 return job
             if sum(j.status in ("queued", "running") for j in self._jobs.values()) >= MAX_WAITING:
@@ -146,7 +147,7 @@ class JobRunner:
             job.error, job.status = str(exc), "error"
         except Exception:  # noqa: BLE001 - one generic line for the page, the traceback in the server's log
             log.exception("job %s (%s) failed", job.id, job.key)
-            job.error, job.status, job.retry = INTERNAL_ERROR, "error", True
+            job.error, job.status, job.internal = INTERNAL_ERROR, "error", True
         finally:
             job.finished_s = time.monotonic()
 

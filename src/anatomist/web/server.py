@@ -60,7 +60,6 @@ def listen(host: str, port: int) -> socket.socket:
         sock.close()
         hint = "; --port 0 picks a free one" if port else ""
         raise InputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
-    sock.set_inheritable(True)
     return sock
 
 
