@@ -182,7 +182,8 @@ def test_the_page_from_a_model_to_the_files_of_a_plan(browser: Any, live: LiveSe
     from deepspeed.runtime.config import DeepSpeedConfig
 
     ds = DeepSpeedConfig(ds_config)
-    assert ds.train_batch_size == 16 and ds.bfloat16_config.enabled if hasattr(ds, "bfloat16_config") else ds.bfloat16_enabled
+    assert ds.train_batch_size == 16
+    assert ds.bfloat16_config.enabled if hasattr(ds, "bfloat16_config") else ds.bfloat16_enabled  # named so in newer DeepSpeed
 
     _click(d, "button[data-target=trainer]")
     _until(lambda: d.find_elements("css selector", "a[data-file='training_args.json']"), "the TrainingArguments file", 30, d)

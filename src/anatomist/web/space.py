@@ -21,8 +21,17 @@ WEB_REQUIREMENTS = ("starlette>=0.40", "uvicorn>=0.30")
 
 
 def requirements() -> list[str]:
-    """anatomist's own dependencies (the installed metadata's, without extras) and the web extra's."""
-    core = [r for r in metadata.requires("anatomist") or [] if ";" not in r]
+    """anatomist's own dependencies (the installed metadata's, without extras) and the web extra's.
+
+    Raises:
+        InputError: anatomist runs from a source folder that was never installed (no metadata).
+    """
+    try:
+        declared = metadata.requires("anatomist") or []
+    except metadata.PackageNotFoundError:
+        raise InputError("anatomist is not installed (pip install -e . in its checkout): the Space's "
+                         "requirements.txt is made from the installed package's dependencies") from None
+    core = [r for r in declared if ";" not in r]
     names = {re.split(r"[<>=!~ \[]", r, maxsplit=1)[0].lower() for r in core}
     return core + [r for r in WEB_REQUIREMENTS if r.split(">=")[0] not in names]
 
@@ -31,9 +40,9 @@ def write_space(folder: str | Path) -> list[Path]:
     """Write the Space into `folder` (created; it must be empty) and return the files written at its top.
 
     Raises:
-        InputError: `folder` exists and is not an empty directory.
+        InputError: `folder` exists and is not an empty directory, or anatomist is not installed.
     """
-    target = Path(folder)
+    target, wanted = Path(folder), requirements()
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise InputError(f"--write-space {str(target)!r}: not an empty folder; name a new one")
     target.mkdir(parents=True, exist_ok=True)
@@ -41,7 +50,7 @@ def write_space(folder: str | Path) -> list[Path]:
     for name in ("README.md", "Dockerfile", "app.py"):
         shutil.copyfile(TEMPLATE / name, target / name)
         written.append(target / name)
-    (target / "requirements.txt").write_text("\n".join(requirements()) + "\n")
+    (target / "requirements.txt").write_text("\n".join(wanted) + "\n")
     written.append(target / "requirements.txt")
     package = Path(__file__).resolve().parent.parent
     shutil.copytree(package, target / "anatomist", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
