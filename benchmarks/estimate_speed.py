@@ -6,14 +6,14 @@ process, median of `--repeats` runs:
 
   floor          python -c "import torch, transformers, transformers.models.bert.modeling_bert"
   estimate cold  anatomist estimate bert-large-uncased (empty trace cache)
-  estimate warm  the same, trace cache filled
+  estimate warm  the same, trace cache filled: a cache hit, which imports neither torch nor transformers
   plan cold/warm anatomist plan bert-large-uncased --gpu V100-16GB --global-batch-size 32
   --help, gpus, models  (none imports torch or transformers)
 
     .venv/bin/python benchmarks/estimate_speed.py [--repeats 3]
 
-The issue's bars: estimate <= 1.25x cold, <= 1.1x warm; plan (>= 200 distinct recipes)
-<= 2.5x cold, <= 1.3x warm; --help/gpus/models under 1 s.
+The bars (DESIGN.md): estimate <= 1.0x cold, <= 0.3x on a trace-cache hit; a plan over >= 200
+distinct recipes <= 2.0x cold, <= 1.0x warm; --help/gpus/models under 1 s.
 """
 
 from __future__ import annotations

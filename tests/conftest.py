@@ -71,6 +71,15 @@ def cache_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     cache.clear_memory()
 
 
+def stored_kinds(folder: Path) -> dict[str, int]:
+    """How many entries of each type the trace cache folder holds (StepTrace, ModelPlan, ModelFacts)."""
+    import pickle
+    import zlib
+    from collections import Counter
+
+    return dict(Counter(type(pickle.loads(zlib.decompress(p.read_bytes()))).__name__ for p in folder.glob("*.trace")))
+
+
 @dataclass(frozen=True, slots=True)
 class CliResult:
     """What a shell would see from `anatomist ARGS`: the exit code and the two streams."""
@@ -92,10 +101,6 @@ def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> 
     real subprocesses in test_process.py.
     """
     from anatomist.cli import main
-
-    # main() sets these with setdefault; pin them so that no call leaks a change into the next test.
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "error")
 
     def run(*args: str) -> CliResult:
         capsys.readouterr()  # start clean: nothing printed before this call

@@ -14,7 +14,8 @@ import pytest
 
 from anatomist.cli import main
 from anatomist.model_catalog import catalog_entries, find_entry, summarize
-from anatomist.workload import config_from_dict, load_workload, moe_counts
+from anatomist.model_facts import facts_of
+from anatomist.workload import config_from_dict, load_workload
 
 ENTRIES = sorted(catalog_entries())
 
@@ -104,7 +105,7 @@ def test_summary_read_from_the_json_is_the_one_transformers_config_gives(name: s
     assert summary.layers == text.num_hidden_layers
     assert summary.decoder_layers == (text.num_decoder_layers if encoder_decoder else None)
     assert summary.context_length == workload.max_positions
-    assert (summary.experts_per_token, summary.experts) == (moe_counts(config) or (None, None))
+    assert (summary.experts_per_token, summary.experts) == (facts_of(config).experts or (None, None))
     for field, value in entry.defaults.items():
         assert field not in entry.config and getattr(text, field) == value
 

@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from anatomist.errors import InputError
 from anatomist.recipe import Recipe
 from anatomist.trace.driver import data_dependent_code_is_input_error
-from anatomist.workload import Workload
+from anatomist.workload import load_workload
 
 DEBERTA_V2 = {
     "model_type": "deberta-v2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -53,9 +53,9 @@ def test_deepseek_latent_attention_is_estimated(cli, tmp_path):
     assert time["flops_per_step"] > 0
 
 
-def test_code_that_needs_values_is_one_clear_error():
-    workload = Workload(name="tiny", config=None, task="causal-lm", seq_len=8)
-    with pytest.raises(InputError, match=r"tiny: cannot be estimated without data: .*nonzero.*--attn-implementation sdpa"):
+def test_code_that_needs_values_is_one_clear_error(tiny_model):
+    workload = load_workload(str(tiny_model("llama")), seq_len=8)
+    with pytest.raises(InputError, match=r"llama: cannot be estimated without data: .*nonzero.*--attn-implementation sdpa"):
         with data_dependent_code_is_input_error(workload, Recipe(attn_implementation="eager")):
             with FakeTensorMode():
                 torch.ones(4).nonzero()

@@ -16,7 +16,7 @@ from anatomist.errors import InputError
 from anatomist.estimate.time import estimate_time
 from anatomist.hardware import get_gpu
 from anatomist.plan import SearchSpace, plan
-from anatomist.plan.search import pareto_front
+from anatomist.plan.candidates import pareto_front
 from anatomist.plan.throughput import parameter_count, predict_time
 from anatomist.recipe import Recipe
 from anatomist.workload import load_workload

@@ -76,6 +76,23 @@ def test_help_bad_flags_gpus_and_models_import_neither_torch_nor_transformers(ar
     assert proc.stderr.strip().splitlines()[-1] == "heavy: []", proc.stderr
 
 
+def test_a_repeated_estimate_and_a_bad_recipe_value_import_neither_torch_nor_transformers(tiny_model,
+                                                                                      tmp_path: Path) -> None:
+    """The trace cache holds the traces, the model's plan and what the estimate reads of the config;
+    TrainingArguments' defaults are kept per transformers version: the second run reads them all."""
+    env = {**os.environ, "ANATOMIST_CACHE_DIR": str(tmp_path / "cache")}
+    argv = ["estimate", str(tiny_model("llama")), "--seq-len", "32", "--bf16", "--gpu", "A100-80GB", "--json"]
+
+    def heavy(args: list[str]) -> list[str]:
+        proc = subprocess.run([sys.executable, "-c", IMPORTS_SEEN, *args], capture_output=True, text=True,
+                              env=env, timeout=300)
+        return proc.stderr.strip().splitlines()[-1:]
+
+    assert heavy(argv) == ["heavy: ['torch', 'transformers']"]  # the first traces the model
+    assert heavy(argv) == ["heavy: []"]
+    assert heavy([*argv, "--batch-size", "0"]) == ["heavy: []"]
+
+
 def test_console_script_version() -> None:
     script = Path(sys.executable).with_name("anatomist")
     if not script.exists():
@@ -129,6 +146,12 @@ EXIT_SEEN = (
     "def work():\n"
     "    time.sleep(0.5)\n"
     "    (folder / 'thread').write_text('done')\n"
+    "class Teardown:\n"
+    "    def __del__(self):\n"
+    "        (folder / 'teardown').write_text('done')  # the interpreter's teardown ran\n"
+    "kept = Teardown()\n"
+    "if sys.argv[3] == 'no-private-exit':\n"
+    "    del atexit._run_exitfuncs\n"
     "def main():\n"
     "    atexit.register(lambda: (folder / 'atexit').write_text('done'))\n"
     "    if sys.argv[2] == 'thread':\n"
@@ -140,10 +163,18 @@ EXIT_SEEN = (
 )
 
 
-@pytest.mark.parametrize("thread", ["thread", "no-thread"])
-def test_fast_exit_runs_exit_handlers_and_waits_for_threads(tmp_path: Path, thread: str) -> None:
-    proc = subprocess.run([sys.executable, "-c", EXIT_SEEN, str(tmp_path), thread], capture_output=True, text=True,
-                          timeout=60)
+@pytest.mark.parametrize(("thread", "exit_path", "teardown"), [
+    ("thread", "default", True),  # a running thread: the normal exit waits for it
+    ("no-thread", "default", False),  # the fast exit
+    ("no-thread", "ANATOMIST_NORMAL_EXIT=1", True),  # opted out
+    ("no-thread", "no-private-exit", True),  # an interpreter without CPython's atexit._run_exitfuncs
+])
+def test_fast_exit_runs_exit_handlers_and_waits_for_threads(tmp_path: Path, thread: str, exit_path: str,
+                                                              teardown: bool) -> None:
+    env = {**os.environ, "ANATOMIST_NORMAL_EXIT": "1" if exit_path.startswith("ANATOMIST") else ""}
+    proc = subprocess.run([sys.executable, "-c", EXIT_SEEN, str(tmp_path), thread, exit_path], capture_output=True,
+                          text=True, timeout=60, env=env)
     assert proc.returncode == 3 and proc.stdout == "buffered output", proc.stderr
     assert (tmp_path / "atexit").read_text() == "done"
     assert (tmp_path / "thread").exists() == (thread == "thread")
+    assert (tmp_path / "teardown").exists() == teardown

@@ -8,6 +8,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+from conftest import stored_kinds
 
 from anatomist.estimate.predict import estimate
 from anatomist.hardware import get_gpu
@@ -35,8 +36,8 @@ def test_cached_and_uncached_estimates_are_identical(tiny_model, cache_folder: P
     first = _estimate(model, gradient_checkpointing=True)  # traces, writes the disk cache
     written = sorted(p.name for p in cache_folder.glob("*.trace"))
     # passes at 2 depths x 2 batches, with checkpointing and without (the model FLOPs of MFU),
-    # optimizer at 2 depths; the trace plan
-    assert len(written) == 2 * 4 + 2 + 1
+    # optimizer at 2 depths; the trace plan; what the estimate reads of the config
+    assert stored_kinds(cache_folder) == {"StepTrace": 2 * 4 + 2, "ModelPlan": 1, "ModelFacts": 1}
     cache.clear_memory()
     second = _estimate(model, gradient_checkpointing=True)  # reads every trace from disk
     assert sorted(p.name for p in cache_folder.glob("*.trace")) == written

@@ -14,6 +14,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+from conftest import stored_kinds
 
 from anatomist.recipe import Recipe
 from anatomist.trace import driver, parts, pool
@@ -51,7 +52,7 @@ def test_workers_trace_what_this_process_would(tiny_model, cache_folder: Path, t
     workload, requests = _requests(tiny_model("llama"))
     parts.trace_parts(workload, requests, CC)
     assert traced_here == []  # all in the workers
-    assert len(list(cache_folder.glob("*.trace"))) == len(requests)  # stored by this process
+    assert stored_kinds(cache_folder)["StepTrace"] == len(requests)  # stored by this process
     for recipe, part, depth, batch in requests:
         from_worker = parts.trace_part(workload, recipe.resolved(workload), part, depth=depth, batch_size=batch, compute_capability=CC)
         here = parts.trace_part(workload, recipe.resolved(workload), part, depth=depth, batch_size=batch, compute_capability=CC,
@@ -68,7 +69,7 @@ def test_one_job_traces_nothing_ahead(tiny_model, cache_folder: Path, traced_her
     monkeypatch.setenv("ANATOMIST_JOBS", "1")
     workload, requests = _requests(tiny_model("gpt2"))
     parts.trace_parts(workload, requests, CC)
-    assert traced_here == [] and not cache_folder.exists()
+    assert traced_here == [] and "StepTrace" not in stored_kinds(cache_folder)
 
 
 def test_a_failed_job_comes_back_as_none(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,8 +13,6 @@ independent truth, built for real on the CPU.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import json
 import pickle
 import zlib
@@ -28,6 +26,7 @@ from anatomist.estimate.predict import estimate
 from anatomist.estimate.traces import implied_parameters, step_traces
 from anatomist.hardware import get_gpu
 from anatomist.model_catalog import catalog_entries
+from anatomist.model_facts import facts_of
 from anatomist.recipe import Recipe
 from anatomist.trace import cache
 from anatomist.trace import cuts as cuts_module
@@ -71,9 +70,12 @@ CASES: dict[str, tuple[str, dict, str]] = {
 }
 
 
-def _workload(name: str) -> Workload:
+def _workload(name: str, **changed: object) -> Workload:
+    """The case's workload; `changed` fields make a model of its own (no plan or trace of another test reused)."""
     task, data, _ = CASES[name]
-    return Workload(name=name, config=config_from_dict(dict(data), name, False), task=task, seq_len=SEQ)
+    data = {**data, **changed}
+    config = config_from_dict(dict(data), name, False)
+    return Workload(name=name, config_json=data, facts=facts_of(config), built_config=config, task=task, seq_len=SEQ)
 
 
 def _recipe(workload: Workload) -> Recipe:
@@ -82,8 +84,8 @@ def _recipe(workload: Workload) -> Recipe:
 
 def _real_parameters(workload: Workload, recipe: Recipe) -> int:
     """Parameters of the model built for real on the CPU (shared weights once, as Module.parameters gives them)."""
-    own = dataclasses.replace(workload, config=copy.deepcopy(workload.config))
-    return sum(p.numel() for p in own.build_model("sdpa", recipe.dtype).parameters())
+
+    return sum(p.numel() for p in workload.build_model("sdpa", recipe.dtype).parameters())
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -116,8 +118,7 @@ def test_uneven_stack_matches_a_full_depth_trace(name):
 def test_a_plan_whose_count_is_wrong_falls_back_to_full_depth(monkeypatch):
     # Cutting both of T5's stacks to 2 and 3 layers (what a uniform model gets) implies a decoder as
     # deep as the encoder: 16 + 16 layers instead of 16 + 4. The check must catch it and trace the full model.
-    workload = _workload("t5-uneven-depths")
-    workload.config.d_ff = 96  # a model of its own: no plan or trace of the other test is reused
+    workload = _workload("t5-uneven-depths", d_ff=96)
     recipe = _recipe(workload)
     uniform = cuts_module.TracePlan(base=2, deltas=(cuts_module.Delta(cut=3, multiplier=14, inserted=(1, 4)),),
                                     how="uniform")
@@ -140,8 +141,9 @@ def test_uniform_models_take_the_two_and_three_block_traces_only(tiny_model, tmp
         assert traces.plan.how == "uniform" and traces.plan.cuts == (2, 3)
         stored = Counter(type(pickle.loads(zlib.decompress(p.read_bytes()))).__name__
                          for p in cache.cache_dir().glob("*.trace"))
-        # passes at 2 depths x 2 batches, optimizer at 2 depths; the plan with the exact parameter count
-        assert stored == {"StepTrace": 6, "ModelPlan": 1}
+        # passes at 2 depths x 2 batches, optimizer at 2 depths; the plan with the exact parameter count;
+        # what the estimate reads of the config (model_facts)
+        assert stored == {"StepTrace": 6, "ModelPlan": 1, "ModelFacts": 1}
         assert result.memory.parameters == _real_parameters(workload, recipe)
         assert not any("depth" in note or "kind" in note for note in result.memory.notes)
     finally:

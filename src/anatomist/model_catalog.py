@@ -15,6 +15,8 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from anatomist.config_fields import LAYER_FIELDS, context_length, experts_of
+
 METADATA_KEY = "_anatomist"
 """The catalog's own key in a config file; stripped before transformers sees the config."""
 
@@ -140,8 +142,6 @@ def summarize(entry: CatalogEntry) -> ModelSummary:
     """Family, size, depth, context length and experts of an entry, read from its config.json fields
     alone (`anatomist models` imports neither transformers nor torch; tests/test_catalog.py checks
     every entry against the config transformers builds)."""
-    from anatomist.workload import LAYER_FIELDS, context_length, experts_of
-
     field = entry.config_field
     layers = next(int(field(name)) for name in LAYER_FIELDS if field(name) is not None)
     decoder_layers = int(field("num_decoder_layers") or layers) if field("is_encoder_decoder") else None

@@ -8,6 +8,12 @@ used only when the caller passes `allow_network=True`; remote model code runs on
 The catalog is `anatomist/data/models/NAME.json`: the model's Hub config.json plus one key,
 `"_anatomist"`, that names the Hub repo, the parameter count its authors publish and where each
 came from (see data/models/README.md). That key is stripped before transformers sees the config.
+
+A Workload holds the config.json as read (`config_json`: what the trace caches key on) and what
+the estimator reads of it (`facts`, `model_facts.ModelFacts`). The transformers config (`config`)
+is built only when something needs it (building a model to trace): the facts of a config.json
+already seen with this transformers are kept with the traces, so a repeated estimate imports
+neither transformers nor torch.
 """
 
 from __future__ import annotations
@@ -15,33 +21,21 @@ from __future__ import annotations
 import copy
 import difflib
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from anatomist.config_fields import ESTIMATOR_FIELDS, LAYER_FIELDS
 from anatomist.errors import InputError
 from anatomist.model_catalog import METADATA_KEY, catalog_entries, find_entry
+from anatomist.model_facts import TASKS, ModelFacts
+
+__all__ = ["LAYER_FIELDS", "PEFT_TASK_TYPES", "TASKS", "Task", "Workload", "catalog_names", "config_from_dict",
+           "load_workload"]
 
 Task = Literal["sequence-classification", "causal-lm", "seq2seq-lm", "masked-lm"]
-TASKS: tuple[str, ...] = ("sequence-classification", "causal-lm", "seq2seq-lm", "masked-lm")
 PEFT_TASK_TYPES = {"sequence-classification": "SEQ_CLS", "causal-lm": "CAUSAL_LM", "seq2seq-lm": "SEQ_2_SEQ_LM"}
 """peft.TaskType of each task (masked-lm has none: PEFT wraps it as a plain model)."""
-
-# The sizes the estimator builds from: each must be a positive integer where the config has it.
-# Canonical transformers names; a config class may store them under its own (GPT-2's n_layer).
-ESTIMATOR_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
-
-LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
-"""The names a config.json gives its (encoder's) block count: GPT-2's and T5's are aliases in
-transformers' `attribute_map`."""
-
-# Encoders that transformers also gives a causal-LM class (BertLMHeadModel, ...): still encoders.
-_ENCODER_TYPES = ("bert", "roberta", "deberta", "deberta-v2", "distilbert", "albert", "electra")
-
-# Models whose position ids start after the padding index (RobertaEmbeddings'
-# create_position_ids_from_input_ids), so max_position_embeddings - pad_token_id - 1 tokens fit.
-_POSITIONS_AFTER_PADDING = ("roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "data2vec-text", "xmod")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -50,8 +44,10 @@ class Workload:
 
     name: str
     """Catalog name, Hub id or path the user gave."""
-    config: Any
-    """A transformers.PretrainedConfig."""
+    config_json: dict[str, Any]
+    """The config.json as read (the catalog's own key dropped): what the trace caches key on."""
+    facts: ModelFacts
+    """What the estimator reads of the config (`model_facts`)."""
     task: Task
     """Which head is trained: the seeds' experiment is sequence classification."""
     seq_len: int
@@ -61,12 +57,23 @@ class Workload:
     trust_remote_code: bool = False
     num_labels: int = 2
     extra: dict[str, Any] = field(default_factory=dict)
+    code_folder: str | None = None
+    """Where a config that needs the model's own code (auto_map) finds it."""
+    built_config: Any = field(default=None, repr=False, compare=False)
+    """The transformers config, once built (`config`)."""
     _trace_key: tuple[Any, ...] | None = field(default=None, init=False, repr=False, compare=False)
-    _is_moe: bool | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def config(self) -> Any:
+        """The transformers.PretrainedConfig of `config_json` (built on first use: imports transformers)."""
+        if self.built_config is None:
+            self.built_config = config_from_dict(self.config_json, self.name, self.trust_remote_code,
+                                                 code_folder=self.code_folder)
+        return self.built_config
 
     @property
     def model_type(self) -> str:
-        return str(self.config.model_type)
+        return self.facts.model_type
 
     @property
     def repo_id(self) -> str:
@@ -75,36 +82,25 @@ class Workload:
         return entry.hub_id if entry else self.name
 
     def trace_key(self) -> tuple[Any, ...]:
-        """What decides the model a trace builds and the inputs it feeds: the caches' key.
-
-        Computed once (a JSON dump of the config): nothing changes a workload's config after
-        loading; `model_at_depth` and `dataclasses.replace` make new workloads."""
+        """What decides the model a trace builds and the inputs it feeds: the caches' key (the
+        config.json's content, canonically written, not transformers' object: no import needed)."""
         if self._trace_key is None:
-            self._trace_key = (self.config.to_json_string(use_diff=False), self.task, self.num_labels, self.seq_len)
+            self._trace_key = (canonical_json(self.config_json), self.task, self.num_labels, self.seq_len)
         return self._trace_key
 
     @property
     def is_moe(self) -> bool:
-        """Computed once, like `trace_key` (a plan asks for every recipe: the config's attribute
-        lookups are slow)."""
-        if self._is_moe is None:
-            self._is_moe = moe_counts(self.config) is not None
-        return self._is_moe
+        return self.facts.experts is not None
 
     @property
     def max_positions(self) -> int | None:
         """Longest sequence the config's position embeddings allow, None where nothing limits it."""
-        text = self.config.get_text_config()
-        return context_length(lambda name: getattr(text, name, None), self.model_type)
+        return self.facts.max_positions
 
     @property
     def config_dtype(self) -> str:
-        """The dtype the config names, else float32: what `from_pretrained(dtype="auto")` loads the weights
-        in. (A config.json's older `torch_dtype` is read into `dtype` by transformers >= 5, whose
-        `torch_dtype` attribute only repeats it with a deprecation warning.)"""
-        value = getattr(self.config, "dtype", None)
-        name = str(value).removeprefix("torch.") if value is not None else "float32"
-        return name if name in ("float32", "bfloat16", "float16") else "float32"
+        """The dtype the config names, else float32: what `from_pretrained(dtype="auto")` loads the weights in."""
+        return self.facts.config_dtype
 
     def weights_dtype(self, requested: str) -> str:
         """The dtype the weights load in for `requested` ("auto": the config's).
@@ -137,7 +133,7 @@ class Workload:
             "masked-lm": transformers.AutoModelForMaskedLM,
         }[self.task]
         # A copy: from_config writes the dtype into the config it is given, and the workload's
-        # config must stay as loaded (it is the trace caches' key and says what "auto" means).
+        # config must stay as loaded (it says what "auto" means).
         config = copy.deepcopy(self.config if config is None else config)
         if self.task == "sequence-classification":
             config.num_labels = self.num_labels
@@ -155,9 +151,26 @@ class Workload:
             raise InputError(f"{self.name}: cannot build a {self.task} model: {first}") from None
 
 
+def canonical_json(data: dict[str, Any]) -> str:
+    """`data` written one way only (sorted keys): two equal configs, one key."""
+    return json.dumps(data, sort_keys=True, default=str)
+
+
 def catalog_names() -> list[str]:
     """The models shipped as configs in anatomist/data/models (`anatomist models`)."""
     return list(catalog_entries())
+
+
+@dataclass(frozen=True, slots=True)
+class _Found:
+    """A config.json found for MODEL: its content, where it is, and a config already built from it."""
+
+    data: dict[str, Any]
+    where: str
+    """What messages name: a file, "catalog entry NAME", a Hub id."""
+    source: str
+    code_folder: str | None = None
+    built: Any = None
 
 
 def load_workload(
@@ -174,47 +187,55 @@ def load_workload(
         InputError: unknown model (with close names), malformed config (naming the field),
             seq_len out of range, remote code without `trust_remote_code`.
     """
-    config, source = _resolve_config(model, trust_remote_code=trust_remote_code, allow_network=allow_network)
-    chosen_task: Task = task or _default_task(config)
+    found = _find_config(model, trust_remote_code=trust_remote_code, allow_network=allow_network)
+    facts, built = _facts(found, trust_remote_code)
+    chosen_task: Task = task or facts.default_task  # type: ignore[assignment]
     if chosen_task not in TASKS:
         raise InputError(f"unknown task {chosen_task!r}; known: {', '.join(TASKS)}")
-    workload = Workload(name=model, config=config, task=chosen_task, seq_len=512, source=source,
-                        trust_remote_code=trust_remote_code)
-    limit = workload.max_positions
+    limit = facts.max_positions
     if seq_len is None:
         seq_len = min(512, limit) if limit else 512
     if seq_len <= 0:
         raise InputError(f"seq_len must be greater than 0, got {seq_len}")
     if limit is not None and seq_len > limit:
         raise InputError(f"seq_len {seq_len} is above {model}'s maximum of {limit} positions")
-    workload.seq_len = seq_len
-    return workload
+    return Workload(name=model, config_json=found.data, facts=facts, task=chosen_task, seq_len=seq_len,
+                    source=found.source, trust_remote_code=trust_remote_code, code_folder=found.code_folder,
+                    built_config=built)
 
 
-def _default_task(config: Any) -> Task:
-    """seq2seq-lm for encoder-decoders; sequence classification (the seeds' experiment) for encoders,
-    known by model_type, by a masked-LM checkpoint, or by having no causal-LM class; else causal-lm."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+def _facts(found: _Found, trust_remote_code: bool) -> tuple[ModelFacts, Any]:
+    """The facts of `found`'s config and the transformers config if it had to be built for them: from the
+    trace cache where this config.json was read before with this transformers (no import), else read."""
+    from anatomist.model_facts import facts_of
+    from anatomist.trace import cache
 
-    if getattr(config, "is_encoder_decoder", False):
-        return "seq2seq-lm"
-    architectures = getattr(config, "architectures", None) or []
-    if (config.model_type in _ENCODER_TYPES or any(a.endswith("ForMaskedLM") for a in architectures)
-            or type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING):
-        return "sequence-classification"
-    return "causal-lm"
+    built: list[Any] = [found.built]
+
+    def read() -> ModelFacts:
+        if built[0] is None:
+            built[0] = config_from_dict(found.data, found.where, trust_remote_code, code_folder=found.code_folder)
+        return facts_of(built[0])
+
+    facts = cache.get_or_trace(("model-facts", canonical_json(found.data), trust_remote_code), read, ModelFacts)
+    return facts, built[0]
 
 
-def _resolve_config(model: str, *, trust_remote_code: bool, allow_network: bool) -> tuple[Any, str]:
+def _find_config(model: str, *, trust_remote_code: bool, allow_network: bool) -> _Found:
+    """MODEL's config.json: a path, a catalog entry, the local HF cache, or (allowed) the Hub."""
     path = Path(model).expanduser()
     if path.exists():
-        return _config_from_path(path, trust_remote_code), "local"
+        file = path / "config.json" if path.is_dir() else path
+        return _Found(_read_json(file, path), str(file), "local", code_folder=str(file.parent))
     entry = find_entry(model)
     if entry is not None:
-        return config_from_dict(dict(entry.config), f"catalog entry {entry.name}", trust_remote_code), "catalog"
-    hub_config = _config_from_hub(model, trust_remote_code=trust_remote_code, allow_network=allow_network)
-    if hub_config is not None:
-        return hub_config
+        return _Found(_checked(dict(entry.config), f"catalog entry {entry.name}"), f"catalog entry {entry.name}",
+                      "catalog")
+    cached = _in_hf_cache(model)
+    if cached is not None:
+        return _Found(_read_json(cached, cached), model, "hf-cache", code_folder=str(cached.parent))
+    if allow_network:
+        return _from_hub(model, trust_remote_code)
     close = difflib.get_close_matches(model.lower(), [n.lower() for n in catalog_names()], n=3, cutoff=0.4)
     names = {n.lower(): n for n in catalog_names()}
     hint = f"; did you mean {', '.join(names[c] for c in close)}?" if close else ""
@@ -222,20 +243,31 @@ def _resolve_config(model: str, *, trust_remote_code: bool, allow_network: bool)
     raise InputError(f"unknown model {model!r}: not a path, not in the catalog, not in {where}{hint}")
 
 
-def _config_from_path(path: Path, trust_remote_code: bool) -> Any:
-    file = path / "config.json" if path.is_dir() else path
+def _read_json(file: Path, given: Path) -> dict[str, Any]:
     if not file.is_file():
-        raise InputError(f"{path}: no config.json there")
+        raise InputError(f"{given}: no config.json there")
     try:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as exc:
         raise InputError(f"{file}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(data, dict):
         raise InputError(f"{file}: a config.json must hold a JSON object")
-    return config_from_dict(data, str(file), trust_remote_code)
+    return _checked(data, str(file))
 
 
-def config_from_dict(data: dict[str, Any], where: str, trust_remote_code: bool) -> Any:
+def _checked(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """`data` without the catalog's own key, refused where it lacks model_type or has a non-positive size
+    (checked on the JSON alone: said before anything imports transformers)."""
+    data = {k: v for k, v in data.items() if k != METADATA_KEY}
+    if not data.get("model_type"):
+        raise InputError(f"{where}: field model_type is missing; it names the architecture (e.g. \"bert\", \"llama\")")
+    for name in ESTIMATOR_FIELDS:
+        _positive(data.get(name), name, where)
+    return data
+
+
+def config_from_dict(data: dict[str, Any], where: str, trust_remote_code: bool, *,
+                     code_folder: str | None = None) -> Any:
     """Build the transformers config a config.json describes, refusing what would break the estimate.
 
     Refuses only what the estimate cannot work with: an architecture transformers does not know
@@ -249,64 +281,58 @@ def config_from_dict(data: dict[str, Any], where: str, trust_remote_code: bool) 
         data: config.json's content; the catalog's own key (METADATA_KEY) is dropped.
         where: what to name in messages (a file path, "catalog entry NAME").
         trust_remote_code: whether a config whose model_type only remote code defines may be
-            built (from `where`'s folder, which must hold that code).
+            built (from `code_folder`, which must hold that code).
 
     Raises:
         InputError: one line naming the field and the value.
     """
     from transformers import CONFIG_MAPPING
 
-    data = {k: v for k, v in data.items() if k != METADATA_KEY}
-    model_type = data.get("model_type")
-    if not model_type:
-        raise InputError(f"{where}: field model_type is missing; it names the architecture (e.g. \"bert\", \"llama\")")
+    data = _checked(data, where)
+    model_type = data["model_type"]
     if model_type not in CONFIG_MAPPING:
         if "auto_map" in data:
             if not trust_remote_code:
                 raise InputError(f"{where}: model_type={model_type!r} needs the model's own code (auto_map); "
                                  "rerun with --trust-remote-code if you trust it")
-            return _check_estimator_fields(_remote_config(where), where)
+            return _check_built(_remote_config(where, code_folder or str(Path(where).parent)), where)
         raise InputError(_unknown_architecture(where, str(model_type), CONFIG_MAPPING))
     config_cls = CONFIG_MAPPING[model_type]
-    _check_estimator_fields(data, where, attribute_map=getattr(config_cls, "attribute_map", {}))
+    aliases = getattr(config_cls, "attribute_map", {}) or {}
+    for name in ESTIMATOR_FIELDS:
+        _positive(data.get(aliases.get(name, name)), aliases.get(name, name), where)
     try:
         config = config_cls.from_dict({k: v for k, v in data.items() if k != "model_type"})
     except Exception as exc:  # transformers raises TypeError, ValueError or huggingface_hub's StrictDataclassError
         if not isinstance(exc, (TypeError, ValueError)) and type(exc).__name__ not in _CONFIG_ERRORS:
             raise
         raise InputError(f"{where}: invalid config: {_one_line(exc)}") from None
-    return _check_estimator_fields(config, where)
+    return _check_built(config, where)
 
 
 # huggingface_hub's @strict validation errors (transformers 5 configs are strict dataclasses)
 _CONFIG_ERRORS = ("StrictDataclassError", "StrictDataclassFieldValidationError", "StrictDataclassDefinitionError")
 
 
-def _check_estimator_fields(config: Any, where: str, attribute_map: dict[str, str] | None = None) -> Any:
-    """Refuse a non-positive ESTIMATOR_FIELDS value; `config` is a dict (raw JSON) or a built config.
+def _positive(value: Any, spelled: str, where: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise InputError(f"{where}: field {spelled} must be a positive integer, got {value!r}")
 
-    On a built config the text model's fields are checked (a vision-language model keeps them in
-    text_config), encoder-decoder models also by their decoder depth. Fields the config does not
-    have are left to transformers' defaults.
-    """
-    if isinstance(config, dict):
-        fields = {attribute_map.get(name, name) if attribute_map else name: name for name in ESTIMATOR_FIELDS}
-        values = {spelled: config.get(spelled) for spelled in fields}
-    else:
-        text = config.get_text_config()
-        mapping = getattr(text, "attribute_map", {}) or {}
-        names = list(ESTIMATOR_FIELDS) + (["num_decoder_layers"] if getattr(config, "is_encoder_decoder", False) else [])
-        values = {mapping.get(name, name): getattr(text, name, None) for name in names}
-    for spelled, value in values.items():
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise InputError(f"{where}: field {spelled} must be a positive integer, got {value!r}")
+
+def _check_built(config: Any, where: str) -> Any:
+    """Refuse a non-positive ESTIMATOR_FIELDS value of a built config: the text model's (a
+    vision-language model keeps them in text_config), and an encoder-decoder's decoder depth."""
+    text = config.get_text_config()
+    mapping = getattr(text, "attribute_map", {}) or {}
+    names = list(ESTIMATOR_FIELDS) + (["num_decoder_layers"] if getattr(config, "is_encoder_decoder", False) else [])
+    for name in names:
+        _positive(getattr(text, name, None), mapping.get(name, name), where)
     return config
 
 
-def _remote_config(where: str) -> Any:
+def _remote_config(where: str, folder: str) -> Any:
     from transformers import AutoConfig
 
-    folder = Path(where).parent
     try:
         return AutoConfig.from_pretrained(folder, trust_remote_code=True, local_files_only=True)
     except (OSError, ValueError, ImportError) as exc:
@@ -326,68 +352,30 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(lines[:2]) if lines else type(exc).__name__
 
 
-def _config_from_hub(model: str, *, trust_remote_code: bool, allow_network: bool) -> tuple[Any, str] | None:
-    if not allow_network and not _in_hf_cache(model):
-        return None  # said without importing transformers (and torch): a mistyped name is a quick error
+def _from_hub(model: str, trust_remote_code: bool) -> _Found:
+    """Ask the Hub for MODEL's config (allowed by the caller): transformers' AutoConfig, as users load it."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(
-            model, local_files_only=not allow_network, trust_remote_code=trust_remote_code
-        )
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except OSError:
-        return None
+        raise InputError(f"unknown model {model!r}: the Hub has no config.json for it (or cannot be reached)") from None
     except ValueError as exc:
         message = str(exc).splitlines()[0]
         if "trust_remote_code" in message:
             raise InputError(f"{model}: needs remote code; rerun with --trust-remote-code if you trust it") from None
         raise InputError(f"{model}: invalid config: {message}") from None
-    return _check_estimator_fields(config, model), "hub" if allow_network else "hf-cache"
+    return _Found(config.to_dict(), model, "hub", built=_check_built(config, model))
 
 
-def _in_hf_cache(model: str) -> bool:
-    """Whether the local Hugging Face cache holds a config.json for the repo id `model` (huggingface_hub's
+def _in_hf_cache(model: str) -> Path | None:
+    """The config.json the local Hugging Face cache holds for the repo id `model`, if any (huggingface_hub's
     own lookup, the one transformers makes with local_files_only)."""
     from huggingface_hub import try_to_load_from_cache
     from huggingface_hub.utils import HFValidationError
 
     try:
-        return isinstance(try_to_load_from_cache(model, "config.json"), str)
+        found = try_to_load_from_cache(model, "config.json")
     except HFValidationError:  # not a repo id
-        return False
-
-
-ConfigField = Callable[[str], Any]
-"""A config's field by name, None where it has none: getattr on a transformers config, or `dict.get`
-on its JSON (what `anatomist models` reads, without importing transformers)."""
-
-
-def moe_counts(config: Any) -> tuple[int, int] | None:
-    """(experts per token, routed experts) for a Mixture-of-Experts config, else None (see `experts_of`)."""
-    text = config.get_text_config()
-    return experts_of(lambda name: getattr(text, name, None))
-
-
-def experts_of(field: ConfigField) -> tuple[int, int] | None:
-    """(experts per token, routed experts) of a text config's fields, else None.
-
-    The expert count goes by num_local_experts (Mixtral, gpt-oss), num_experts (Qwen-MoE) or
-    n_routed_experts (DeepSeek); shared experts are not counted.
-    """
-    experts = field("num_local_experts") or field("num_experts") or field("n_routed_experts")
-    per_token = field("num_experts_per_tok")
-    if experts and per_token:
-        return int(per_token), int(experts)
-    return None
-
-
-def context_length(field: ConfigField, model_type: str) -> int | None:
-    """Longest sequence a text config's position embeddings allow, None where nothing limits it."""
-    for name in ("max_position_embeddings", "n_positions"):
-        value = field(name)
-        if isinstance(value, int) and value > 0:
-            pad = field("pad_token_id")
-            if model_type in _POSITIONS_AFTER_PADDING and isinstance(pad, int) and 0 <= pad < value - 1:
-                return value - pad - 1  # RoBERTa: 514 embeddings, padding_idx 1 -> 512 tokens
-            return value
-    return None
+        return None
+    return Path(found) if isinstance(found, str) else None

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import gc
 import importlib
+import logging
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
 from anatomist import __version__
@@ -26,6 +28,15 @@ transformers and holding traces makes millions of objects that live to the end, 
 thresholds traverse again and again (a fifth of a warm plan's time). No trace depends on the
 collector: every storage a step frees dies by reference count (a test compares traces with the
 collector off)."""
+
+COMMAND_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+"""Set for the command where the user has not set them: offline unless a command asks
+(--allow-network), and transformers' own warnings quiet (anatomist says what matters)."""
+QUIET_LOGGERS = ("torch.utils._pytree",)
+"""Loggers whose warnings say nothing to a user of anatomist (torchao registering enums with torch's
+pytree when transformers' quantizers import it) and are kept below ERROR while a command runs."""
+NORMAL_EXIT_VARIABLE = "ANATOMIST_NORMAL_EXIT"
+"""Set to 1 to end the process with the interpreter's normal teardown (see `run`)."""
 
 SUBCOMMAND_MODULES = ("estimate", "plan", "bench", "calibrate", "profile", "report", "catalog", "serve")
 
@@ -44,28 +55,52 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def command_settings(*, allow_network: bool = False) -> Iterator[None]:
+    """The process-wide settings of one command (COMMAND_ENVIRONMENT, QUIET_LOGGERS, GC_THRESHOLDS),
+    undone when it ends: `main` called in a process that does more (a test, a server) leaves it as it was.
+    With `allow_network` (--allow-network) the Hub may be asked: HF_HUB_OFFLINE is unset for the command."""
+    saved_env = {name: os.environ.get(name) for name in COMMAND_ENVIRONMENT}
+    for name, setting in COMMAND_ENVIRONMENT.items():
+        os.environ.setdefault(name, setting)
+    if allow_network:
+        os.environ.pop("HF_HUB_OFFLINE", None)
+    loggers = [logging.getLogger(name) for name in QUIET_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    thresholds = gc.get_threshold()
+    gc.set_threshold(*GC_THRESHOLDS)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+        for name, saved in saved_env.items():
+            if saved is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = saved
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline unless a command asks (--allow-network)
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2
-    thresholds = gc.get_threshold()
-    gc.set_threshold(*GC_THRESHOLDS)
-    try:
-        return int(args.handler(args) or 0)
-    except InputError as exc:
-        print(f"anatomist: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("anatomist: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        return 0
-    finally:
-        gc.set_threshold(*thresholds)
+    with command_settings(allow_network=bool(getattr(args, "allow_network", False))):
+        try:
+            return int(args.handler(args) or 0)
+        except InputError as exc:
+            print(f"anatomist: error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("anatomist: interrupted", file=sys.stderr)
+            return 130
+        except BrokenPipeError:  # the reader went away (`| head`): nothing more to say
+            return 0
 
 
 def run() -> NoReturn:
@@ -74,13 +109,16 @@ def run() -> NoReturn:
 
     Once torch and transformers are imported, Python takes 0.6-0.8 s after the last line of work to
     unload them module by module, a seventh of a whole estimate, for nothing the user sees. The exit
-    handlers still run (atexit: child processes joined, logging flushed) and the output is flushed;
-    where a thread other than the main one still runs, the normal exit waits for it instead.
+    handlers still run (atexit: child processes joined, logging flushed) and the output is flushed.
+    The normal exit is taken instead where a thread other than the main one still runs, where the
+    interpreter has no `atexit._run_exitfuncs` (it is CPython's), and where ANATOMIST_NORMAL_EXIT=1.
     """
     code = main()
-    if any(t.is_alive() and not t.daemon and t is not threading.main_thread() for t in threading.enumerate()):
+    run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)  # CPython's; where missing, the normal exit
+    if (run_exit_handlers is None or os.environ.get(NORMAL_EXIT_VARIABLE, "") not in ("", "0")
+            or any(t.is_alive() and not t.daemon and t is not threading.main_thread() for t in threading.enumerate())):
         sys.exit(code)
-    atexit._run_exitfuncs()
+    run_exit_handlers()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -7,7 +7,7 @@ import argparse
 from rich.table import Table
 
 from anatomist.cli.common import print_json
-from anatomist.cli.render import console, gib
+from anatomist.cli.render import console, gib, plain_rows
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -60,17 +60,26 @@ def run_models(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"models": [r.to_dict() for r in rows]})
         return 0
-    table = Table(title="Model catalog (config.json only, no weights; sources in data/models)", title_justify="left")
-    for column in ("name", "Hub id", "family", "parameters", "layers", "context", "MoE"):
-        table.add_column(column, justify="right" if column in ("parameters", "layers", "context") else "left")
-    for r in rows:
-        layers = f"{r.layers}+{r.decoder_layers}" if r.decoder_layers is not None else str(r.layers)
-        moe = f"{r.experts_per_token} of {r.experts} experts" if r.is_moe else "-"
-        table.add_row(r.name, r.hub_id, r.family, _count(r.parameters), layers,
-                      f"{r.context_length:,}" if r.context_length else "-", moe)
+    header = ["name", "Hub id", "family", "parameters", "layers", "context", "MoE"]
+    cells = [[r.name, r.hub_id, r.family, _count(r.parameters),
+              f"{r.layers}+{r.decoder_layers}" if r.decoder_layers is not None else str(r.layers),
+              f"{r.context_length:,}" if r.context_length else "-",
+              f"{r.experts_per_token}/{r.experts}" if r.is_moe else "-"] for r in rows]
     out = console()
+    if not out.is_terminal:  # piped or redirected: every name whole, no box drawing
+        out.print(plain_rows(header, cells), markup=False, soft_wrap=True)
+        return 0
+    wide = out.width >= 120  # the Hub ids fit beside the rest; in 80 columns the names come first
+    table = Table(title="Model catalog (config.json only, no weights; sources in data/models)", title_justify="left")
+    for column in header:
+        if column != "Hub id" or wide:
+            table.add_column("params" if column == "parameters" else column, no_wrap=column in ("name", "family"),
+                             justify="right" if column in ("parameters", "layers", "context") else "left")
+    for row in cells:
+        table.add_row(*(c for c, name in zip(row, header, strict=True) if name != "Hub id" or wide))
     out.print(table)
-    out.print("parameters: as published (tied weights once); layers: encoder+decoder for encoder-decoder models.")
+    out.print("parameters: as published (tied weights once); layers: encoder+decoder; MoE: experts per token/routed"
+              + ("" if wide else "; Hub ids: anatomist models --json, or a wider terminal"))
     return 0
 
 

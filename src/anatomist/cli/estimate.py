@@ -59,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def build_estimate(args: argparse.Namespace) -> Estimate:
     apply_cache_flag(args)
-    gpu = get_gpu(args.gpu)  # a mistyped GPU or model is said before anything imports transformers
+    gpu = get_gpu(args.gpu)
     source = recipe_file_from_args(args)
     # What the command line gives wins over what the file says; without MODEL from either: the
     # seeds' experiment, with the batch size the seeds name.
@@ -68,10 +68,8 @@ def build_estimate(args: argparse.Namespace) -> Estimate:
     num_gpus = _given(args.gpus, source.num_gpus if source else None, 1)
     if num_gpus <= 0:
         raise InputError(f"--gpus must be greater than 0, got {num_gpus}")
-    workload = load_workload(
-        model or DEFAULT_MODEL, seq_len=seq_len, task=args.task,
-        trust_remote_code=args.trust_remote_code, allow_network=args.allow_network,
-    )
+    # The recipe, then the model: a bad value or a mistyped name is said before anything imports
+    # transformers (Recipe's defaults are kept on disk per transformers version).
     recipe = recipe_from_args(args, base=SEEDS_RECIPE if model is None else None, source=source)
     calibration = calibration_from_args(args)
     if recipe.bf16 and not gpu.bf16:
@@ -80,12 +78,16 @@ def build_estimate(args: argparse.Namespace) -> Estimate:
         raise InputError(f"tf32 needs an Ampere or newer GPU; {gpu.name} has none")
     if recipe.dtype == "bfloat16" and not gpu.bf16:
         raise InputError(f"--dtype bfloat16 needs an Ampere or newer GPU; {gpu.name} has none (use --dtype float16 or float32)")
+    workload = load_workload(
+        model or DEFAULT_MODEL, seq_len=seq_len, task=args.task,
+        trust_remote_code=args.trust_remote_code, allow_network=args.allow_network,
+    )
     note_missing_packages(recipe)
     recipe = recipe.resolved(workload)
     if recipe.dtype == "bfloat16" and not gpu.bf16:
         warn(f"{workload.name} loads in bfloat16 (its config's dtype) but {gpu.name} has no bf16 tensor cores: "
              "it runs emulated and slowly there; --dtype float16 or float32 is the usual choice")
-    from anatomist.estimate.predict import estimate  # imports torch
+    from anatomist.estimate.predict import estimate  # torch only if something must be traced
 
     return estimate(workload, recipe, gpu, mode=args.mode, num_gpus=num_gpus, calibration=calibration,
                     margin=args.memory_margin)

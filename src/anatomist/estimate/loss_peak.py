@@ -94,7 +94,7 @@ def loss_peak_note(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAn
 
 def _logits_size(workload: Workload, recipe: ResolvedRecipe) -> str:
     """`batch x tokens x vocabulary` and what one copy of the logits takes in each dtype the loss holds."""
-    vocab = int(workload.config.get_text_config().vocab_size)
+    vocab = workload.facts.vocab_size
     batch = recipe.per_device_train_batch_size
     elements = batch * workload.seq_len * vocab
     half_name = {"bfloat16": "bf16", "float16": "fp16"}.get(half_dtype(recipe) or "")

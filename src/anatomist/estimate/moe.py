@@ -27,7 +27,7 @@ from typing import Any
 from anatomist.anatomy import MemoryAnatomy
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.experts import OWN_CODE, experts_kernel
-from anatomist.workload import Workload, moe_counts
+from anatomist.workload import Workload
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,7 +73,7 @@ class MoeRouting:
 
 def moe_routing(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnatomy) -> MoeRouting | None:
     """The routing assumption and peak range of an estimate (None for a dense model)."""
-    counts = moe_counts(workload.config)
+    counts = workload.facts.experts
     kernel = experts_kernel(workload, recipe)
     if counts is None or kernel is None:
         return None
@@ -88,7 +88,7 @@ def moe_routing(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnato
 def moe_note(workload: Workload, recipe: ResolvedRecipe) -> str | None:
     """What the notes say of a Mixture-of-Experts estimate: the routing assumed and why any other gives the
     same memory (None for a dense model)."""
-    counts = moe_counts(workload.config)
+    counts = workload.facts.experts
     kernel = experts_kernel(workload, recipe)
     if counts is None or kernel is None:
         return None

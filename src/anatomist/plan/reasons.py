@@ -15,11 +15,12 @@ from anatomist.axes.precisions import precision, precision_of
 from anatomist.axes.shardings import sharding_of
 from anatomist.estimate.traces import prefetch
 from anatomist.hardware import GPU
-from anatomist.plan.search import SPEED_TIE, Candidate, Evaluator, SearchSpace, smallest_fitting_gpu
+from anatomist.plan.candidates import SPEED_TIE, Candidate, Evaluator, smallest_fitting_gpu
 from anatomist.plan.space import (
     BF16_WEIGHTS_TRADE_OFF,
     METHODS,
     PEFT_TRADE_OFF,
+    SearchSpace,
     method_of,
     searched_precisions,
 )

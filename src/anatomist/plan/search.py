@@ -10,45 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, GIB, TimeAnatomy
+from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, GIB
 from anatomist.axes.precisions import searchable_on
 from anatomist.errors import InputError
-from anatomist.estimate.memory import MemoryEstimate, estimate_memory, memory_limit_bytes
+from anatomist.estimate.memory import memory_limit_bytes
 from anatomist.estimate.traces import prefetch
-from anatomist.hardware import GPU, catalog
+from anatomist.hardware import GPU
+from anatomist.plan.candidates import Candidate, Evaluator, Objective, choose, pareto_front
+from anatomist.plan.reasons import explain, explain_infeasible
 from anatomist.plan.space import SearchSpace, enumerate_recipes
 from anatomist.plan.throughput import TimeModel, predict_time
-from anatomist.recipe import Recipe, ResolvedRecipe
 from anatomist.trace import pool
 from anatomist.workload import Workload
-
-Objective = Literal["throughput", "memory"]
-@dataclass(kw_only=True, slots=True)
-class Candidate:
-    """One recipe with its predictions."""
-
-    recipe: ResolvedRecipe
-    memory: MemoryEstimate
-    time: TimeAnatomy
-    fits: bool
-    reasons: list[str] = field(default_factory=list)
-
-    @property
-    def device_total(self) -> int:
-        total = self.memory.anatomy.device_total
-        assert total is not None  # an estimate always has one (only a CPU measurement has none)
-        return total
-
-    @property
-    def samples_per_second(self) -> float:
-        return self.time.samples_per_second
-
-    def to_dict(self) -> dict[str, Any]:
-        memory = self.memory.anatomy.to_dict()
-        memory["fits"] = self.fits
-        return {"recipe": self.recipe.to_dict(), "memory": memory, "time": self.time.to_dict(), "reasons": self.reasons}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -91,52 +66,6 @@ class Plan:
         }
 
 
-class Evaluator:
-    """Predicts (and remembers) memory and time of recipes for one workload, GPU and device count."""
-
-    def __init__(self, workload: Workload, gpu: GPU, num_gpus: int, margin: float, time_model: TimeModel) -> None:
-        self.workload, self.gpu, self.num_gpus, self.margin = workload, gpu, num_gpus, margin
-        self.time_model = time_model
-        self.seen: dict[Recipe, Candidate] = {}
-
-    def __call__(self, recipe: Recipe) -> Candidate:
-        """The candidate of `recipe` (resolved here for the workload: the plan's entry point for each recipe)."""
-        recipe = recipe.resolved(self.workload)
-        if recipe not in self.seen:
-            memory = estimate_memory(self.workload, recipe, self.gpu, num_gpus=self.num_gpus, margin=self.margin)
-            time = self.time_model(self.workload, recipe, self.gpu, num_gpus=self.num_gpus)
-            self.seen[recipe] = Candidate(recipe=recipe, memory=memory, time=time, fits=memory.fits)
-        return self.seen[recipe]
-
-
-def pareto_front(candidates: list[Candidate]) -> list[Candidate]:
-    """Candidates no other beats on both throughput (higher) and device memory (lower)."""
-    front: list[Candidate] = []
-    for c in sorted(candidates, key=lambda c: (c.device_total, -c.samples_per_second)):
-        if not front or c.samples_per_second > front[-1].samples_per_second:
-            front.append(c)
-    return front
-
-
-def _simplicity(recipe: Recipe) -> tuple[int, ...]:
-    """Tie-break among equally fast recipes: fewer moving parts first (every weight trained, no
-    compile, no sharding, no checkpointing, AdamW), then a per-device batch that is a multiple of 8."""
-    return (
-        int(recipe.peft != "none") + int(recipe.quantized),
-        int(recipe.torch_compile),
-        recipe.sharding_stage,
-        int(recipe.offload != "none"),
-        int(recipe.gradient_checkpointing),
-        int(recipe.optim != "adamw_torch_fused"),
-        int(recipe.per_device_train_batch_size % 8 != 0),
-        recipe.gradient_accumulation_steps,
-    )
-
-
-SPEED_TIE = 0.005
-"""Throughputs within 0.5% of each other are a tie (below any time model's resolution)."""
-
-
 def plan(
     workload: Workload,
     gpu: GPU,
@@ -152,8 +81,6 @@ def plan(
         InputError: bad margin/objective, or no recipe fits (the message says what is short,
             by how much, and what would fit).
     """
-    from anatomist.plan.reasons import explain, explain_infeasible
-
     space = space or SearchSpace()
     if workload.is_moe and space.precisions is None:
         if not gpu.bf16:
@@ -192,20 +119,3 @@ def plan(
     )
 
 
-def choose(feasible: list[Candidate], objective: Objective) -> Candidate:
-    """Throughput: among recipes within SPEED_TIE of the fastest, the simplest.
-    Memory: the smallest device total, then the fastest."""
-    if objective == "memory":
-        return min(feasible, key=lambda c: (c.device_total, -c.samples_per_second, _simplicity(c.recipe)))
-    top = max(c.samples_per_second for c in feasible)
-    near = [c for c in feasible if c.samples_per_second >= top * (1 - SPEED_TIE)]
-    return min(near, key=lambda c: (_simplicity(c.recipe), -c.samples_per_second))
-
-
-def smallest_fitting_gpu(need_bytes: int, margin: float, gpu: GPU) -> GPU | None:
-    """The catalog GPU with the least memory that would hold `need_bytes` (context size adjusted)."""
-    fitting = [
-        g for g in catalog().values()
-        if need_bytes - gpu.cuda_context_bytes + g.cuda_context_bytes <= g.memory_bytes * (1 - margin)
-    ]
-    return min(fitting, key=lambda g: g.memory_bytes, default=None)

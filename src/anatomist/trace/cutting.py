@@ -11,8 +11,8 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any
 
+from anatomist.config_fields import LAYER_FIELDS
 from anatomist.trace.keys import Cut, Depth
-from anatomist.workload import LAYER_FIELDS
 
 if TYPE_CHECKING:
     from anatomist.workload import Workload

@@ -195,7 +195,7 @@ def data_dependent_code_is_input_error(workload: Workload, recipe: ResolvedRecip
         other = "sdpa" if recipe.attn_implementation == "eager" else "eager"
         experts = (" (if it is a Mixture-of-Experts loop over the experts the router picked: only transformers' "
                    "grouped_mm and batched_mm experts kernels can be estimated)"
-                   if workload.config is not None and workload.is_moe else "")
+                   if workload.is_moe else "")
         raise InputError(
             f"{workload.name}: cannot be estimated without data: its code{where} calls {getattr(exc, 'func', exc)}, "
             f"whose output size depends on the values; if that is its attention code, try "

@@ -18,7 +18,6 @@ MoE step keeps the same tensors for every routing: see `estimate.moe`.
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 from anatomist.errors import InputError
@@ -36,8 +35,7 @@ def experts_kernel(workload: Workload, recipe: ResolvedRecipe) -> str | None:
     OWN_CODE where its class takes none, None for a dense model."""
     if not workload.is_moe:
         return None
-    cls = _model_class(workload.config, workload.task)
-    if cls is None or not _takes_kernels(cls):
+    if workload.task not in workload.facts.kernel_tasks:
         return OWN_CODE
     return recipe.experts_implementation
 
@@ -59,7 +57,7 @@ def check_traceable(workload: Workload, recipe: ResolvedRecipe) -> None:
     """
     if not workload.is_moe:
         return
-    named = getattr(workload.config, "_experts_implementation", None)
+    named = workload.facts.experts_implementation
     if named is not None and named != recipe.experts_implementation:
         raise InputError(
             f"{workload.name}: its config sets experts_implementation={named!r} but the recipe models "
@@ -72,26 +70,3 @@ def check_traceable(workload: Workload, recipe: ResolvedRecipe) -> None:
             f"tensor sizes that follow the data, which an estimate without data cannot know; modelled: "
             f"{', '.join(MODELLED)} (grouped_mm is transformers' default)"
         )
-
-
-def _model_class(config: Any, task: str) -> type | None:
-    from transformers.models.auto import modeling_auto as auto
-
-    mapping = {
-        "causal-lm": auto.MODEL_FOR_CAUSAL_LM_MAPPING,
-        "sequence-classification": auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
-        "seq2seq-lm": auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING,
-        "masked-lm": auto.MODEL_FOR_MASKED_LM_MAPPING,
-    }[task]
-    try:
-        cls: Any = mapping[type(config)]
-    except KeyError:  # remote code, or no such head
-        return None
-    return cls if isinstance(cls, type) else None
-
-
-@cache
-def _takes_kernels(cls: type) -> bool:
-    """Whether transformers runs this model class's experts through its kernels (its own test:
-    the class's module uses the `use_experts_implementation` decorator)."""
-    return bool(cls._can_set_experts_implementation())  # type: ignore[attr-defined]

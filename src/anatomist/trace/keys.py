@@ -104,8 +104,8 @@ def plan_key(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ...]:
 
 
 TRACE_SOURCES: tuple[str, ...] = (
-    "__init__.py", "anatomy.py", "errors.py", "hardware.py", "op_classes.py", "recipe.py", "trainer_defaults.py",
-    "user_cache.py", "workload.py", "model_catalog.py",
+    "__init__.py", "anatomy.py", "config_fields.py", "errors.py", "hardware.py", "model_catalog.py", "model_facts.py",
+    "op_classes.py", "recipe.py", "trainer_defaults.py", "user_cache.py", "workload.py",
     "axes/__init__.py", "axes/optimizers.py", "axes/precisions.py", "axes/quantization.py", "axes/shardings.py",
     "trace/__init__.py", "trace/allocator.py", "trace/autocast.py", "trace/cache.py", "trace/cuda_model.py",
     "trace/cuts.py", "trace/cutting.py", "trace/driver.py", "trace/experts.py", "trace/inputs.py", "trace/keys.py",

@@ -11,11 +11,12 @@ when the GPU runs short. The arithmetic is not that of Adam; only the memory is.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from anatomist.axes.optimizers import QuantizedState
+if TYPE_CHECKING:  # the registry builds this layout: a run-time import back would be a circle
+    from anatomist.axes.optimizers import QuantizedState
 
 CODE_TABLE_ENTRIES = 256
 """fp32 values of each code table bitsandbytes keeps once per optimizer (`name2qmap`)."""

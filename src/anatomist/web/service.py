@@ -73,7 +73,7 @@ def fields() -> tuple[Field, ...]:
     from anatomist.axes.precisions import FULL_PRECISIONS
     from anatomist.cli.estimate import DEFAULT_GPU, DEFAULT_MODEL
     from anatomist.cli.recipe_flags import flag_name
-    from anatomist.plan.search import Objective
+    from anatomist.plan.candidates import Objective
     from anatomist.recipe import Recipe, field_kinds
     from anatomist.workload import TASKS
 

@@ -1,0 +1,61 @@
+"""How the CLI's tables read where they are read: an 80-column terminal, a pipe, a reader that goes away."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+from anatomist.cli import catalog, render
+from anatomist.model_catalog import catalog_entries
+
+
+def test_models_piped_lists_every_name_whole(cli) -> None:
+    result = cli("models")  # captured: not a terminal
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["name", "Hub", "id", "family", "parameters", "layers", "context", "MoE"]
+    names = [line.split()[0] for line in lines[1:]]
+    assert names == list(catalog_entries())
+    assert "…" not in result.stdout and "┃" not in result.stdout
+
+
+def test_models_in_an_80_column_terminal_keeps_every_name_whole(monkeypatch) -> None:
+    screen = io.StringIO()
+
+    def terminal(stderr: bool = False) -> render.Console:
+        return render._Console(file=screen, force_terminal=True, width=80, color_system=None)
+
+    monkeypatch.setattr(catalog, "console", terminal)
+    catalog.run_models(type("Args", (), {"json": False})())
+    lines = screen.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= 80
+    for name in catalog_entries():
+        assert any(f" {name} " in line for line in lines), name
+
+
+def test_a_reader_that_goes_away_is_not_an_error() -> None:
+    """`anatomist models | head -0`: the pipe is closed before anything is written."""
+    proc = subprocess.Popen([sys.executable, "-m", "anatomist", "models"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0 and err == b""
+
+
+def test_a_command_leaves_the_process_as_it_found_it(cli, monkeypatch) -> None:
+    import gc
+    import os
+
+    from anatomist.cli import command_settings
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    thresholds = gc.get_threshold()
+    assert cli("gpus").returncode == 0
+    assert "HF_HUB_OFFLINE" not in os.environ and gc.get_threshold() == thresholds
+    with command_settings():
+        assert os.environ["HF_HUB_OFFLINE"] == "1"  # offline unless asked
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with command_settings(allow_network=True):
+        assert "HF_HUB_OFFLINE" not in os.environ  # --allow-network lets huggingface_hub ask the Hub
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
