@@ -1,7 +1,7 @@
 # The two quick-start targets: `make demo` and `make test` (both set up .venv first).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-all test-gpu test-floor lint bench-speed validate-gpu validate-gpu-dry-run
+.PHONY: setup demo test test-slow test-all test-gpu test-floor lint bench-speed validate-gpu validate-gpu-dry-run
 
 setup:
 	@bash scripts/setup.sh
@@ -16,6 +16,11 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4;
 test: setup
 	@bash scripts/install_browser.sh
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# The tests marked slow (real training runs in subprocesses, full-size identity cases, real CPU
+# timing): CI runs them after the default run.
+test-slow: setup
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m slow
 
 test-all: setup
 	$(PY) -m pytest -q -m "not gpu"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from bench_tiny import write_tiny_suite
 
 from anatomist.cli import main
@@ -34,6 +35,7 @@ def test_corrupt_results_file_exit_2_and_untouched(tmp_path, capsys):
     assert results.read_bytes() == before
 
 
+@pytest.mark.slow  # real training steps in subprocesses: minutes on 2 cores
 def test_tiny_suite_runs_through_trainer_and_json(tmp_path, capsys):
     results = tmp_path / "r.jsonl"
     suite = write_tiny_suite(tmp_path)
@@ -61,6 +63,7 @@ def test_tiny_suite_runs_through_trainer_and_json(tmp_path, capsys):
     assert skipped["status"] == "skipped" and "CUDA" in skipped["reason"]
 
 
+@pytest.mark.slow  # real training steps in subprocesses: minutes on 2 cores
 def test_lora_suite_runs_adapters_for_real_and_skips_qlora_without_cuda(tmp_path, capsys):
     """The shipped lora suite on CPU: LoRA rows train a real PEFT model through the Trainer and an
     Accelerate loop, within 5% of the prediction; QLoRA rows say why they did not run."""

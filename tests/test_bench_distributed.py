@@ -22,6 +22,7 @@ TINY_BERT = {
 }
 
 
+@pytest.mark.slow  # real training steps in subprocesses: minutes on 2 cores
 def test_two_process_ddp_matches_prediction(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(TINY_BERT))
     recipe = Recipe(per_device_train_batch_size=2, optim="adamw_torch")

@@ -91,6 +91,7 @@ def workload(tmp_path_factory: pytest.TempPathFactory) -> Workload:
     return load_workload(str(folder), seq_len=SEQ_LEN, task="sequence-classification")
 
 
+@pytest.mark.slow  # real training steps in subprocesses: minutes on 2 cores
 def test_top_pick_fits_and_is_fastest_for_real(workload: Workload) -> None:
     probe = cpu_device(2**40)
     calibration_recipes = [  # not among the candidates (global batch 3, 12, 6)

@@ -106,6 +106,7 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()[1:]]
 
 
+@pytest.mark.slow  # real training steps in subprocesses: minutes on 2 cores
 def test_bench_sigkill_loses_no_finished_row_and_resume_continues(tmp_path: Path) -> None:
     results = tmp_path / "r.jsonl"
     suite = write_tiny_suite(tmp_path)
