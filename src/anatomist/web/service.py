@@ -39,13 +39,13 @@ EMIT_FILES = {"trainer": "training_args.json", "accelerate": "accelerate_config.
 """The file each `plan --emit` target is written to (the trainer snippet names ds_config.json)."""
 CHARTS = ("memory", "throughput")
 FILE_REFERENCES = ("deepspeed", "fsdp_config", "deepspeed_config_file")
+"""Keys whose string value makes a recipe file read another file (recipe_files: referenced_file)."""
 CLI_ADVICE = {
     "rerun with --trust-remote-code if you trust it":
         "the page never runs a model's own code (anatomist estimate --trust-remote-code does, on your machine)",
     "(pass --allow-network to ask the Hub)": "(this server does not ask the Hub: upload the model's config.json)",
 }
 """The CLI's advice that the page cannot follow, and what to say instead."""
-"""Keys whose string value makes a recipe file read another file (recipe_files: referenced_file)."""
 
 _chart_lock = threading.Lock()  # the charts set matplotlib's global rcParams while they draw
 
