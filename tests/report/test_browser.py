@@ -8,34 +8,21 @@ never asked to download a driver: the Service gets /usr/bin/chromedriver explici
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from anatomist.anatomy import MemoryCategory
 from anatomist.report import write_report
+from tests.headless import start_chromium
 
 pytestmark = pytest.mark.browser
 
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium not installed (pip install -e '.[dev]')")
-    if not CHROMIUM or not CHROMEDRIVER.exists():
-        pytest.skip("chromium / chromedriver not installed: run scripts/install_browser.sh (needs apt and root)")
-    from selenium.webdriver.chrome.service import Service  # noqa: PLC0415
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", "--window-size=1200,900",
-                f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    driver = start_chromium(tmp_path_factory.mktemp("chromium-profile"), window="1200,900")
     yield driver
     driver.quit()
 

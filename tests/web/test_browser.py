@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,12 +17,11 @@ from typing import Any
 
 import pytest
 
+from tests.headless import start_chromium
 from tests.web.conftest import LiveServer
 
 pytestmark = pytest.mark.browser
 
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 WAIT_S = 240
 
 
@@ -34,21 +32,7 @@ def downloads(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory, downloads: Path) -> Iterator[Any]:
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium not installed (pip install -e '.[dev]')")
-    if not CHROMIUM or not CHROMEDRIVER.exists():
-        pytest.skip("chromium / chromedriver not installed: run scripts/install_browser.sh (needs apt and root)")
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", "--window-size=1280,1500",
-                f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
-        options.add_argument(arg)
-    options.add_experimental_option("prefs", {"download.default_directory": str(downloads),
-                                              "download.prompt_for_download": False})
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
-    driver.execute_cdp_cmd("Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(downloads)})
+    driver = start_chromium(tmp_path_factory.mktemp("chromium-profile"), window="1280,1500", downloads=downloads)
     yield driver
     driver.quit()
 
