@@ -16,7 +16,9 @@ import pytest
 
 from anatomist.bench.calibrate import calibrate
 from anatomist.errors import InputError
-from anatomist.estimate.time import EFFICIENCY_GRID, calibration, estimate_time, load_calibration
+from anatomist.estimate.calibration import load_calibration, published
+from anatomist.estimate.time import estimate_time
+from anatomist.estimate.time_fit import COARSE as EFFICIENCY_GRID
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.workload import load_workload
@@ -28,8 +30,8 @@ CONFIG = {
 }
 H100 = {"name": "NVIDIA H100 80GB HBM3", "kind": "cuda", "memory_bytes": 85_520_809_984}
 TRUTH = dataclasses.replace(
-    calibration(), contraction_tensor_core_efficiency=float(EFFICIENCY_GRID[45]),
-    bandwidth_efficiency=float(EFFICIENCY_GRID[50]), launch_overhead_s=4e-6,
+    published()["H100"], contraction_tensor_core_efficiency=float(EFFICIENCY_GRID[18]),
+    bandwidth_efficiency=float(EFFICIENCY_GRID[20]), launch_overhead_s=4e-6, step_overhead_s=2e-3,
 )
 
 
@@ -64,6 +66,7 @@ def test_calibration_recovers_the_factors_from_a_results_file(gpu_results: Path)
     assert cal.contraction_tensor_core_efficiency == pytest.approx(TRUTH.contraction_tensor_core_efficiency)
     assert cal.bandwidth_efficiency == pytest.approx(TRUTH.bandwidth_efficiency)
     assert cal.launch_overhead_s == pytest.approx(4e-6, rel=1e-3)
+    assert cal.step_overhead_s == pytest.approx(2e-3, rel=1e-3)
     assert all(abs(r["error_pct"]) < 0.1 for r in result.rows)
 
 
@@ -71,13 +74,13 @@ def test_cli_writes_a_calibration_that_estimate_and_plan_use(cli, gpu_results: P
     out = tmp_path / "h100.toml"
     run = cli("calibrate", str(gpu_results), "-o", str(out))
     assert run.returncode == 0, run.stderr
-    assert "bs16" in run.stdout and load_calibration(out).calibrated
+    assert "bs16" in run.stdout and load_calibration(out).calibrated and "measured" in load_calibration(out).source
     model = gpu_results.parent
     est = cli("estimate", str(model), "--gpu", "H100-SXM", "--bf16", "--seq-len", "128", "--batch-size", "4",
               "--calibration", str(out), "--json")
     assert est.returncode == 0, est.stderr
     time = json.loads(est.stdout)["time"]
-    assert time["calibrated"] is True
+    assert time["calibrated"] is True and time["calibration"].startswith("time calibrated: measured")
     workload = load_workload(str(model), seq_len=128)
     expected = estimate_time(workload, Recipe(per_device_train_batch_size=4, bf16=True), get_gpu("H100-SXM"), TRUTH)
     assert time["step_s"] == pytest.approx(expected.step_s, rel=1e-6)

@@ -8,7 +8,9 @@ import os
 
 import pytest
 
-from anatomist.estimate.time import EFFICIENCY_GRID, TimedStep, calibration, estimate_time, fit_calibration
+from anatomist.estimate.calibration import published
+from anatomist.estimate.time import TimedStep, estimate_time, fit_calibration
+from anatomist.estimate.time_fit import COARSE as EFFICIENCY_GRID
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.workload import Workload, load_workload
@@ -80,10 +82,13 @@ def test_backward_about_twice_forward_and_consistent_totals(workload: Workload) 
     assert 0 < t.mfu < 1
 
 
-def test_calibration_is_declared_uncalibrated() -> None:
-    cal = calibration()
-    assert cal.calibrated is False
-    assert "not measured on a GPU" in cal.source
+def test_the_default_calibration_is_the_published_one_of_the_generation() -> None:
+    from anatomist.estimate.calibration import calibration_for
+
+    cal = calibration_for(get_gpu(A100))
+    assert cal.calibrated and cal.kind == "published" and cal.generation == "A100"
+    assert cal.error is not None and cal.error.method == "leave-one-source-out"
+    assert calibration_for(get_gpu("T4")).generation == "any"  # a GPU in no generation: the pooled fit
 
 
 def test_estimate_json_has_time(workload: Workload) -> None:
@@ -93,7 +98,8 @@ def test_estimate_json_has_time(workload: Workload) -> None:
     t = data["time"]
     assert {"step_s", "samples_per_second", "tokens_per_second", "flops_per_step", "hardware_flops_per_step",
             "mfu", "hfu"} <= set(t)
-    assert t["calibrated"] is False
+    assert t["calibrated"] is True and "published runs, A100 generation" in t["calibration"]
+    assert t["error_median_pct"] is not None
     inference = estimate(workload, Recipe(per_device_train_batch_size=8), get_gpu(A100), mode="inference").to_dict()
     assert "time" not in inference
 
@@ -102,8 +108,8 @@ def test_fit_calibration_recovers_known_factors(workload: Workload) -> None:
     """Step times made with known factors (on grid points) give those factors back."""
     gpu = get_gpu(A100)
     truth = dataclasses.replace(
-        calibration(), contraction_tensor_core_efficiency=float(EFFICIENCY_GRID[50]),
-        bandwidth_efficiency=float(EFFICIENCY_GRID[40]), launch_overhead_s=7e-6,
+        published()["A100"], contraction_tensor_core_efficiency=float(EFFICIENCY_GRID[20]),
+        bandwidth_efficiency=float(EFFICIENCY_GRID[15]), launch_overhead_s=7e-6, step_overhead_s=0.0,
     )
     recipes = [Recipe(per_device_train_batch_size=b, bf16=True, gradient_checkpointing=c) for b, c in ((1, False), (8, False), (4, True))]
     steps = [TimedStep(workload=workload, recipe=r, gpu=gpu, step_s=estimate_time(workload, r, gpu, truth).step_s) for r in recipes]
@@ -112,7 +118,7 @@ def test_fit_calibration_recovers_known_factors(workload: Workload) -> None:
     assert fitted.contraction_tensor_core_efficiency == pytest.approx(truth.contraction_tensor_core_efficiency)
     assert fitted.bandwidth_efficiency == pytest.approx(truth.bandwidth_efficiency)
     assert fitted.launch_overhead_s == pytest.approx(7e-6, rel=1e-3)
-    assert fitted.contraction_fp32_efficiency == calibration().contraction_fp32_efficiency  # no fp32 step: kept
+    assert fitted.contraction_fp32_efficiency == 0.8  # no fp32 step: the prior's value is kept (published.PRIOR)
     with pytest.raises(ValueError):
         fit_calibration([], source="nothing")
 
