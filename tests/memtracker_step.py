@@ -21,8 +21,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from anatomist.recipe import Recipe
 from anatomist.trace.autocast import cuda_autocast_policy
 from anatomist.trace.cuda_model import cuda_code_paths
-from anatomist.trace.optimizers import build_optimizer
-from anatomist.trace.step import make_batch
+from anatomist.trace.driver import build_optimizer
+from anatomist.trace.inputs import make_batch
 
 
 def round_to_block(nbytes: int) -> int:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from anatomist.trace.autocast import cuda_autocast_policy
-from anatomist.trace.step import make_batch
+from anatomist.trace.inputs import make_batch
 from anatomist.workload import load_workload
 
 # https://pytorch.org/docs/stable/amp.html#cuda-ops-that-can-autocast-to-float16

@@ -46,7 +46,7 @@ def gpu_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
                          "bs16": Recipe(per_device_train_batch_size=16, bf16=True),
                          "bs8-ckpt": Recipe(per_device_train_batch_size=8, bf16=True, gradient_checkpointing=True),
                          "oom": Recipe(per_device_train_batch_size=64)}.items():
-        step_s = estimate_time(workload, recipe, gpu, TRUTH).step_s
+        step_s = estimate_time(workload, recipe.resolved(workload), gpu, TRUTH).step_s
         lines.append(json.dumps({
             "name": name, "model": "synthetic", "recipe": recipe.to_dict(), "device": H100, "versions": {},
             "status": "oom" if name == "oom" else "ok", "reason": None, "predicted": {}, "error_pct": {},
@@ -82,7 +82,7 @@ def test_cli_writes_a_calibration_that_estimate_and_plan_use(cli, gpu_results: P
     time = json.loads(est.stdout)["time"]
     assert time["calibrated"] is True and time["calibration"].startswith("time calibrated: measured")
     workload = load_workload(str(model), seq_len=128)
-    expected = estimate_time(workload, Recipe(per_device_train_batch_size=4, bf16=True), get_gpu("H100-SXM"), TRUTH)
+    expected = estimate_time(workload, Recipe(per_device_train_batch_size=4, bf16=True).resolved(workload), get_gpu("H100-SXM"), TRUTH)
     assert time["step_s"] == pytest.approx(expected.step_s, rel=1e-6)
 
 

@@ -34,7 +34,7 @@ from memtracker_step import count_as_on_cuda, measure_step, round_to_block
 from anatomist.estimate.memory import estimate_memory
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
-from anatomist.workload import load_workload, resolve_dtype
+from anatomist.workload import load_workload
 
 GPU = get_gpu("A100-80GB")
 BATCH = 5  # outside the traced batch sizes (2, 3): extrapolated
@@ -78,8 +78,8 @@ def _half_copies_bytes(workload, recipe: Recipe) -> int:
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
 def test_prediction_matches_pytorchs_accounting(tiny_model, counted_as_on_cuda, model, recipe_name):
     workload = load_workload(str(tiny_model(model, num_hidden_layers=5, n_layer=5)), seq_len=64)
-    recipe = resolve_dtype(workload, RECIPES[recipe_name])
-    predicted = estimate_memory(workload, recipe, GPU).anatomy
+    recipe = RECIPES[recipe_name].resolved(workload)
+    predicted = estimate_memory(workload, recipe.resolved(workload), GPU).anatomy
     measured, after = _measured(workload, recipe)
     workspaces = predicted.functionality  # the two cuBLAS workspaces: nothing on a CPU
     assert predicted.peak_allocated - workspaces == pytest.approx(measured["Total"], rel=0.05)

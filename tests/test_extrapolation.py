@@ -15,7 +15,7 @@ from anatomist.anatomy import TENSOR_CATEGORIES, MemoryCategory
 from anatomist.estimate.memory import estimate_memory
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
-from anatomist.trace.step import trace_step
+from anatomist.trace.driver import trace_step
 from anatomist.workload import load_workload
 
 GPU = get_gpu("A100-80GB")
@@ -34,7 +34,7 @@ RECIPES = {
 
 def _measured(workload, recipe):
     real = trace_step(
-        workload, recipe, depth=None, batch_size=BATCH, compute_capability=GPU.compute_capability,
+        workload, recipe.resolved(workload), depth=None, batch_size=BATCH, compute_capability=GPU.compute_capability,
         part="train-step", fake=False,
     )
     peaks = real.peaks()
@@ -47,7 +47,7 @@ def _measured(workload, recipe):
 def test_extrapolation_matches_a_full_depth_trace(tiny_model, model, recipe_name):
     recipe = RECIPES[recipe_name]
     workload = load_workload(str(tiny_model(model, num_hidden_layers=5, n_layer=5)), seq_len=64)
-    predicted = estimate_memory(workload, recipe, GPU).anatomy
+    predicted = estimate_memory(workload, recipe.resolved(workload), GPU).anatomy
     phase, measured = _measured(workload, recipe)
     # The cuBLAS workspaces (2 x 8.125 MiB, functionality) dwarf a tiny model: compare the rest.
     workspaces = measured.categories[MemoryCategory.FUNCTIONALITY]

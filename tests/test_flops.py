@@ -13,8 +13,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from anatomist.anatomy import Phase, StepFlops
 from anatomist.estimate.flops import OpRecord, _record, _step_at_depth, passes_ops, step_flops, step_ops
 from anatomist.recipe import Recipe
+from anatomist.trace.driver import trace_step
 from anatomist.trace.ops import CUSTOM_FLOPS
-from anatomist.trace.step import trace_part, trace_step
+from anatomist.trace.parts import trace_part
 from anatomist.workload import Workload, load_workload
 
 CC = "8.0"
@@ -51,12 +52,12 @@ BLOCKS_FORWARD = 2 * 589_824
 def test_hand_formula_eager(tmp_path: Path) -> None:
     w = tiny_bert(tmp_path)
     recipe = Recipe(per_device_train_batch_size=2, attn_implementation="eager")
-    ops = step_ops(w, recipe)
+    ops = step_ops(w, recipe.resolved(w))
     assert FORWARD == 1_184_000
     assert ops.flops(Phase.FORWARD) == FORWARD
     assert ops.flops(Phase.BACKWARD) == 2 * FORWARD
     assert ops.flops(Phase.OPTIMIZER) == 0
-    assert step_flops(w, recipe) == StepFlops(model=3 * FORWARD, hardware=3 * FORWARD)
+    assert step_flops(w, recipe.resolved(w)) == StepFlops(model=3 * FORWARD, hardware=3 * FORWARD)
     assert 3 * FORWARD == 3_552_000
     # Our per-op records add up to PyTorch's own FlopCounterMode total over the same passes.
     assert _counter_flops(w, recipe) == ops.flops(Phase.FORWARD) + ops.flops(Phase.BACKWARD)
@@ -65,13 +66,13 @@ def test_hand_formula_eager(tmp_path: Path) -> None:
 def test_accumulation_multiplies_micro_batches(tmp_path: Path) -> None:
     w = tiny_bert(tmp_path)
     recipe = Recipe(per_device_train_batch_size=2, attn_implementation="eager", gradient_accumulation_steps=3)
-    assert step_flops(w, recipe).model == 3 * 3 * FORWARD
+    assert step_flops(w, recipe.resolved(w)).model == 3 * 3 * FORWARD
 
 
 def test_checkpointing_adds_one_forward_of_the_blocks_to_hardware_flops_only(tmp_path: Path) -> None:
     w = tiny_bert(tmp_path)
-    plain = step_flops(w, Recipe(per_device_train_batch_size=2, attn_implementation="eager"))
-    ckpt = step_flops(w, Recipe(per_device_train_batch_size=2, attn_implementation="eager", gradient_checkpointing=True))
+    plain = step_flops(w, Recipe(per_device_train_batch_size=2, attn_implementation="eager").resolved(w))
+    ckpt = step_flops(w, Recipe(per_device_train_batch_size=2, attn_implementation="eager", gradient_checkpointing=True).resolved(w))
     # Model FLOPs (MFU) leave the recomputation out: the same step as without checkpointing.
     assert ckpt.model == plain.model == plain.hardware == 3 * FORWARD
     # Recompute runs each block's forward again in backward (not the pooler or classifier).
@@ -86,8 +87,8 @@ def test_checkpointing_adds_one_forward_of_the_blocks_to_hardware_flops_only(tmp
 ], ids=["sdpa-extrapolated", "bf16"])
 def test_hardware_flops_add_one_forward_of_the_blocks_per_micro_batch(tmp_path: Path, recipe: Recipe) -> None:
     w = tiny_bert(tmp_path, num_hidden_layers=5)
-    plain = step_flops(w, recipe)
-    ckpt = step_flops(w, replace(recipe, gradient_checkpointing=True))
+    plain = step_flops(w, recipe.resolved(w))
+    ckpt = step_flops(w, replace(recipe, gradient_checkpointing=True).resolved(w))
     assert ckpt.model == plain.model == plain.hardware
     # 589,824 per block at 2 samples (the hand count above), linear in the batch
     blocks = 5 * 589_824 * recipe.per_device_train_batch_size // 2 * recipe.gradient_accumulation_steps
@@ -100,14 +101,14 @@ def test_model_flops_with_peft_are_the_step_without_checkpointing(tiny_model) ->
     input gradient. Model FLOPs leave that out with the recomputation."""
     w = load_workload(str(tiny_model("llama")), seq_len=32)
     lora = Recipe(per_device_train_batch_size=2, peft="lora")
-    plain, ckpt = step_flops(w, lora), step_flops(w, replace(lora, gradient_checkpointing=True))
+    plain, ckpt = step_flops(w, lora.resolved(w)), step_flops(w, replace(lora, gradient_checkpointing=True).resolved(w))
     assert ckpt.model == plain.model == plain.hardware
     assert ckpt.hardware > ckpt.model
 
 
 def test_sdpa_counts_attention_through_the_cuda_formula(tmp_path: Path) -> None:
     w = tiny_bert(tmp_path)
-    ops = step_ops(w, Recipe(per_device_train_batch_size=2, attn_implementation="sdpa"))
+    ops = step_ops(w, Recipe(per_device_train_batch_size=2, attn_implementation="sdpa").resolved(w))
     assert ops.flops(Phase.FORWARD) == FORWARD
     assert _counter_flops(w, Recipe(per_device_train_batch_size=2)) == ops.flops(Phase.FORWARD) + ops.flops(Phase.BACKWARD)
     assert any(r.name.startswith("_scaled_dot_product") and r.flops > 0 for r in ops.records)
@@ -118,7 +119,7 @@ def test_sdpa_counts_attention_through_the_cuda_formula(tmp_path: Path) -> None:
 def _counter_flops(w: Workload, recipe: Recipe) -> int:
     """PyTorch's FlopCounterMode over one micro-batch's passes of the full model, traced directly."""
     counter = FlopCounterMode(display=False, custom_mapping=CUSTOM_FLOPS)
-    trace_step(w, recipe, depth=None, batch_size=recipe.per_device_train_batch_size, compute_capability=CC,
+    trace_step(w, recipe.resolved(w), depth=None, batch_size=recipe.per_device_train_batch_size, compute_capability=CC,
                observers=(counter,))
     return counter.get_total_flops()
 
@@ -126,7 +127,7 @@ def _counter_flops(w: Workload, recipe: Recipe) -> int:
 def test_depth_extrapolation_is_exact(tmp_path: Path) -> None:
     """Traced at 2 and 3 layers and extrapolated to 5 = traced at 5 directly."""
     w = tiny_bert(tmp_path, num_hidden_layers=5)
-    recipe = Recipe(per_device_train_batch_size=2)
+    recipe = Recipe(per_device_train_batch_size=2).resolved(w)
     extrapolated = step_ops(w, recipe, CC)
     direct = [_record(sig, float(n)) for sig, n in _step_at_depth(w, recipe, 5, CC).items()]
     _assert_same_costs(extrapolated.records, direct)
@@ -138,8 +139,8 @@ def test_batch_extrapolation_is_exact(tmp_path: Path) -> None:
     w = tiny_bert(tmp_path)
     for recipe in (Recipe(per_device_train_batch_size=8), Recipe(per_device_train_batch_size=8, bf16=True,
                                                                    gradient_checkpointing=True)):
-        extrapolated = passes_ops(w, recipe, 2, CC)
-        direct = trace_part(w, recipe, "forward-backward", depth=2, batch_size=8, compute_capability=CC).ops
+        extrapolated = passes_ops(w, recipe.resolved(w), 2, CC)
+        direct = trace_part(w, recipe.resolved(w), "forward-backward", depth=2, batch_size=8, compute_capability=CC).ops
         assert extrapolated == direct
 
 
@@ -158,7 +159,7 @@ def test_mixture_of_experts_grouped_products(tmp_path: Path) -> None:
         "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
         "vocab_size": 100, "max_position_embeddings": 64, "dtype": "bfloat16",
     }))
-    ops = step_ops(load_workload(str(tmp_path), seq_len=16), Recipe(per_device_train_batch_size=2))
+    ops = step_ops(load_workload(str(tmp_path), seq_len=16), Recipe(per_device_train_batch_size=2).resolved(load_workload(str(tmp_path), seq_len=16)))
     grouped = {(r.phase, r.flops): r.count for r in ops.records if r.name == "_grouped_mm"}
     gate_up, down = 2 * 64 * 64 * 256, 2 * 64 * 128 * 64
     # forward: once per layer; backward: the input's and the weights' gradients, same FLOPs each

@@ -62,7 +62,7 @@ def test_prediction_matches_the_cuda_allocator(tiny_model, model: str, recipe_na
     recipe = RECIPES[recipe_name]
     gpu = detect_local_gpu()
     assert gpu is not None, "the local GPU is not in the catalog (anatomist gpus)"
-    predicted = estimate_memory(load_workload(str(folder), seq_len=128), recipe, gpu).anatomy
+    predicted = estimate_memory(load_workload(str(folder), seq_len=128), recipe.resolved(load_workload(str(folder), seq_len=128)), gpu).anatomy
     run = subprocess.run([sys.executable, "-c", MEASURE, str(folder), "128", json.dumps(recipe.to_dict())],
                          capture_output=True, text=True, timeout=600, check=True)
     measured = json.loads(run.stdout.strip().splitlines()[-1])

@@ -51,7 +51,7 @@ def test_longest_sequence_estimates_as_fast_as_512(tiny_model, no_trace_cache):
     _cpu_seconds(load_workload(str(folder), seq_len=64), recipe)  # first-call costs (imports, dispatch caches)
     short_s, long_s = _cpu_seconds(short, recipe), _cpu_seconds(longest, recipe)
     assert long_s <= 1.5 * short_s + 1.0, (short_s, long_s)
-    ops = {w.seq_len: {k: t.op_count for k, t in step_traces(w, recipe, GPU.compute_capability).passes.items()}
+    ops = {w.seq_len: {k: t.op_count for k, t in step_traces(w, recipe.resolved(w), GPU.compute_capability).passes.items()}
            for w in (short, longest)}
     assert ops[512] == ops[MAX_POSITIONS]
 
@@ -67,12 +67,12 @@ def test_note_when_the_logits_of_the_loss_are_the_peak(tiny_model):
     of the loss and of the log-softmax: 3 fp32 copies live at the peak, in backward, after the last block."""
     workload = _llm(tiny_model, 32000, 256)
     recipe = Recipe(per_device_train_batch_size=2)
-    memory = estimate_memory(workload, recipe, GPU)
+    memory = estimate_memory(workload, recipe.resolved(workload), GPU)
     copy_bytes = 2 * 256 * 32000 * 4
     notes = [n for n in memory.notes if n.startswith("the peak is the logits of the loss")]
     assert len(notes) == 1, memory.notes
     assert f"2 x 256 tokens x 32,000 vocabulary: {copy_bytes / GIB:.1f} GiB per fp32 copy" in notes[0]
-    peak = post_segment_peak(step_traces(workload, recipe, GPU.compute_capability), memory.anatomy.peak_phase, 2)
+    peak = post_segment_peak(step_traces(workload, recipe.resolved(workload), GPU.compute_capability), memory.anatomy.peak_phase, 2)
     assert peak is not None
     assert 3 * copy_bytes <= peak.loss_bytes <= 3.1 * copy_bytes
     assert f"{peak.loss_bytes / GIB:.1f} GiB of the" in notes[0]
@@ -84,7 +84,7 @@ def test_no_note_when_the_blocks_are_the_peak(tiny_model):
     (2 x 256 x 1,000 x 4 B = 2 MiB each) hold less than the blocks' activations; the note would mislead."""
     workload = _llm(tiny_model, 1000, 256)
     recipe = Recipe(per_device_train_batch_size=2)
-    memory = estimate_memory(workload, recipe, GPU)
+    memory = estimate_memory(workload, recipe.resolved(workload), GPU)
     assert not [n for n in memory.notes if "logits of the loss" in n]
-    peak = post_segment_peak(step_traces(workload, recipe, GPU.compute_capability), memory.anatomy.peak_phase, 2)
+    peak = post_segment_peak(step_traces(workload, recipe.resolved(workload), GPU.compute_capability), memory.anatomy.peak_phase, 2)
     assert peak is not None and peak.loss_bytes < LOSS_SHARE * (memory.anatomy.activations + memory.anatomy.temporary)

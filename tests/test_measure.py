@@ -56,7 +56,7 @@ def test_callback_summary_on_tiny_trainer_run(tmp_path, capsys):
 
 def test_measured_categories_line_up_with_prediction(tmp_path):
     workload = _workload(tmp_path)
-    recipe = Recipe(per_device_train_batch_size=4)
+    recipe = Recipe(per_device_train_batch_size=4).resolved(workload)
     measured = _train(workload, recipe, tmp_path).memory.to_dict()
     predicted, _notes = predict(workload, recipe)
     weights = _param_bytes(workload)
@@ -71,7 +71,7 @@ def test_measured_categories_line_up_with_prediction(tmp_path):
 
 def test_activations_measured_at_a_backward_peak(tmp_path):
     workload = _workload(tmp_path, seq_len=64)
-    recipe = Recipe(per_device_train_batch_size=64, attn_implementation="eager")
+    recipe = Recipe(per_device_train_batch_size=64, attn_implementation="eager").resolved(workload)
     measured = _train(workload, recipe, tmp_path, num_samples=128).memory.to_dict()
     predicted, _ = predict(workload, recipe)
     # eager attention keeps [b, heads, s, s] = 64*2*64*64*4 B = 2 MiB of probabilities per layer (and more)
@@ -86,7 +86,7 @@ def test_track_plain_loop(tmp_path):
     model.gradient_checkpointing_enable()
     optimizer = torch.optim.AdamW(model.parameters())
     batch = {"input_ids": torch.randint(100, 30000, (2, 16)), "labels": torch.tensor([0, 1])}
-    flops = step_flops(workload, Recipe(per_device_train_batch_size=2, optim="adamw_torch", gradient_checkpointing=True))
+    flops = step_flops(workload, Recipe(per_device_train_batch_size=2, optim="adamw_torch", gradient_checkpointing=True).resolved(workload))
     assert flops.hardware > flops.model
     with track(model, optimizer, samples_per_step=2, tokens_per_sample=16, print_at_end=False,
                flops=flops, peak_flops=1e12) as t:

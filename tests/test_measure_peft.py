@@ -43,7 +43,7 @@ def test_callback_under_a_peft_model_in_the_trainer(workload, tmp_path):
     summary = callback.summary
     assert summary is not None and summary.steps == 3
     assert summary.memory.optimizer_states == _adapter_state_bytes(model)  # adapters only, never the frozen base
-    predicted = predict(workload, RECIPE)[0]["memory"]
+    predicted = predict(workload, RECIPE.resolved(workload))[0]["memory"]
     assert summary.memory.peak_allocated == pytest.approx(predicted["peak_allocated"], rel=0.05)
 
 

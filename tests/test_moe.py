@@ -15,7 +15,7 @@ from anatomist.errors import InputError
 from anatomist.estimate.predict import estimate
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
-from anatomist.trace.step import trace_step
+from anatomist.trace.driver import trace_step
 from anatomist.workload import load_workload
 
 GPU = get_gpu("H100-80GB")
@@ -56,7 +56,7 @@ def test_real_step_keeps_the_same_tensors_for_any_routing(tmp_path, monkeypatch,
 
         monkeypatch.setattr(modeling_qwen3_moe.Qwen3MoeTopKRouter, "forward", forward)
         recipe = Recipe(per_device_train_batch_size=4, experts_implementation=kernel)
-        trace = trace_step(workload, recipe, depth=None, batch_size=4, compute_capability=GPU.compute_capability,
+        trace = trace_step(workload, recipe.resolved(workload), depth=None, batch_size=4, compute_capability=GPU.compute_capability,
                            part="train-step", fake=False)
         curves[name] = trace.curves.allocated
     assert np.array_equal(*curves.values()) is same

@@ -14,7 +14,7 @@ from anatomist.errors import InputError
 from anatomist.estimate.memory import estimate_memory
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
-from anatomist.workload import load_workload, resolve_dtype
+from anatomist.workload import load_workload
 
 GPU = get_gpu("A100-80GB")
 
@@ -27,10 +27,10 @@ class _NoHooks(dict):
                                                  ("bert", None), ("gpt2", None)])
 def test_trainable_parameters_are_peft_s_own(tiny_model, model, targets):
     workload = load_workload(str(tiny_model(model, num_hidden_layers=5, n_layer=5)), seq_len=32)
-    recipe = resolve_dtype(workload, Recipe(per_device_train_batch_size=2, peft="lora", lora_r=4,
-                                            lora_target_modules=targets))
+    recipe = Recipe(per_device_train_batch_size=2, peft="lora", lora_r=4,
+                                            lora_target_modules=targets).resolved(workload)
     trainable, total = training_model(workload, recipe).get_nb_trainable_parameters()
-    predicted = estimate_memory(workload, recipe, GPU)
+    predicted = estimate_memory(workload, recipe.resolved(workload), GPU)
     assert predicted.trainable_parameters == trainable
     assert predicted.parameters == total
 
@@ -38,8 +38,8 @@ def test_trainable_parameters_are_peft_s_own(tiny_model, model, targets):
 def test_qlora_counts_the_base_as_its_authors_do(tiny_model):
     """4-bit codes pack 2 parameters a byte; the count stays the model's (as print_trainable_parameters)."""
     workload = load_workload(str(tiny_model("llama", num_hidden_layers=5)), seq_len=32)
-    lora = estimate_memory(workload, Recipe(per_device_train_batch_size=2, peft="lora"), GPU)
-    qlora = estimate_memory(workload, Recipe(per_device_train_batch_size=2, peft="qlora"), GPU)
+    lora = estimate_memory(workload, Recipe(per_device_train_batch_size=2, peft="lora").resolved(workload), GPU)
+    qlora = estimate_memory(workload, Recipe.with_presets(per_device_train_batch_size=2, peft="qlora").resolved(workload), GPU)
     assert qlora.parameters == lora.parameters and qlora.trainable_parameters == lora.trainable_parameters
     assert qlora.anatomy.optimizer_states == lora.anatomy.optimizer_states  # the same fp32 adapters
     assert qlora.rule.frozen_weights_per_param == pytest.approx(0.5 + 1 / 64 + 4 / (64 * 256))
@@ -61,8 +61,8 @@ def test_lora_step_matches_pytorchs_accounting(tiny_model, monkeypatch, model):
 
         monkeypatch.setattr(torch.Tensor, name, only_if_trainable)
     workload = load_workload(str(tiny_model(model, num_hidden_layers=5, n_layer=5)), seq_len=64)
-    recipe = resolve_dtype(workload, Recipe(per_device_train_batch_size=5, peft="lora", dtype="bfloat16"))
-    predicted = estimate_memory(workload, recipe, GPU).anatomy
+    recipe = Recipe(per_device_train_batch_size=5, peft="lora", dtype="bfloat16").resolved(workload)
+    predicted = estimate_memory(workload, recipe.resolved(workload), GPU).anatomy
     torch.manual_seed(0)
     kinds, after = measure_step(workload, recipe, training_model(workload, recipe), 5)
     assert predicted.peak_allocated - predicted.functionality == pytest.approx(kinds["Total"], rel=0.05)
@@ -84,7 +84,7 @@ def test_target_modules_that_match_nothing_name_the_linear_layers(tiny_model):
     workload = load_workload(str(tiny_model("llama")), seq_len=16)
     recipe = Recipe(per_device_train_batch_size=2, peft="lora", lora_target_modules="query,value")
     with pytest.raises(InputError, match=r"--lora-target-modules: .*this model's linear layers: .*q_proj"):
-        estimate_memory(workload, recipe, GPU)
+        estimate_memory(workload, recipe.resolved(workload), GPU)
 
 
 def test_qlora_with_a_paged_optimizer_names_bitsandbytes_once(cli):

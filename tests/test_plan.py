@@ -11,12 +11,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from anatomist.axes.shardings import shardings_for
 from anatomist.errors import InputError
 from anatomist.estimate.time import estimate_time
 from anatomist.hardware import get_gpu
 from anatomist.plan import SearchSpace, plan
 from anatomist.plan.search import pareto_front
-from anatomist.plan.space import SINGLE_GPU_SHARDING
 from anatomist.plan.throughput import parameter_count, predict_time
 from anatomist.recipe import Recipe
 from anatomist.workload import load_workload
@@ -59,20 +59,20 @@ def test_global_batch_that_cannot_be_split_is_input_error() -> None:
 def test_sharding_terms_of_the_time_model(tiny) -> None:
     gpu = get_gpu("A100-80GB")
     r = Recipe(per_device_train_batch_size=4, gradient_accumulation_steps=2)
-    one = estimate_time(tiny, r, gpu)
+    one = estimate_time(tiny, r.resolved(tiny), gpu)
     # One device, no sharding: the estimator's step, nothing added.
-    assert predict_time(tiny, r, gpu).step_s == pytest.approx(one.step_s)
+    assert predict_time(tiny, r.resolved(tiny), gpu).step_s == pytest.approx(one.step_s)
     # ZeRO-Offload: the GPU optimizer step is replaced by PCIe traffic and CPU Adam (fp32: 4 B down, 4 B up).
-    n = parameter_count(tiny)
-    offloaded = predict_time(tiny, r.replace(zero_stage=2, offload="cpu"), gpu)
+    n = parameter_count(tiny, r.resolved(tiny))
+    offloaded = predict_time(tiny, (r.replace(zero_stage=2, offload="cpu")).resolved(tiny), gpu)
     assert offloaded.phases_s["optimizer"] == 0
     assert offloaded.phases_s["offload"] == pytest.approx(n * 8 / 12e9 + n / 1e9)
     # Two devices: ZeRO-1 halves the optimizer step; the all-reduce moves 2 x 1/2 x fp32 gradients.
-    zero1 = predict_time(tiny, r.replace(zero_stage=1), gpu, num_gpus=2)
+    zero1 = predict_time(tiny, (r.replace(zero_stage=1)).resolved(tiny), gpu, num_gpus=2)
     assert zero1.phases_s["optimizer"] == pytest.approx(one.phases_s["optimizer"] / 2)
     assert zero1.phases_s["communication"] == pytest.approx(2 * 0.5 * n * 4 / 100e9)
     assert zero1.samples_per_second == pytest.approx(2 * 8 / zero1.step_s)
-    zero3 = predict_time(tiny, r.replace(zero_stage=3), gpu, num_gpus=2)
+    zero3 = predict_time(tiny, (r.replace(zero_stage=3)).resolved(tiny), gpu, num_gpus=2)
     assert zero3.phases_s["communication"] == pytest.approx(1.5 * zero1.phases_s["communication"])
 
 
@@ -81,7 +81,7 @@ def test_plan_picks_fastest_that_fits_and_explains(tiny) -> None:
     space = SearchSpace(global_batch_size=32, optims=("adamw_torch_fused", "adafactor"), compile_options=(False,))
     result = plan(tiny, gpu, space=space, margin=0.1)
     # 6 batch options x 2 ckpt x 4 precisions (fp32, tf32, bf16, bf16-weights) x 2 optims x 2 sharding = 192
-    assert len(result.candidates) == 6 * 2 * 4 * 2 * len(SINGLE_GPU_SHARDING) == 192
+    assert len(result.candidates) == 6 * 2 * 4 * 2 * len(shardings_for(1)) == 192
     limit = int(64 * 2**20 * 0.9)
     assert result.limit_bytes == limit
     assert all(c.fits == (c.device_total <= limit) for c in result.candidates)

@@ -12,10 +12,11 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from anatomist.axes.precisions import precision_of
 from anatomist.hardware import get_gpu
 from anatomist.plan import SearchSpace, plan
 from anatomist.plan.emit import bnb_config, lora_config, render, trainer_snippet, trl_config, write
-from anatomist.plan.space import enumerate_recipes, method_of, precision_of
+from anatomist.plan.space import enumerate_recipes, method_of
 from anatomist.recipe import Recipe
 from anatomist.workload import load_workload
 
@@ -24,8 +25,8 @@ TINY_LLAMA = {
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
     "max_position_embeddings": 256, "tie_word_embeddings": False,
 }
-QLORA = Recipe(peft="qlora", per_device_train_batch_size=2, gradient_accumulation_steps=4, bf16=True, dtype="bfloat16",
-               lora_r=8, lora_target_modules="q_proj,v_proj")
+QLORA = Recipe.with_presets(peft="qlora", per_device_train_batch_size=2, gradient_accumulation_steps=4, bf16=True, dtype="bfloat16",
+                            lora_r=8, lora_target_modules="q_proj,v_proj")
 LORA = Recipe(peft="lora", per_device_train_batch_size=4, lora_r=32, lora_alpha=64, lora_dropout=0.05,
               lora_target_modules="all-linear")
 
@@ -115,7 +116,7 @@ def test_the_lora_snippet_runs_and_trains_what_the_estimate_counts(folder: Path,
     model = namespace["model"]
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     workload = load_workload(str(folder), seq_len=64, task="causal-lm")
-    estimate = estimate_memory(workload, recipe, get_gpu("A100-80GB"))
+    estimate = estimate_memory(workload, recipe.resolved(workload), get_gpu("A100-80GB"))
     assert estimate.trainable_parameters == trainable
     assert namespace["args"].per_device_train_batch_size == recipe.per_device_train_batch_size
 

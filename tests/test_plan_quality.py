@@ -31,7 +31,7 @@ from anatomist.hardware import GPU, get_gpu
 from anatomist.measure.profile import training_step
 from anatomist.plan import SearchSpace, plan
 from anatomist.recipe import Recipe
-from anatomist.trace.step import trace_step
+from anatomist.trace.driver import trace_step
 from anatomist.workload import Workload, load_workload
 
 CONFIG = {
@@ -59,7 +59,7 @@ def best_step_s(workload: Workload, recipes: list[Recipe]) -> list[float]:
 
 
 def measured_peak(workload: Workload, recipe: Recipe, compute_capability: str) -> int:
-    real = trace_step(workload, recipe, depth=None, batch_size=recipe.per_device_train_batch_size,
+    real = trace_step(workload, recipe.resolved(workload), depth=None, batch_size=recipe.per_device_train_batch_size,
                       compute_capability=compute_capability, part="train-step", fake=False)
     return max(p.allocated for p in real.peaks().values())
 
@@ -98,12 +98,12 @@ def test_top_pick_fits_and_is_fastest_for_real(workload: Workload) -> None:
         Recipe(per_device_train_batch_size=12, optim="adafactor"),
         Recipe(per_device_train_batch_size=6, gradient_checkpointing=True),
     ]
-    cal = fit_calibration([TimedStep(workload=workload, recipe=r, gpu=probe, step_s=s)
+    cal = fit_calibration([TimedStep(workload=workload, recipe=r.resolved(workload), gpu=probe, step_s=s)
                            for r, s in zip(calibration_recipes, best_step_s(workload, calibration_recipes), strict=True)],
                           source="this CPU, 3 real steps")
 
     def cpu_time(w: Workload, r: Recipe, g: GPU, *, num_gpus: int = 1) -> TimeAnatomy:
-        return time_from_ops(step_ops(w, r), w, r, g, cal)
+        return time_from_ops(step_ops(w, r.resolved(w)), w, r.resolved(w), g, cal)
 
     # One optimizer: the model ties AdamW and Adafactor here, and their measured speeds on this
     # shared CPU differ run to run by up to 20% either way, which no plan could rank.

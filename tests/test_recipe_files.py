@@ -239,8 +239,8 @@ def test_recipe_files_own_keys_keep_working(tmp_path: Path) -> None:
                                 "zero_stage": 0, "dtype": "bfloat16"}))
     source = read_recipe_file(path)
     assert source.kind == "anatomist" and source.note() is None
-    assert source.recipe == Recipe(per_device_train_batch_size=2, peft="qlora", lora_target_modules="q_proj,v_proj",
-                                   dtype="bfloat16")
+    assert source.recipe == Recipe.with_presets(per_device_train_batch_size=2, peft="qlora",
+                                                lora_target_modules="q_proj,v_proj", dtype="bfloat16")
 
 
 def test_unreadable_file_is_one_input_error(tmp_path: Path) -> None:

@@ -37,9 +37,9 @@ A100 = "A100-80GB"
 
 def test_fp16_faster_than_fp32_on_a100(workload: Workload) -> None:
     gpu = get_gpu(A100)
-    fp32 = estimate_time(workload, Recipe(per_device_train_batch_size=8), gpu)
-    fp16 = estimate_time(workload, Recipe(per_device_train_batch_size=8, fp16=True), gpu)
-    tf32 = estimate_time(workload, Recipe(per_device_train_batch_size=8, tf32=True), gpu)
+    fp32 = estimate_time(workload, Recipe(per_device_train_batch_size=8).resolved(workload), gpu)
+    fp16 = estimate_time(workload, Recipe(per_device_train_batch_size=8, fp16=True).resolved(workload), gpu)
+    tf32 = estimate_time(workload, Recipe(per_device_train_batch_size=8, tf32=True).resolved(workload), gpu)
     assert fp16.step_s < tf32.step_s < fp32.step_s
     assert fp16.flops_per_step == fp32.flops_per_step
     # Under autocast the matrix products speed up; the normalizations stay in fp32.
@@ -48,8 +48,8 @@ def test_fp16_faster_than_fp32_on_a100(workload: Workload) -> None:
 
 def test_checkpointing_is_slower(workload: Workload) -> None:
     gpu = get_gpu(A100)
-    plain = estimate_time(workload, Recipe(per_device_train_batch_size=8), gpu)
-    ckpt = estimate_time(workload, Recipe(per_device_train_batch_size=8, gradient_checkpointing=True), gpu)
+    plain = estimate_time(workload, Recipe(per_device_train_batch_size=8).resolved(workload), gpu)
+    ckpt = estimate_time(workload, Recipe(per_device_train_batch_size=8, gradient_checkpointing=True).resolved(workload), gpu)
     assert ckpt.step_s > plain.step_s
     assert ckpt.phases_s["backward"] > plain.phases_s["backward"]
     assert ckpt.phases_s["forward"] == pytest.approx(plain.phases_s["forward"])
@@ -63,8 +63,8 @@ def test_checkpointing_is_slower(workload: Workload) -> None:
 
 def test_accumulation_scales_forward_and_backward_not_optimizer(workload: Workload) -> None:
     gpu = get_gpu(A100)
-    one = estimate_time(workload, Recipe(per_device_train_batch_size=8), gpu)
-    four = estimate_time(workload, Recipe(per_device_train_batch_size=8, gradient_accumulation_steps=4), gpu)
+    one = estimate_time(workload, Recipe(per_device_train_batch_size=8).resolved(workload), gpu)
+    four = estimate_time(workload, Recipe(per_device_train_batch_size=8, gradient_accumulation_steps=4).resolved(workload), gpu)
     for phase in ("forward", "backward"):
         assert four.phases_s[phase] == pytest.approx(4 * one.phases_s[phase])
     assert four.phases_s["optimizer"] == pytest.approx(one.phases_s["optimizer"])
@@ -73,7 +73,7 @@ def test_accumulation_scales_forward_and_backward_not_optimizer(workload: Worklo
 
 
 def test_backward_about_twice_forward_and_consistent_totals(workload: Workload) -> None:
-    t = estimate_time(workload, Recipe(per_device_train_batch_size=8), get_gpu(A100))
+    t = estimate_time(workload, Recipe(per_device_train_batch_size=8).resolved(workload), get_gpu(A100))
     assert 1.5 < t.phases_s["backward"] / t.phases_s["forward"] < 3.0  # seeds: backward ~2x forward
     assert sum(t.phases_s.values()) == pytest.approx(t.step_s)
     assert sum(t.classes_s.values()) == pytest.approx(t.step_s)
@@ -112,6 +112,7 @@ def test_fit_calibration_recovers_known_factors(workload: Workload) -> None:
         bandwidth_efficiency=float(EFFICIENCY_GRID[15]), launch_overhead_s=7e-6, step_overhead_s=0.0,
     )
     recipes = [Recipe(per_device_train_batch_size=b, bf16=True, gradient_checkpointing=c) for b, c in ((1, False), (8, False), (4, True))]
+    recipes = [r.resolved(workload) for r in recipes]
     steps = [TimedStep(workload=workload, recipe=r, gpu=gpu, step_s=estimate_time(workload, r, gpu, truth).step_s) for r in recipes]
     fitted = fit_calibration(steps, source="synthetic")
     assert fitted.calibrated and fitted.source == "synthetic"

@@ -13,7 +13,8 @@ from anatomist.estimate.predict import estimate
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.trace import cache
-from anatomist.trace.step import part_key, trace_part
+from anatomist.trace.keys import part_key
+from anatomist.trace.parts import trace_part
 from anatomist.workload import load_workload
 
 GPU = get_gpu("A100-80GB")
@@ -61,7 +62,7 @@ def test_the_key_names_what_shapes_the_trace(tiny_model) -> None:
 
     def key(recipe: Recipe, part: str = "forward-backward", **kw: object) -> tuple:
         args = {"depth": 2, "batch_size": 2, "compute_capability": "8.0", **kw}
-        return part_key(workload, recipe, part, args["depth"], args["batch_size"], args["compute_capability"])
+        return part_key(workload, recipe.resolved(workload), part, args["depth"], args["batch_size"], args["compute_capability"])
 
     assert key(base) != key(base.replace(gradient_checkpointing=True))
     assert key(base) != key(base, batch_size=3)
@@ -72,16 +73,16 @@ def test_the_key_names_what_shapes_the_trace(tiny_model) -> None:
     assert key(base) != key(base.replace(attn_implementation="eager"))
     assert key(base) == key(base.replace(attn_implementation="flash_attention_2"))  # traced as SDPA
     longer = load_workload(str(tiny_model("bert")), seq_len=64)
-    assert part_key(longer, base, "forward-backward", 2, 2, "8.0") != key(base)
+    assert part_key(longer, base.resolved(longer), "forward-backward", 2, 2, "8.0") != key(base)
 
 
 def test_the_disk_cache_is_bounded(tiny_model, cache_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     workload = load_workload(str(tiny_model("bert")), seq_len=16)
-    trace_part(workload, Recipe(), "optimizer", depth=2, batch_size=1, compute_capability="8.0")
+    trace_part(workload, Recipe().resolved(workload), "optimizer", depth=2, batch_size=1, compute_capability="8.0")
     one = next(cache_folder.glob("*.trace")).stat().st_size
     monkeypatch.setattr(cache, "MAX_DISK_BYTES", int(2.5 * one))
     for optim in ("adafactor", "sgd", "adamw_torch_fused"):
-        trace_part(workload, Recipe(optim=optim), "optimizer", depth=2, batch_size=1, compute_capability="8.0")
+        trace_part(workload, Recipe(optim=optim).resolved(workload), "optimizer", depth=2, batch_size=1, compute_capability="8.0")
     assert sum(p.stat().st_size for p in cache_folder.glob("*.trace")) <= int(2.5 * one) + one
     assert len(list(cache_folder.glob("*.trace"))) <= 3
 
@@ -98,7 +99,7 @@ def _write_same_entry(folder: str, payload: bytes, rounds: int) -> None:
 
 def test_two_processes_writing_one_entry_leave_a_whole_file(tiny_model, cache_folder: Path) -> None:
     workload = load_workload(str(tiny_model("bert")), seq_len=16)
-    value = trace_part(workload, Recipe(), "optimizer", depth=2, batch_size=1, compute_capability="8.0")
+    value = trace_part(workload, Recipe().resolved(workload), "optimizer", depth=2, batch_size=1, compute_capability="8.0")
     payload = zlib.compress(pickle.dumps(value))
     root = str(cache_folder.parent)
     ctx = multiprocessing.get_context("fork")

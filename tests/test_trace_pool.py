@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from anatomist.recipe import Recipe
-from anatomist.trace import pool, step
-from anatomist.workload import load_workload, resolve_dtype
+from anatomist.trace import driver, parts, pool
+from anatomist.trace.records import StepTrace
+from anatomist.workload import load_workload
 
 CC = "8.0"
 
@@ -26,19 +27,19 @@ CC = "8.0"
 def traced_here(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The parts `trace_step` traced in this process (a forked worker counts in its own copy)."""
     calls: list[str] = []
-    real = step.trace_step
+    real = driver.trace_step
 
     def counted(*args, **kwargs):
         calls.append(kwargs["part"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(step, "trace_step", counted)
+    monkeypatch.setattr(driver, "trace_step", counted)
     return calls
 
 
-def _requests(folder: Path) -> tuple[object, list[step.PartRequest]]:
+def _requests(folder: Path) -> tuple[object, list[parts.PartRequest]]:
     workload = load_workload(str(folder), seq_len=32)
-    recipe = resolve_dtype(workload, Recipe(bf16=True))
+    recipe = Recipe(bf16=True).resolved(workload)
     two = dataclasses.replace(recipe, gradient_accumulation_steps=2)  # its first micro-batch: the first request
     return workload, [(recipe, "forward-backward", 2, 2), (recipe, "forward-backward", 3, 2), (recipe, "optimizer", 2, 1),
                       (two, "forward-backward", 2, 2)]
@@ -48,16 +49,16 @@ def test_workers_trace_what_this_process_would(tiny_model, cache_folder: Path, t
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ANATOMIST_JOBS", "2")
     workload, requests = _requests(tiny_model("llama"))
-    step.trace_parts(workload, requests, CC)
+    parts.trace_parts(workload, requests, CC)
     assert traced_here == []  # all in the workers
     assert len(list(cache_folder.glob("*.trace"))) == len(requests)  # stored by this process
     for recipe, part, depth, batch in requests:
-        from_worker = step.trace_part(workload, recipe, part, depth=depth, batch_size=batch, compute_capability=CC)
-        here = step.trace_part(workload, recipe, part, depth=depth, batch_size=batch, compute_capability=CC,
+        from_worker = parts.trace_part(workload, recipe.resolved(workload), part, depth=depth, batch_size=batch, compute_capability=CC)
+        here = parts.trace_part(workload, recipe.resolved(workload), part, depth=depth, batch_size=batch, compute_capability=CC,
                                use_cache=False)
         assert pickle.dumps(from_worker) == pickle.dumps(here)
     assert len(traced_here) == len(requests)  # the uncached ones only
-    step.trace_parts(workload, requests, CC)  # all cached: nothing to trace
+    parts.trace_parts(workload, requests, CC)  # all cached: nothing to trace
     assert len(traced_here) == len(requests)
 
 
@@ -66,7 +67,7 @@ def test_one_job_traces_nothing_ahead(tiny_model, cache_folder: Path, traced_her
     """ANATOMIST_JOBS=1: nothing forked, nothing stored; trace_part traces each part when asked."""
     monkeypatch.setenv("ANATOMIST_JOBS", "1")
     workload, requests = _requests(tiny_model("gpt2"))
-    step.trace_parts(workload, requests, CC)
+    parts.trace_parts(workload, requests, CC)
     assert traced_here == [] and not cache_folder.exists()
 
 
@@ -135,7 +136,7 @@ def test_no_trace_depends_on_the_cyclic_collector(tiny_model) -> None:
     recipe, part, depth, batch = requests[0]
 
     def traced() -> bytes:
-        return pickle.dumps(step.trace_step(workload, recipe, part=part, depth=depth, batch_size=batch,
+        return pickle.dumps(driver.trace_step(workload, recipe.resolved(workload), part=part, depth=depth, batch_size=batch,
                                             compute_capability=CC, record_ops=True))
 
     thresholds = gc.get_threshold()
@@ -158,11 +159,11 @@ def test_one_micro_batch_is_the_first_of_two(tiny_model, name: str, recipe: Reci
     """The passes of one micro-batch are kept from a trace of two (trace_parts does not trace them
     again): byte for byte what tracing one micro-batch gives."""
     workload = load_workload(str(tiny_model(name)), seq_len=32)
-    recipe = resolve_dtype(workload, recipe)
+    recipe = recipe.resolved(workload)
     one = dataclasses.replace(recipe, gradient_accumulation_steps=1)
 
-    def traced(r: Recipe) -> step.StepTrace:
-        return step.trace_step(workload, r, part="forward-backward", depth=2, batch_size=2, compute_capability=CC,
+    def traced(r: Recipe) -> StepTrace:
+        return driver.trace_step(workload, r.resolved(workload), part="forward-backward", depth=2, batch_size=2, compute_capability=CC,
                                record_ops=True)
 
     two = traced(recipe)

@@ -31,7 +31,7 @@ from anatomist.model_catalog import catalog_entries
 from anatomist.recipe import Recipe
 from anatomist.trace import cache
 from anatomist.trace import cuts as cuts_module
-from anatomist.trace.step import trace_step
+from anatomist.trace.driver import trace_step
 from anatomist.workload import Workload, config_from_dict, load_workload
 
 GPU = get_gpu("A100-80GB")
@@ -91,7 +91,7 @@ def test_uneven_stack_matches_a_full_depth_trace(name):
     workload, how = _workload(name), CASES[name][2]
     recipe = _recipe(workload)
     result = estimate(workload, recipe, GPU)
-    traces = step_traces(workload, recipe, GPU.compute_capability)
+    traces = step_traces(workload, recipe.resolved(workload), GPU.compute_capability)
     assert traces.plan.how == how
     assert traces.plan.note in result.memory.notes  # how it was traced is said
 
@@ -99,7 +99,7 @@ def test_uneven_stack_matches_a_full_depth_trace(name):
     assert result.memory.parameters == traces.parameters == real  # the meta-device count, and the real one
     assert implied_parameters(traces) == (real, real)  # what the traced cuts add up to
 
-    full = trace_step(workload, recipe, depth=None, batch_size=BATCH, compute_capability=GPU.compute_capability,
+    full = trace_step(workload, recipe.resolved(workload), depth=None, batch_size=BATCH, compute_capability=GPU.compute_capability,
                       part="train-step", record_ops=True)
     peaks = full.peaks()
     phase, _segment = max(peaks, key=lambda k: peaks[k].allocated)
@@ -122,7 +122,7 @@ def test_a_plan_whose_count_is_wrong_falls_back_to_full_depth(monkeypatch):
     uniform = cuts_module.TracePlan(base=2, deltas=(cuts_module.Delta(cut=3, multiplier=14, inserted=(1, 4)),),
                                     how="uniform")
     monkeypatch.setattr(cuts_module, "trace_plan", lambda *_: uniform)
-    traces = step_traces(workload, recipe, GPU.compute_capability, "inference")
+    traces = step_traces(workload, recipe.resolved(workload), GPU.compute_capability, "inference")
     assert traces.plan.how == "full"
     assert "imply" in traces.plan.note and f"{traces.parameters:,}" in traces.plan.note
     assert implied_parameters(traces)[0] == traces.parameters == _real_parameters(workload, recipe)
@@ -136,7 +136,7 @@ def test_uniform_models_take_the_two_and_three_block_traces_only(tiny_model, tmp
         workload = load_workload(str(tiny_model("llama", num_hidden_layers=6)), seq_len=SEQ)
         recipe = Recipe(per_device_train_batch_size=BATCH)
         result = estimate(workload, recipe, GPU)  # memory and time
-        traces = step_traces(workload, recipe, GPU.compute_capability)
+        traces = step_traces(workload, recipe.resolved(workload), GPU.compute_capability)
         assert traces.plan.how == "uniform" and traces.plan.cuts == (2, 3)
         stored = Counter(type(pickle.loads(zlib.decompress(p.read_bytes()))).__name__
                          for p in cache.cache_dir().glob("*.trace"))

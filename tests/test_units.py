@@ -85,7 +85,7 @@ def test_optimizer_choice_matches_the_trainer(tmp_path):
     import torch
     from transformers import Trainer, TrainingArguments
 
-    from anatomist.trace.optimizers import build_optimizer
+    from anatomist.trace.driver import build_optimizer
 
     params = [torch.nn.Parameter(torch.zeros(4))]
     for optim in ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd"):
@@ -104,7 +104,7 @@ def test_categories_add_up_to_peak_and_device_total():
     from anatomist.anatomy import TENSOR_CATEGORIES, MemoryCategory
     from anatomist.estimate.memory import estimate_memory
 
-    anatomy = estimate_memory(load_workload("bert-base-uncased", seq_len=128), Recipe(per_device_train_batch_size=8),
+    anatomy = estimate_memory(load_workload("bert-base-uncased", seq_len=128), Recipe(per_device_train_batch_size=8).resolved(load_workload("bert-base-uncased", seq_len=128)),
                               get_gpu("A100-80GB")).anatomy
     assert sum(anatomy.category_bytes(c) for c in TENSOR_CATEGORIES) == anatomy.peak_allocated
     assert sum(anatomy.category_bytes(c) for c in MemoryCategory) == anatomy.device_total
@@ -120,16 +120,16 @@ def test_the_load_dtype_follows_the_config_unless_given(tiny_model):
 
     workload = load_workload(str(tiny_model("llama", dtype="bfloat16", torch_dtype="bfloat16")), seq_len=32)
     gpu = get_gpu("A100-80GB")
-    auto = estimate_memory(workload, Recipe(per_device_train_batch_size=2, optim="adamw_torch"), gpu)
+    auto = estimate_memory(workload, Recipe(per_device_train_batch_size=2, optim="adamw_torch").resolved(workload), gpu)
     # 512-byte rounding per tensor weighs on a tiny model: 2%
     assert auto.anatomy.weights == pytest.approx(2 * auto.parameters, rel=0.02)
     # 2 moments x 2 B, plus AdamW's fp32 `step` counter per parameter tensor (512 B each, rounded)
     tensors = 3 + 9 * 4  # embeddings, final norm, lm_head + 9 per block x 4 blocks
     assert auto.anatomy.optimizer_states == pytest.approx(4 * auto.parameters + 512 * tensors, rel=0.01)
     assert auto.rule.total_per_param == 2 + 2 + 4
-    fp32 = estimate_memory(workload, Recipe(per_device_train_batch_size=2, dtype="float32"), gpu)
+    fp32 = estimate_memory(workload, Recipe(per_device_train_batch_size=2, dtype="float32").resolved(workload), gpu)
     assert fp32.anatomy.weights == pytest.approx(4 * fp32.parameters, rel=0.01)
-    fp16 = step_ops(workload, Recipe(per_device_train_batch_size=2, dtype="float32", fp16=True))
+    fp16 = step_ops(workload, Recipe(per_device_train_batch_size=2, dtype="float32", fp16=True).resolved(workload))
     # transformers < 5.19 computes the rotary angles with autocast off: one fp32 product of
     # inv_freq [8, 1] by the positions [1, 32] = 2 * 8 * 32 = 512 FLOPs; every other product is fp16
     full_precision = [r for r in fp16.records if r.flops > 0 and r.dtype != "float16"]

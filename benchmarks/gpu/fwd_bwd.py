@@ -180,14 +180,14 @@ def predict(workload: Any, cell: Cell, gpu: Any, *, with_time: bool) -> tuple[di
     knobs["dtype"] = load_dtype(cell.weights)  # explicit: "auto" would follow the config's dtype
     knobs["bf16"] = cell.weights == "fp32-autocast"
     recipe = Recipe(**knobs)
-    memory = estimate_memory(workload, recipe, gpu)
+    memory = estimate_memory(workload, recipe.resolved(workload), gpu)
     state = memory.anatomy.optimizer_states  # SGD momentum: static through forward and backward
     out: dict[str, float | None] = {
         "forward_peak_bytes": memory.phase_peaks.get("forward", state) - state,
         "backward_peak_bytes": memory.phase_peaks.get("backward", state) - state,
     }
     if with_time:  # GPU seconds: nothing to compare with CPU times in a dry run
-        phases = estimate_time(workload, recipe, gpu).phases_s
+        phases = estimate_time(workload, recipe.resolved(workload), gpu).phases_s
         out["forward_s"], out["backward_s"] = phases.get("forward"), phases.get("backward")
     return out, None
 
@@ -220,7 +220,7 @@ def build(workload: Any, attn: str, weights: str, device: Device) -> Any:
 
 def measure_cell(model: Any, workload: Any, cell: Cell, device: Device) -> tuple[Measured | None, tuple[str, str] | None]:
     """The cell's measurement, or (status, reason) of its failure: an OOM, or any crash."""
-    from anatomist.trace.step import make_batch
+    from anatomist.trace.inputs import make_batch
 
     try:
         batch = {k: v.to(device.torch_device) for k, v in make_batch(workload, cell.batch).items()}

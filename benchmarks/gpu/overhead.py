@@ -164,7 +164,7 @@ def training_step_rows(log: ResultsLog, attempt: str, meter: Meter, dry_run: boo
         if dry_run:
             note = "dry-run: prediction left out to keep the CPU run short (part d exercises estimate_memory)"
         else:
-            predicted = estimate_memory(workload, recipe, catalog_gpu(dry_run)).anatomy.to_dict()
+            predicted = estimate_memory(workload, recipe.resolved(workload), catalog_gpu(dry_run)).anatomy.to_dict()
     peak_allocated = None if dry_run else torch.cuda.max_memory_allocated()
     peak_reserved = None if dry_run else torch.cuda.max_memory_reserved()
     outside = after.outside_allocator_bytes
@@ -222,7 +222,7 @@ def main(argv: list[str]) -> int:
     log, dry = ResultsLog(path=args.results), args.dry_run
     meter = Meter(dry)  # NVML's baseline first: before anything of this process can touch CUDA
     mode = "dry-run" if dry else "gpu"
-    from anatomist.trace.cuda_model import cublas_workspace_bytes
+    from anatomist.hardware import cublas_workspace_bytes
 
     gpu = catalog_gpu(dry)
     context_predicted = gpu.cuda_context_bytes

@@ -78,12 +78,11 @@ def run_components(run: dict[str, Any]) -> dict[str, Any]:
     from anatomist.estimate.flops import step_ops
     from anatomist.estimate.time_fit import components
     from anatomist.hardware import get_gpu
-    from anatomist.workload import resolve_dtype
 
     gpu = get_gpu(run["gpu"])
     with tempfile.TemporaryDirectory() as tmp:
         workload = _workload(run, Path(tmp))
-        recipe = resolve_dtype(workload, _recipe(run))
+        recipe = _recipe(run).resolved(workload)
         ops = step_ops(workload, recipe, gpu.compute_capability)
         share = 1.0 / run["num_gpus"] if run.get("sharding", "none") != "none" else 1.0
         return components(ops, recipe, gpu, optimizer_share=share).to_dict()

@@ -64,6 +64,10 @@ class Phase(enum.StrEnum):
     OPTIMIZER = "optimizer"
 
 
+STEP_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
+"""The phases of a training step (SETUP is what exists before it starts)."""
+
+
 class OpClass(enum.StrEnum):
     """The seeds' three operation classes, plus everything else."""
 

@@ -88,6 +88,20 @@ class GPU:
         }
 
 
+def cublas_workspace_bytes(compute_capability: str) -> int:
+    """Bytes PyTorch's cuBLAS workspace takes from the caching allocator, per handle.
+
+    Source: PyTorch aten/src/ATen/cuda/CublasHandlePool.cpp `getChosenWorkspaceSize`: the
+    default CUBLAS_WORKSPACE_CONFIG ":4096:2:16:8" (4096 KiB x 2 + 16 KiB x 8) before Hopper,
+    32 MiB on compute capability 9.0 and newer.
+    """
+    major = int(compute_capability.split(".")[0])
+    if major >= 9:
+        return 32 * 2**20
+    return 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+
 @cache
 def catalog() -> dict[str, GPU]:
     """All GPUs of the shipped catalog, by canonical name.

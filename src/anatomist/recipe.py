@@ -1,9 +1,16 @@
 """Recipe: the training knobs of the seeds' methods table, named as in TrainingArguments.
 
 The defaults are today's: every field that TrainingArguments has takes the installed
-transformers' own default (read from the dataclass the first time a Recipe is made, not
-copied: e.g. `optim` is `adamw_torch_fused` with torch >= 2.8), and `dtype` is
+transformers' own default (`trainer_defaults`: read from the dataclass once per transformers
+version, not copied: e.g. `optim` is `adamw_torch_fused` with torch >= 2.8), and `dtype` is
 `from_pretrained`'s default, "auto" (the checkpoint's dtype).
+
+Two steps turn what a user gives into what the estimator reads, both at the entry points (the
+CLI, a recipe file, `estimate()`, `plan()`), never below them:
+- `Recipe.with_presets(**given)` (and `from_dict`): the presets the given values imply, filled in
+  where the user is silent (`peft="qlora"`: QLORA_PRESET). `Recipe(...)` itself never rewrites a value.
+- `recipe.resolved(workload)`: a `ResolvedRecipe`, its load dtype made concrete for the model
+  ("auto" -> the config's). Everything below the entry points takes a ResolvedRecipe.
 """
 
 from __future__ import annotations
@@ -12,20 +19,17 @@ import dataclasses
 import importlib.util
 from dataclasses import dataclass, fields
 from functools import cache
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Literal, Self, get_args, get_origin, get_type_hints
 
+from anatomist.axes.optimizers import OPTIMIZERS, optimizer
+from anatomist.axes.precisions import HALF_DTYPES
+from anatomist.axes.shardings import FSDP_STAGES
 from anatomist.errors import InputError
+from anatomist.trainer_defaults import trainer_defaults
 
-Optim = Literal[
-    "adamw_torch",
-    "adamw_torch_fused",
-    "adafactor",
-    "adamw_bnb_8bit",
-    "adamw_torch_8bit",
-    "paged_adamw_8bit",
-    "paged_adamw_32bit",
-    "sgd",
-]
+if TYPE_CHECKING:
+    from anatomist.workload import Workload
+
 AttnImplementation = Literal["eager", "sdpa", "flash_attention_2"]
 ExpertsImplementation = Literal["grouped_mm", "batched_mm", "eager"]
 Offload = Literal["none", "cpu", "nvme"]
@@ -34,7 +38,6 @@ LoadDtype = Literal["auto", "float32", "bfloat16", "float16"]
 Peft = Literal["none", "lora", "qlora"]
 QuantType = Literal["nf4", "fp4"]
 
-OPTIMS: tuple[str, ...] = get_args(Optim)
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttnImplementation)
 EXPERTS_IMPLEMENTATIONS: tuple[str, ...] = get_args(ExpertsImplementation)
 OFFLOADS: tuple[str, ...] = get_args(Offload)
@@ -42,19 +45,13 @@ FSDP_MODES: tuple[str, ...] = get_args(Fsdp)
 LOAD_DTYPES: tuple[str, ...] = get_args(LoadDtype)
 PEFT_METHODS: tuple[str, ...] = get_args(Peft)
 QUANT_TYPES: tuple[str, ...] = get_args(QuantType)
-HALF_DTYPES = ("bfloat16", "float16")
-
-# The package each optimizer needs at run time (the estimator needs none of them).
-OPTIM_PACKAGES: dict[str, str] = {"adamw_bnb_8bit": "bitsandbytes", "adamw_torch_8bit": "torchao",
-                                  "paged_adamw_8bit": "bitsandbytes", "paged_adamw_32bit": "bitsandbytes"}
 
 
-@cache
-def trainer_defaults() -> dict[str, Any]:
-    """The installed transformers' TrainingArguments defaults, by field name."""
-    from transformers import TrainingArguments
-
-    return {f.name: f.default for f in fields(TrainingArguments) if f.default is not dataclasses.MISSING}
+QLORA_PRESET: dict[str, Any] = {"load_in_4bit": True, "bnb_4bit_use_double_quant": True,
+                                "bnb_4bit_compute_dtype": "bfloat16", "gradient_checkpointing": True}
+"""What `peft="qlora"` means in practice (Dettmers et al. 2023, "QLoRA", sec. 3: NF4 with double
+quantization, bf16 compute; PEFT's prepare_model_for_kbit_training turns on gradient checkpointing):
+filled in by `Recipe.with_presets` where the user is silent."""
 
 
 def _trainer_default(name: str, help: str, *, when_none: Any = None, **metadata: Any) -> Any:
@@ -101,7 +98,8 @@ class Recipe:
         "bf16", "bf16 autocast (mixed precision: fp32 master weights when loaded in float32); Ampere or newer.")
     tf32: bool = _trainer_default(
         "tf32", "Allow TF32 tensor cores for fp32 matrix products; Ampere or newer.", when_none=False)
-    optim: Optim = _trainer_default("optim", "Optimizer, as TrainingArguments.optim names it.")
+    optim: str = _trainer_default("optim", "Optimizer, as TrainingArguments.optim names it (axes/optimizers.py).",
+                                  choices=tuple(OPTIMIZERS))
     attn_implementation: AttnImplementation = _field(
         "sdpa", "Attention kernel (the model's; transformers' default sdpa): eager keeps the [b, heads, s, s] "
         "probabilities, sdpa and flash_attention_2 do not.")
@@ -169,8 +167,7 @@ class Recipe:
                 "gradients; load in float32 for fp16 mixed precision (--dtype float32 --fp16), or use "
                 "--dtype bfloat16 [--bf16]"
             )
-        if self.optim not in OPTIMS:
-            raise InputError(f"unknown optim {self.optim!r}; known: {', '.join(OPTIMS)}")
+        optimizer(self.optim)  # raises for one anatomist does not model
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise InputError(
                 f"unknown attn_implementation {self.attn_implementation!r}; "
@@ -197,10 +194,9 @@ class Recipe:
             raise InputError("fsdp and DeepSpeed ZeRO (zero_stage) are exclusive: choose one sharding engine")
         if self.peft not in PEFT_METHODS:
             raise InputError(f"unknown peft {self.peft!r}; known: {', '.join(PEFT_METHODS)}")
-        if self.peft == "qlora" and not self.load_in_4bit:  # the preset: what QLoRA means in practice
-            for name, value in (("load_in_4bit", True), ("bnb_4bit_use_double_quant", True),
-                                ("bnb_4bit_compute_dtype", "bfloat16"), ("gradient_checkpointing", True)):
-                object.__setattr__(self, name, value)
+        if self.peft == "qlora" and not self.load_in_4bit:
+            raise InputError("peft=qlora is LoRA on a 4-bit base: set load_in_4bit=True, or make the recipe with "
+                             "Recipe.with_presets(peft='qlora', ...) for QLoRA's usual settings")
         if self.lora_r <= 0:
             raise InputError(f"lora_r must be greater than 0, got {self.lora_r}")
         if not 0 <= self.lora_dropout < 1:
@@ -217,7 +213,7 @@ class Recipe:
     @property
     def sharding_stage(self) -> int:
         """The ZeRO-equivalent sharding stage: DeepSpeed's own, or FSDP's (full_shard = 3, shard_grad_op = 2)."""
-        return {"full_shard": 3, "shard_grad_op": 2}.get(self.fsdp, self.zero_stage)
+        return FSDP_STAGES.get(self.fsdp, self.zero_stage)
 
     @property
     def mixed_precision(self) -> Literal["no", "fp16", "bf16"]:
@@ -243,15 +239,39 @@ class Recipe:
         """True when the weights are loaded in bf16 or fp16 ("auto" must be resolved first)."""
         return self.dtype in HALF_DTYPES
 
-    def replace(self, **changes: Any) -> Recipe:
+    def replace(self, **changes: Any) -> Self:
+        """A copy with `changes` (of this class: a ResolvedRecipe stays one); no preset is applied."""
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def with_presets(cls, **given: Any) -> Recipe:
+        """The recipe `given` sets, with the presets its values imply where `given` is silent:
+        `peft="qlora"` is QLoRA as people run it (QLORA_PRESET).
+
+        Example:
+            >>> Recipe.with_presets(peft="qlora").load_in_4bit
+            True
+        """
+        preset = QLORA_PRESET if given.get("peft") == "qlora" else {}
+        return cls(**{**preset, **given})
+
+    def resolved(self, workload: Workload) -> ResolvedRecipe:
+        """This recipe settled for `workload`: its load dtype concrete ("auto" -> the config's).
+
+        Raises:
+            InputError: a dtype the model's code rejects, or one that with the recipe's precision
+                flags makes a combination PyTorch refuses.
+        """
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return ResolvedRecipe(**{**values, "dtype": workload.weights_dtype(self.dtype)})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "recipe") -> Recipe:
-        """Build a Recipe from its own field names; unknown keys and values of the wrong type are an error.
+        """Build a Recipe from its own field names, with the presets they imply (`with_presets`); unknown
+        keys and values of the wrong type are an error.
 
         Files in other tools' formats (TrainingArguments, TRL, accelerate, DeepSpeed): recipe_files.py.
         """
@@ -263,11 +283,12 @@ class Recipe:
         for name, value in data.items():
             if not kinds[name].accepts(value):
                 raise InputError(f"{source}: field {name} must be {kinds[name].describe()}, got {value!r}")
-        return cls(**data)
+        return cls.with_presets(**data)
 
     def missing_packages(self) -> list[str]:
         """Optional packages this recipe needs at run time that are not importable here."""
-        needed = [OPTIM_PACKAGES[self.optim]] if self.optim in OPTIM_PACKAGES else []
+        package = optimizer(self.optim).package
+        needed = [package] if package else []
         if self.attn_implementation == "flash_attention_2":
             needed.append("flash_attn")
         if self.zero_stage:
@@ -284,7 +305,7 @@ class Recipe:
             "gradient_checkpointing": self.gradient_checkpointing,
             "fp16": self.fp16,
             "bf16": self.bf16,
-            "optim": "sgd" if self.optim == "sgd" else self.optim,
+            "optim": self.optim,
             "torch_compile": self.torch_compile,
             "dataloader_num_workers": self.dataloader_num_workers,
             "dataloader_pin_memory": self.dataloader_pin_memory,
@@ -294,15 +315,24 @@ class Recipe:
             kwargs["tf32"] = True
         if self.fsdp != "none":
             kwargs["fsdp"] = self.fsdp
-        if self.optim == "sgd":
-            kwargs["optim_args"] = "momentum=0.9"
-        return kwargs
+        return kwargs | dict(optimizer(self.optim).trainer_kwargs)
 
     def to_training_arguments(self, output_dir: str, **extra: Any) -> Any:
         """A real transformers.TrainingArguments for this recipe."""
         from transformers import TrainingArguments
 
         return TrainingArguments(output_dir=output_dir, **self.to_training_arguments_kwargs(), **extra)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ResolvedRecipe(Recipe):
+    """A Recipe settled for one model (`Recipe.resolved`): its `dtype` is float32, bfloat16 or float16,
+    never "auto". The estimator, the tracer and the time model take only this."""
+
+    def __post_init__(self) -> None:
+        if self.dtype == "auto":
+            raise TypeError("a ResolvedRecipe has a concrete dtype: make it with recipe.resolved(workload)")
+        Recipe.__post_init__(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,6 +364,7 @@ class FieldKind:
 def field_kinds() -> dict[str, FieldKind]:
     """Each Recipe field's FieldKind, by name (the annotations here are strings: resolved once)."""
     kinds = {}
+    listed = {f.name: f.metadata["choices"] for f in fields(Recipe) if "choices" in f.metadata}
     for name, hint in get_type_hints(Recipe).items():
         args = get_args(hint)
         optional = type(None) in args and get_origin(hint) is not Literal
@@ -342,6 +373,6 @@ def field_kinds() -> dict[str, FieldKind]:
         if get_origin(hint) is Literal:
             choices = get_args(hint)
             kinds[name] = FieldKind(type=type(choices[0]), choices=choices, optional=optional)
-        else:
-            kinds[name] = FieldKind(type=hint, choices=None, optional=optional)
+        else:  # a registry's names (optimizers) are choices too
+            kinds[name] = FieldKind(type=hint, choices=listed.get(name), optional=optional)
     return kinds

@@ -18,13 +18,10 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from anatomist.errors import InputError
 from anatomist.model_catalog import METADATA_KEY, catalog_entries, find_entry
-
-if TYPE_CHECKING:
-    from anatomist.recipe import Recipe
 
 Task = Literal["sequence-classification", "causal-lm", "seq2seq-lm", "masked-lm"]
 TASKS: tuple[str, ...] = ("sequence-classification", "causal-lm", "seq2seq-lm", "masked-lm")
@@ -125,10 +122,11 @@ class Workload:
         return dtype
 
     def build_model(self, attn_implementation: str = "sdpa", dtype: str = "auto",
-                    experts_implementation: str | None = None) -> Any:
+                    experts_implementation: str | None = None, config: Any = None) -> Any:
         """Instantiate the task model from the config (random init, no weights loaded) with its
         weights in `dtype` (`from_pretrained`'s meaning; "auto" is the config's dtype) and, where
-        given, the Mixture-of-Experts kernel `experts_implementation` (else transformers' choice)."""
+        given, the Mixture-of-Experts kernel `experts_implementation` (else transformers' choice).
+        `config`: another config of the same model to build instead (a cut of it, `trace.cutting`)."""
         import torch
         import transformers
 
@@ -140,7 +138,7 @@ class Workload:
         }[self.task]
         # A copy: from_config writes the dtype into the config it is given, and the workload's
         # config must stay as loaded (it is the trace caches' key and says what "auto" means).
-        config = copy.deepcopy(self.config)
+        config = copy.deepcopy(self.config if config is None else config)
         if self.task == "sequence-classification":
             config.num_labels = self.num_labels
             if getattr(config, "pad_token_id", None) is None:
@@ -393,14 +391,3 @@ def context_length(field: ConfigField, model_type: str) -> int | None:
                 return value - pad - 1  # RoBERTa: 514 embeddings, padding_idx 1 -> 512 tokens
             return value
     return None
-
-
-def resolve_dtype(workload: Workload, recipe: Recipe) -> Recipe:
-    """`recipe` with its load dtype made concrete for `workload` ("auto" -> the config's).
-
-    Raises:
-        InputError: a dtype the model's code rejects, or one that with the recipe's precision
-            flags makes a combination PyTorch refuses (Recipe's own validation).
-    """
-    dtype = workload.weights_dtype(recipe.dtype)
-    return recipe if dtype == recipe.dtype else recipe.replace(dtype=dtype)

@@ -62,7 +62,8 @@ def calibrate(results: str | Path) -> Calibrated:
                                  "does not know (anatomist gpus)")
             folder = Path(tmp, str(i))
             folder.mkdir()
-            steps.append(TimedStep(workload=_workload(row["workload"], folder), recipe=Recipe.from_dict(row["recipe"]),
+            workload = _workload(row["workload"], folder)
+            steps.append(TimedStep(workload=workload, recipe=Recipe.from_dict(row["recipe"]).resolved(workload),
                                    gpu=gpu, step_s=float(step_s)))
             names.append(row["name"])
         if not steps:

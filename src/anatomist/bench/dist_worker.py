@@ -43,7 +43,7 @@ def main() -> None:
     from accelerate import Accelerator
 
     from anatomist.recipe import Recipe
-    from anatomist.trace.step import make_batch
+    from anatomist.trace.inputs import make_batch
     from anatomist.workload import load_workload
 
     recipe = Recipe.from_dict(json.loads(args.recipe))

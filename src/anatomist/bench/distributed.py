@@ -82,7 +82,7 @@ def run_distributed(
             raise RuntimeError(f"accelerate launch failed ({proc.returncode}): {_root_error(proc.stderr)}")
         ranks = [json.loads(Path(tmp, f"rank{i}.json").read_text()) for i in range(num_processes)]
     workload = load_workload(model, seq_len=seq_len)
-    predicted = estimate_memory(workload, recipe, gpu or get_gpu("A100-80GB"), num_gpus=num_processes).anatomy
+    predicted = estimate_memory(workload, recipe.resolved(workload), gpu or get_gpu("A100-80GB"), num_gpus=num_processes).anatomy
     return {
         "model": model,
         "recipe": recipe.to_dict(),

@@ -26,7 +26,7 @@ import torch
 from anatomist.errors import InputError
 from anatomist.measure.monitor import cuda_available
 from anatomist.measure.recorder import RunSummary, mfu_inputs
-from anatomist.recipe import Recipe
+from anatomist.recipe import Recipe, ResolvedRecipe
 from anatomist.workload import Workload, load_workload
 
 CPU_REFERENCE_GPU = "A100-80GB"
@@ -78,7 +78,7 @@ def build_dataset(workload: Workload, num_samples: int) -> Any:
     return ds.with_format("torch")
 
 
-def training_model(workload: Workload, recipe: Recipe, folder: str | None = None) -> Any:
+def training_model(workload: Workload, recipe: ResolvedRecipe, folder: str | None = None) -> Any:
     """The model as a user of `recipe` makes it: a quantized base is loaded through
     `from_pretrained(quantization_config=BitsAndBytesConfig(...))` (bitsandbytes quantizes at
     load, so the random weights are saved to `folder` first) and prepared with
@@ -108,7 +108,7 @@ def training_model(workload: Workload, recipe: Recipe, folder: str | None = None
     return model
 
 
-def run_trainer(workload: Workload, recipe: Recipe, ds: Any, epochs: float, out_dir: str) -> tuple[RunSummary, dict[str, Any]]:
+def run_trainer(workload: Workload, recipe: ResolvedRecipe, ds: Any, epochs: float, out_dir: str) -> tuple[RunSummary, dict[str, Any]]:
     from transformers import Trainer
 
     from anatomist.measure.callback import AnatomistCallback
@@ -125,7 +125,7 @@ def run_trainer(workload: Workload, recipe: Recipe, ds: Any, epochs: float, out_
     return callback.summary, dict(result.metrics)
 
 
-def run_accelerate(workload: Workload, recipe: Recipe, ds: Any, epochs: float, out_dir: str) -> tuple[RunSummary, dict[str, Any]]:
+def run_accelerate(workload: Workload, recipe: ResolvedRecipe, ds: Any, epochs: float, out_dir: str) -> tuple[RunSummary, dict[str, Any]]:
     """The seeds' "Using Accelerate" loop: Accelerator + the recipe's optimizer, by hand."""
     import time
 
@@ -175,12 +175,11 @@ def run_accelerate(workload: Workload, recipe: Recipe, ds: Any, epochs: float, o
     return t.summary, {"train_runtime": runtime, "train_samples_per_second": len(ds) * epochs / runtime}
 
 
-def predict(workload: Workload, recipe: Recipe) -> tuple[dict[str, Any], list[str]]:
+def predict(workload: Workload, recipe: ResolvedRecipe) -> tuple[dict[str, Any], list[str]]:
     """The estimator's prediction for this row on this device, and notes on how it was made."""
     from anatomist.estimate.memory import estimate_memory
     from anatomist.estimate.time import estimate_time
-    from anatomist.hardware import detect_local_gpu, get_gpu
-    from anatomist.trace.cuda_model import cublas_workspace_bytes
+    from anatomist.hardware import cublas_workspace_bytes, detect_local_gpu, get_gpu
 
     notes: list[str] = []
     gpu = detect_local_gpu() if cuda_available() else None
@@ -235,10 +234,11 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
             (Path(tmp) / "config.json").write_text(json.dumps(spec["model_config"]))
             model = tmp
         workload = load_workload(model, seq_len=spec["seq_len"], task=spec.get("task", "sequence-classification"))
+        resolved = recipe.resolved(workload)
         ds = build_dataset(workload, spec["num_samples"])
         runner = run_accelerate if spec["loop"] == "accelerate" else run_trainer
         try:
-            summary, metrics = runner(workload, recipe, ds, spec["num_train_epochs"], str(Path(tmp) / "out"))
+            summary, metrics = runner(workload, resolved, ds, spec["num_train_epochs"], str(Path(tmp) / "out"))
         except torch.cuda.OutOfMemoryError as exc:
             row.update(status="oom", reason=f"CUDA out of memory: {str(exc).splitlines()[0]}")
             summary = None
@@ -254,7 +254,7 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
                 "device_memory": summary.device, "allocator": summary.allocator,
                 "cuda_context_bytes": summary.cuda_context_bytes,
             }
-        row["predicted"], notes = predict(workload, recipe)
+        row["predicted"], notes = predict(workload, resolved)
         row["notes"].extend(notes)
     row["error_pct"] = error_pct(row["measured"], row["predicted"])
     return row

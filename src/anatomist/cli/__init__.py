@@ -27,7 +27,7 @@ thresholds traverse again and again (a fifth of a warm plan's time). No trace de
 collector: every storage a step frees dies by reference count (a test compares traces with the
 collector off)."""
 
-SUBCOMMAND_MODULES = ("estimate", "plan", "bench", "calibrate", "profile", "report", "catalog")
+SUBCOMMAND_MODULES = ("estimate", "plan", "bench", "calibrate", "profile", "report", "catalog", "serve")
 
 
 class _Parser(argparse.ArgumentParser):

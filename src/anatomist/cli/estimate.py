@@ -24,7 +24,7 @@ from anatomist.cli.recipe_flags import add_recipe_flags, recipe_file_from_args, 
 from anatomist.cli.render import console, gib
 from anatomist.errors import InputError
 from anatomist.hardware import get_gpu
-from anatomist.workload import load_workload, resolve_dtype
+from anatomist.workload import load_workload
 
 if TYPE_CHECKING:
     from anatomist.estimate.predict import Estimate
@@ -81,7 +81,7 @@ def build_estimate(args: argparse.Namespace) -> Estimate:
     if recipe.dtype == "bfloat16" and not gpu.bf16:
         raise InputError(f"--dtype bfloat16 needs an Ampere or newer GPU; {gpu.name} has none (use --dtype float16 or float32)")
     note_missing_packages(recipe)
-    recipe = resolve_dtype(workload, recipe)
+    recipe = recipe.resolved(workload)
     if recipe.dtype == "bfloat16" and not gpu.bf16:
         warn(f"{workload.name} loads in bfloat16 (its config's dtype) but {gpu.name} has no bf16 tensor cores: "
              "it runs emulated and slowly there; --dtype float16 or float32 is the usual choice")

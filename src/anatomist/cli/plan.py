@@ -9,6 +9,9 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
+from anatomist.axes.optimizers import DEFAULT_SEARCH, OPTIMIZERS
+from anatomist.axes.precisions import FULL_PRECISIONS, precision_of
+from anatomist.axes.shardings import sharding_of
 from anatomist.cli.common import (
     add_cache_flag,
     add_calibration_flag,
@@ -24,8 +27,8 @@ from anatomist.errors import InputError
 from anatomist.hardware import get_gpu
 from anatomist.plan.emit import TARGETS, write
 from anatomist.plan.emit import render as render_emit
-from anatomist.plan.space import DEFAULT_OPTIMS, PRECISIONS, SearchSpace, method_of, precision_of, sharding_of
-from anatomist.recipe import OPTIMS, Recipe
+from anatomist.plan.space import SearchSpace, method_of
+from anatomist.recipe import Recipe
 from anatomist.workload import load_workload
 
 if TYPE_CHECKING:
@@ -41,10 +44,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", type=int, default=1, metavar="N", help="data-parallel GPUs (adds ZeRO 1/2/3 and FSDP)")
     p.add_argument("--objective", choices=["throughput", "memory"], default="throughput")
     add_margin_flag(p)
-    p.add_argument("--optims", default=",".join(DEFAULT_OPTIMS), metavar="A,B",
-                   help=f"optimizers to search (default {','.join(DEFAULT_OPTIMS)}; known: {', '.join(OPTIMS)})")
+    p.add_argument("--optims", default=",".join(DEFAULT_SEARCH), metavar="A,B",
+                   help=f"optimizers to search (default {','.join(DEFAULT_SEARCH)}; known: {', '.join(OPTIMIZERS)})")
     p.add_argument("--precisions", default=None, metavar="A,B",
-                   help=f"precisions to search (default: all the GPU supports; known: {', '.join(PRECISIONS)})")
+                   help=f"precisions to search (default: all the GPU supports; known: {', '.join(FULL_PRECISIONS)})")
     p.add_argument("--no-compile", action="store_true", help="do not consider torch.compile")
     peft = p.add_argument_group("parameter-efficient fine-tuning (searched only when asked: it changes what is trained)")
     peft.add_argument("--peft", default="", metavar="lora,qlora",
@@ -75,8 +78,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
     apply_cache_flag(args)
     gpu = get_gpu(args.gpu)
     calibration = calibration_from_args(args, gpu)
-    optims = _names("--optims", "optimizer", args.optims, OPTIMS)
-    precisions = None if args.precisions is None else _names("--precisions", "precision", args.precisions, tuple(PRECISIONS))
+    optims = _names("--optims", "optimizer", args.optims, tuple(OPTIMIZERS))
+    precisions = None if args.precisions is None else _names("--precisions", "precision", args.precisions, FULL_PRECISIONS)
     added = _names("--peft", "method", args.peft, ("lora", "qlora"), allow_none=True)
     lora = {k: getattr(args, k) for k in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
             if getattr(args, k) is not None}

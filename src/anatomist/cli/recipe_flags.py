@@ -89,6 +89,7 @@ def recipe_file_from_args(args: argparse.Namespace) -> RecipeFile | None:
 
 def recipe_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None,
                      source: RecipeFile | None = None) -> Recipe:
-    """The recipe file (`source`), else `base` over the defaults, overridden by the flags given."""
-    recipe = source.recipe if source is not None else Recipe(**(base or {}))
-    return Recipe.from_dict({**recipe.to_dict(), **given_flags(args)}, source="flags")
+    """What the recipe file (`source`) sets, else `base`, overridden by the flags given; the defaults and
+    the presets those values imply (`Recipe.with_presets`) fill in the rest."""
+    given = dict(source.fields) if source is not None else dict(base or {})
+    return Recipe.from_dict({**given, **given_flags(args)}, source="flags")

@@ -27,14 +27,14 @@ from typing import Any, cast
 
 import numpy as np
 
-from anatomist.anatomy import OpClass, Phase, StepFlops
+from anatomist.anatomy import STEP_PHASES, OpClass, Phase, StepFlops
 from anatomist.estimate.traces import TRACE_BATCHES, TRACE_DEPTHS, affine, step_traces
-from anatomist.recipe import Recipe
+from anatomist.recipe import ResolvedRecipe
 from anatomist.trace import cache
 from anatomist.trace.cuts import TracePlan
+from anatomist.trace.keys import Depth, part_key
+from anatomist.trace.parts import trace_part
 from anatomist.trace.records import COST_FIELDS, Signature
-from anatomist.trace.step import Depth, part_key, trace_part
-from anatomist.trace.tracer import STEP_PHASES
 from anatomist.workload import Workload
 
 DEFAULT_COMPUTE_CAPABILITY = "8.0"
@@ -88,7 +88,7 @@ class StepOps:
 _PASSES_OPS = cache.Memo(1024)
 
 
-def passes_ops(workload: Workload, recipe: Recipe, depth: Depth, compute_capability: str) -> tuple[Signature, ...]:
+def passes_ops(workload: Workload, recipe: ResolvedRecipe, depth: Depth, compute_capability: str) -> tuple[Signature, ...]:
     """The ops of one micro-batch's passes at the recipe's batch size, of the model cut to `depth`.
 
     At any batch the passes run the same ops in the same order, and each op's FLOPs and
@@ -100,7 +100,7 @@ def passes_ops(workload: Workload, recipe: Recipe, depth: Depth, compute_capabil
     return _PASSES_OPS.get(key, lambda: _passes_ops(workload, recipe, depth, batch, compute_capability))
 
 
-def _passes_ops(workload: Workload, recipe: Recipe, depth: Depth, batch: int, compute_capability: str,
+def _passes_ops(workload: Workload, recipe: ResolvedRecipe, depth: Depth, batch: int, compute_capability: str,
                 ) -> tuple[Signature, ...]:
 
     def traced(b: int) -> tuple[Signature, ...]:
@@ -118,7 +118,7 @@ def _passes_ops(workload: Workload, recipe: Recipe, depth: Depth, batch: int, co
     return tuple(a[:first] + tuple(map(int, c)) + a[last:] for a, c in zip(lo, costs.tolist(), strict=True))  # type: ignore[misc]
 
 
-def _step_at_depth(workload: Workload, recipe: Recipe, depth: Depth, compute_capability: str) -> Counter[Signature]:
+def _step_at_depth(workload: Workload, recipe: ResolvedRecipe, depth: Depth, compute_capability: str) -> Counter[Signature]:
     """Call counts of every op signature of one micro-batch and one optimizer step of the model cut to `depth`."""
     optimizer = trace_part(workload, recipe, "optimizer", depth=depth, batch_size=1,
                            compute_capability=compute_capability)
@@ -130,7 +130,7 @@ _STEP_OPS = cache.Memo(1024)
 (sharding, torch.compile, accumulation beyond 2) share it."""
 
 
-def step_ops(workload: Workload, recipe: Recipe, compute_capability: str = DEFAULT_COMPUTE_CAPABILITY) -> StepOps:
+def step_ops(workload: Workload, recipe: ResolvedRecipe, compute_capability: str = DEFAULT_COMPUTE_CAPABILITY) -> StepOps:
     """Op records of one micro-batch (forward, backward) and one optimizer step, at full depth: from
     the cuts of the estimator's plan (`traces.step_traces`), or a cut as deep as the model.
     The result is shared: do not change it."""
@@ -139,7 +139,7 @@ def step_ops(workload: Workload, recipe: Recipe, compute_capability: str = DEFAU
     return _STEP_OPS.get(key, lambda: _step_ops(workload, recipe, compute_capability))
 
 
-def _step_ops(workload: Workload, recipe: Recipe, compute_capability: str) -> StepOps:
+def _step_ops(workload: Workload, recipe: ResolvedRecipe, compute_capability: str) -> StepOps:
     plan = step_traces(workload, recipe, compute_capability).plan
     layers = plan.deltas[0].multiplier + TRACE_DEPTHS[0] if plan.how == "uniform" else None
     if plan.how == "full" or (layers is not None and (layers in TRACE_DEPTHS or layers < TRACE_DEPTHS[0])):
@@ -193,7 +193,7 @@ def _extrapolate(plan: TracePlan, counts: dict[Depth, Counter[Signature]]) -> li
     return records
 
 
-def step_flops(workload: Workload, recipe: Recipe, compute_capability: str = DEFAULT_COMPUTE_CAPABILITY, *,
+def step_flops(workload: Workload, recipe: ResolvedRecipe, compute_capability: str = DEFAULT_COMPUTE_CAPABILITY, *,
                ops: StepOps | None = None) -> StepFlops:
     """FLOPs of one optimizer step, accumulation x (forward + backward) + optimizer, two ways:
     hardware FLOPs, what the recipe runs (gradient checkpointing's recomputed forward

@@ -28,9 +28,10 @@ from typing import Any
 import numpy as np
 
 from anatomist.anatomy import GIB, TENSOR_CATEGORIES, MemoryAnatomy, MemoryCategory, Phase
+from anatomist.axes.precisions import half_dtype
 from anatomist.estimate.traces import TRACE_BATCHES, StepTraces, affine
-from anatomist.recipe import Recipe
-from anatomist.trace.step import Depth
+from anatomist.recipe import ResolvedRecipe
+from anatomist.trace.keys import Depth
 from anatomist.workload import Workload
 
 LOSS_SHARE = 0.5
@@ -72,7 +73,7 @@ def post_segment_peak(traces: StepTraces, phase: Phase, batch: int) -> LossPeak 
     return LossPeak(transient_bytes=float(categories[i, _TRANSIENT].sum()), loss_bytes=float(post[i]))
 
 
-def loss_peak_note(workload: Workload, recipe: Recipe, anatomy: MemoryAnatomy, traces: StepTraces) -> str | None:
+def loss_peak_note(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnatomy, traces: StepTraces) -> str | None:
     """The note for an anatomy whose peak is the logits of the loss (see the module's criterion), else None."""
     if anatomy.peak_phase not in (Phase.FORWARD, Phase.BACKWARD):
         return None
@@ -91,14 +92,12 @@ def loss_peak_note(workload: Workload, recipe: Recipe, anatomy: MemoryAnatomy, t
             "Kernel's) that never holds the logits is not modelled")
 
 
-def _logits_size(workload: Workload, recipe: Recipe) -> str:
+def _logits_size(workload: Workload, recipe: ResolvedRecipe) -> str:
     """`batch x tokens x vocabulary` and what one copy of the logits takes in each dtype the loss holds."""
     vocab = int(workload.config.get_text_config().vocab_size)
     batch = recipe.per_device_train_batch_size
     elements = batch * workload.seq_len * vocab
-    half = recipe.mixed_precision if recipe.mixed_precision != "no" else (
-        recipe.dtype if recipe.dtype in ("bfloat16", "float16") else None)
-    half_name = {"bf16": "bf16", "fp16": "fp16", "bfloat16": "bf16", "float16": "fp16"}.get(half or "")
+    half_name = {"bfloat16": "bf16", "float16": "fp16"}.get(half_dtype(recipe) or "")
     copies = f"{elements * 2 / GIB:.1f} GiB per {half_name} copy, " if half_name else ""
     return (f"{batch} x {workload.seq_len:,} tokens x {vocab:,} vocabulary: {copies}"
             f"{elements * 4 / GIB:.1f} GiB per fp32 copy")

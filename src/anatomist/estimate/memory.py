@@ -15,6 +15,7 @@ can make the real ratio a little smaller).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -28,12 +29,12 @@ from anatomist.estimate.rules import BytesPerParamRule, bytes_per_param_rule
 from anatomist.estimate.sharding import shard
 from anatomist.estimate.traces import TRACE_BATCHES, Mode, StepTraces, affine, step_traces
 from anatomist.hardware import GPU
-from anatomist.recipe import Recipe
+from anatomist.recipe import ResolvedRecipe
 from anatomist.trace import cache
 from anatomist.trace.cuts import TracePlan
+from anatomist.trace.keys import Depth, Part, part_key
 from anatomist.trace.records import Curves, PhasePeak
-from anatomist.trace.step import Depth, Part, part_key
-from anatomist.workload import Workload, resolve_dtype
+from anatomist.workload import Workload
 
 MAX_BATCH_SEARCH = 1 << 16
 
@@ -177,7 +178,7 @@ def memory_limit_bytes(gpu: GPU, margin: float) -> int:
 
 
 def estimate_memory(
-    workload: Workload, recipe: Recipe, gpu: GPU, *, mode: Mode = "train", num_gpus: int = 1,
+    workload: Workload, recipe: ResolvedRecipe, gpu: GPU, *, mode: Mode = "train", num_gpus: int = 1,
     margin: float = DEFAULT_MEMORY_MARGIN,
 ) -> MemoryEstimate:
     """Predict the memory anatomy of one step of `recipe` on `gpu`.
@@ -194,12 +195,34 @@ def estimate_memory(
         A MemoryEstimate whose anatomy categories add up to device_total.
     """
     limit = memory_limit_bytes(gpu, margin)
-    recipe = resolve_dtype(workload, recipe)
     traces = step_traces(workload, recipe, gpu.compute_capability, mode)
-    model = _Model(traces)
-    batch = recipe.per_device_train_batch_size
+    phases_at = _phase_peaks(workload, recipe, gpu, traces, mode, num_gpus)
+    phases = phases_at(recipe.per_device_train_batch_size)
+    anatomy = _anatomy(phases, gpu)
+    assert anatomy.device_total is not None  # a prediction always has one
     parameters, trainable = traces.parameters, traces.trainable_parameters
+    rule = bytes_per_param_rule(recipe, parameters, mode, trainable if recipe.peft != "none" else None)
+    return MemoryEstimate(
+        anatomy=anatomy,
+        parameters=parameters,
+        trainable_parameters=trainable,
+        fits=anatomy.device_total <= limit,
+        limit_bytes=limit,
+        max_batch_size=_largest_batch(workload, recipe, gpu, mode, num_gpus, limit, phases_at),
+        rule=rule,
+        phase_peaks={str(p): v.allocated for p, v in phases.items()},
+        notes=[*traces.notes, *_notes(workload, recipe, anatomy, rule, traces)],
+    )
 
+
+PhasePeaks = Callable[[int], dict[Phase, PhasePeak]]
+"""The peak of each phase of the step at a per-device batch size, on one device of the sharding."""
+
+
+def _phase_peaks(workload: Workload, recipe: ResolvedRecipe, gpu: GPU, traces: StepTraces, mode: Mode,
+                 num_gpus: int) -> PhasePeaks:
+    """Each phase's peak at any batch, extrapolated from `traces` and sharded over `num_gpus` devices."""
+    model = _Model(traces)
     # The traces' keys name the model's peaks at any batch: recipes that share the traces share them.
     passes: Part = "forward-backward" if mode == "train" else "inference"
     traced = (part_key(workload, recipe, passes, None, 0, gpu.compute_capability),
@@ -209,14 +232,19 @@ def estimate_memory(
         return _PHASE_PEAKS.get((traced, phase, b), lambda: model.phase_at(phase, b))
 
     def phases_at(b: int) -> dict[Phase, PhasePeak]:
-        return {phase: shard(peak_at(phase, b), recipe, parameters, num_gpus, mode, phase) for phase in model.phases()}
+        return {phase: shard(peak_at(phase, b), recipe, traces.parameters, num_gpus, mode, phase)
+                for phase in model.phases()}
 
-    phases = phases_at(batch)
+    return phases_at
+
+
+def _anatomy(phases: dict[Phase, PhasePeak], gpu: GPU) -> MemoryAnatomy:
+    """The categories at the highest phase peak; the allocator's reserve and the CUDA context on top."""
     peak_phase = max(phases, key=lambda p: phases[p].allocated)
     peak = phases[peak_phase]
     peak_reserved = max(p.reserved for p in phases.values())
     device_total = peak_reserved + gpu.cuda_context_bytes
-    anatomy = MemoryAnatomy(
+    return MemoryAnatomy(
         weights=peak.categories[MemoryCategory.WEIGHTS],
         optimizer_states=peak.categories[MemoryCategory.OPTIMIZER_STATES],
         gradients=peak.categories[MemoryCategory.GRADIENTS],
@@ -230,26 +258,20 @@ def estimate_memory(
         peak_phase=peak_phase,
     )
 
+
+def _largest_batch(workload: Workload, recipe: ResolvedRecipe, gpu: GPU, mode: Mode, num_gpus: int, limit: int,
+                   phases_at: PhasePeaks) -> int:
+    """The largest per-device batch whose device total fits `limit`.
+
+    It does not depend on the recipe's own batch: recipes that differ only in it (and in
+    accumulation beyond the 2 micro-batches a trace runs) share the search."""
+
     def total_at(b: int) -> int:
         return max(p.reserved for p in phases_at(b).values()) + gpu.cuda_context_bytes
 
-    # The largest batch does not depend on the recipe's own batch: recipes that differ only in
-    # it (and in accumulation beyond the 2 micro-batches a trace runs) share the search.
     shape = recipe.replace(per_device_train_batch_size=1, gradient_accumulation_steps=min(recipe.gradient_accumulation_steps, 2))
     key = (workload.trace_key(), shape, gpu.compute_capability, gpu.cuda_context_bytes, num_gpus, mode, limit)
-    max_batch = _MAX_BATCH.get(key, lambda: _max_batch_size(total_at, limit))
-    rule = bytes_per_param_rule(recipe, parameters, mode, trainable if recipe.peft != "none" else None)
-    return MemoryEstimate(
-        anatomy=anatomy,
-        parameters=parameters,
-        trainable_parameters=trainable,
-        fits=device_total <= limit,
-        limit_bytes=limit,
-        max_batch_size=max_batch,
-        rule=rule,
-        phase_peaks={str(p): v.allocated for p, v in phases.items()},
-        notes=[*traces.notes, *_notes(workload, recipe, anatomy, rule, traces)],
-    )
+    return _MAX_BATCH.get(key, lambda: _max_batch_size(total_at, limit))
 
 
 _MAX_BATCH = cache.Memo(4096)
@@ -275,7 +297,7 @@ def _max_batch_size(total_at: Any, capacity: int) -> int:
     return lo
 
 
-def _notes(workload: Workload, recipe: Recipe, anatomy: MemoryAnatomy, rule: BytesPerParamRule,
+def _notes(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnatomy, rule: BytesPerParamRule,
            traces: StepTraces) -> list[str]:
     notes = list(rule.explain(anatomy, recipe))
     loss = loss_peak_note(workload, recipe, anatomy, traces)

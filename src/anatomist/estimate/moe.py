@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from anatomist.anatomy import MemoryAnatomy
-from anatomist.recipe import Recipe
+from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.experts import OWN_CODE, experts_kernel
 from anatomist.workload import Workload, moe_counts
 
@@ -71,7 +71,7 @@ class MoeRouting:
         }
 
 
-def moe_routing(workload: Workload, recipe: Recipe, anatomy: MemoryAnatomy) -> MoeRouting | None:
+def moe_routing(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnatomy) -> MoeRouting | None:
     """The routing assumption and peak range of an estimate (None for a dense model)."""
     counts = moe_counts(workload.config)
     kernel = experts_kernel(workload, recipe)
@@ -85,7 +85,7 @@ def moe_routing(workload: Workload, recipe: Recipe, anatomy: MemoryAnatomy) -> M
     )
 
 
-def moe_note(workload: Workload, recipe: Recipe) -> str | None:
+def moe_note(workload: Workload, recipe: ResolvedRecipe) -> str | None:
     """What the notes say of a Mixture-of-Experts estimate: the routing assumed and why any other gives the
     same memory (None for a dense model)."""
     counts = moe_counts(workload.config)

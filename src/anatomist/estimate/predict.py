@@ -13,7 +13,7 @@ from anatomist.estimate.time import estimate_time
 from anatomist.estimate.traces import Mode
 from anatomist.hardware import GPU
 from anatomist.recipe import Recipe
-from anatomist.workload import Workload, resolve_dtype
+from anatomist.workload import Workload
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,7 +65,7 @@ def estimate(
 ) -> Estimate:
     """Predict memory (and, in training, time) of one step of `recipe` on `gpu`; `calibration`:
     the time model's factors (default: `calibration_for(gpu)`, the lookup of estimate/calibration.py)."""
-    recipe = resolve_dtype(workload, recipe)
+    recipe = recipe.resolved(workload)  # the library's entry point: everything below takes it resolved
     memory = estimate_memory(workload, recipe, gpu, mode=mode, num_gpus=num_gpus, margin=margin)
     calibration = calibration or calibration_for(gpu)
     time = estimate_time(workload, recipe, gpu, calibration) if mode == "train" else None

@@ -3,6 +3,7 @@
 From "Model training anatomy" (Hugging Face Transformers docs), for fp32-loaded weights:
   weights    4 B/param (fp32 training), 6 B/param (mixed precision: fp32 + half copy)
   optimizer  8 B/param (AdamW), 2 B/param (8-bit AdamW), 4 B/param (SGD with momentum)
+             (each optimizer's figures: axes/optimizers.py)
   gradients  4 B/param (always fp32)
 so mixed-precision AdamW needs 18 B/param, and mixed-precision inference 6 B/param,
 plus activations.
@@ -20,19 +21,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from anatomist.anatomy import GIB, MemoryAnatomy, Phase
-from anatomist.recipe import Recipe
-from anatomist.trace.peft import BLOCK_4BIT, NESTED_BLOCK
-
-OPTIMIZER_BYTES_PER_PARAM: dict[str, float | None] = {
-    "adamw_torch": 8,
-    "adamw_torch_fused": 8,
-    "adamw_bnb_8bit": 2,
-    "adamw_torch_8bit": 2,
-    "paged_adamw_8bit": 2,
-    "paged_adamw_32bit": 8,
-    "sgd": 4,
-    "adafactor": None,  # factored second moment: not in the seeds' rule
-}
+from anatomist.axes.optimizers import optimizer as optimizer_spec
+from anatomist.axes.quantization import BLOCK_4BIT, NESTED_BLOCK
+from anatomist.recipe import ResolvedRecipe
 
 
 @dataclass(kw_only=True, slots=True)
@@ -95,7 +86,7 @@ class BytesPerParamRule:
             return f"{self.gradients_per_param:g} B{trainable or '/param'} = {self.gradients_bytes / GIB:.2f} GiB"
         return "-" if category == "gradients" else ""
 
-    def explain(self, traced: MemoryAnatomy, recipe: Recipe) -> Iterator[str]:
+    def explain(self, traced: MemoryAnatomy, recipe: ResolvedRecipe) -> Iterator[str]:
         """One line per component where the trace at the peak differs from the rule by > 5%,
         with the reason; a method the recipe does not use is never the reason."""
 
@@ -149,12 +140,7 @@ class BytesPerParamRule:
             yield f"gradients: rule {self.describe('gradients')}, traced {traced.gradients / GIB:.2f} GiB: {why}"
 
 
-HALF_OPTIMIZER_BYTES_PER_PARAM: dict[str, float | None] = {**OPTIMIZER_BYTES_PER_PARAM, "adamw_torch": 4,
-                                                           "adamw_torch_fused": 4, "sgd": 2}
-"""With half-precision weights the optimizer keeps its moments in the weights' dtype (8-bit codes stay 1 B)."""
-
-
-def frozen_bytes_per_param(recipe: Recipe) -> float:
+def frozen_bytes_per_param(recipe: ResolvedRecipe) -> float:
     """Bytes of one frozen base parameter: the load dtype's, or bitsandbytes' packed storage
     (4-bit: half a byte plus an fp32 absmax per block; with double quantization a uint8 absmax
     per block and an fp32 one per NESTED_BLOCK blocks, as trace/peft.py lays them out)."""
@@ -166,27 +152,27 @@ def frozen_bytes_per_param(recipe: Recipe) -> float:
     return 2.0 if recipe.half_weights else 4.0
 
 
-def bytes_per_param_rule(recipe: Recipe, parameters: int, mode: str, trainable: int | None = None) -> BytesPerParamRule:
+def bytes_per_param_rule(recipe: ResolvedRecipe, parameters: int, mode: str, trainable: int | None = None) -> BytesPerParamRule:
     """The rule's bytes per parameter for `recipe` (its `dtype` resolved: not "auto");
     `trainable`: the adapters' parameters under PEFT."""
+    spec = optimizer_spec(recipe.optim)
     if recipe.peft != "none" and mode == "train":
         # PEFT makes the adapters in fp32 (autocast_adapter_dtype): the fp32 rule applies to them.
-        optimizer = OPTIMIZER_BYTES_PER_PARAM[recipe.optim]
+        optimizer = spec.state_bytes_per_param
         return BytesPerParamRule(
             parameters=parameters, weights_per_param=4.0, optimizer_per_param=optimizer, gradients_per_param=4.0,
             total_per_param=None, trainable_parameters=trainable, frozen_weights_per_param=frozen_bytes_per_param(recipe),
         )
-    if recipe.half_weights:
-        weights, gradients, table = 2.0, 2.0, HALF_OPTIMIZER_BYTES_PER_PARAM
+    if recipe.half_weights:  # torch's optimizers keep their moments in the weights' dtype (8-bit codes stay 1 B)
+        weights, gradients, optimizer = 2.0, 2.0, spec.half_state_bytes_per_param
     else:
         weights = 6.0 if recipe.mixed_precision != "no" else 4.0
-        gradients, table = 4.0, OPTIMIZER_BYTES_PER_PARAM
+        gradients, optimizer = 4.0, spec.state_bytes_per_param
     if mode == "inference":
         return BytesPerParamRule(
             parameters=parameters, weights_per_param=weights, optimizer_per_param=0.0,
             gradients_per_param=0.0, total_per_param=weights,
         )
-    optimizer = table[recipe.optim]
     total = None if optimizer is None else weights + optimizer + gradients
     return BytesPerParamRule(
         parameters=parameters, weights_per_param=weights, optimizer_per_param=optimizer,

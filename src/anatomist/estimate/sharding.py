@@ -33,7 +33,7 @@ layers, and under offload the gradient buckets on their way to the host. NOT val
 from __future__ import annotations
 
 from anatomist.anatomy import MemoryCategory, Phase
-from anatomist.recipe import Recipe
+from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.records import PhasePeak
 
 HALF_BYTES = 2
@@ -44,7 +44,7 @@ default is 5e8 elements, a GB per half-precision bucket); written out so that th
 estimate leaves out stay small and known."""
 
 
-def shard(peak: PhasePeak, recipe: Recipe, parameters: int, num_gpus: int, mode: str, phase: Phase) -> PhasePeak:
+def shard(peak: PhasePeak, recipe: ResolvedRecipe, parameters: int, num_gpus: int, mode: str, phase: Phase) -> PhasePeak:
     """`peak` of `phase` (traced on one device, no sharding) as one of `num_gpus` devices holds it under `recipe`."""
     stage = recipe.sharding_stage
     if mode != "train" or (stage == 0 and num_gpus == 1):

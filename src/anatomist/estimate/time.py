@@ -31,24 +31,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from anatomist.anatomy import OpClass, Phase, TimeAnatomy
+from anatomist.axes.precisions import matmul_precision
 from anatomist.estimate.calibration import Calibration, calibration_for
 from anatomist.estimate.flops import OpRecord, StepOps, step_flops, step_ops
 from anatomist.hardware import GPU, Precision
-from anatomist.recipe import Recipe
-from anatomist.workload import Workload, resolve_dtype
+from anatomist.recipe import ResolvedRecipe
+from anatomist.workload import Workload
 
 
-def recipe_precision(recipe: Recipe, gpu: GPU) -> Precision:
-    """The dtype whose dense peak the recipe's matrix products run at (the MFU and HFU denominator):
-    the autocast dtype, else the weights' dtype (`recipe.dtype` resolved: not "auto")."""
-    if recipe.fp16 or recipe.dtype == "float16":
-        return "fp16"
-    if recipe.bf16 or recipe.dtype == "bfloat16":
-        return "bf16"
-    return "tf32" if recipe.tf32 and gpu.tf32 else "fp32"
-
-
-def peak_seconds(record: OpRecord, recipe: Recipe, gpu: GPU) -> tuple[float, float, float]:
+def peak_seconds(record: OpRecord, recipe: ResolvedRecipe, gpu: GPU) -> tuple[float, float, float]:
     """(tensor-core, CUDA-core, memory) seconds of one call at 100% of the datasheet peaks.
 
     A matrix product runs at the peak of its dtype: fp16/bf16 under autocast, TF32 where the
@@ -67,7 +58,7 @@ def peak_seconds(record: OpRecord, recipe: Recipe, gpu: GPU) -> tuple[float, flo
     return (0.0, seconds, memory_s) if precision == "fp32" else (seconds, 0.0, memory_s)
 
 
-def op_call_s(record: OpRecord, recipe: Recipe, gpu: GPU, cal: Calibration | None = None) -> float:
+def op_call_s(record: OpRecord, recipe: ResolvedRecipe, gpu: GPU, cal: Calibration | None = None) -> float:
     """Predicted seconds of one call of `record` on `gpu` (0 for views: no kernel)."""
     cal = cal or calibration_for(gpu)
     if record.view:
@@ -78,7 +69,7 @@ def op_call_s(record: OpRecord, recipe: Recipe, gpu: GPU, cal: Calibration | Non
 
 
 def time_from_ops(
-    ops: StepOps, workload: Workload, recipe: Recipe, gpu: GPU, cal: Calibration | None = None
+    ops: StepOps, workload: Workload, recipe: ResolvedRecipe, gpu: GPU, cal: Calibration | None = None
 ) -> TimeAnatomy:
     """Add the per-op roofline times of `ops` up into a step's TimeAnatomy, plus the per-step
     overhead (`cal`: the factors to use; default `calibration_for(gpu)`)."""
@@ -95,7 +86,7 @@ def time_from_ops(
     flops = step_flops(workload, recipe, gpu.compute_capability, ops=ops)
     samples = recipe.per_device_train_batch_size * accumulation
     # A GPU without tensor cores for the dtype (bf16 on a V100) runs it at its fp32 rate at best.
-    peak = (gpu.peak_tflops(recipe_precision(recipe, gpu)) or gpu.fp32_tflops) * 1e12
+    peak = (gpu.peak_tflops(matmul_precision(recipe, gpu)) or gpu.fp32_tflops) * 1e12
     mfu, hfu = flops.utilization(step_s, peak)
     return TimeAnatomy(
         step_s=step_s,
@@ -114,9 +105,8 @@ def time_from_ops(
     )
 
 
-def estimate_time(workload: Workload, recipe: Recipe, gpu: GPU, cal: Calibration | None = None) -> TimeAnatomy:
+def estimate_time(workload: Workload, recipe: ResolvedRecipe, gpu: GPU, cal: Calibration | None = None) -> TimeAnatomy:
     """Predicted time of one optimizer step of `recipe` on `gpu` (see the module docstring)."""
-    recipe = resolve_dtype(workload, recipe)
     return time_from_ops(step_ops(workload, recipe, gpu.compute_capability), workload, recipe, gpu, cal)
 
 
@@ -125,7 +115,7 @@ class TimedStep:
     """A measured step for `fit_calibration`: what ran, where, and its seconds per optimizer step."""
 
     workload: Workload
-    recipe: Recipe
+    recipe: ResolvedRecipe
     gpu: GPU
     step_s: float
 

@@ -24,7 +24,7 @@ import numpy as np
 if TYPE_CHECKING:
     from anatomist.estimate.flops import StepOps
     from anatomist.hardware import GPU
-    from anatomist.recipe import Recipe
+    from anatomist.recipe import ResolvedRecipe
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +57,7 @@ class Components:
         return cls(**{k: np.asarray(data[k], dtype=np.float64) for k in ("tensor_core_s", "cuda_core_s", "memory_s", "calls")})
 
 
-def components(ops: StepOps, recipe: Recipe, gpu: GPU, *, optimizer_share: float = 1.0) -> Components:
+def components(ops: StepOps, recipe: ResolvedRecipe, gpu: GPU, *, optimizer_share: float = 1.0) -> Components:
     """The components of one optimizer step of `ops` on `gpu`.
 
     Args:

@@ -1,6 +1,6 @@
 """The traces the estimator takes of a step, shared by the memory and the time prediction.
 
-A training step is traced in two parts (forward/backward, optimizer: `trace.step.trace_part`)
+A training step is traced in two parts (forward/backward, optimizer: `trace.parts.trace_part`)
 on the cuts of the model its plan names (`trace.cuts`: the model cut to 2 and 3 blocks for a
 stack of blocks all alike, one block of each kind for stacks of several, or the full model); the
 passes at `TRACE_BATCHES` samples. Everything the estimator reports is extrapolated from these
@@ -21,12 +21,13 @@ from typing import Literal, TypeVar
 import numpy as np
 
 from anatomist.errors import InputError
-from anatomist.recipe import Recipe
+from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.cuts import TRACE_DEPTHS, TracePlan, full_plan, model_plan
 from anatomist.trace.experts import check_traceable
+from anatomist.trace.keys import Depth, Part
+from anatomist.trace.parts import trace_part, trace_parts
 from anatomist.trace.records import StepTrace
-from anatomist.trace.step import Depth, Part, trace_part, trace_parts
-from anatomist.workload import Workload, resolve_dtype
+from anatomist.workload import Workload
 
 __all__ = ["TRACE_BATCHES", "TRACE_DEPTHS", "Mode", "StepTraces", "affine", "implied_parameters", "parts_of", "prefetch",
            "step_traces"]
@@ -62,11 +63,10 @@ class StepTraces:
     does not add up)."""
 
 
-def step_traces(workload: Workload, recipe: Recipe, compute_capability: str, mode: Mode = "train",
+def step_traces(workload: Workload, recipe: ResolvedRecipe, compute_capability: str, mode: Mode = "train",
                 *, use_cache: bool = True) -> StepTraces:
     """The passes of each cut of the plan at TRACE_BATCHES and, in training, the optimizer of each cut;
     at full depth instead where the parameters they imply are not the model's exact count."""
-    recipe = resolve_dtype(workload, recipe)
     check_traceable(workload, recipe)  # before the caches: a config's experts kernel is not in their keys
     model = model_plan(workload, recipe, use_cache=use_cache)
 
@@ -110,11 +110,10 @@ def parts_of(plan: TracePlan, mode: Mode) -> list[tuple[Part, Depth, int]]:
     return parts
 
 
-def prefetch(workload: Workload, recipes: Iterable[Recipe], compute_capability: str, mode: Mode = "train") -> None:
-    """Trace side by side what `step_traces` of each recipe will read (see `trace.step.trace_parts`)."""
+def prefetch(workload: Workload, recipes: Iterable[ResolvedRecipe], compute_capability: str, mode: Mode = "train") -> None:
+    """Trace side by side what `step_traces` of each recipe will read (see `trace.parts.trace_parts`)."""
     requests = []
     for recipe in recipes:
-        recipe = resolve_dtype(workload, recipe)
         try:
             check_traceable(workload, recipe)
         except InputError:

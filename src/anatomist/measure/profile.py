@@ -27,14 +27,15 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from anatomist.anatomy import OpClass, Phase
+from anatomist.axes.optimizers import optimizer
 from anatomist.errors import InputError
 from anatomist.estimate.flops import step_flops, step_ops
 from anatomist.hardware import detect_local_gpu
 from anatomist.op_classes import classify, is_known
-from anatomist.recipe import OPTIM_PACKAGES, Recipe
+from anatomist.recipe import Recipe, ResolvedRecipe
 from anatomist.trace.experts import build_kwargs
-from anatomist.trace.step import make_batch
-from anatomist.workload import Workload, resolve_dtype
+from anatomist.trace.inputs import make_batch
+from anatomist.workload import Workload
 
 PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
 TOP_OPS = 10
@@ -78,7 +79,7 @@ class ProfileResult:
         }
 
 
-def check_runnable(recipe: Recipe, steps: int, device: torch.device) -> None:
+def check_runnable(recipe: ResolvedRecipe, steps: int, device: torch.device) -> None:
     """Raise InputError for a recipe this machine cannot run, before any model is built."""
     if steps <= 0:
         raise InputError(f"--steps must be greater than 0, got {steps}")
@@ -90,7 +91,7 @@ def check_runnable(recipe: Recipe, steps: int, device: torch.device) -> None:
     if recipe.attn_implementation == "flash_attention_2" and (cpu or recipe.missing_packages()):
         why = "a CUDA GPU" if cpu else "the flash_attn package (pip install flash-attn)"
         raise InputError(f"flash_attention_2 needs {why}; use --attn-implementation sdpa")
-    if recipe.optim in OPTIM_PACKAGES and (cpu or recipe.missing_packages()):
+    if optimizer(recipe.optim).package and (cpu or recipe.missing_packages()):
         raise InputError(f"optim {recipe.optim} needs a CUDA GPU and its package ({', '.join(recipe.missing_packages()) or 'installed'})")
     if recipe.zero_stage or recipe.offload != "none":
         raise InputError("profile runs one process without DeepSpeed; drop --zero-stage/--offload (use `anatomist bench`)")
@@ -98,7 +99,7 @@ def check_runnable(recipe: Recipe, steps: int, device: torch.device) -> None:
         raise InputError("profile does not support --torch-compile yet (the op classes would be inductor kernels)")
 
 
-def _optimizer(model: torch.nn.Module, recipe: Recipe, cpu: bool) -> torch.optim.Optimizer:
+def _optimizer(model: torch.nn.Module, recipe: ResolvedRecipe, cpu: bool) -> torch.optim.Optimizer:
     """The optimizer the Trainer would build for this recipe (its own class and arguments)."""
     from transformers import Trainer
 
@@ -108,7 +109,7 @@ def _optimizer(model: torch.nn.Module, recipe: Recipe, cpu: bool) -> torch.optim
     return cls([p for p in model.parameters() if p.requires_grad], **kwargs)
 
 
-def training_step(workload: Workload, recipe: Recipe, device: torch.device) -> Callable[[], None]:
+def training_step(workload: Workload, recipe: ResolvedRecipe, device: torch.device) -> Callable[[], None]:
     """A real training step of the real model (random init) on `device`, as the Trainer runs it:
     `gradient_accumulation_steps` micro-batches (forward under autocast, backward, loss-scaled
     under fp16), unscale, clip, optimizer step, zero_grad. Each phase is a `record_function`
@@ -158,7 +159,7 @@ def profile_training(workload: Workload, recipe: Recipe, *, steps: int = 3) -> P
         InputError: a recipe this machine cannot run, or steps <= 0.
     """
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    recipe = resolve_dtype(workload, recipe)
+    recipe = recipe.resolved(workload)
     check_runnable(recipe, steps, device)
     cpu = device.type == "cpu"
     train_step = training_step(workload, recipe, device)
@@ -173,7 +174,7 @@ def profile_training(workload: Workload, recipe: Recipe, *, steps: int = 3) -> P
     return _summarise(prof.events(), workload, recipe, steps, device, wall_s)
 
 
-def _summarise(events: Any, workload: Workload, recipe: Recipe, steps: int, device: torch.device, wall_s: float) -> ProfileResult:
+def _summarise(events: Any, workload: Workload, recipe: ResolvedRecipe, steps: int, device: torch.device, wall_s: float) -> ProfileResult:
     cpu = device.type == "cpu"
     by_op: dict[str, float] = defaultdict(float)  # microseconds over all steps
     phase_us: dict[str, float] = defaultdict(float)
@@ -205,9 +206,9 @@ def _summarise(events: Any, workload: Workload, recipe: Recipe, steps: int, devi
     mfu: float | None = None
     hfu: float | None = None
     if gpu is not None:
-        from anatomist.estimate.time import recipe_precision
+        from anatomist.axes.precisions import matmul_precision
 
-        mfu, hfu = flops.utilization(step_s, gpu.peak_tflops(recipe_precision(recipe, gpu)) * 1e12)
+        mfu, hfu = flops.utilization(step_s, gpu.peak_tflops(matmul_precision(recipe, gpu)) * 1e12)
     top = sorted(by_op.items(), key=lambda kv: -kv[1])[:TOP_OPS]
     unknown = sorted({n for n in by_op if not is_known(n)} | set(ops.unknown_ops()))
     device_name = torch.cuda.get_device_name(device) if not cpu else f"cpu ({torch.get_num_threads()} threads)"

@@ -158,10 +158,8 @@ def mfu_inputs(workload: Workload, recipe: Recipe) -> tuple[StepFlops | None, fl
     gpu = detect_local_gpu()
     if gpu is None:
         return None, None
+    from anatomist.axes.precisions import matmul_precision
     from anatomist.estimate.flops import step_flops
-    from anatomist.estimate.time import recipe_precision
-    from anatomist.workload import resolve_dtype
+    recipe = recipe.resolved(workload)
 
-    recipe = resolve_dtype(workload, recipe)
-
-    return step_flops(workload, recipe, gpu.compute_capability), gpu.peak_tflops(recipe_precision(recipe, gpu)) * 1e12
+    return step_flops(workload, recipe, gpu.compute_capability), gpu.peak_tflops(matmul_precision(recipe, gpu)) * 1e12

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from anatomist.anatomy import GIB, MIB
+from anatomist.axes.precisions import precision, precision_of
+from anatomist.axes.shardings import sharding_of
 from anatomist.estimate.traces import prefetch
 from anatomist.hardware import GPU
 from anatomist.plan.search import SPEED_TIE, Candidate, Evaluator, SearchSpace, smallest_fitting_gpu
@@ -19,15 +21,12 @@ from anatomist.plan.space import (
     METHODS,
     PEFT_TRADE_OFF,
     method_of,
-    precision_fields,
-    precision_of,
     searched_precisions,
-    sharding_of,
 )
-from anatomist.recipe import Recipe
+from anatomist.recipe import ResolvedRecipe
 from anatomist.workload import Workload
 
-Alternatives = Callable[[Recipe], list[tuple[str, Recipe]]]
+Alternatives = Callable[[ResolvedRecipe], list[tuple[str, ResolvedRecipe]]]
 
 
 def _gib(n: int) -> str:
@@ -48,32 +47,32 @@ def _compare(best: Candidate, alt_label: str, alt: Candidate, limit: int) -> str
     return f"{alt_label}: {speed_txt}, {mem_txt}"
 
 
-def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[Recipe], str], Alternatives]]:
+def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[ResolvedRecipe], str], Alternatives]]:
 
-    def method_alts(r: Recipe) -> list[tuple[str, Recipe]]:
+    def method_alts(r: ResolvedRecipe) -> list[tuple[str, ResolvedRecipe]]:
         """The other methods, at their own precision nearest to `r`'s (QLoRA has one)."""
         alts = []
         for m in space.methods:
             if m == method_of(r):
                 continue
             precisions = searched_precisions(space, gpu, m)
-            precision = precision_of(r) if precision_of(r) in precisions else precisions[-1]
-            alts.append((m, r.replace(**{**METHODS[m], **precision_fields(precision)})))
+            name = precision_of(r) if precision_of(r) in precisions else precisions[-1]
+            alts.append((m, r.replace(**{**METHODS[m], **precision(name).fields})))
         return alts
 
-    def batch_alts(r: Recipe) -> list[tuple[str, Recipe]]:
+    def batch_alts(r: ResolvedRecipe) -> list[tuple[str, ResolvedRecipe]]:
         return [
             (f"batch {b} x {a}", r.replace(per_device_train_batch_size=b, gradient_accumulation_steps=a))
             for b, a in space.batch_options()
             if b != r.per_device_train_batch_size
         ]
 
-    def sharding_alts(r: Recipe) -> list[tuple[str, Recipe]]:
+    def sharding_alts(r: ResolvedRecipe) -> list[tuple[str, ResolvedRecipe]]:
         base = {"zero_stage": 0, "offload": "none", "fsdp": "none"}
         return [
-            (name, r.replace(**{**base, **fields}))  # type: ignore[arg-type]
-            for name, fields in space.sharding_options(method_of(r)).items()
-            if name != sharding_of(r, space.num_gpus)
+            (spec.name, r.replace(**{**base, **spec.fields}))  # type: ignore[arg-type]
+            for spec in space.sharding_options(method_of(r))
+            if spec.name != sharding_of(r, space.num_gpus)
         ]
 
     attn = ["eager", "sdpa"] + (["flash_attention_2"] if float(gpu.compute_capability) >= 8.0 else [])
@@ -86,7 +85,7 @@ def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[Recipe], st
                      r.replace(gradient_checkpointing=not r.gradient_checkpointing))]
          if len(space.checkpointing_options) > 1 else []),
         ("precision", precision_of,
-         lambda r: [(p, r.replace(**precision_fields(p))) for p in searched_precisions(space, gpu, method_of(r))
+         lambda r: [(p, r.replace(**precision(p).fields)) for p in searched_precisions(space, gpu, method_of(r))
                     if p != precision_of(r)]),
         ("optimizer", lambda r: r.optim,
          lambda r: [(o, r.replace(optim=o)) for o in space.optims if o != r.optim]),
@@ -151,7 +150,7 @@ def explain_infeasible(
         options.append(f"a GPU with more memory ({larger.name}, {_gib(larger.memory_bytes)})")
     from anatomist.estimate.memory import estimate_memory
 
-    sharded = smallest.recipe.replace(zero_stage=3, offload="cpu", fsdp="none")
+    sharded = smallest.recipe.replace(zero_stage=3, offload="cpu", fsdp="none").resolved(workload)
     for n in (2, 4, 8, 16, 32, 64):
         total = estimate_memory(workload, sharded, gpu, num_gpus=n).anatomy.device_total
         if total is not None and total <= limit:  # an estimate always has one

@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, GIB, TimeAnatomy
+from anatomist.axes.precisions import searchable_on
 from anatomist.errors import InputError
 from anatomist.estimate.memory import MemoryEstimate, estimate_memory, memory_limit_bytes
 from anatomist.estimate.traces import prefetch
 from anatomist.hardware import GPU, catalog
-from anatomist.plan.space import SearchSpace, enumerate_recipes, precisions_for
+from anatomist.plan.space import SearchSpace, enumerate_recipes
 from anatomist.plan.throughput import TimeModel, predict_time
-from anatomist.recipe import Recipe
+from anatomist.recipe import Recipe, ResolvedRecipe
 from anatomist.trace import pool
 from anatomist.workload import Workload
 
@@ -28,7 +29,7 @@ Objective = Literal["throughput", "memory"]
 class Candidate:
     """One recipe with its predictions."""
 
-    recipe: Recipe
+    recipe: ResolvedRecipe
     memory: MemoryEstimate
     time: TimeAnatomy
     fits: bool
@@ -99,6 +100,8 @@ class Evaluator:
         self.seen: dict[Recipe, Candidate] = {}
 
     def __call__(self, recipe: Recipe) -> Candidate:
+        """The candidate of `recipe` (resolved here for the workload: the plan's entry point for each recipe)."""
+        recipe = recipe.resolved(self.workload)
         if recipe not in self.seen:
             memory = estimate_memory(self.workload, recipe, self.gpu, num_gpus=self.num_gpus, margin=self.margin)
             time = self.time_model(self.workload, recipe, self.gpu, num_gpus=self.num_gpus)
@@ -160,7 +163,7 @@ def plan(
     if objective not in ("throughput", "memory"):
         raise InputError(f"--objective must be throughput or memory, got {objective!r}")
     evaluate = Evaluator(workload, gpu, space.num_gpus, margin, time_model or predict_time)
-    recipes = list(enumerate_recipes(space, gpu))
+    recipes = [r.resolved(workload) for r in enumerate_recipes(space, gpu)]
     with pool.kept():  # the workers that trace the candidates then trace the alternatives the reasons compare
         prefetch(workload, recipes, gpu.compute_capability)  # every trace the recipes read, side by side
         candidates = [evaluate(r) for r in recipes]
@@ -171,7 +174,7 @@ def plan(
         best.reasons = explain(best, evaluate, space, objective, limit)
     calibrated = all(c.time.calibrated for c in candidates)
     front = pareto_front(feasible)
-    _, precision_notes = precisions_for(gpu)
+    _, precision_notes = searchable_on(gpu)
     for c in front:
         if c is not best and not c.reasons:
             c.reasons = [f"Pareto front: {c.samples_per_second:.1f} samples/s at {c.device_total / GIB:.2f} GiB"]

@@ -27,14 +27,14 @@ from anatomist.anatomy import TimeAnatomy
 from anatomist.estimate.calibration import Calibration
 from anatomist.estimate.time import estimate_time
 from anatomist.hardware import GPU
-from anatomist.recipe import Recipe
-from anatomist.workload import Workload, resolve_dtype
+from anatomist.recipe import ResolvedRecipe
+from anatomist.workload import Workload
 
 
 class TimeModel(Protocol):
     """Predicts the time of one optimizer step of `recipe` on `num_gpus` devices of `gpu`."""
 
-    def __call__(self, workload: Workload, recipe: Recipe, gpu: GPU, *, num_gpus: int = 1) -> TimeAnatomy: ...
+    def __call__(self, workload: Workload, recipe: ResolvedRecipe, gpu: GPU, *, num_gpus: int = 1) -> TimeAnatomy: ...
 
 
 @cache
@@ -42,26 +42,26 @@ def constants() -> dict[str, Any]:
     return tomllib.loads(resources.files("anatomist.data").joinpath("plan_throughput.toml").read_text())
 
 
-def parameter_count(workload: Workload, recipe: Recipe | None = None) -> int:
-    """Parameters of the task model (the estimator's exact count, `trace.cuts.model_plan`); with a
-    LoRA/QLoRA `recipe`, its trainable (adapter) parameters, as PEFT makes them."""
+def parameter_count(workload: Workload, recipe: ResolvedRecipe) -> int:
+    """The parameters `recipe` trains (the estimator's exact count, `trace.cuts.model_plan`): every
+    parameter of the task model, or with LoRA/QLoRA the adapters', as PEFT makes them."""
     from anatomist.trace.cuts import model_plan
 
-    plan = model_plan(workload, resolve_dtype(workload, recipe or Recipe()))
-    return plan.trainable_parameters if recipe is not None and recipe.peft != "none" else plan.parameters
+    plan = model_plan(workload, recipe)
+    return plan.trainable_parameters if recipe.peft != "none" else plan.parameters
 
 
-def offload_s(workload: Workload, recipe: Recipe, *, num_gpus: int = 1) -> float:
+def offload_s(workload: Workload, recipe: ResolvedRecipe, *, num_gpus: int = 1) -> float:
     """Seconds per step of ZeRO-Offload's PCIe traffic and CPU Adam (0 without offload)."""
     if recipe.offload == "none":
         return 0.0
     c = constants()["offload"]
-    params = parameter_count(workload) / num_gpus  # offload needs ZeRO >= 2: each device owns 1/N
+    params = parameter_count(workload, recipe) / num_gpus  # offload needs ZeRO >= 2: each device owns 1/N
     up_bytes = 2 if recipe.mixed_precision != "no" else 4  # updated weights in the half precision, else fp32
     return params * (4 + up_bytes) / (c["pcie_gbps"] * 1e9) + params / c["cpu_adam_params_per_s"]
 
 
-def communication_s(workload: Workload, recipe: Recipe, *, num_gpus: int = 1) -> float:
+def communication_s(workload: Workload, recipe: ResolvedRecipe, *, num_gpus: int = 1) -> float:
     """Seconds per step of gradient all-reduce (and ZeRO-3 / full_shard weight all-gather)."""
     if num_gpus <= 1:
         return 0.0
@@ -73,7 +73,7 @@ def communication_s(workload: Workload, recipe: Recipe, *, num_gpus: int = 1) ->
 
 
 def predict_time(
-    workload: Workload, recipe: Recipe, gpu: GPU, *, num_gpus: int = 1, calibration: Calibration | None = None
+    workload: Workload, recipe: ResolvedRecipe, gpu: GPU, *, num_gpus: int = 1, calibration: Calibration | None = None
 ) -> TimeAnatomy:
     """One optimizer step of `recipe` on `num_gpus` data-parallel devices (module docstring)."""
     one = estimate_time(workload, recipe, gpu, calibration)

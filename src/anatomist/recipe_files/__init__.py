@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from anatomist.errors import InputError
 from anatomist.recipe import Recipe
@@ -48,7 +48,9 @@ class RecipeFile:
     kind: Kind
     """Which tool's format it is in."""
     recipe: Recipe
-    """The fields it sets over the defaults (its tool's, where they differ from anatomist's)."""
+    """The Recipe it makes: `fields` over the defaults."""
+    fields: dict[str, Any]
+    """The Recipe fields it sets (and its tool's defaults, where they differ from anatomist's)."""
     model: str | None = None
     """The model it names (TRL's model_name_or_path)."""
     seq_len: int | None = None
@@ -90,7 +92,7 @@ def read_recipe_file(path: str | Path) -> RecipeFile:
         kind = read_trainer(data, reading, file)  # type: ignore[assignment]
     merged = reading.merged()
     workload = {key: merged.pop(key, None) for key in WORKLOAD_KEYS}
-    return RecipeFile(path=file, kind=kind, recipe=_recipe(merged, reading, file), model=workload["model"],
+    return RecipeFile(path=file, kind=kind, recipe=_recipe(merged, reading, file), fields=merged, model=workload["model"],
                       seq_len=_positive(workload["seq_len"], reading, "seq_len"),
                       num_gpus=_positive(workload["num_gpus"], reading, "num_gpus"),
                       not_modelled=tuple(dict.fromkeys(reading.not_modelled)), at_default=reading.at_default)

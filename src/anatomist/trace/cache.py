@@ -1,10 +1,10 @@
 """The trace cache: traces kept in memory for the process and on disk across processes.
 
-A trace depends only on what `step.part_key` names (the model config, task, sequence length,
-the recipe fields that shape that part, depth, batch size, the cuBLAS workspace size); the
-disk key adds the anatomist, torch, transformers and peft versions (peft wraps the traced
-model under LoRA) and a digest of this package's own source, so a changed tracer or library
-never reads an old trace.
+A trace depends only on what `keys.part_key` names (the model config, task, sequence length,
+the recipe fields that shape that part, depth, batch size, the cuBLAS workspace size); its file
+name (`keys.disk_name`) adds the anatomist, torch, transformers and peft versions (peft wraps the
+traced model under LoRA) and a digest of every file the tracer imports or reads, so a changed
+tracer, data file or library never reads an old trace.
 
 On disk: one zlib-compressed pickle per trace in the user cache folder
 (`platformdirs.user_cache_dir("anatomist")/traces`, or `$ANATOMIST_CACHE_DIR/traces`),
@@ -17,20 +17,18 @@ plain types (`records.py`) and numpy arrays, and are read only from that private
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import importlib.metadata
 import os
 import pickle
 import sys
-import tempfile
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
 
+from anatomist.trace.keys import disk_name
 from anatomist.trace.records import StepTrace
+from anatomist.user_cache import cache_root, write_atomically
 
 MAX_MEMORY_ENTRIES = 256
 """Traces kept in memory per process (a bert-large trace is about 1 MB)."""
@@ -53,44 +51,8 @@ def disk_cache_enabled() -> bool:
 
 
 def cache_dir() -> Path:
-    """Where traces are stored: $ANATOMIST_CACHE_DIR/traces, else the platform's user cache."""
-    root = os.environ.get("ANATOMIST_CACHE_DIR")
-    if not root:
-        import platformdirs
-
-        root = platformdirs.user_cache_dir("anatomist", appauthor=False)
-    return Path(root) / "traces"
-
-
-@cache
-def _code_digest() -> str:
-    """Digest of the trace package's source (and the data files it reads): a changed tracer
-    or op table invalidates every stored trace."""
-    digest = hashlib.sha256()
-    here = Path(__file__).parent
-    for path in sorted(here.glob("*.py")) + [here.parent / "op_classes.py", here.parent / "data" / "op_classes.toml"]:
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-@cache
-def _versions() -> tuple[str | None, ...]:
-    import torch
-    import transformers
-
-    from anatomist import __version__
-
-    try:
-        peft_version: str | None = importlib.metadata.version("peft")  # without importing it (slow)
-    except importlib.metadata.PackageNotFoundError:
-        peft_version = None
-    return (__version__, torch.__version__, transformers.__version__, peft_version, _code_digest())
-
-
-def disk_key(key: tuple[Any, ...]) -> str:
-    """The file name of a trace: a digest of its key and the software that traced it."""
-    return hashlib.sha256(repr((_versions(), key)).encode()).hexdigest()[:40]
+    """Where traces are stored: `traces/` in anatomist's user cache folder (`user_cache.cache_root`)."""
+    return cache_root() / "traces"
 
 
 class Memo:
@@ -131,7 +93,7 @@ def get_or_trace(key: tuple[Any, ...], trace: Callable[[], T], kind: type[T] = S
     derived from the model alone, such as the estimator's trace plan)."""
 
     def from_disk_or_trace() -> T:
-        name = disk_key(key) + _SUFFIX if _disk_enabled else None
+        name = disk_name(key) + _SUFFIX if _disk_enabled else None
         found = _load(name, kind) if name is not None else None
         if found is None:
             found = trace()
@@ -147,7 +109,7 @@ def has(key: tuple[Any, ...]) -> bool:
     loaded into memory)."""
     if key in _memory:
         return True
-    found = _load(disk_key(key) + _SUFFIX) if _disk_enabled else None
+    found = _load(disk_name(key) + _SUFFIX) if _disk_enabled else None
     if found is not None:
         _memory.get(key, lambda: found)
     return found is not None
@@ -157,7 +119,7 @@ def put(key: tuple[Any, ...], value: Any) -> None:
     """Store what was traced elsewhere (another process) as `get_or_trace` would have."""
     _memory.get(key, lambda: value)
     if _disk_enabled:
-        _store(disk_key(key) + _SUFFIX, value)
+        _store(disk_name(key) + _SUFFIX, value)
 
 
 def clear_memory() -> None:
@@ -192,15 +154,7 @@ def _store(name: str, value: Any) -> None:
     folder = cache_dir()
     data = zlib.compress(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), 1)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=_SUFFIX)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, folder / name)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(folder / name, data)
     except OSError as exc:
         _warn(f"cannot write the trace cache in {folder} ({exc}); continuing without it")
         return

@@ -14,7 +14,7 @@ the trace is steered onto the path whose saved tensors match CUDA's:
   casts them.
 - optimizers: `foreach` is the default on CUDA only; the estimator passes it explicitly.
 - cuBLAS: its workspace comes from the caching allocator at the first matrix product
-  (see `cublas_workspace_bytes`).
+  (see `hardware.cublas_workspace_bytes`).
 
 Known limitations: CPU autocast's op lists differ slightly from CUDA's (a few ops run in a
 different precision); kernels that pick an algorithm at run time (cuDNN, cuBLASLt) may
@@ -104,19 +104,6 @@ def cuda_code_paths() -> Iterator[None]:
     finally:
         F.dropout = _original_dropout
         F.scaled_dot_product_attention = _original_sdpa
-
-
-def cublas_workspace_bytes(compute_capability: str) -> int:
-    """Bytes PyTorch's cuBLAS workspace takes from the caching allocator, per handle.
-
-    Source: PyTorch aten/src/ATen/cuda/CublasHandlePool.cpp `getChosenWorkspaceSize`: the
-    default CUBLAS_WORKSPACE_CONFIG ":4096:2:16:8" (4096 KiB x 2 + 16 KiB x 8) before Hopper,
-    32 MiB on compute capability 9.0 and newer.
-    """
-    major = int(compute_capability.split(".")[0])
-    if major >= 9:
-        return 32 * 2**20
-    return 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
 def fake_parameters(module: torch.nn.Module, fake_mode: Any) -> None:

@@ -24,13 +24,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from anatomist.recipe import Recipe
 from anatomist.trace import cache
-from anatomist.trace.stack import Cut, CutStack, Layout, cut_matches, layout_of
-from anatomist.trace.step import PEFT_FIELDS, Depth
-from anatomist.workload import Workload
+from anatomist.trace.keys import Cut, CutStack, Depth, plan_key
+
+if TYPE_CHECKING:
+    from anatomist.recipe import ResolvedRecipe
+    from anatomist.trace.stack import Layout
+    from anatomist.workload import Workload
 
 TRACE_DEPTHS = (2, 3)
 """Blocks of the traced models of a uniform stack: not 1, where the first block, which reads the
@@ -96,18 +98,20 @@ class ModelPlan:
     """Repeated blocks of the full model (0 where no stack was found)."""
 
 
-def model_plan(workload: Workload, recipe: Recipe, *, use_cache: bool = True) -> ModelPlan:
+def model_plan(workload: Workload, recipe: ResolvedRecipe, *, use_cache: bool = True) -> ModelPlan:
     """The trace plan and exact parameter count of `workload`'s model under the recipe's PEFT
     setting: from the trace cache, else from the model built on the meta device."""
 
     def make() -> ModelPlan:
+        from anatomist.trace.stack import layout_of  # builds the model: imports torch
+
         layout = layout_of(workload, recipe)
         return ModelPlan(plan=trace_plan(workload, recipe, layout), parameters=layout.parameters,
                          trainable_parameters=layout.trainable_parameters, blocks=layout.blocks)
 
     if not use_cache:
         return make()
-    key = ("plan", *workload.trace_key(), tuple(getattr(recipe, f) for f in PEFT_FIELDS))
+    key = plan_key(workload, recipe)
     return cache.get_or_trace(key, make, ModelPlan)
 
 
@@ -117,7 +121,7 @@ def full_plan(blocks: int, why: str) -> TracePlan:
     return TracePlan(base=None, deltas=(), how="full", note=f"{why}: traced at full depth{counted}, not extrapolated")
 
 
-def trace_plan(workload: Workload, recipe: Recipe, layout: Layout) -> TracePlan:
+def trace_plan(workload: Workload, recipe: ResolvedRecipe, layout: Layout) -> TracePlan:
     """The cuts to trace for `layout` (see the module docstring)."""
     if not layout.stacks:
         return full_plan(layout.blocks, "no stack of blocks as deep as the config says (shared or unlisted layers)")
@@ -133,6 +137,8 @@ def trace_plan(workload: Workload, recipe: Recipe, layout: Layout) -> TracePlan:
     kinds = sum(len(set(s.kinds)) for s in layout.stacks)
     if traced >= layout.blocks + CUT_OVERHEAD_BLOCKS:
         return full_plan(layout.blocks, f"{kinds} kinds of layer in {layout.blocks}: cuts by kind would trace as much")
+    from anatomist.trace.stack import cut_matches
+
     if not all(cut_matches(workload, recipe, layout, c) for c in plan.cuts if isinstance(c, Cut)):
         return full_plan(layout.blocks, f"{kinds} kinds of layer that a cut of the config does not keep")
     return plan

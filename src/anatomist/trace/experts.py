@@ -22,7 +22,7 @@ from functools import cache
 from typing import Any
 
 from anatomist.errors import InputError
-from anatomist.recipe import Recipe
+from anatomist.recipe import ResolvedRecipe
 from anatomist.workload import Workload
 
 MODELLED = ("grouped_mm", "batched_mm")
@@ -31,7 +31,7 @@ OWN_CODE = "the model's own code"
 """What `experts_kernel` names for MoE models that transformers' kernels do not serve."""
 
 
-def experts_kernel(workload: Workload, recipe: Recipe) -> str | None:
+def experts_kernel(workload: Workload, recipe: ResolvedRecipe) -> str | None:
     """The experts kernel `workload`'s model runs under `recipe`: an `experts_implementation` name,
     OWN_CODE where its class takes none, None for a dense model."""
     if not workload.is_moe:
@@ -42,7 +42,7 @@ def experts_kernel(workload: Workload, recipe: Recipe) -> str | None:
     return recipe.experts_implementation
 
 
-def build_kwargs(workload: Workload, recipe: Recipe) -> dict[str, Any]:
+def build_kwargs(workload: Workload, recipe: ResolvedRecipe) -> dict[str, Any]:
     """What `from_pretrained` / `from_config` is given for the recipe's experts kernel: nothing for
     grouped_mm (transformers' default, which a model without kernels must not be asked for by name)."""
     if recipe.experts_implementation == "grouped_mm" or not workload.is_moe:
@@ -50,7 +50,7 @@ def build_kwargs(workload: Workload, recipe: Recipe) -> dict[str, Any]:
     return {"experts_implementation": recipe.experts_implementation}
 
 
-def check_traceable(workload: Workload, recipe: Recipe) -> None:
+def check_traceable(workload: Workload, recipe: ResolvedRecipe) -> None:
     """Refuse, before tracing, the experts kernels whose sizes follow the data.
 
     Raises:

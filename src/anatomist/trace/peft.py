@@ -28,14 +28,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from anatomist.axes.quantization import BLOCK_4BIT, NESTED_BLOCK
 from anatomist.errors import InputError
-from anatomist.recipe import Recipe
+from anatomist.recipe import ResolvedRecipe
 from anatomist.workload import PEFT_TASK_TYPES
-
-BLOCK_4BIT = 64
-"""Elements per absmax block of bitsandbytes' 4-bit quantization (Params4bit's default blocksize)."""
-NESTED_BLOCK = 256
-"""Blocks per second-level absmax with double quantization (bitsandbytes' nested blocksize)."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -64,7 +60,7 @@ class QuantizedLinearLayout(torch.nn.Linear):
     out_features and a non-floating `weight`: adapters are made in fp32, as over Params4bit).
     """
 
-    def __init__(self, linear: torch.nn.Linear, recipe: Recipe) -> None:
+    def __init__(self, linear: torch.nn.Linear, recipe: ResolvedRecipe) -> None:
         torch.nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         n = self.in_features * self.out_features
@@ -99,19 +95,23 @@ class QuantizedLinearLayout(torch.nn.Linear):
         return out.to(in_dtype)
 
 
-def _quantize(model: Any, recipe: Recipe) -> None:
-    """Replace every nn.Linear of `model` (a transformers model: its output embeddings and the
-    flags peft reads are not nn.Module's) but the output embedding by its bitsandbytes layout, in place."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear and child is not head:
-                setattr(parent, name, QuantizedLinearLayout(child, recipe))
+def _quantize(model: Any, recipe: ResolvedRecipe) -> None:
+    """Replace by its bitsandbytes layout, in place, every nn.Linear of `model` (a transformers model)
+    that transformers' bitsandbytes quantizer converts: not the output head, tied or last modules
+    (`get_keys_to_not_convert`), nor the model's `_keep_in_fp32_modules` (T5's `wo`)."""
+    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skipped = [*get_keys_to_not_convert(model), *(getattr(model, "_keep_in_fp32_modules", None) or ())]
+    for path, module in list(model.named_modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear and should_convert_module(f"{path}.{name}" if path else name, skipped):
+                setattr(module, name, QuantizedLinearLayout(child, recipe))
     model.is_loaded_in_4bit = recipe.load_in_4bit  # what prepare_model_for_kbit_training checks
     model.is_loaded_in_8bit = recipe.load_in_8bit
 
 
-def apply_peft(model: torch.nn.Module, recipe: Recipe, task: str) -> torch.nn.Module:
+def apply_peft(model: torch.nn.Module, recipe: ResolvedRecipe, task: str) -> torch.nn.Module:
     """The model as `recipe` trains it: quantized base, kbit preparation, LoRA adapters (on meta)."""
     if recipe.peft == "none":
         return model

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from anatomist.anatomy import MemoryCategory, Phase
+from anatomist.anatomy import STEP_PHASES, MemoryCategory, Phase
 from anatomist.trace.ops import op_signature, tensors_in
 from anatomist.trace.records import Allocation, Event, Trace
 
@@ -34,9 +34,6 @@ def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return None
-
-
-STEP_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
 
 
 class StepTracer(TorchDispatchMode):

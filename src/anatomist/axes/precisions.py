@@ -1,0 +1,162 @@
+"""The precisions a recipe trains in: the load dtype, autocast and TF32 together, one spec each.
+
+A precision is not one Recipe field but four (`dtype`, `fp16`, `bf16`, `tf32`; plus the compute
+dtype of a 4-bit base): each spec names the fields that make it, what the GPU needs for it, and
+whether the plan searches it. The functions below are the one place that reads those fields
+as a precision: the autocast dtype the tracer runs, the dtype whose peak the time model and MFU
+use, the precision's name in the plan's table.
+
+fp32/tf32/fp16/bf16 keep fp32 master weights (loaded in float32; fp16/bf16 autocast per op);
+bf16-weights loads the weights in bfloat16 and trains in pure bf16 (how most LLM checkpoints
+load in transformers 5, with --bf16 on top as people run it): no fp32 master weights. QLoRA's
+nf4+bf16 / nf4+fp16 dequantize the 4-bit base to the autocast dtype for each product, the model
+loaded in that dtype as TRL loads it (`prepare_model_for_kbit_training` then casts every
+non-quantized parameter to fp32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from anatomist.errors import InputError
+
+if TYPE_CHECKING:
+    from anatomist.hardware import GPU, Precision
+    from anatomist.recipe import Recipe
+
+WeightsDtype = Literal["float32", "bfloat16", "float16"]
+Autocast = Literal["no", "fp16", "bf16"]
+
+AUTOCAST_DTYPES: dict[str, str] = {"fp16": "float16", "bf16": "bfloat16"}
+"""torch dtype name of each autocast (`--fp16`, `--bf16`)."""
+HALF_DTYPES: tuple[str, ...] = ("bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrecisionSpec:
+    """One precision the plan can search."""
+
+    name: str
+    description: str
+    weights_dtype: WeightsDtype
+    """The load dtype (`from_pretrained(dtype=...)`)."""
+    autocast: Autocast
+    """The Trainer's `--fp16` / `--bf16` autocast."""
+    tf32: bool
+    """TF32 tensor cores for fp32 matrix products."""
+    quantized_base: bool = False
+    """QLoRA's: the base's linear weights are 4-bit, dequantized to the autocast dtype."""
+    searched: bool = True
+    """Searched by `anatomist plan` (where the GPU supports it) unless --precisions says otherwise."""
+
+    @property
+    def fields(self) -> dict[str, object]:
+        """The Recipe fields that make this precision."""
+        fields: dict[str, object] = {"dtype": self.weights_dtype, "fp16": self.autocast == "fp16",
+                                     "bf16": self.autocast == "bf16", "tf32": self.tf32}
+        if self.quantized_base:
+            fields["bnb_4bit_compute_dtype"] = AUTOCAST_DTYPES[self.autocast]
+        return fields
+
+    def unsupported_reason(self, gpu: GPU) -> str | None:
+        """Why `gpu` cannot run this precision (bf16 and TF32 need Ampere or newer); None where it can."""
+        if (self.autocast == "bf16" or self.weights_dtype == "bfloat16") and not gpu.bf16:
+            return f"bf16: {gpu.name} has no bf16 support (needs compute capability >= 8.0)"
+        if self.tf32 and not gpu.tf32:
+            return f"tf32: {gpu.name} has no TF32 tensor cores (compute capability {gpu.compute_capability})"
+        return None
+
+
+_SPECS = (
+    PrecisionSpec(name="fp32", description="fp32 weights, no autocast", weights_dtype="float32", autocast="no",
+                  tf32=False),
+    PrecisionSpec(name="tf32", description="fp32 weights, TF32 matrix products", weights_dtype="float32",
+                  autocast="no", tf32=True),
+    PrecisionSpec(name="bf16", description="fp32 master weights, bf16 autocast, TF32 for what stays fp32",
+                  weights_dtype="float32", autocast="bf16", tf32=True),
+    PrecisionSpec(name="bf16-weights", description="weights loaded in bf16, pure bf16 training (no master copy)",
+                  weights_dtype="bfloat16", autocast="bf16", tf32=False),
+    PrecisionSpec(name="fp16", description="fp32 master weights, fp16 autocast + GradScaler",
+                  weights_dtype="float32", autocast="fp16", tf32=False),
+    PrecisionSpec(name="nf4+bf16", description="QLoRA: 4-bit base dequantized to bf16", weights_dtype="bfloat16",
+                  autocast="bf16", tf32=False, quantized_base=True),
+    PrecisionSpec(name="nf4+fp16", description="QLoRA: 4-bit base dequantized to fp16", weights_dtype="float16",
+                  autocast="fp16", tf32=False, quantized_base=True),
+)
+PRECISIONS: dict[str, PrecisionSpec] = {spec.name: spec for spec in _SPECS}
+"""The precisions the plan can search, by name (`plan --precisions`), in search order."""
+FULL_PRECISIONS: tuple[str, ...] = tuple(n for n, s in PRECISIONS.items() if not s.quantized_base)
+"""What a full or LoRA fine-tune can be searched in (`plan --precisions`)."""
+
+
+def precision(name: str) -> PrecisionSpec:
+    """The spec of `name`.
+
+    Raises:
+        InputError: a name not in PRECISIONS.
+    """
+    try:
+        return PRECISIONS[name]
+    except KeyError:
+        raise InputError(f"unknown precision {name!r}; known: {', '.join(PRECISIONS)}") from None
+
+
+def precision_of(recipe: Recipe) -> str:
+    """The name of the precision `recipe` trains in (its dtype resolved): a PRECISIONS name, or for a
+    combination the plan never searches, a name of the same form (`fp4+fp32`, `fp16-weights`)."""
+    if recipe.load_in_4bit:
+        return f"{recipe.bnb_4bit_quant_type}+{recipe.mixed_precision if recipe.mixed_precision != 'no' else 'fp32'}"
+    if recipe.dtype == "bfloat16":
+        return "bf16-weights"
+    if recipe.dtype == "float16":
+        return "fp16-weights"
+    return "fp16" if recipe.fp16 else "bf16" if recipe.bf16 else "tf32" if recipe.tf32 else "fp32"
+
+
+def autocast_dtype(recipe: Recipe) -> str | None:
+    """The torch dtype name autocast casts matrix products to (None: no autocast)."""
+    return AUTOCAST_DTYPES.get(recipe.mixed_precision)
+
+
+def half_dtype(recipe: Recipe) -> str | None:
+    """The 16-bit dtype the step computes in: the autocast's, else the weights' where they are 16-bit."""
+    return autocast_dtype(recipe) or (recipe.dtype if recipe.dtype in HALF_DTYPES else None)
+
+
+def matmul_precision(recipe: Recipe, gpu: GPU) -> Precision:
+    """The dtype whose dense peak the recipe's matrix products run at (the MFU and HFU denominator):
+    the autocast dtype, else the weights' dtype (`recipe.dtype` resolved: not "auto"), TF32 where the
+    recipe allows it and the GPU has it, else fp32."""
+    if recipe.fp16 or recipe.dtype == "float16":
+        return "fp16"
+    if recipe.bf16 or recipe.dtype == "bfloat16":
+        return "bf16"
+    return "tf32" if recipe.tf32 and gpu.tf32 else "fp32"
+
+
+def searchable_on(gpu: GPU) -> tuple[list[str], list[str]]:
+    """(full-precision names the plan searches on `gpu`, in PRECISIONS' order; notes on those left out).
+
+    fp16 is left out where bf16 has the same dense peak: same memory and speed, and bf16
+    needs no loss scaling (seeds: "bf16 ... no need for loss scaling").
+    """
+    searched: list[str] = []
+    notes: list[str] = []
+    for spec in PRECISIONS.values():
+        if spec.quantized_base or not spec.searched:
+            continue
+        reason = spec.unsupported_reason(gpu)
+        if reason is None and spec.autocast == "fp16" and gpu.bf16 and gpu.fp16_tflops <= gpu.bf16_tflops:
+            reason = (f"fp16: not searched; bf16 has the same dense peak on {gpu.name} ({gpu.bf16_tflops:g} TFLOP/s) "
+                      "and needs no loss scaling")
+        if reason is None and (spec.autocast != "fp16" or gpu.fp16_tflops > 0):
+            searched.append(spec.name)
+        elif reason is not None and reason not in notes:
+            notes.append(reason)
+    return searched, notes
+
+
+def qlora_precision(gpu: GPU) -> str:
+    """QLoRA's one precision on `gpu`: bf16 where it has it, else fp16."""
+    return "nf4+bf16" if gpu.bf16 else "nf4+fp16"

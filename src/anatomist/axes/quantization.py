@@ -1,0 +1,13 @@
+"""How bitsandbytes stores a quantized base (`load_in_4bit` / `load_in_8bit`), in numbers.
+
+Read by the tracer, which lays the base out this way (`trace/peft.py`), and by the
+bytes-per-parameter rule (`estimate/rules.py`). Source: bitsandbytes 0.50 `Params4bit`
+(`blocksize=64`), `quantize_4bit` with `compress_statistics` (the nested absmax), `Int8Params`.
+"""
+
+from __future__ import annotations
+
+BLOCK_4BIT = 64
+"""Elements per absmax block of bitsandbytes' 4-bit quantization (Params4bit's default blocksize)."""
+NESTED_BLOCK = 256
+"""Blocks per second-level absmax with double quantization (bitsandbytes' nested blocksize)."""

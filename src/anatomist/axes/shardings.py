@@ -1,0 +1,96 @@
+"""How the training state is split across devices: data parallelism, DeepSpeed ZeRO, PyTorch FSDP.
+
+Each spec names the Recipe fields that make it, the ZeRO-equivalent stage (what it partitions:
+1 optimizer states, 2 also gradients, 3 also weights; Rajbhandari et al. 2020, "ZeRO", sec. 5),
+its engine and whether it offloads, on how many devices it is searched, and whether it is
+searched for adapters (LoRA/QLoRA's gradients and optimizer states are too small for sharding
+them to pay).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from anatomist.errors import InputError
+
+if TYPE_CHECKING:
+    from anatomist.recipe import Recipe
+
+FSDP_STAGES: dict[str, int] = {"full_shard": 3, "shard_grad_op": 2}
+"""The ZeRO stage each `TrainingArguments.fsdp` strategy partitions like (Zhao et al. 2023, "PyTorch
+FSDP", sec. 3: FULL_SHARD shards weights, gradients and optimizer state; SHARD_GRAD_OP keeps the
+weights whole between forward and backward)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardingSpec:
+    """One way of spreading the training state over the data-parallel devices."""
+
+    name: str
+    description: str
+    fields: dict[str, object] = field(default_factory=dict)
+    """The Recipe fields that make it (none: every device holds everything)."""
+    stage: Literal[0, 1, 2, 3]
+    """ZeRO-equivalent stage: what is partitioned across the devices."""
+    engine: Literal["none", "deepspeed", "fsdp"]
+    offload: bool = False
+    """Optimizer state (and at stage 3 the weights) kept in host memory."""
+    devices: Literal["one", "many"]
+    """Searched on one device, or on several."""
+    for_adapters: bool = False
+    """Searched for LoRA/QLoRA too."""
+
+
+_SPECS = (
+    ShardingSpec(name="none", description="one device holds everything", stage=0, engine="none", devices="one",
+                 for_adapters=True),
+    ShardingSpec(name="zero2+offload", description="ZeRO-Offload: optimizer state and step on the host",
+                 fields={"zero_stage": 2, "offload": "cpu"}, stage=2, engine="deepspeed", offload=True, devices="one"),
+    ShardingSpec(name="ddp", description="data parallel: every device holds everything, gradients all-reduced",
+                 stage=0, engine="none", devices="many", for_adapters=True),
+    ShardingSpec(name="zero1", description="ZeRO-1: optimizer states partitioned", fields={"zero_stage": 1}, stage=1,
+                 engine="deepspeed", devices="many"),
+    ShardingSpec(name="zero2", description="ZeRO-2: optimizer states and gradients partitioned",
+                 fields={"zero_stage": 2}, stage=2, engine="deepspeed", devices="many"),
+    ShardingSpec(name="zero3", description="ZeRO-3: optimizer states, gradients and weights partitioned",
+                 fields={"zero_stage": 3}, stage=3, engine="deepspeed", devices="many"),
+    ShardingSpec(name="zero2+offload", description="ZeRO-2 with optimizer state and step on the host",
+                 fields={"zero_stage": 2, "offload": "cpu"}, stage=2, engine="deepspeed", offload=True,
+                 devices="many"),
+    ShardingSpec(name="zero3+offload", description="ZeRO-3 with optimizer state, step and weights on the host",
+                 fields={"zero_stage": 3, "offload": "cpu"}, stage=3, engine="deepspeed", offload=True,
+                 devices="many"),
+    ShardingSpec(name="fsdp_shard_grad_op", description="FSDP SHARD_GRAD_OP: like ZeRO-2",
+                 fields={"fsdp": "shard_grad_op"}, stage=2, engine="fsdp", devices="many"),
+    ShardingSpec(name="fsdp_full_shard", description="FSDP FULL_SHARD: like ZeRO-3", fields={"fsdp": "full_shard"},
+                 stage=3, engine="fsdp", devices="many"),
+)
+
+
+def shardings_for(num_gpus: int) -> dict[str, ShardingSpec]:
+    """The sharding options searched on `num_gpus` devices, by name, in search order."""
+    devices = "many" if num_gpus > 1 else "one"
+    return {spec.name: spec for spec in _SPECS if spec.devices == devices}
+
+
+def sharding_of(recipe: Recipe, num_gpus: int) -> str:
+    """The name of `recipe`'s sharding on `num_gpus` devices."""
+    if recipe.fsdp != "none":
+        return f"fsdp_{recipe.fsdp}"
+    if recipe.zero_stage == 0:
+        return "ddp" if num_gpus > 1 else "none"
+    return f"zero{recipe.zero_stage}" + ("+offload" if recipe.offload != "none" else "")
+
+
+def sharding(name: str, num_gpus: int) -> ShardingSpec:
+    """The spec of `name` on `num_gpus` devices.
+
+    Raises:
+        InputError: a name not searched on that many devices.
+    """
+    known = shardings_for(num_gpus)
+    try:
+        return known[name]
+    except KeyError:
+        raise InputError(f"sharding options on {num_gpus} GPU(s) are {', '.join(known)}; got {name}") from None

@@ -1,0 +1,355 @@
+"""Drive one part of a training (or inference) step of a real Transformers model under the tracer.
+
+The step is the Trainer's: forward under autocast, loss / accumulation steps, backward
+(loss-scaled under fp16), gradient clipping, optimizer step, zero_grad(set_to_none=True).
+The optimizer state a first step would create is made before the traced step, so the step
+is a steady-state one; two micro-batches run when gradients accumulate, so that a forward
+pass happens with gradients already alive (`keys.traced_micro_batches`).
+
+What the model is (`cutting.traced_config`), what it is fed (`inputs.make_batch`) and which
+traces are kept (`parts`, `keys`, `cache`) live beside this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from anatomist.anatomy import MemoryCategory, Phase
+from anatomist.axes.optimizers import optimizer as optimizer_spec
+from anatomist.axes.precisions import autocast_dtype
+from anatomist.errors import InputError
+from anatomist.hardware import cublas_workspace_bytes
+from anatomist.recipe import ResolvedRecipe
+from anatomist.trace.allocator import round_size
+from anatomist.trace.autocast import cuda_autocast_policy
+from anatomist.trace.cuda_model import cuda_code_paths, fake_parameters
+from anatomist.trace.cutting import traced_config
+from anatomist.trace.experts import build_kwargs, check_traceable
+from anatomist.trace.inputs import make_batch
+from anatomist.trace.keys import Depth, Part, traced_attention, traced_micro_batches
+from anatomist.trace.peft import apply_peft, counted_parameters
+from anatomist.trace.records import StepTrace, Trace, curves_of
+from anatomist.trace.stack import block_lists
+from anatomist.trace.tracer import StepTracer
+from anatomist.workload import Workload
+
+
+def lower_dtype(recipe: ResolvedRecipe) -> torch.dtype | None:
+    """The autocast dtype of `recipe` (None: no autocast)."""
+    name = autocast_dtype(recipe)
+    return getattr(torch, name) if name else None
+
+
+def build_optimizer(recipe: ResolvedRecipe, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer the Trainer builds for `recipe` (as it behaves on CUDA: `axes.optimizers`)."""
+    return optimizer_spec(recipe.optim).build(params)
+
+
+def trace_step(
+    workload: Workload,
+    recipe: ResolvedRecipe,
+    *,
+    depth: Depth,
+    batch_size: int,
+    compute_capability: str,
+    part: Part = "forward-backward",
+    fake: bool = True,
+    record_ops: bool = False,
+    observers: tuple[Any, ...] = (),
+) -> StepTrace:
+    """Trace one part of a step of `workload` cut to `depth` (an int: blocks per stack; a Cut: those
+    layers; None: the full model).
+
+    The estimator traces a training step in two independent parts, so that recipes that
+    differ only in the optimizer share the forward/backward trace (and vice versa):
+      forward-backward: the micro-batches' forward and backward passes, without optimizer
+        state (the caller adds it: it is static through forward and backward);
+      optimizer: unscale, clip and step over gradients of every parameter, after a first
+        step has created the state.
+    "train-step" runs the whole steady-state step in one go (state, passes, optimizer), as
+    the Trainer does; with `fake=False` it runs on real CPU tensors.
+
+    Args:
+        record_ops: also record each op's cost signature (for the FLOPs and time model).
+        observers: further dispatch modes to run inside the trace (e.g. a FlopCounterMode).
+    """
+    fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    model = traced_model(workload, recipe, depth, fake_mode if fake else None)
+    tracer = StepTracer(lower_precision_dtype=lower_dtype(recipe), record_ops=record_ops)
+    params = [p for p in model.parameters() if p.requires_grad]  # what the Trainer's optimizer gets
+    for p in model.parameters():
+        tracer.register(p, MemoryCategory.WEIGHTS)
+    for b in model.buffers():
+        tracer.register(b, MemoryCategory.WEIGHTS)
+    with _tracing(workload, recipe, tracer, fake_mode, observers):
+        # cuBLAS workspaces live from the first matrix product on: one for the main thread's
+        # handle and, in training, one for the autograd engine's device thread. A steady-state
+        # step starts with both.
+        tracer.phase = Phase.SETUP
+        for _ in range(1 if part == "inference" else 2):
+            tracer.allocate_extra(cublas_workspace_bytes(compute_capability), MemoryCategory.FUNCTIONALITY)
+        phases, static = _run_part(part, model, params, workload, recipe, batch_size, tracer)
+    return _step_trace(tracer, model, params, phases, static, part)
+
+
+def traced_model(workload: Workload, recipe: ResolvedRecipe, depth: Depth, fake_mode: Any | None) -> torch.nn.Module:
+    """The model of `workload` cut to `depth` as `recipe` trains it (PEFT applied): on fake tensors in
+    `fake_mode` (built on the meta device first: no memory), else real CPU tensors."""
+    config = traced_config(workload, depth)
+    experts = build_kwargs(workload, recipe)
+    if fake_mode is None:
+        base = workload.build_model(traced_attention(recipe), recipe.dtype, config=config, **experts)
+        return apply_peft(base, recipe, workload.task)
+    check_traceable(workload, recipe)
+    with torch.device("meta"), contextlib.redirect_stderr(None):
+        base = workload.build_model(traced_attention(recipe), recipe.dtype, config=config, **experts)
+        model = apply_peft(base, recipe, workload.task)
+    fake_parameters(model, fake_mode)
+    return model
+
+
+@contextlib.contextmanager
+def _tracing(workload: Workload, recipe: ResolvedRecipe, tracer: StepTracer, fake_mode: Any,
+             observers: tuple[Any, ...]) -> Iterator[None]:
+    """The dispatch modes a traced step runs in, outermost first: errors made readable, CUDA's autocast
+    policy, fake tensors, the observers, the tracer, CUDA's code paths."""
+    with contextlib.ExitStack() as modes:
+        modes.enter_context(data_dependent_code_is_input_error(workload, recipe))
+        if lower_dtype(recipe) is not None:
+            modes.enter_context(cuda_autocast_policy())  # autocast casts as on CUDA, not as on CPU
+        for mode in (fake_mode, *observers, tracer, cuda_code_paths()):
+            modes.enter_context(mode)
+        yield
+
+
+def _run_part(part: Part, model: torch.nn.Module, params: list[torch.nn.Parameter], workload: Workload,
+              recipe: ResolvedRecipe, batch_size: int, tracer: StepTracer) -> tuple[list[Phase], dict[MemoryCategory, int]]:
+    """Run `part` of the step; (the phases it ran, the static bytes it made: the optimizer state)."""
+    lower = lower_dtype(recipe)
+    autocast = torch.autocast("cpu", dtype=lower) if lower is not None else contextlib.nullcontext()
+    if part == "inference":
+        _inference_step(model, workload, batch_size, tracer, autocast)
+        return [Phase.FORWARD], {}
+    if part == "forward-backward":
+        forward_backward(model, params, workload, recipe, batch_size, tracer, autocast)
+        return [Phase.FORWARD, Phase.BACKWARD], {}
+    optimizer, state_bytes = create_state(params, recipe, tracer)
+    if part == "train-step":
+        forward_backward(model, params, workload, recipe, batch_size, tracer, autocast)
+        phases = [Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER]
+    else:
+        for p in params:
+            p.grad = torch.zeros_like(p)  # what backward leaves behind
+        tracer.label_live([p.grad for p in params if p.grad is not None], MemoryCategory.GRADIENTS)
+        phases = [Phase.OPTIMIZER]
+    optimizer_phase(params, optimizer, recipe, tracer)
+    return phases, {MemoryCategory.OPTIMIZER_STATES: state_bytes}
+
+
+def _step_trace(tracer: StepTracer, model: torch.nn.Module, params: list[torch.nn.Parameter], phases: list[Phase],
+                static: dict[MemoryCategory, int], part: Part) -> StepTrace:
+    """What a trace keeps: the curves and ops, the parameters, and, of a forward-backward trace of two
+    micro-batches, the first micro-batch on its own."""
+    traced = StepTrace(
+        phases=phases,
+        curves=curves_of(tracer.trace),
+        ops=tuple(tracer.trace.ops),
+        parameters=counted_parameters(model),
+        trainable_parameters=sum(p.numel() for p in params),
+        op_count=tracer.trace.op_count,
+        static_bytes=static,
+    )
+    if part == "forward-backward" and tracer.second_micro_batch is not None:
+        events, op_count = tracer.second_micro_batch
+        first = Trace(allocations=tracer.trace.allocations, events=tracer.trace.events[:events])
+        traced.first_micro_batch = dataclasses.replace(traced, curves=curves_of(first), op_count=op_count)
+    return traced
+
+
+@contextlib.contextmanager
+def data_dependent_code_is_input_error(workload: Workload, recipe: ResolvedRecipe) -> Iterator[None]:
+    """Turn a fake tensor's refusal of a data-dependent op into one clear line (exit code 2).
+
+    Fake tensors have shapes but no values: an op whose output size depends on the values
+    (nonzero, masked_select, unique) cannot be traced. Model code that calls one on the step's
+    path cannot be estimated offline; the message names the op and the line of model code.
+
+    Raises:
+        InputError: in place of torch's DynamicOutputShapeException / DataDependentOutputException.
+    """
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    try:
+        yield
+    except (DynamicOutputShapeException, DataDependentOutputException) as exc:
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if "transformers" in f.filename]
+        where = f" in {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+        other = "sdpa" if recipe.attn_implementation == "eager" else "eager"
+        experts = (" (if it is a Mixture-of-Experts loop over the experts the router picked: only transformers' "
+                   "grouped_mm and batched_mm experts kernels can be estimated)"
+                   if workload.config is not None and workload.is_moe else "")
+        raise InputError(
+            f"{workload.name}: cannot be estimated without data: its code{where} calls {getattr(exc, 'func', exc)}, "
+            f"whose output size depends on the values; if that is its attention code, try "
+            f"--attn-implementation {other}{experts}"
+        ) from None
+
+
+def create_state(
+    params: list[torch.nn.Parameter], recipe: ResolvedRecipe, tracer: StepTracer
+) -> tuple[torch.optim.Optimizer, int]:
+    """The optimizer, with the state a first step creates (from zero gradients)."""
+    optimizer = build_optimizer(recipe, params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    tracer.label_live(states, MemoryCategory.OPTIMIZER_STATES)
+    return optimizer, sum(round_size(t.untyped_storage().nbytes()) for t in states)
+
+
+def optimizer_phase(
+    params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, recipe: ResolvedRecipe, tracer: StepTracer
+) -> None:
+    """Unscale (fp16), clip and step, then free the gradients, as the Trainer does."""
+    tracer.phase, tracer.segment, tracer.block = Phase.OPTIMIZER, "pre", -1
+    grads = [p.grad for p in params if p.grad is not None]
+    if recipe.fp16:
+        torch._foreach_mul_(grads, 1.0 / 65536.0)  # GradScaler.unscale_ works in place
+    if recipe.max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(params, recipe.max_grad_norm, foreach=True)
+    del grads
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    params: list[torch.nn.Parameter],
+    workload: Workload,
+    recipe: ResolvedRecipe,
+    batch_size: int,
+    tracer: StepTracer,
+    autocast: Any,
+) -> None:
+    model.train()
+    if recipe.gradient_checkpointing:
+        # transformers' methods (the newer name first): not nn.Module's, so typed Any
+        enable: Any = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+    scale: torch.Tensor | None = None
+    if recipe.fp16:  # GradScaler: scale and growth tracker on the device
+        tracer.phase = Phase.SETUP
+        scaler_state = [torch.full((), 65536.0), torch.zeros((), dtype=torch.int32)]
+        tracer.label_live(scaler_state, MemoryCategory.FUNCTIONALITY)
+        scale = scaler_state[0]
+    _watch_blocks(model, tracer)
+    # Two micro-batches when gradients accumulate: the second forward runs with gradients alive.
+    for micro in range(traced_micro_batches(recipe, "forward-backward")):
+        tracer.begin_micro_batch(micro)
+        tracer.phase, tracer.segment, tracer.block = Phase.FORWARD, "pre", -1
+        batch = make_batch(workload, batch_size)
+        with autocast:
+            loss = model(**batch).loss
+        loss = loss / recipe.gradient_accumulation_steps
+        del batch
+        tracer.label_phase_survivors(Phase.FORWARD, MemoryCategory.ACTIVATIONS)
+        tracer.phase, tracer.segment, tracer.block = Phase.BACKWARD, "post", -1
+        if scale is not None:
+            loss = loss * scale
+        loss.backward()
+        del loss
+        tracer.label_live([p.grad for p in params if p.grad is not None], MemoryCategory.GRADIENTS)
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    return None
+
+
+def _watch_blocks(model: torch.nn.Module, tracer: StepTracer) -> None:
+    """Mark the segments "pre", "blocks", "post" of forward and backward, and in "blocks" which
+    block runs, through hooks (the blocks: `stack.block_lists`, in the model's order).
+
+    Forward enters block i at its input. Backward runs the other way: it enters the last block
+    when the gradient of its output exists, block i - 1 when the gradient of block i's input
+    does, and "pre" at the gradient of the first block's input.
+    """
+    blocks = [b for _, modules in block_lists(model, model.config) for b in modules]
+    if not blocks:
+        return
+    last = len(blocks) - 1
+
+    def enter(block: int) -> Any:
+        def hook(*_: Any) -> None:
+            tracer.segment, tracer.block = ("blocks", block) if block >= 0 else ("pre", -1)
+
+        return hook
+
+    def enter_block(block: int) -> Any:
+        def hook(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if tracer.phase is not Phase.FORWARD:
+                return  # recomputation under gradient checkpointing
+            tracer.segment, tracer.block = "blocks", block
+            hidden = _first_tensor(args) if args else _first_tensor(kwargs.get("hidden_states"))
+            if hidden is not None and hidden.requires_grad:
+                hidden.register_hook(enter(block - 1))
+
+        return hook
+
+    def leave_blocks(_module: Any, _args: Any, output: Any) -> None:
+        if tracer.phase is not Phase.FORWARD:
+            return
+        tracer.segment, tracer.block = "post", -1
+        hidden = _first_tensor(output)
+        if hidden is not None and hidden.requires_grad:
+            hidden.register_hook(enter(last))
+
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(enter_block(i), with_kwargs=True)
+    blocks[last].register_forward_hook(leave_blocks)
+
+
+def _inference_step(
+    model: torch.nn.Module, workload: Workload, batch_size: int, tracer: StepTracer, autocast: Any
+) -> None:
+    model.eval()
+    tracer.phase = Phase.FORWARD
+    batch = make_batch(workload, batch_size)
+    batch.pop("labels")
+    kwargs: dict[str, Any] = {}
+    if workload.task == "causal-lm":
+        kwargs["use_cache"] = True
+    if workload.task == "seq2seq-lm":
+        kwargs["decoder_input_ids"] = batch["input_ids"]
+    with torch.no_grad(), autocast:
+        out = model(**batch, **kwargs)
+    cache = getattr(out, "past_key_values", None)
+    if cache is not None:
+        from torch.utils._pytree import tree_flatten
+
+        cache_tensors = [t for t in tree_flatten(_cache_tensors(cache))[0] if isinstance(t, torch.Tensor)]
+        tracer.label_live(cache_tensors, MemoryCategory.FUNCTIONALITY)
+    tracer.label_phase_survivors(Phase.FORWARD, MemoryCategory.ACTIVATIONS)
+    del out, batch
+
+
+def _cache_tensors(cache: Any) -> list[Any]:
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [[getattr(layer, "keys", None), getattr(layer, "values", None)] for layer in layers]
+    if hasattr(cache, "to_legacy_cache"):
+        return list(cache.to_legacy_cache())
+    return list(cache) if isinstance(cache, (list, tuple)) else []

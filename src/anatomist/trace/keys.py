@@ -1,0 +1,149 @@
+"""What shapes a trace: the keys of the trace caches, in one place.
+
+A trace of one part of a step depends on the model config, task and sequence length
+(`Workload.trace_key`), the recipe fields of PART_FIELDS, the depth it is cut to, the batch size,
+the cuBLAS workspace the GPU's compute capability gives, and the code that traced it. The first
+five are `part_key`; the code is `code_digest` (every module and data file the tracer imports or
+reads: TRACE_SOURCES, which tests/test_trace_keys.py checks against what a trace really loads)
+together with the versions of anatomist, torch, transformers and peft (`disk_name`).
+
+Nothing here imports torch or transformers: a repeated estimate finds its traces without them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from anatomist.hardware import cublas_workspace_bytes
+
+if TYPE_CHECKING:
+    from anatomist.recipe import ResolvedRecipe
+    from anatomist.workload import Workload
+
+Part = Literal["forward-backward", "optimizer", "inference", "train-step"]
+"""Which part of a step a trace covers (`trace.driver.trace_step`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CutStack:
+    """The layers one stack keeps."""
+
+    fields: tuple[str, ...]
+    """The config fields that hold this stack's depth (one stack may be several ModuleLists of one depth)."""
+    depth: int
+    """The stack's depth in the full model."""
+    kept: tuple[int, ...]
+    """Layer indices of the full model kept, ascending."""
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """A model cut to some of its layers, by index: hashable, and all `cutting.cut_config` needs."""
+
+    stacks: tuple[CutStack, ...]
+
+    @property
+    def blocks(self) -> int:
+        return sum(len(s.kept) for s in self.stacks)
+
+
+Depth = int | Cut | None
+"""What a trace keeps of the model: every stack cut to that many blocks (int), the layers a `Cut`
+names, or the whole model (None)."""
+
+PEFT_FIELDS = ("peft", "lora_r", "lora_dropout", "lora_target_modules", "load_in_4bit", "load_in_8bit",
+               "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype")
+"""What changes the model a trace builds under PEFT (which layers, which adapters, what is trainable)."""
+PART_FIELDS: dict[str, tuple[str, ...]] = {
+    "forward-backward": ("dtype", "gradient_checkpointing", "fp16", "bf16", "attn_implementation",
+                         "experts_implementation", *PEFT_FIELDS),
+    "inference": ("dtype", "fp16", "bf16", "attn_implementation", "experts_implementation", *PEFT_FIELDS),
+    "optimizer": ("dtype", "optim", "fp16", "max_grad_norm", *PEFT_FIELDS),
+}
+"""The recipe fields that change each part's trace. Recipes that differ only in the
+optimizer share the passes' traces and the other way round; batch size, accumulation beyond
+2 micro-batches and sharding change no trace (they are arithmetic on it); flash_attention_2
+shares SDPA's (`traced_attention`)."""
+
+
+def traced_attention(recipe: ResolvedRecipe) -> str:
+    """The attention the traced model is built with: SDPA stands in for flash_attention_2 (which needs
+    CUDA and its package); SDPA's flash kernel keeps the same output and log-sum-exp."""
+    return "sdpa" if recipe.attn_implementation == "flash_attention_2" else recipe.attn_implementation
+
+
+def traced_micro_batches(recipe: ResolvedRecipe, part: Part) -> int:
+    """Micro-batches a trace of `part` runs: two where gradients accumulate, so that a forward pass
+    happens with gradients alive; more add nothing new."""
+    return min(recipe.gradient_accumulation_steps, 2) if part == "forward-backward" else 1
+
+
+def part_key(workload: Workload, recipe: ResolvedRecipe, part: Part, depth: Depth, batch_size: int,
+             compute_capability: str) -> tuple[Any, ...]:
+    """Everything that decides the trace of `part`: the key of the trace caches."""
+    from anatomist.recipe import ResolvedRecipe
+
+    if not isinstance(recipe, ResolvedRecipe):  # "auto" would key the same trace twice
+        raise TypeError("trace keys take a ResolvedRecipe: recipe.resolved(workload)")
+    fields = tuple(traced_attention(recipe) if f == "attn_implementation" else getattr(recipe, f)
+                   for f in PART_FIELDS[part])
+    return (
+        *workload.trace_key(), part, fields, traced_micro_batches(recipe, part),
+        depth, batch_size if part != "optimizer" else 1, cublas_workspace_bytes(compute_capability),
+    )
+
+
+def plan_key(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ...]:
+    """The key of a model's trace plan and exact size (`cuts.model_plan`): the model as PEFT makes it."""
+    return ("plan", *workload.trace_key(), tuple(getattr(recipe, f) for f in PEFT_FIELDS))
+
+
+TRACE_SOURCES: tuple[str, ...] = (
+    "__init__.py", "anatomy.py", "errors.py", "hardware.py", "op_classes.py", "recipe.py", "trainer_defaults.py",
+    "user_cache.py", "workload.py", "model_catalog.py",
+    "axes/__init__.py", "axes/optimizers.py", "axes/precisions.py", "axes/quantization.py", "axes/shardings.py",
+    "trace/__init__.py", "trace/allocator.py", "trace/autocast.py", "trace/cache.py", "trace/cuda_model.py",
+    "trace/cuts.py", "trace/cutting.py", "trace/driver.py", "trace/experts.py", "trace/inputs.py", "trace/keys.py",
+    "trace/ops.py", "trace/optimizer_layouts.py", "trace/parts.py", "trace/peft.py", "trace/pool.py",
+    "trace/records.py", "trace/stack.py", "trace/tracer.py",
+    "data/__init__.py", "data/op_classes.toml", "data/cuda_autocast.toml", "data/gpus.toml",
+)
+"""Every file of this package a trace depends on, relative to the package: the modules the tracer
+imports and the data files it reads (a test traces a model in a fresh interpreter and fails if it
+loads one that is not listed). A changed file invalidates every stored trace."""
+
+
+@cache
+def code_digest() -> str:
+    """Digest of TRACE_SOURCES' contents: a changed tracer, op table or autocast policy is a new key."""
+    digest = hashlib.sha256()
+    package = Path(__file__).parent.parent
+    for name in TRACE_SOURCES:
+        digest.update(name.encode())
+        digest.update((package / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+@cache
+def software_versions() -> tuple[str | None, ...]:
+    """anatomist, torch, transformers and peft versions (from their metadata: nothing is imported) and
+    the code digest: what else a stored trace must have been made with."""
+    from anatomist import __version__
+
+    def version(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return (__version__, version("torch"), version("transformers"), version("peft"), code_digest())
+
+
+def disk_name(key: tuple[Any, ...]) -> str:
+    """The file name of a stored trace: a digest of its key and the software that traced it."""
+    return hashlib.sha256(repr((software_versions(), key)).encode()).hexdigest()[:40]

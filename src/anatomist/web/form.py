@@ -1,0 +1,151 @@
+"""The page's fields, checked, and the command line they mean.
+
+The page's state is its URL query (`?view=estimate&model=gpt2&gpu=A100-80GB&per_device_train_batch_size=16`):
+one key per field, named as the CLI flag's destination (a Recipe field's name, `seq_len`, `gpu`),
+so a link reproduces the view and reads like the command. `parse` checks every key and value
+against the fields `service.fields()` describes (generated from the Recipe dataclass and the
+plan's options) and `flags` turns them into the CLI's flags, which the CLI's own parser then reads:
+the page and `anatomist estimate|plan` go through one path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from anatomist.errors import InputError
+
+View = Literal["estimate", "plan"]
+VIEWS: tuple[str, ...] = ("estimate", "plan")
+Kind = Literal["str", "int", "float", "choice", "bool", "flag", "multi", "upload"]
+"""How a field is entered: bool is unset/true/false (`--x/--no-x`), flag is a checkbox (`--no-compile`),
+multi a set of choices (`--optims a,b`), upload the id of an uploaded file."""
+
+MAX_VALUE_CHARS = 300
+"""Longest value a field takes (a Hub id is at most 96 characters, a module list rarely 100)."""
+_INT = re.compile(r"[+-]?\d{1,12}")
+_UPLOAD_ID = re.compile(r"[0-9a-f]{16}")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Field:
+    """One input of the page."""
+
+    name: str
+    """The URL key: the CLI flag's destination."""
+    flag: str | None
+    """The CLI flag (`--seq-len`); None for what service.py places itself (the model, the uploads)."""
+    kind: Kind
+    help: str
+    section: str
+    """Where the page shows it: model, common, recipe (estimate) or search (plan)."""
+    choices: tuple[Any, ...] | None = None
+    default: Any = None
+    """What applies when the field is left empty (shown as a placeholder, or checked)."""
+    views: tuple[str, ...] = VIEWS
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "flag": self.flag, "kind": self.kind, "help": self.help, "section": self.section,
+                "choices": list(self.choices) if self.choices is not None else None, "default": self.default,
+                "views": list(self.views)}
+
+    def parse(self, text: str) -> Any:
+        """The typed value of `text` (a non-empty string from the URL or the form)."""
+        if len(text) > MAX_VALUE_CHARS:
+            raise InputError(f"{self.name}: at most {MAX_VALUE_CHARS} characters, got {len(text)}")
+        if self.kind == "int":
+            if not _INT.fullmatch(text):
+                raise InputError(f"{self.name} must be a whole number, got {text!r}")
+            return int(text)
+        if self.kind == "float":
+            try:
+                value = float(text)
+            except ValueError:
+                value = math.nan
+            if not math.isfinite(value):
+                raise InputError(f"{self.name} must be a number, got {text!r}")
+            return value
+        if self.kind in ("bool", "flag"):
+            if text not in ("true", "false"):
+                raise InputError(f"{self.name} must be true or false, got {text!r}")
+            return text == "true"
+        if self.kind == "choice":
+            return self._choice(text)
+        if self.kind == "multi":
+            return tuple(self._choice(part.strip()) for part in text.split(",") if part.strip())
+        if self.kind == "upload" and not _UPLOAD_ID.fullmatch(text):
+            raise InputError(f"{self.name}: not an upload id: {text!r}")
+        return text
+
+    def _choice(self, text: str) -> Any:
+        by_text = {str(c): c for c in self.choices or ()}
+        if text not in by_text:
+            raise InputError(f"{self.name}: unknown value {text!r}; known: {', '.join(by_text)}")
+        return by_text[text]
+
+    def argv(self, value: Any) -> list[str]:
+        """The CLI flags for `value` (`--flag=value` keeps a value starting with '-' a value)."""
+        if self.flag is None:
+            return []
+        if self.kind == "bool":
+            return [self.flag if value else "--no-" + self.flag.removeprefix("--")]
+        if self.kind == "flag":
+            return [self.flag] if value else []
+        if self.kind == "multi":
+            return [f"{self.flag}={','.join(map(str, value))}"]
+        return [f"{self.flag}={value}"]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Form:
+    """What the page asks for: a view and the fields given (typed), nothing else."""
+
+    view: View
+    values: dict[str, Any] = field(default_factory=dict)
+
+    def key(self) -> str:
+        """The same request, the same key (jobs are shared by key)."""
+        return json.dumps({"view": self.view, **self.values}, sort_keys=True, default=list)
+
+    def get(self, name: str) -> Any:
+        return self.values.get(name)
+
+
+def parse(params: Mapping[str, Any], fields: Iterable[Field]) -> Form:
+    """Check `params` (the URL query or the page's JSON: strings; empty means unset) against `fields`.
+
+    Raises:
+        InputError: an unknown view or key, or a value of the wrong kind, naming the key.
+    """
+    view = str(params.get("view") or "estimate")
+    if view not in VIEWS:
+        raise InputError(f"view must be one of {', '.join(VIEWS)}, got {view!r}")
+    known = {f.name: f for f in fields if view in f.views}
+    values: dict[str, Any] = {}
+    for name, raw in params.items():
+        if name == "view":
+            continue
+        if name not in known:
+            raise InputError(f"unknown field {name!r} for the {view} view; known: {', '.join(known)}")
+        if raw is None or (isinstance(raw, str) and not raw.strip()):
+            continue
+        if not isinstance(raw, (str, int, float, bool)):
+            raise InputError(f"{name}: expected a string, got {type(raw).__name__}")
+        text = str(raw).lower() if isinstance(raw, bool) else str(raw).strip()
+        value = known[name].parse(text)
+        if value != ():
+            values[name] = value
+    return Form(view=view, values=values)  # type: ignore[arg-type]
+
+
+def flags(form: Form, fields: Iterable[Field]) -> list[str]:
+    """The CLI flags of the fields given, in the fields' order."""
+    out: list[str] = []
+    for f in fields:
+        if form.view in f.views and f.name in form.values:
+            out += f.argv(form.values[f.name])
+    return out
