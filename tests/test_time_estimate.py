@@ -9,6 +9,7 @@ import os
 import pytest
 
 from anatomist.estimate.calibration import published
+from anatomist.estimate.published import PRIOR
 from anatomist.estimate.time import TimedStep, estimate_time, fit_calibration
 from anatomist.estimate.time_fit import COARSE as EFFICIENCY_GRID
 from anatomist.hardware import get_gpu
@@ -105,21 +106,31 @@ def test_estimate_json_has_time(workload: Workload) -> None:
 
 
 def test_fit_calibration_recovers_known_factors(workload: Workload) -> None:
-    """Step times made with known factors (on grid points) give those factors back."""
+    """Step times made with known factors give those factors back. Four factors are free (tensor-core
+    and bandwidth efficiencies, the two overheads), so five steps: accumulation tells the host time per
+    micro-batch from the per-kernel overhead (a step of 2 x 4 runs as many kernels as one of 8 x 1...
+    and four micro-batches)."""
     gpu = get_gpu(A100)
-    truth = dataclasses.replace(
-        published()["A100"], contraction_tensor_core_efficiency=float(EFFICIENCY_GRID[20]),
-        bandwidth_efficiency=float(EFFICIENCY_GRID[15]), launch_overhead_s=7e-6, step_overhead_s=0.0,
-    )
-    recipes = [Recipe(per_device_train_batch_size=b, bf16=True, gradient_checkpointing=c) for b, c in ((1, False), (8, False), (4, True))]
+    truth = dataclasses.replace(published()["A100"], factors=published()["A100"].factors.replace(
+        tensor_core_efficiency=float(EFFICIENCY_GRID[20]), bandwidth_efficiency=float(EFFICIENCY_GRID[15]),
+        kernel_overhead_s=7e-6, micro_batch_overhead_s=3e-3,
+    ))
+    shapes = ((1, 1, False), (8, 1, False), (4, 1, True), (2, 4, False), (16, 1, False))  # batch, accumulation, ckpt
+    recipes = [Recipe(per_device_train_batch_size=b, gradient_accumulation_steps=a, bf16=True, gradient_checkpointing=c)
+               for b, a, c in shapes]
     recipes = [r.resolved(workload) for r in recipes]
     steps = [TimedStep(workload=workload, recipe=r, gpu=gpu, step_s=estimate_time(workload, r, gpu, truth).step_s) for r in recipes]
     fitted = fit_calibration(steps, source="synthetic")
     assert fitted.calibrated and fitted.source == "synthetic"
-    assert fitted.contraction_tensor_core_efficiency == pytest.approx(truth.contraction_tensor_core_efficiency)
-    assert fitted.bandwidth_efficiency == pytest.approx(truth.bandwidth_efficiency)
-    assert fitted.launch_overhead_s == pytest.approx(7e-6, rel=1e-3)
-    assert fitted.contraction_fp32_efficiency == 0.8  # no fp32 step: the prior's value is kept (published.PRIOR)
+    f = fitted.factors
+    assert f.tensor_core_efficiency == pytest.approx(truth.factors.tensor_core_efficiency)
+    assert f.bandwidth_efficiency == pytest.approx(truth.factors.bandwidth_efficiency)
+    assert f.kernel_overhead_s == pytest.approx(7e-6, rel=1e-3)
+    assert f.micro_batch_overhead_s == pytest.approx(3e-3, rel=1e-3)
+    assert f.fp32_efficiency == PRIOR.fp32_efficiency  # no fp32 step: the prior's value is kept
+    # Three steps cannot tell four factors apart: the overheads keep the prior's values, the efficiencies are fitted.
+    few = fit_calibration(steps[:3], source="synthetic").factors
+    assert (few.kernel_overhead_s, few.micro_batch_overhead_s) == (PRIOR.kernel_overhead_s, PRIOR.micro_batch_overhead_s)
     with pytest.raises(ValueError):
         fit_calibration([], source="nothing")
 

@@ -23,7 +23,15 @@ from anatomist.estimate.calibration import (
     published,
     user_calibration_path,
 )
-from anatomist.estimate.published import Run, cross_validate, fit_generation, load_inputs, measured_step_s, run_key
+from anatomist.estimate.published import (
+    Run,
+    cross_validate,
+    fit_generation,
+    load_inputs,
+    load_runs,
+    measured_step_s,
+    run_key,
+)
 from anatomist.estimate.time_fit import Components, predict
 from anatomist.hardware import get_gpu
 
@@ -32,7 +40,7 @@ PUBLISHED = Path(__file__).parents[1] / "benchmarks" / "published"
 
 @pytest.fixture(scope="module")
 def runs() -> list[dict]:
-    return tomllib.loads((PUBLISHED / "runs.toml").read_text())["runs"]
+    return load_runs(PUBLISHED / "runs.toml")
 
 
 @pytest.fixture(scope="module")
@@ -89,40 +97,39 @@ def test_a_held_back_run_is_not_in_its_own_fit(inputs: list[Run]) -> None:
 
 
 def _check_predictions(stored: dict) -> list[tuple[str, float, float]]:
-    checks = tomllib.loads((PUBLISHED / "checks.toml").read_text())["runs"]
-    factors = published()["V100"]
-    from anatomist.estimate.time_fit import Factors
-
-    f = Factors(tensor_core_efficiency=factors.contraction_tensor_core_efficiency,
-                fp32_efficiency=factors.contraction_fp32_efficiency, bandwidth_efficiency=factors.bandwidth_efficiency,
-                kernel_overhead_s=factors.launch_overhead_s, step_overhead_s=factors.step_overhead_s)
+    """(name, published samples/s, predicted samples/s) of every check, with the V100 calibration."""
+    factors = published()["V100"].factors
     out = []
-    for check in checks:
+    for check in load_runs(PUBLISHED / "checks.toml"):
         samples = check["per_device_train_batch_size"] * check["gradient_accumulation_steps"]
-        predicted = samples / predict(Components.from_dict(stored[f"check/{check['name']}"]["components"]), f)
+        predicted = samples / predict(Components.from_dict(stored[run_key(check)]["components"]), factors)
         out.append((check["name"], check["samples_per_second"], predicted))
     return out
 
 
 def test_seeds_v100_recipe_order(stored: dict) -> None:
     """The seeds' V100 recipes (never fitted): the predicted order from fastest to slowest against the
-    published one. Reported in docs/time.md; asserted as far as the model gets it right: fp16 first,
-    and a rank correlation of at least 0.5 (what the model reaches: see docs/time.md)."""
+    published one (reported in docs/time.md). Every two recipes whose published speeds differ by more
+    than 5% are predicted in that order (adam8bit, 9.15 samples/s, and fp16 + checkpointing + Adafactor,
+    9.06, are not told apart), and the rank correlation is at least 0.95."""
     rows = _check_predictions(stored)
+    for name_a, published_a, predicted_a in rows:
+        for name_b, published_b, predicted_b in rows:
+            if published_a > published_b * 1.05:
+                assert predicted_a > predicted_b, (name_a, name_b)
     published_order = [n for n, m, _ in sorted(rows, key=lambda r: -r[1])]
     predicted_order = [n for n, _, p in sorted(rows, key=lambda r: -r[2])]
-    assert predicted_order[0] == published_order[0] == "fp16"
     rank_p = {n: i for i, n in enumerate(published_order)}
     rank_q = {n: i for i, n in enumerate(predicted_order)}
     d = np.array([rank_p[n] - rank_q[n] for n in rank_p])
     spearman = 1 - 6 * float(d @ d) / (len(d) * (len(d) ** 2 - 1))
-    assert spearman >= 0.5, (published_order, predicted_order)
+    assert spearman >= 0.95, (published_order, predicted_order)
 
 
 # --- lookup: a GPU measurement wins -------------------------------------------------------------
 
-MEASURED = {"contraction_tensor_core_efficiency": 0.5, "contraction_fp32_efficiency": 0.7,
-            "bandwidth_efficiency": 0.6, "launch_overhead_s": 6e-6, "step_overhead_s": 0.004}
+MEASURED = {"tensor_core_efficiency": 0.5, "fp32_efficiency": 0.7, "bandwidth_efficiency": 0.6,
+            "kernel_overhead_s": 6e-6, "micro_batch_overhead_s": 0.004}
 
 
 def _write(path: Path, gpu: str, version: int = TIME_MODEL_VERSION) -> Path:
@@ -140,9 +147,9 @@ def test_user_calibration_in_the_cache_wins(monkeypatch: pytest.MonkeyPatch, tmp
     path = _write(user_calibration_path(a100), "A100-80GB")
     assert path == tmp_path / "calibration" / "A100-80GB.toml"
     cal = calibration_for(a100)
-    assert cal.kind == "measured" and cal.bandwidth_efficiency == 0.6 and str(path) in cal.describe()
+    assert cal.kind == "measured" and cal.factors.bandwidth_efficiency == 0.6 and str(path) in cal.describe()
     assert calibration_for(get_gpu("A100-40GB")).kind == "published"  # only for the GPU it was measured on
-    assert calibration_toml(cal).startswith("#") and "step_overhead_s = 0.004" in calibration_toml(cal)
+    assert calibration_toml(cal).startswith("#") and "micro_batch_overhead_s = 0.004" in calibration_toml(cal)
 
 
 def test_estimate_says_which_calibration_it_used(cli, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -165,14 +172,18 @@ def test_estimate_says_which_calibration_it_used(cli, monkeypatch: pytest.Monkey
 @pytest.mark.parametrize("content, message", [
     ("gpu = ", "not a calibration file"),
     (None, "measured on H100-SXM, not A100-80GB"),
-    ("old", "time model version 1"),
+    ("old", "time model version 2"),
+    ("unphysical", "bandwidth_efficiency must be in [0.02, 1]"),
 ])
 def test_bad_calibration_files_are_one_line_and_exit_2(cli, tmp_path: Path, content: str | None, message: str) -> None:
     path = tmp_path / "cal.toml"
     if content is None:
         _write(path, "H100-SXM")
-    elif content == "old":
-        _write(path, "A100-80GB", version=1)
+    elif content == "old":  # time model 2's file: its factors meant something else (a bandwidth factor up to 8)
+        _write(path, "A100-80GB", version=2)
+    elif content == "unphysical":
+        _write(path, "A100-80GB")
+        path.write_text(path.read_text().replace("bandwidth_efficiency = 0.6", "bandwidth_efficiency = 8.0"))
     else:
         path.write_text(content)
     run = cli("estimate", "--gpu", "A100-80GB", "--calibration", str(path))

@@ -10,7 +10,8 @@ tracing again (tests/test_time_published.py has a slow test that re-traces a sam
 
 `fit` fits the factors per GPU generation (data/time_generations: which catalog GPUs form one) in
 two stages: all five factors on every run (pooled), then the three efficiencies on the
-generation's runs with the two overheads kept from the pooled fit. The error it claims is
+generation's runs with the two overheads kept from the pooled fit. Every factor stays within the
+bounds of what it physically is (estimate/time_model.py). The error it claims is
 leave-one-source-out cross-validation: each source of a generation is predicted by a fit
 (both stages) on every other source; for "any" (a GPU in no generation), each generation is
 predicted by the pooled fit of the others. It writes src/anatomist/data/time_calibration.toml
@@ -22,7 +23,6 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -32,23 +32,16 @@ CHECKS = HERE / "checks.toml"
 COMPONENTS = HERE / "components.json"
 CALIBRATION = HERE.parents[1] / "src" / "anatomist" / "data" / "time_calibration.toml"
 
-PRECISIONS: dict[str, dict[str, Any]] = {
-    "fp32": {"dtype": "float32", "fp16": False, "bf16": False, "tf32": False},
-    "tf32": {"dtype": "float32", "fp16": False, "bf16": False, "tf32": True},
-    "fp16-autocast": {"dtype": "float32", "fp16": True, "bf16": False, "tf32": False},
-    "bf16-autocast": {"dtype": "float32", "fp16": False, "bf16": True, "tf32": False},
-    "bf16-weights": {"dtype": "bfloat16", "fp16": False, "bf16": True, "tf32": False},
-}
-
-
 def load_runs() -> list[dict[str, Any]]:
-    return tomllib.loads(RUNS.read_text())["runs"]
+    from anatomist.estimate.published import load_runs as load
+
+    return load(RUNS)
 
 
 def load_checks() -> list[dict[str, Any]]:
-    return tomllib.loads(CHECKS.read_text())["runs"]
+    from anatomist.estimate.published import load_runs as load
 
-
+    return load(CHECKS)
 
 
 def _workload(run: dict[str, Any], folder: Path) -> Any:
@@ -65,12 +58,15 @@ def _workload(run: dict[str, Any], folder: Path) -> Any:
 
 
 def _recipe(run: dict[str, Any]) -> Any:
+    """The recipe a run is traced as: its batch, accumulation, checkpointing and optimizer, the precision
+    of the registry it names (axes/precisions.py) and the attention its code runs."""
+    from anatomist.axes.precisions import precision
     from anatomist.recipe import Recipe
 
     return Recipe(per_device_train_batch_size=run["per_device_train_batch_size"],
                   gradient_accumulation_steps=run["gradient_accumulation_steps"],
                   gradient_checkpointing=run["gradient_checkpointing"], optim=run["optim"],
-                  attn_implementation=run.get("attn_implementation", "sdpa"), **PRECISIONS[run["precision"]])
+                  attn_implementation=run["attn_implementation"], **precision(run["precision"]).fields)
 
 
 def run_components(run: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +88,7 @@ def cmd_components() -> None:
     from anatomist.estimate.published import run_key
 
     stored = json.loads(COMPONENTS.read_text()) if COMPONENTS.is_file() else {}
-    todo = [(run_key(r), r) for r in load_runs()] + [(f"check/{c['name']}", c) for c in load_checks()]
+    todo = [(run_key(r), r) for r in load_runs() + load_checks()]
     todo.sort(key=lambda kv: "llm-foundry" in kv[1]["source"])  # the small models first
     for n, (key, run) in enumerate(todo):
         if key in stored:
@@ -119,6 +115,23 @@ def cmd_fit() -> None:
     for g, result in cv.items():
         print(f"| {g} | {', '.join(generations.get(g, [])) or 'all'} | {result.runs} | {result.sources} | "
               f"{result.median_error_pct:.1f}% | {result.worst_error_pct:.1f}% | {result.method} |")
+    print_checks(fitted["V100"])
+
+
+def print_checks(factors: Any) -> None:
+    """The seeds' V100 check (checks.toml, never fitted): published and predicted samples/s per recipe,
+    with the V100 generation's factors, fastest published first."""
+    from anatomist.estimate.published import run_key
+    from anatomist.estimate.time_fit import Components, predict
+
+    stored = json.loads(COMPONENTS.read_text())
+    print("\n| recipe | published | predicted | error |")
+    print("| --- | ---: | ---: | ---: |")
+    for check in sorted(load_checks(), key=lambda c: -c["samples_per_second"]):
+        samples = check["per_device_train_batch_size"] * check["gradient_accumulation_steps"]
+        predicted = samples / predict(Components.from_dict(stored[run_key(check)]["components"]), factors)
+        print(f"| {check['name']} | {check['samples_per_second']:.2f} | {predicted:.2f} | "
+              f"{predicted / check['samples_per_second'] - 1:+.0%} |")
 
 
 if __name__ == "__main__":

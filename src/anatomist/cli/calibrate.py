@@ -42,9 +42,10 @@ def run(args: argparse.Namespace) -> int:
     out = console()
     cal = result.calibration
     out.print(f"[bold]{result.gpu}[/]: fitted to {len(result.rows)} rows of {args.results}")
-    out.print(f"  tensor-core contraction efficiency {cal.contraction_tensor_core_efficiency:.3f}, fp32 contraction "
-              f"{cal.contraction_fp32_efficiency:.3f}, bandwidth {cal.bandwidth_efficiency:.3f}, "
-              f"launch overhead {cal.launch_overhead_s * 1e6:.1f} us, step overhead {cal.step_overhead_s * 1e3:.2f} ms")
+    f = cal.factors
+    out.print(f"  tensor-core efficiency {f.tensor_core_efficiency:.3f}, fp32 {f.fp32_efficiency:.3f}, bandwidth "
+              f"{f.bandwidth_efficiency:.3f}, kernel overhead {f.kernel_overhead_s * 1e6:.1f} us, host overhead "
+              f"{f.micro_batch_overhead_s * 1e3:.2f} ms per micro-batch")
     table = Table(title="step time, measured vs fitted", title_justify="left")
     for col in ("row", "measured", "fitted", "error"):
         table.add_column(col, justify="left" if col == "row" else "right")

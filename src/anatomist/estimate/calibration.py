@@ -15,14 +15,14 @@ Lookup, for a target GPU (`calibration_for`), first found wins:
 
 A measured file holds one GPU's factors:
 
-    time_model_version = 2
+    time_model_version = 3
     gpu = "A100-80GB"                      # the catalog name; another GPU's file is refused
     source = "anatomist calibrate: 12 bench rows of bench.jsonl on A100-80GB"
-    contraction_tensor_core_efficiency = 0.61
-    contraction_fp32_efficiency = 0.8
+    tensor_core_efficiency = 0.61          # the five factors of estimate/time_model.py, in their bounds
+    fp32_efficiency = 0.8
     bandwidth_efficiency = 0.55
-    launch_overhead_s = 4.2e-06
-    step_overhead_s = 0.003
+    kernel_overhead_s = 4.2e-06
+    micro_batch_overhead_s = 0.002
     [fit]                                  # optional: the in-sample error of that fit
     runs = 12
     median_error_pct = 3.1
@@ -45,19 +45,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from anatomist.errors import InputError
+from anatomist.estimate.time_model import FACTOR_FIELDS, TIME_MODEL_VERSION, Factors
 from anatomist.hardware import GPU
 
-TIME_MODEL_VERSION = 2
-"""Bumped when the meaning of the factors changes; a calibration of another version is refused.
-1: roofline + launch overhead (placeholders); 2: + per-step overhead, fitted to published runs."""
-
-FACTOR_FIELDS = ("contraction_tensor_core_efficiency", "contraction_fp32_efficiency", "bandwidth_efficiency",
-                 "launch_overhead_s", "step_overhead_s")
 ANY_GENERATION = "any"
-MAX_BANDWIDTH_FACTOR = 8.0
-"""The bandwidth factor may exceed 1: it is achieved bandwidth x (traffic the trace records / traffic
-the measured code moves), and fused kernels (flash attention, fused LayerNorm/GELU) move less than
-the eager ops traced (time_fit.BANDWIDTH_COARSE)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -74,7 +65,7 @@ class CalibrationError:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Calibration:
-    """The factors of the time model (estimate/time.py) and where they come from."""
+    """The factors of the time model (estimate/time_model.py) and where they come from."""
 
     calibrated: bool
     """True when the factors were fitted to measured steps (published or the user's own)."""
@@ -84,18 +75,9 @@ class Calibration:
     gpu: str | None = None
     """The catalog GPU a measured calibration was fitted on (None: a generation's)."""
     generation: str | None = None
-    contraction_tensor_core_efficiency: float
-    """Fraction of the dense tensor-core peak (fp16/bf16/tf32) a matrix product reaches."""
-    contraction_fp32_efficiency: float
-    """Fraction of the fp32 CUDA-core peak an fp32 matrix product reaches."""
-    bandwidth_efficiency: float
-    """Fraction of the datasheet memory bandwidth a memory-bound op reaches, times the share of its traced
-    traffic that fused kernels save (so it can exceed 1; at most MAX_BANDWIDTH_FACTOR)."""
-    launch_overhead_s: float
-    """Seconds added to every kernel-launching op (launch, dispatch, small-kernel tail)."""
-    step_overhead_s: float = 0.0
-    """Seconds added once per optimizer step (the training loop's Python, data loading, logging)."""
+    factors: Factors
     error: CalibrationError | None = None
+    """How far predictions with these factors were from measured steps (None: not known)."""
 
     def describe(self) -> str:
         """One line for the output: what was used and how good it is known to be."""
@@ -108,7 +90,7 @@ class Calibration:
                 f"({e.method} over {e.runs} runs from {e.sources} source{'s' if e.sources != 1 else ''})")
 
 
-def _factors(raw: dict[str, Any], where: str) -> dict[str, Any]:
+def _factors(raw: dict[str, Any], where: str) -> Factors:
     missing = [n for n in FACTOR_FIELDS if n not in raw]
     if missing:
         raise InputError(f"{where}: not a calibration file (missing {', '.join(missing)}); write one with "
@@ -116,12 +98,10 @@ def _factors(raw: dict[str, Any], where: str) -> dict[str, Any]:
     values = {n: raw[n] for n in FACTOR_FIELDS}
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values.values()):
         raise InputError(f"{where}: calibration factors must be numbers")
-    efficiencies = [values[n] for n in FACTOR_FIELDS[:2]]
-    if (not all(0 < v <= 1 for v in efficiencies) or not 0 < values["bandwidth_efficiency"] <= MAX_BANDWIDTH_FACTOR
-            or values["launch_overhead_s"] < 0 or values["step_overhead_s"] < 0):
-        raise InputError(f"{where}: contraction efficiencies must be in (0, 1], the bandwidth factor in "
-                         f"(0, {MAX_BANDWIDTH_FACTOR:g}] and the overheads >= 0")
-    return {n: float(v) for n, v in values.items()}
+    try:
+        return Factors(**{n: float(v) for n, v in values.items()})
+    except ValueError as exc:
+        raise InputError(f"{where}: {exc}") from None
 
 
 def _check_version(raw: dict[str, Any], where: str) -> None:
@@ -152,6 +132,8 @@ def load_calibration(path: str | Path, gpu: GPU | None = None) -> Calibration:
         raise InputError(f"calibration file {str(p)!r} does not exist") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, IsADirectoryError) as exc:
         raise InputError(f"{p}: not a calibration file ({exc})") from None
+    if "time_model_version" in raw:  # another version's factors have other names or meanings: say that first
+        _check_version(raw, str(p))
     factors = _factors(raw, str(p))
     _check_version(raw, str(p))
     fitted_on = raw.get("gpu")
@@ -161,7 +143,7 @@ def load_calibration(path: str | Path, gpu: GPU | None = None) -> Calibration:
         raise InputError(f"{p}: calibration measured on {fitted_on}, not {gpu.name}; calibrate {gpu.name} "
                          "or leave --calibration out to use the published one")
     return Calibration(calibrated=True, kind="measured", gpu=fitted_on, source=f"measured: {raw.get('source', p)} ({p})",
-                       error=_error(raw.get("fit"), "in-sample"), **factors)
+                       error=_error(raw.get("fit"), "in-sample"), factors=factors)
 
 
 def calibration_toml(cal: Calibration) -> str:
@@ -174,7 +156,7 @@ def calibration_toml(cal: Calibration) -> str:
         f"time_model_version = {TIME_MODEL_VERSION}",
         f"gpu = {json.dumps(cal.gpu)}",
         f"source = {json.dumps(cal.source)}",
-        *(f"{n} = {getattr(cal, n)!r}" for n in FACTOR_FIELDS),
+        *(f"{n} = {getattr(cal.factors, n)!r}" for n in FACTOR_FIELDS),
     ]
     if cal.error is not None:
         e = cal.error
@@ -208,7 +190,7 @@ def published() -> dict[str, Calibration]:
         out[name] = Calibration(
             calibrated=True, kind="published", generation=name,
             source=f"published runs, {name} generation" if name != ANY_GENERATION else "published runs, all generations",
-            error=_error(spec.get("cross_validation"), "leave-one-source-out"), **_factors(spec, f"generation {name}"))
+            error=_error(spec.get("cross_validation"), "leave-one-source-out"), factors=_factors(spec, f"generation {name}"))
     return out
 
 
@@ -241,9 +223,9 @@ def calibration_for(gpu: GPU, path: str | Path | None = None) -> Calibration:
     return tables.get(generation_of_gpu(gpu.name)) or tables[ANY_GENERATION]
 
 
-def published_toml(fitted: dict[str, Any], cv: dict[str, Any]) -> str:
-    """data/time_calibration.toml from fit.py's factors (`time_fit.Factors` per generation) and
-    cross-validation (`published.CrossValidated` per generation)."""
+def published_toml(fitted: dict[str, Factors], cv: dict[str, Any]) -> str:
+    """data/time_calibration.toml from fit.py's factors per generation and cross-validation
+    (`published.CrossValidated` per generation)."""
     lines = [
         "# The time model's factors per GPU generation, fitted to published training runs by",
         "# benchmarks/published/fit.py (the runs and their sources: benchmarks/published/runs.toml).",
@@ -254,19 +236,11 @@ def published_toml(fitted: dict[str, Any], cv: dict[str, Any]) -> str:
     ]
     for name, f in fitted.items():
         c = cv[name]
-        lines += ["", f"[generations.{name}]",
-                  f"contraction_tensor_core_efficiency = {f.tensor_core_efficiency:.4g}",
-                  f"contraction_fp32_efficiency = {f.fp32_efficiency:.4g}",
-                  f"bandwidth_efficiency = {f.bandwidth_efficiency:.4g}",
-                  f"launch_overhead_s = {f.kernel_overhead_s:.4g}",
-                  f"step_overhead_s = {f.step_overhead_s:.4g}",
-                  "",
-                  f"[generations.{name}.cross_validation]",
+        lines += ["", f"[generations.{name}]", *(f"{n} = {getattr(f, n):.4g}" for n in FACTOR_FIELDS),
+                  "", f"[generations.{name}.cross_validation]",
                   f"median_error_pct = {c.median_error_pct:.1f}",
                   f"worst_error_pct = {c.worst_error_pct:.1f}",
                   f"runs = {c.runs}",
                   f"sources = {c.sources}",
                   f"method = {json.dumps(c.method)}"]
     return "\n".join(lines) + "\n"
-
-

@@ -1,9 +1,11 @@
 """Fit and cross-validate the time model on published runs (benchmarks/published): the two-stage
 fit per generation and the leave-one-source-out error that the shipped calibration claims.
 
-Stage 1 fits all five factors (`time_fit.Factors`) on every run given (pooled); stage 2 refits
-the three efficiencies on one generation's runs with the pooled overheads kept (a generation has
-too few runs, all of large steps, to tell the per-kernel and per-step overheads apart).
+Stage 1 fits four of the five factors (`time_model.Factors`) on every run given (pooled): the host
+time per micro-batch is the measured one (`time_model.MICRO_BATCH_OVERHEAD_S`), since every source
+launches about as many kernels per micro-batch and the runs cannot tell it from the per-kernel
+overhead. Stage 2 refits the three efficiencies on one generation's runs with the pooled overheads
+kept (a generation has too few runs, all of large steps, to tell the overheads).
 
 Cross-validation, per generation: each of its sources is predicted by the two stages fitted on
 every run of every other source (of all generations); a generation with a single source is then
@@ -15,18 +17,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tomllib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from anatomist.estimate.calibration import ANY_GENERATION, generation_of_gpu
-from anatomist.estimate.time_fit import Components, Factors, fit, relative_errors
+from anatomist.estimate.time_fit import Components, fit, relative_errors
+from anatomist.estimate.time_model import MICRO_BATCH_OVERHEAD_S, Factors
 
 PRIOR = Factors(tensor_core_efficiency=0.6, fp32_efficiency=0.8, bandwidth_efficiency=0.7,
-                kernel_overhead_s=5e-6, step_overhead_s=0.0)
-"""Where the grid search starts and what an efficiency no run can tell keeps (time model 1's
-placeholders: 0.6 between cuBLAS GEMM peaks and end-to-end MFU, 0.8 SGEMM, 0.7 streaming kernels)."""
+                kernel_overhead_s=5e-6, micro_batch_overhead_s=MICRO_BATCH_OVERHEAD_S)
+"""Where the grid search starts and what a factor the runs cannot tell keeps (time model 1's
+placeholders: 0.6 between cuBLAS GEMM peaks and end-to-end MFU, 0.8 SGEMM, 0.7 streaming kernels;
+the host time per micro-batch measured on the build machine)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +76,15 @@ def run_key(run: dict[str, Any]) -> str:
     return f"{run['source']}/{hashlib.sha1(json.dumps(run, sort_keys=True).encode()).hexdigest()[:10]}"
 
 
+def load_runs(path: Path) -> list[dict[str, Any]]:
+    """The runs of a runs.toml, each with its source's code settings (`attn_implementation`: the attention
+    its code runs) unless it gives its own."""
+    raw = tomllib.loads(path.read_text())
+    sources = {s["id"]: s for s in raw.get("sources", [])}
+    return [{"attn_implementation": sources[r["source"]]["attn_implementation"], **r} if r["source"] in sources else r
+            for r in raw["runs"]]
+
+
 def load_inputs(runs: list[dict[str, Any]], stored: dict[str, Any]) -> list[Run]:
     """The runs of runs.toml with their stored components (components.json, keyed by `run_key`).
 
@@ -89,7 +104,9 @@ def load_inputs(runs: list[dict[str, Any]], stored: dict[str, Any]) -> list[Run]
 
 
 def _fit(runs: list[Run], *, base: Factors = PRIOR, fixed_overheads: bool = False) -> Factors:
-    return fit([r.components for r in runs], [r.measured_s for r in runs], base=base, fixed_overheads=fixed_overheads)[0]
+    """The fit of `runs`, the host time per micro-batch kept at `base`'s (see `time_model.MICRO_BATCH_OVERHEAD_S`)."""
+    return fit([r.components for r in runs], [r.measured_s for r in runs], base=base, fixed_overheads=fixed_overheads,
+               fixed_micro_batch_overhead=True)[0]
 
 
 def fit_generation(train: list[Run], generation: str) -> Factors:

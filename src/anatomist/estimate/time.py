@@ -1,11 +1,11 @@
 """Predict the time of one training step from its ops: a roofline per op, offline.
 
 Each op of the traced step (`flops.step_ops`: FLOPs and bytes moved per call, fake
-tensors) takes
+tensors; with torch.compile, each fused kernel: `trace.compiled`) takes
 
-    max(flops / (peak(dtype) x efficiency), bytes / (bandwidth x bandwidth_efficiency)) + launch
+    max(flops / (peak(dtype) x efficiency), bytes / (bandwidth x bandwidth_efficiency)) + kernel overhead
 
-on the target GPU. The peak follows the precision the op's kernel runs in: fp16/bf16 tensor
+on the target GPU (`time_model.kernel_s`). The peak follows the precision the op's kernel runs in: fp16/bf16 tensor
 cores for matrix products under autocast, TF32 when the recipe allows it and the GPU has it,
 else fp32; normalizations stay in fp32 under autocast, as the trace shows. The micro-batch's
 forward and backward repeat `gradient_accumulation_steps` times; gradient checkpointing's
@@ -14,26 +14,29 @@ bytes-bound (foreach AdamW's kernels read and write weights, gradients and both 
 MFU counts the model FLOPs (the step without gradient checkpointing), HFU the hardware FLOPs
 (recomputation included): `flops.step_flops`.
 
-A fixed per-step overhead (the training loop's Python, data loading, logging) is added once
-per optimizer step. The factors (`calibration.Calibration`) come from the lookup of
+Each micro-batch adds the host's own time (the training loop's Python, the batch's collation and
+copy). The factors (`time_model.Factors` in a `calibration.Calibration`) come from the lookup of
 `calibration.calibration_for`: the user's measured calibration of the GPU if any, else the
 published calibration of its generation, fitted to published training runs
 (benchmarks/published) with its cross-validated error.
 
-Known limitations: kernels are assumed not to overlap; a fused kernel (fused AdamW, flash
-attention) is costed as the ops the trace records, and the published runs' own fused kernels
-(flash attention, fused LayerNorm in llm-foundry and NVIDIA's BERT) are absorbed by the fitted
-efficiencies, not modelled one by one. torch.compile: see `estimate.compiled`.
+Known limitations: kernels are assumed not to overlap; an eager fused kernel (fused AdamW, flash
+attention) is costed as the ops the trace records; the published runs the factors are fitted on
+run fused LayerNorm and GELU kernels (NVIDIA's BERT) and fused cross-entropy (llm-foundry) that
+their traces record as eager ops.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from anatomist.anatomy import OpClass, Phase, TimeAnatomy
 from anatomist.axes.precisions import matmul_precision
 from anatomist.estimate.calibration import Calibration, calibration_for
 from anatomist.estimate.flops import OpRecord, StepOps, step_flops, step_ops
+from anatomist.estimate.time_model import kernel_s
 from anatomist.hardware import GPU, Precision
 from anatomist.recipe import ResolvedRecipe
 from anatomist.workload import Workload
@@ -60,19 +63,16 @@ def peak_seconds(record: OpRecord, recipe: ResolvedRecipe, gpu: GPU) -> tuple[fl
 
 def op_call_s(record: OpRecord, recipe: ResolvedRecipe, gpu: GPU, cal: Calibration | None = None) -> float:
     """Predicted seconds of one call of `record` on `gpu` (0 for views: no kernel)."""
-    cal = cal or calibration_for(gpu)
     if record.view:
         return 0.0
-    tensor_core_s, cuda_core_s, memory_s = peak_seconds(record, recipe, gpu)
-    compute_s = tensor_core_s / cal.contraction_tensor_core_efficiency + cuda_core_s / cal.contraction_fp32_efficiency
-    return max(compute_s, memory_s / cal.bandwidth_efficiency) + cal.launch_overhead_s
+    return float(kernel_s(*peak_seconds(record, recipe, gpu), (cal or calibration_for(gpu)).factors))
 
 
 def time_from_ops(
     ops: StepOps, workload: Workload, recipe: ResolvedRecipe, gpu: GPU, cal: Calibration | None = None
 ) -> TimeAnatomy:
-    """Add the per-op roofline times of `ops` up into a step's TimeAnatomy, plus the per-step
-    overhead (`cal`: the factors to use; default `calibration_for(gpu)`)."""
+    """Add the per-kernel times of `ops` up into a step's TimeAnatomy, plus the host's time per
+    micro-batch (`cal`: the factors to use; default `calibration_for(gpu)`)."""
     cal = cal or calibration_for(gpu)
     accumulation = recipe.gradient_accumulation_steps
     phases = dict.fromkeys((Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER), 0.0)
@@ -81,8 +81,9 @@ def time_from_ops(
         seconds = op_call_s(record, recipe, gpu, cal) * record.calls_per_step(accumulation)
         phases[record.phase] += seconds
         classes[record.op_class] += seconds
-    step_s = sum(phases.values()) + cal.step_overhead_s
-    classes[OpClass.OTHER] += cal.step_overhead_s  # the training loop's own time: no op class of its own
+    host_s = cal.factors.micro_batch_overhead_s * accumulation
+    step_s = sum(phases.values()) + host_s
+    classes[OpClass.OTHER] += host_s  # the training loop's own time: no op class of its own
     flops = step_flops(workload, recipe, gpu.compute_capability, ops=ops)
     samples = recipe.per_device_train_batch_size * accumulation
     # A GPU without tensor cores for the dtype (bf16 on a V100) runs it at its fp32 rate at best.
@@ -96,7 +97,7 @@ def time_from_ops(
         hardware_flops_per_step=flops.hardware,
         mfu=mfu,
         hfu=hfu,
-        phases_s={**{str(p): s for p, s in phases.items()}, "step overhead": cal.step_overhead_s},
+        phases_s={**{str(p): s for p, s in phases.items()}, "host overhead": host_s},
         classes_s={str(c): s for c, s in classes.items()},
         calibrated=cal.calibrated,
         calibration=cal.describe(),
@@ -124,8 +125,9 @@ def fit_calibration(steps: list[TimedStep], *, source: str) -> Calibration:
     """The factors that best predict `steps` measured on one GPU (`anatomist calibrate`).
 
     All five factors are fitted (`time_fit.fit`, starting from the published PRIOR); an
-    efficiency the steps cannot tell keeps the prior's value. The result is a measured
-    calibration for the steps' GPU, with the fit's own (in-sample) error.
+    efficiency the steps cannot tell, and the overheads where there are fewer steps than factors,
+    keep the prior's value. The result is a measured calibration for the steps' GPU, with the
+    fit's own (in-sample) error.
 
     Raises:
         ValueError: no steps, or steps of several GPUs.
@@ -144,10 +146,7 @@ def fit_calibration(steps: list[TimedStep], *, source: str) -> Calibration:
     factors, _ = fit(comps, measured, base=PRIOR)
     errors = abs(relative_errors(comps, measured, factors)) * 100
     return Calibration(
-        calibrated=True, kind="measured", gpu=steps[0].gpu.name, source=source,
-        contraction_tensor_core_efficiency=factors.tensor_core_efficiency,
-        contraction_fp32_efficiency=factors.fp32_efficiency, bandwidth_efficiency=factors.bandwidth_efficiency,
-        launch_overhead_s=factors.kernel_overhead_s, step_overhead_s=factors.step_overhead_s,
-        error=CalibrationError(median_error_pct=float(sorted(errors)[len(errors) // 2]), worst_error_pct=float(errors.max()),
+        calibrated=True, kind="measured", gpu=steps[0].gpu.name, source=source, factors=factors,
+        error=CalibrationError(median_error_pct=float(np.median(errors)), worst_error_pct=float(errors.max()),
                                runs=len(steps), sources=1, method="in-sample"),
     )
