@@ -8,7 +8,10 @@ import os
 
 import pytest
 
-from anatomist.estimate.time import EFFICIENCY_GRID, TimedStep, calibration, estimate_time, fit_calibration
+from anatomist.estimate.calibration import published
+from anatomist.estimate.published import PRIOR
+from anatomist.estimate.time import TimedStep, estimate_time, fit_calibration
+from anatomist.estimate.time_fit import COARSE as EFFICIENCY_GRID
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.workload import Workload, load_workload
@@ -80,10 +83,13 @@ def test_backward_about_twice_forward_and_consistent_totals(workload: Workload) 
     assert 0 < t.mfu < 1
 
 
-def test_calibration_is_declared_uncalibrated() -> None:
-    cal = calibration()
-    assert cal.calibrated is False
-    assert "not measured on a GPU" in cal.source
+def test_the_default_calibration_is_the_published_one_of_the_generation() -> None:
+    from anatomist.estimate.calibration import calibration_for
+
+    cal = calibration_for(get_gpu(A100))
+    assert cal.calibrated and cal.kind == "published" and cal.generation == "A100"
+    assert cal.error is not None and cal.error.method == "leave-one-source-out"
+    assert calibration_for(get_gpu("T4")).generation == "any"  # a GPU in no generation: the pooled fit
 
 
 def test_estimate_json_has_time(workload: Workload) -> None:
@@ -93,27 +99,38 @@ def test_estimate_json_has_time(workload: Workload) -> None:
     t = data["time"]
     assert {"step_s", "samples_per_second", "tokens_per_second", "flops_per_step", "hardware_flops_per_step",
             "mfu", "hfu"} <= set(t)
-    assert t["calibrated"] is False
+    assert t["calibrated"] is True and "published runs, A100 generation" in t["calibration"]
+    assert t["error_median_pct"] is not None
     inference = estimate(workload, Recipe(per_device_train_batch_size=8), get_gpu(A100), mode="inference").to_dict()
     assert "time" not in inference
 
 
 def test_fit_calibration_recovers_known_factors(workload: Workload) -> None:
-    """Step times made with known factors (on grid points) give those factors back."""
+    """Step times made with known factors give those factors back. Four factors are free (tensor-core
+    and bandwidth efficiencies, the two overheads), so five steps: accumulation tells the host time per
+    micro-batch from the per-kernel overhead (a step of 2 x 4 runs as many kernels as one of 8 x 1...
+    and four micro-batches)."""
     gpu = get_gpu(A100)
-    truth = dataclasses.replace(
-        calibration(), contraction_tensor_core_efficiency=float(EFFICIENCY_GRID[50]),
-        bandwidth_efficiency=float(EFFICIENCY_GRID[40]), launch_overhead_s=7e-6,
-    )
-    recipes = [Recipe(per_device_train_batch_size=b, bf16=True, gradient_checkpointing=c) for b, c in ((1, False), (8, False), (4, True))]
+    truth = dataclasses.replace(published()["A100"], factors=published()["A100"].factors.replace(
+        tensor_core_efficiency=float(EFFICIENCY_GRID[20]), bandwidth_efficiency=float(EFFICIENCY_GRID[15]),
+        kernel_overhead_s=7e-6, micro_batch_overhead_s=3e-3,
+    ))
+    shapes = ((1, 1, False), (8, 1, False), (4, 1, True), (2, 4, False), (16, 1, False))  # batch, accumulation, ckpt
+    recipes = [Recipe(per_device_train_batch_size=b, gradient_accumulation_steps=a, bf16=True, gradient_checkpointing=c)
+               for b, a, c in shapes]
     recipes = [r.resolved(workload) for r in recipes]
     steps = [TimedStep(workload=workload, recipe=r, gpu=gpu, step_s=estimate_time(workload, r, gpu, truth).step_s) for r in recipes]
     fitted = fit_calibration(steps, source="synthetic")
     assert fitted.calibrated and fitted.source == "synthetic"
-    assert fitted.contraction_tensor_core_efficiency == pytest.approx(truth.contraction_tensor_core_efficiency)
-    assert fitted.bandwidth_efficiency == pytest.approx(truth.bandwidth_efficiency)
-    assert fitted.launch_overhead_s == pytest.approx(7e-6, rel=1e-3)
-    assert fitted.contraction_fp32_efficiency == calibration().contraction_fp32_efficiency  # no fp32 step: kept
+    f = fitted.factors
+    assert f.tensor_core_efficiency == pytest.approx(truth.factors.tensor_core_efficiency)
+    assert f.bandwidth_efficiency == pytest.approx(truth.factors.bandwidth_efficiency)
+    assert f.kernel_overhead_s == pytest.approx(7e-6, rel=1e-3)
+    assert f.micro_batch_overhead_s == pytest.approx(3e-3, rel=1e-3)
+    assert f.fp32_efficiency == PRIOR.fp32_efficiency  # no fp32 step: the prior's value is kept
+    # Three steps cannot tell four factors apart: the overheads keep the prior's values, the efficiencies are fitted.
+    few = fit_calibration(steps[:3], source="synthetic").factors
+    assert (few.kernel_overhead_s, few.micro_batch_overhead_s) == (PRIOR.kernel_overhead_s, PRIOR.micro_batch_overhead_s)
     with pytest.raises(ValueError):
         fit_calibration([], source="nothing")
 

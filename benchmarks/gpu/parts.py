@@ -188,7 +188,8 @@ def run_calibrate(ctx: Context, unit: Unit, attempt: str, timeout_s: float) -> O
                     mode=ctx.mode, reason=reason)
         return Outcome(status="skipped", note=reason)
     output = ctx.out_dir / "time-calibration.toml"
-    cmd = [ctx.python, "-m", "anatomist", "calibrate", str(ctx.bench_results), "-o", str(output), "--json"]
+    # --install: on this machine, estimate and plan then use the measured factors, not the published ones
+    cmd = [ctx.python, "-m", "anatomist", "calibrate", str(ctx.bench_results), "-o", str(output), "--install", "--json"]
     finished = run_child(cmd, ctx, timeout_s)
     if finished.returncode is None:
         return timed_out(unit, timeout_s)

@@ -170,7 +170,13 @@ class TimeAnatomy:
     classes_s: dict[str, float] = field(default_factory=dict)
     """Seconds per operation class: contraction, normalization, elementwise, other."""
     calibrated: bool = False
-    """True once the efficiency factors come from a measured GPU run."""
+    """True once the efficiency factors come from measured GPU runs (published or the user's)."""
+    calibration: str = ""
+    """Which calibration the figures use and its known error, in words (`Calibration.describe`)."""
+    error_median_pct: float | None = None
+    """The calibration's median error in percent (cross-validated for a published one), if known."""
+    error_worst_pct: float | None = None
+    """Its worst error in percent, if known."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -2,8 +2,9 @@
 
 Each finished GPU row gives a measured step (its median optimizer-step time, from the
 callback) of a known workload, recipe and GPU; `estimate.time.fit_calibration` finds the
-roofline factors that predict them best. The result is a calibration file for
-`--calibration FILE` (estimate, plan), valid for that GPU and software stack.
+factors that predict them best. The result is a measured calibration for that GPU (and
+software stack): a file for `--calibration FILE`, or, installed, the user's calibration of that
+GPU that estimate and plan then use by default (`estimate.calibration.calibration_for`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 
 from anatomist.bench.store import open_results
 from anatomist.errors import InputError
-from anatomist.estimate.time import Calibration, TimedStep, estimate_time, fit_calibration
+from anatomist.estimate.calibration import Calibration
+from anatomist.estimate.time import TimedStep, estimate_time, fit_calibration
 from anatomist.hardware import match_catalog
 from anatomist.recipe import Recipe
 from anatomist.workload import Workload, load_workload

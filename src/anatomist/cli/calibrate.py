@@ -16,26 +16,36 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="fit the step-time model to `anatomist bench` rows measured on a GPU")
     p.add_argument("results", metavar="RESULTS", help="a bench results file (JSONL) with rows run on one GPU")
     p.add_argument("-o", "--output", metavar="PATH", help="write the calibration file (use it with --calibration PATH)")
+    p.add_argument("--install", action="store_true",
+                   help="also install it as this user's calibration of that GPU (<cache>/calibration/<GPU>.toml): "
+                        "estimate and plan then use it instead of the published one")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout, nothing else")
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from anatomist.bench.calibrate import calibrate
-    from anatomist.estimate.time import calibration_toml
+    from anatomist.estimate.calibration import calibration_toml, user_calibration_path
+    from anatomist.hardware import get_gpu
 
     result = calibrate(args.results)
-    if args.output:
-        Path(args.output).write_text(calibration_toml(result.calibration))
+    written = [Path(args.output)] if args.output else []
+    if args.install:
+        written.append(user_calibration_path(get_gpu(result.gpu)))
+    for path in written:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(calibration_toml(result.calibration))
     if args.json:
-        print_json({"gpu": result.gpu, "calibration": asdict(result.calibration), "rows": result.rows})
+        print_json({"gpu": result.gpu, "calibration": asdict(result.calibration), "rows": result.rows,
+                    "written": [str(p) for p in written]})
         return 0
     out = console()
     cal = result.calibration
     out.print(f"[bold]{result.gpu}[/]: fitted to {len(result.rows)} rows of {args.results}")
-    out.print(f"  tensor-core contraction efficiency {cal.contraction_tensor_core_efficiency:.3f}, fp32 contraction "
-              f"{cal.contraction_fp32_efficiency:.3f}, bandwidth {cal.bandwidth_efficiency:.3f}, "
-              f"launch overhead {cal.launch_overhead_s * 1e6:.1f} us")
+    f = cal.factors
+    out.print(f"  tensor-core efficiency {f.tensor_core_efficiency:.3f}, fp32 {f.fp32_efficiency:.3f}, bandwidth "
+              f"{f.bandwidth_efficiency:.3f}, kernel overhead {f.kernel_overhead_s * 1e6:.1f} us, host overhead "
+              f"{f.micro_batch_overhead_s * 1e3:.2f} ms per micro-batch")
     table = Table(title="step time, measured vs fitted", title_justify="left")
     for col in ("row", "measured", "fitted", "error"):
         table.add_column(col, justify="left" if col == "row" else "right")
@@ -45,4 +55,7 @@ def run(args: argparse.Namespace) -> int:
     out.print(table)
     if args.output:
         out.print(f"calibration written to {args.output}; use it with --calibration {args.output}")
+    if args.install:
+        out.print(f"installed as {written[-1]}: estimate and plan on {result.gpu} now use it (it wins over the "
+                  "published calibration)")
     return 0

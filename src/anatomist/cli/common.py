@@ -14,7 +14,8 @@ from anatomist.errors import InputError
 from anatomist.recipe import Recipe
 
 if TYPE_CHECKING:
-    from anatomist.estimate.time import Calibration
+    from anatomist.estimate.calibration import Calibration
+    from anatomist.hardware import GPU
 
 
 def add_model_flags(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:
@@ -70,16 +71,15 @@ def add_margin_flag(p: argparse.ArgumentParser) -> None:
 
 def add_calibration_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration", metavar="FILE", default=None,
-                   help="time-model factors fitted by `anatomist calibrate` (default: the shipped, uncalibrated ones)")
+                   help="time-model factors measured on this GPU by `anatomist calibrate` (default: the user's "
+                        "<cache>/calibration/<GPU>.toml if any, else the published calibration of the GPU's generation)")
 
 
-def calibration_from_args(args: argparse.Namespace) -> Calibration | None:
-    """The Calibration of --calibration FILE, or None for the shipped factors."""
-    if args.calibration is None:
-        return None
-    from anatomist.estimate.time import load_calibration
+def calibration_from_args(args: argparse.Namespace, gpu: GPU) -> Calibration:
+    """The time calibration for `gpu`: --calibration FILE, else the lookup of `calibration_for`."""
+    from anatomist.estimate.calibration import calibration_for
 
-    return load_calibration(args.calibration)
+    return calibration_for(gpu, args.calibration)
 
 
 @contextlib.contextmanager

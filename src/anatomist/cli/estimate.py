@@ -71,7 +71,7 @@ def build_estimate(args: argparse.Namespace) -> Estimate:
     # The recipe, then the model: a bad value or a mistyped name is said before anything imports
     # transformers (Recipe's defaults are kept on disk per transformers version).
     recipe = recipe_from_args(args, base=SEEDS_RECIPE if model is None else None, source=source)
-    calibration = calibration_from_args(args)
+    calibration = calibration_from_args(args, gpu)
     if recipe.bf16 and not gpu.bf16:
         raise InputError(f"bf16 needs an Ampere or newer GPU; {gpu.name} has none (use --fp16)")
     if recipe.tf32 and not gpu.tf32:
@@ -156,10 +156,10 @@ def render(result: Estimate) -> None:
     for note in mem.notes:
         out.print(f"  - {note}")
     if result.time is not None:
-        render_time(result.time, result.extra["time_calibration"])
+        render_time(result.time)
 
 
-def render_time(t: TimeAnatomy, calibration_source: str) -> None:
+def render_time(t: TimeAnatomy) -> None:
     """The predicted step time, its split by phase and by operation class."""
     out = console()
     table = Table(title="Time anatomy of one step (roofline)", title_justify="left")
@@ -169,15 +169,13 @@ def render_time(t: TimeAnatomy, calibration_source: str) -> None:
     table.add_column("TFLOP/s", justify="right")
     table.add_column("MFU", justify="right")
     table.add_column("HFU", justify="right")  # with gradient checkpointing's recomputation
-    table.add_row(f"{t.step_s * 1e3:,.1f} ms", f"{t.samples_per_second:,.1f}", f"{t.tokens_per_second:,.0f}",
+    interval = f" +-{t.error_median_pct:.0f}%" if t.error_median_pct is not None else ""
+    table.add_row(f"{t.step_s * 1e3:,.1f} ms{interval}", f"{t.samples_per_second:,.1f}", f"{t.tokens_per_second:,.0f}",
                   f"{t.flops_per_step / t.step_s / 1e12:,.1f}", f"{t.mfu:.0%}", f"{t.hfu:.0%}")
     out.print(table)
     out.print("phases:  " + ", ".join(f"{k} {v * 1e3:,.1f} ms ({v / t.step_s:.0%})" for k, v in t.phases_s.items()))
     out.print("classes: " + ", ".join(f"{k} {v / t.step_s:.0%}" for k, v in t.classes_s.items()))
-    if not t.calibrated:
-        out.print("[yellow]time figures are UNCALIBRATED: efficiency factors are placeholders, not measured on a GPU[/]")
-    else:
-        out.print(f"time factors: {calibration_source}")
+    out.print(t.calibration if t.calibrated else f"[yellow]{t.calibration}[/]")
 
 
 def _autocast(recipe: Recipe) -> str:

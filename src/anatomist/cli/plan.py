@@ -77,7 +77,7 @@ def _names(flag: str, what: str, text: str, known: tuple[str, ...], *, allow_non
 def build_plan(args: argparse.Namespace) -> Plan:
     apply_cache_flag(args)
     gpu = get_gpu(args.gpu)
-    calibration = calibration_from_args(args)
+    calibration = calibration_from_args(args, gpu)
     optims = _names("--optims", "optimizer", args.optims, tuple(OPTIMIZERS))
     precisions = None if args.precisions is None else _names("--precisions", "precision", args.precisions, FULL_PRECISIONS)
     added = _names("--peft", "method", args.peft, ("lora", "qlora"), allow_none=True)
@@ -95,7 +95,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
     from anatomist.plan.search import plan  # imports torch
     from anatomist.plan.throughput import predict_time
 
-    time_model = functools.partial(predict_time, calibration=calibration) if calibration else None
+    time_model = functools.partial(predict_time, calibration=calibration)
     return plan(workload, gpu, space=space, objective=args.objective, margin=args.memory_margin, time_model=time_model)
 
 

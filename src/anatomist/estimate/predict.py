@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN
+from anatomist.estimate.calibration import Calibration, calibration_for
 from anatomist.estimate.memory import MemoryEstimate, estimate_memory
 from anatomist.estimate.moe import MoeRouting, moe_routing
-from anatomist.estimate.time import Calibration, estimate_time
-from anatomist.estimate.time import calibration as default_calibration
+from anatomist.estimate.time import estimate_time
 from anatomist.estimate.traces import Mode
 from anatomist.hardware import GPU
 from anatomist.recipe import Recipe
@@ -64,10 +64,10 @@ def estimate(
     calibration: Calibration | None = None, margin: float = DEFAULT_MEMORY_MARGIN,
 ) -> Estimate:
     """Predict memory (and, in training, time) of one step of `recipe` on `gpu`; `calibration`:
-    the time model's factors (default: the shipped data/time_calibration.toml)."""
+    the time model's factors (default: `calibration_for(gpu)`, the lookup of estimate/calibration.py)."""
     recipe = recipe.resolved(workload)  # the library's entry point: everything below takes it resolved
     memory = estimate_memory(workload, recipe, gpu, mode=mode, num_gpus=num_gpus, margin=margin)
+    calibration = calibration or calibration_for(gpu)
     time = estimate_time(workload, recipe, gpu, calibration) if mode == "train" else None
-    source = (calibration or default_calibration()).source
     return Estimate(workload=workload, recipe=recipe, gpu=gpu, mode=mode, margin=margin, memory=memory, time=time,
-                    moe=moe_routing(workload, recipe, memory.anatomy), extra={"time_calibration": source})
+                    moe=moe_routing(workload, recipe, memory.anatomy), extra={"time_calibration": calibration.describe()})

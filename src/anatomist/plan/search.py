@@ -110,9 +110,9 @@ def plan(
     if len(space.methods) > 1:
         notes.append(f"fine-tuning: searched {', '.join(space.methods)}; LoRA/QLoRA train r={space.base.lora_r} adapters "
                      "on a frozen base (a different fine-tune from full), without ZeRO/FSDP")
-    if not calibrated:
-        notes.append("time: uncalibrated (roofline placeholders in data/time_calibration.toml, not fitted on a GPU); "
-                     "a ranking, not a measurement")
+    notes.append(f"{best.time.calibration}; the sharding, offload and communication terms are not in that "
+                 "error (plan_throughput.toml's constants, not fitted)" if space.num_gpus > 1 or best.recipe.offload != "none"
+                 else best.time.calibration)
     return Plan(
         workload=workload, gpu=gpu, space=space, objective=objective, margin=margin, limit_bytes=limit,
         candidates=candidates, pareto=front, best=best, time_calibrated=calibrated, notes=notes,

@@ -1,7 +1,7 @@
 """The time side of the plan: the step-time estimator, plus what sharding and offload change.
 
-`anatomist.estimate.time.estimate_time` (a roofline per traced op, factors in
-data/time_calibration.toml) predicts one device running the whole step. Across devices and
+`anatomist.estimate.time.estimate_time` (a roofline per traced op, factors from
+`estimate.calibration.calibration_for`) predicts one device running the whole step. Across devices and
 with DeepSpeed or FSDP the plan changes three terms:
 
     optimizer_s  / N            when optimizer state is sharded (ZeRO >= 1, FSDP): each device
@@ -24,7 +24,8 @@ from importlib import resources
 from typing import Any, Protocol
 
 from anatomist.anatomy import TimeAnatomy
-from anatomist.estimate.time import Calibration, estimate_time
+from anatomist.estimate.calibration import Calibration
+from anatomist.estimate.time import estimate_time
 from anatomist.hardware import GPU
 from anatomist.recipe import ResolvedRecipe
 from anatomist.workload import Workload
@@ -96,4 +97,7 @@ def predict_time(
         phases_s=phases,
         classes_s=one.classes_s,
         calibrated=one.calibrated,
+        calibration=one.calibration,
+        error_median_pct=one.error_median_pct,
+        error_worst_pct=one.error_worst_pct,
     )
