@@ -9,8 +9,9 @@ import os
 import pytest
 
 from anatomist.estimate.calibration import published
+from anatomist.estimate.measured_calibration import TimedStep, fit_calibration
 from anatomist.estimate.published import PRIOR
-from anatomist.estimate.time import TimedStep, estimate_time, fit_calibration
+from anatomist.estimate.time import estimate_time
 from anatomist.estimate.time_fit import COARSE as EFFICIENCY_GRID
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe

@@ -1,0 +1,56 @@
+"""A calibration fitted to steps measured on one GPU (`anatomist calibrate` on bench rows).
+
+The published calibration (`estimate/published.py`) starts the fit; `time_fit.fit` moves each
+factor within its bounds towards the measured step times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from anatomist.estimate.calibration import Calibration, CalibrationError
+from anatomist.estimate.flops import step_ops
+from anatomist.estimate.published import PRIOR
+from anatomist.estimate.time_fit import components, fit, relative_errors
+from anatomist.hardware import GPU
+from anatomist.recipe import ResolvedRecipe
+from anatomist.workload import Workload
+
+
+@dataclass(frozen=True, slots=True)
+class TimedStep:
+    """A measured step for `fit_calibration`: what ran, where, and its seconds per optimizer step."""
+
+    workload: Workload
+    recipe: ResolvedRecipe
+    gpu: GPU
+    step_s: float
+
+
+def fit_calibration(steps: list[TimedStep], *, source: str) -> Calibration:
+    """The factors that best predict `steps` measured on one GPU (`anatomist calibrate`).
+
+    All five factors are fitted (`time_fit.fit`, starting from the published PRIOR); an
+    efficiency the steps cannot tell, and the overheads where there are fewer steps than factors,
+    keep the prior's value. The result is a measured calibration for the steps' GPU, with the
+    fit's own (in-sample) error.
+
+    Raises:
+        ValueError: no steps, or steps of several GPUs.
+    """
+    if not steps:
+        raise ValueError("fit_calibration needs at least one measured step")
+    gpus = {s.gpu.name for s in steps}
+    if len(gpus) > 1:
+        raise ValueError(f"fit_calibration fits one GPU at a time, got {sorted(gpus)}")
+    comps = [components(step_ops(s.workload, s.recipe, s.gpu.compute_capability), s.recipe, s.gpu) for s in steps]
+    measured = [s.step_s for s in steps]
+    factors, _ = fit(comps, measured, base=PRIOR)
+    errors = abs(relative_errors(comps, measured, factors)) * 100
+    return Calibration(
+        calibrated=True, kind="measured", gpu=steps[0].gpu.name, source=source, factors=factors,
+        error=CalibrationError(median_error_pct=float(np.median(errors)), worst_error_pct=float(errors.max()),
+                               runs=len(steps), sources=1, method="in-sample"),
+    )
