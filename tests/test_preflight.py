@@ -1,0 +1,141 @@
+"""Pre-flight inside the real Trainer (issue 24), on this CPU with a tiny model and an explicit budget.
+
+The budget is set between two predictions (the user's batch and a smaller one at the same effective
+batch), so what is checked is the Trainer's behaviour, observed independently of anatomist: whether an
+optimizer step ran (a hook on the optimizer), the batch the model was fed (a forward pre-hook), the
+number of optimizer steps the Trainer took, and the record read back.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import TINY_CONFIGS
+
+from anatomist.bench.worker import build_dataset
+from anatomist.errors import InputError
+from anatomist.estimate.predict import estimate
+from anatomist.hardware import get_gpu
+from anatomist.measure import AnatomistCallback
+from anatomist.measure.preflight import PreflightRefused
+from anatomist.measure.records import append_record, read_records
+from anatomist.recipe import Recipe
+from anatomist.workload import load_workload
+
+SEQ = 64
+GPU = "A100-80GB"
+NUM_SAMPLES = 32
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    (folder / "config.json").write_text(json.dumps(TINY_CONFIGS["llama"]))
+    return load_workload(str(folder), seq_len=SEQ, task="causal-lm")
+
+
+def _total(workload, batch: int, accumulation: int) -> int:
+    recipe = Recipe(per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation, dtype="float32")
+    total = estimate(workload, recipe, get_gpu(GPU)).memory.anatomy.device_total
+    assert total is not None
+    return total
+
+
+def _trainer(workload, tmp_path, batch: int, accumulation: int, callback=None, **extra):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=batch,
+                             gradient_accumulation_steps=accumulation, num_train_epochs=1, report_to="none",
+                             save_strategy="no", logging_strategy="no", disable_tqdm=True, use_cpu=True, **extra)
+    model = workload.build_model("sdpa", "float32")
+    return Trainer(model=model, args=args, train_dataset=build_dataset(workload, NUM_SAMPLES),
+                   callbacks=[callback] if callback is not None else None)
+
+
+def _feeds(model) -> list[int]:
+    """The batch size of every forward the model runs (a hook: what the Trainer really fed)."""
+    seen: list[int] = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["input_ids"].shape[0]),
+                                    with_kwargs=True)
+    return seen
+
+
+def test_refuse_stops_before_the_first_optimizer_step(llama, tmp_path):
+    # budget just under the prediction at 16 x 1: 16 x 1 does not fit, a smaller pair does
+    budget = (_total(llama, 16, 1) + _total(llama, 4, 4)) // 2
+    callback = AnatomistCallback(tokens_per_sample=SEQ, preflight="refuse", gpu=GPU, limit_bytes=budget, record=False)
+    trainer = _trainer(llama, tmp_path, 16, 1)
+    trainer.add_callback(callback)  # added after __init__: the pre-flight runs at on_train_begin
+    steps: list[int] = []
+    trainer.create_optimizer()
+    trainer.optimizer.register_step_pre_hook(lambda *a: steps.append(1))
+    with pytest.raises(PreflightRefused, match=r"will not fit: predicted device total .* > limit .*smallest change "
+                                               r"that fits: .*effective batch 16 kept"):
+        trainer.train()
+    assert steps == [] and trainer.state.global_step == 0
+    change = callback.preflight.change.recipe
+    assert change.per_device_train_batch_size * change.gradient_accumulation_steps == 16
+
+
+def test_fit_keeps_the_effective_batch_and_trains(llama, tmp_path):
+    budget = (_total(llama, 16, 1) + _total(llama, 4, 4)) // 2
+    trainer = _trainer(llama, tmp_path, 16, 1)
+    fed = _feeds(trainer.model)
+    callback = AnatomistCallback(tokens_per_sample=SEQ, preflight="fit", gpu=GPU, limit_bytes=budget,
+                                 record=tmp_path / "runs.jsonl", compare_after_steps=1, print_at_end=False)
+    callback.attach(trainer)
+    new = callback.preflight.change.recipe
+    assert new.per_device_train_batch_size < 16
+    assert new.per_device_train_batch_size * new.gradient_accumulation_steps == 16
+    trainer.train()
+    # what the Trainer did: every forward got the new per-device batch; 32 samples / 16 = 2 optimizer steps
+    assert set(fed) == {new.per_device_train_batch_size}
+    assert len(fed) == NUM_SAMPLES // new.per_device_train_batch_size
+    assert trainer.state.global_step == NUM_SAMPLES // 16
+    assert trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps == 16
+    [row] = read_records(tmp_path / "runs.jsonl")
+    assert row["recipe"]["per_device_train_batch_size"] == new.per_device_train_batch_size
+    assert row["measured"]["time"]["median_step_s"] > 0 and row["predicted"]["memory"]["device_total"] > 0
+
+
+def test_warn_lets_a_run_that_does_not_fit_go_on(llama, tmp_path, caplog):
+    budget = (_total(llama, 16, 1) + _total(llama, 4, 4)) // 2
+    callback = AnatomistCallback(tokens_per_sample=SEQ, gpu=GPU, limit_bytes=budget, record=False, print_at_end=False)
+    trainer = _trainer(llama, tmp_path, 16, 1, callback)
+    with caplog.at_level("WARNING", logger="anatomist"):
+        trainer.train()
+    assert trainer.state.global_step == 2
+    assert "fits            no" in caplog.text and callback.preflight is not None and not callback.preflight.fits
+
+
+def test_no_prediction_says_why_and_trains(llama, tmp_path, caplog):
+    callback = AnatomistCallback(preflight="refuse", gpu=GPU, record=False, print_at_end=False)  # no tokens/sample
+    trainer = _trainer(llama, tmp_path, 8, 1, callback)
+    with caplog.at_level("WARNING", logger="anatomist"):
+        trainer.train()
+    assert trainer.state.global_step == 4
+    assert "pre-flight skipped, the run goes on: tokens per sample unknown" in caplog.text
+
+
+def test_bad_inputs_are_one_clear_message(llama, tmp_path):
+    with pytest.raises(InputError, match="preflight must be one of warn, refuse, fit"):
+        AnatomistCallback(preflight="maybe")
+    weights = 4 * sum(p.numel() for p in llama.build_model("sdpa", "float32").parameters())  # fp32: 4 B each
+    callback = AnatomistCallback(tokens_per_sample=SEQ, gpu=GPU, limit_bytes=weights // 2, record=False)
+    with pytest.raises(InputError, match="is below .*'s weights alone"):
+        _trainer(llama, tmp_path, 8, 1, callback)
+
+
+def test_a_broken_record_line_is_skipped(tmp_path):
+    path = tmp_path / "runs.jsonl"
+    good = {"name": "a", "status": "ok", "workload": {}, "recipe": {}, "device": {}}
+    append_record(good, path)
+    with path.open("a") as fh:
+        fh.write('{"name": "torn", "sta')  # a run killed mid-line
+    with pytest.warns(UserWarning, match=r"runs.jsonl:2: skipped"):
+        rows = read_records(path)
+    assert rows == [good]
+    append_record(good, path)  # after the torn line: a line of its own, read back whole
+    with pytest.warns(UserWarning, match=r"runs.jsonl:2: skipped"):
+        assert read_records(path) == [good, good]
