@@ -139,3 +139,39 @@ def test_a_broken_record_line_is_skipped(tmp_path):
     append_record(good, path)  # after the torn line: a line of its own, read back whole
     with pytest.warns(UserWarning, match=r"runs.jsonl:2: skipped"):
         assert read_records(path) == [good, good]
+
+
+@pytest.mark.slow  # traces the LoRA model: 25-55 s on the shared 2-core VM
+def test_sft_trainer_with_a_peft_model_fits(llama, tmp_path):
+    """TRL's SFTTrainer wraps the model from a LoraConfig: the pre-flight reads the adapters (r=8) off the
+    live model and the tokens per sample off SFTConfig.max_length, and "fit" keeps the effective batch."""
+    from peft import LoraConfig
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    from anatomist.measure.live import live_recipe
+
+    vocab = {f"t{i}": i for i in range(TINY_CONFIGS["llama"]["vocab_size"])}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                                        eos_token="t1", pad_token="t2", unk_token="t0")
+    args = SFTConfig(output_dir=str(tmp_path / "out"), num_train_epochs=1, per_device_train_batch_size=16,
+                     max_length=SEQ, gradient_checkpointing=False, bf16=False, use_cpu=True, report_to="none",
+                     save_strategy="no", logging_strategy="no", disable_tqdm=True)
+    dataset = build_dataset(llama, NUM_SAMPLES).remove_columns("labels").with_format(None)
+    trainer = SFTTrainer(model=llama.build_model("sdpa", "float32"), args=args, train_dataset=dataset,
+                         processing_class=tokenizer, peft_config=LoraConfig(r=8, task_type="CAUSAL_LM"))
+    recipe, _ = live_recipe(trainer.args, trainer.model)
+    gpu = get_gpu(GPU)
+    totals = [estimate(llama, recipe.replace(per_device_train_batch_size=b, gradient_accumulation_steps=a), gpu)
+              .memory.anatomy.device_total for b, a in ((16, 1), (4, 4))]
+    fed = _feeds(trainer.model)
+    callback = AnatomistCallback(preflight="fit", gpu=GPU, limit_bytes=sum(totals) // 2, record=False,
+                                 print_at_end=False).attach(trainer)
+    given = callback.preflight.estimate.recipe
+    assert (given.peft, given.lora_r, given.dtype, callback.preflight.estimate.workload.seq_len) == \
+        ("lora", 8, "float32", SEQ)
+    new = callback.preflight.change.recipe
+    assert new.per_device_train_batch_size < 16 and new.per_device_train_batch_size * new.gradient_accumulation_steps == 16
+    trainer.train()
+    assert set(fed) == {new.per_device_train_batch_size} and trainer.state.global_step == NUM_SAMPLES // 16

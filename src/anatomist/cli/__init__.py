@@ -38,7 +38,7 @@ pytree when transformers' quantizers import it) and are kept below ERROR while a
 NORMAL_EXIT_VARIABLE = "ANATOMIST_NORMAL_EXIT"
 """Set to 1 to end the process with the interpreter's normal teardown (see `run`)."""
 
-SUBCOMMAND_MODULES = ("estimate", "plan", "bench", "calibrate", "profile", "report", "catalog", "serve")
+SUBCOMMAND_MODULES = ("estimate", "plan", "check", "bench", "calibrate", "profile", "report", "catalog", "serve")
 
 
 class _Parser(argparse.ArgumentParser):

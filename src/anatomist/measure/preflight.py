@@ -19,7 +19,7 @@ a precision the plan does not search (fp16/bf16 weights with autocast) gets no s
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, MemoryCategory
 from anatomist.errors import InputError
@@ -74,7 +74,7 @@ def target_gpu(gpu: str | GPU | None, limit_bytes: int | None,
     """
     found = get_gpu(gpu) if isinstance(gpu, str) else gpu if gpu is not None else detect_local_gpu()
     if found is None:
-        raise InputError("no GPU found through NVML: name one (gpu=\"A100-80GB\") to predict for it")
+        raise InputError("no GPU found through NVML: name the GPU to predict for (--gpu A100-80GB, or gpu=\"A100-80GB\")")
     if limit_bytes is None:
         return found, margin
     if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes <= 0:
@@ -111,6 +111,16 @@ class Preflight:
         total = self.estimate.memory.anatomy.device_total
         assert total is not None  # an estimate always has one
         return total
+
+    def to_dict(self) -> dict[str, Any]:
+        """What `anatomist check --json` prints: the estimate, the verdict and the change."""
+        change = None
+        if self.change is not None:
+            change = {"recipe": self.change.recipe.to_dict(), "changed": list(self.changed),
+                      "device_total": self.change.device_total,
+                      "samples_per_second": self.change.samples_per_second}
+        return {"fits": self.fits, "num_gpus": self.num_gpus, "effective_batch": self.effective_batch,
+                "estimate": self.estimate.to_dict(), "smallest_change": change, "why_not": self.why_not}
 
     def table(self) -> str:
         """The compact table the log shows: predicted peak, limit, fits, largest batch."""
