@@ -175,3 +175,62 @@ def test_sft_trainer_with_a_peft_model_fits(llama, tmp_path):
     assert new.per_device_train_batch_size < 16 and new.per_device_train_batch_size * new.gradient_accumulation_steps == 16
     trainer.train()
     assert set(fed) == {new.per_device_train_batch_size} and trainer.state.global_step == NUM_SAMPLES // 16
+
+
+def _loop(workload, t, model, optimizer, batch: int, steps: int) -> None:
+    data = build_dataset(workload, batch * steps)
+    for i in range(steps):
+        t.step_begin()
+        rows = data[i * batch:(i + 1) * batch]
+        model(input_ids=rows["input_ids"], labels=rows["labels"]).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        t.step_end()
+
+
+def test_track_refuses_before_the_loop(llama):
+    import torch
+
+    from anatomist.measure import track
+
+    budget = (_total(llama, 16, 1) + _total(llama, 4, 4)) // 2
+    model = llama.build_model("sdpa", "float32")
+    ran: list[int] = []
+    with pytest.raises(PreflightRefused, match="smallest change that fits: per_device_train_batch_size=16 -> "):
+        with track(model, torch.optim.AdamW(model.parameters()), samples_per_step=16, tokens_per_sample=SEQ,
+                   recipe={"per_device_train_batch_size": 16}, preflight="refuse", gpu=GPU, limit_bytes=budget,
+                   record=False, print_at_end=False):
+            ran.append(1)
+    assert ran == []
+    with pytest.raises(InputError, match="track\\(\\) cannot change your loop's batch"):
+        with track(model, samples_per_step=16, preflight="fit"):
+            pass
+
+
+def test_a_run_record_is_read_by_calibrate(llama, tmp_path, cli):
+    """A plain loop under track() keeps one record; `anatomist calibrate --records` reads it as a bench row
+    (a CPU row cannot calibrate a GPU: it says so; the same row marked as run on an A100 is fitted)."""
+    import torch
+
+    from anatomist.measure import track
+
+    model = llama.build_model("sdpa", "float32")
+    optimizer = torch.optim.AdamW(model.parameters())
+    records = tmp_path / "runs.jsonl"
+    with track(model, optimizer, samples_per_step=4, tokens_per_sample=SEQ, recipe={"per_device_train_batch_size": 4},
+               gpu=GPU, compare_after_steps=2, record=records, print_at_end=False, attribute_step=None) as t:
+        _loop(llama, t, model, optimizer, 4, 3)
+    assert t.preflight is not None and t.preflight.fits
+    [row] = read_records(records)
+    assert row["device"]["kind"] == "cpu" and row["recipe"]["per_device_train_batch_size"] == 4
+    assert row["measured"]["time"]["median_step_s"] > 0
+    assert row["predicted"]["memory"]["device_total"] == t.preflight.device_total_bytes
+    on_cpu = cli("calibrate", "--records", str(records))
+    assert on_cpu.returncode == 2 and "no finished GPU row" in on_cpu.stderr
+    row["device"] = {"kind": "cuda", "name": "NVIDIA A100-SXM4-80GB", "memory_bytes": 85_899_345_920}
+    records.write_text(json.dumps(row) + "\n")
+    fitted = cli("calibrate", "--records", str(records), "--json")
+    assert fitted.returncode == 0, fitted.stderr
+    data = json.loads(fitted.stdout)
+    assert data["gpu"] == "A100-80GB" and len(data["rows"]) == 1
+    assert data["rows"][0]["measured_step_s"] == row["measured"]["time"]["median_step_s"]

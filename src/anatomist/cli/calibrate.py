@@ -10,11 +10,18 @@ from rich.table import Table
 
 from anatomist.cli.common import print_json
 from anatomist.cli.render import console
+from anatomist.errors import InputError
+from anatomist.measure.records import records_path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="fit the step-time model to `anatomist bench` rows measured on a GPU")
-    p.add_argument("results", metavar="RESULTS", help="a bench results file (JSONL) with rows run on one GPU")
+    p.add_argument("results", metavar="RESULTS", nargs="?", default=None,
+                   help="a bench results file (JSONL) with rows run on one GPU")
+    # issue 24's hook: the run records AnatomistCallback / track() keep, read as bench rows
+    p.add_argument("--records", metavar="PATH", nargs="?", const="", default=None,
+                   help="also read the run records AnatomistCallback and track() keep (default "
+                        "<user cache>/calibration/runs.jsonl)")
     p.add_argument("-o", "--output", metavar="PATH", help="write the calibration file (use it with --calibration PATH)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout, nothing else")
     p.set_defaults(handler=run)
@@ -24,7 +31,10 @@ def run(args: argparse.Namespace) -> int:
     from anatomist.bench.calibrate import calibrate
     from anatomist.estimate.time import calibration_toml
 
-    result = calibrate(args.results)
+    if args.results is None and args.records is None:
+        raise InputError("calibrate needs RESULTS (a bench results file) or --records (runs this machine watched)")
+    records = None if args.records is None else args.records or records_path()
+    result = calibrate(args.results, records=records)
     if args.output:
         Path(args.output).write_text(calibration_toml(result.calibration))
     if args.json:
@@ -32,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     out = console()
     cal = result.calibration
-    out.print(f"[bold]{result.gpu}[/]: fitted to {len(result.rows)} rows of {args.results}")
+    out.print(f"[bold]{result.gpu}[/]: fitted to {len(result.rows)} rows of "
+              f"{' and '.join(str(s) for s in (args.results, records) if s is not None)}")
     out.print(f"  tensor-core contraction efficiency {cal.contraction_tensor_core_efficiency:.3f}, fp32 contraction "
               f"{cal.contraction_fp32_efficiency:.3f}, bandwidth {cal.bandwidth_efficiency:.3f}, "
               f"launch overhead {cal.launch_overhead_s * 1e6:.1f} us")
