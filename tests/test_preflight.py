@@ -122,9 +122,13 @@ def test_bad_inputs_are_one_clear_message(llama, tmp_path):
     with pytest.raises(InputError, match="preflight must be one of warn, refuse, fit"):
         AnatomistCallback(preflight="maybe")
     weights = 4 * sum(p.numel() for p in llama.build_model("sdpa", "float32").parameters())  # fp32: 4 B each
-    callback = AnatomistCallback(tokens_per_sample=SEQ, gpu=GPU, limit_bytes=weights // 2, record=False)
+    callback = AnatomistCallback(tokens_per_sample=SEQ, preflight="refuse", gpu=GPU, limit_bytes=weights // 2,
+                                 record=False)
     with pytest.raises(InputError, match="is below .*'s weights alone"):
         _trainer(llama, tmp_path, 8, 1, callback)
+    warned = AnatomistCallback(tokens_per_sample=SEQ, gpu=GPU, limit_bytes=weights // 2, record=False)
+    _trainer(llama, tmp_path, 8, 1, warned)  # "warn" says it and lets the run go on
+    assert "weights alone" in (warned.watch.skipped or "")
 
 
 def test_a_broken_record_line_is_skipped(tmp_path):

@@ -47,6 +47,11 @@ class PreflightRefused(RuntimeError):
     the prediction, the limit and the smallest change that fits."""
 
 
+class BelowWeights(InputError):
+    """The memory budget is below the model's weights alone: no batch, accumulation, checkpointing or
+    optimizer can help (bad input where the budget was given; under "warn" it is said and the run goes on)."""
+
+
 def check_mode(mode: str | None) -> PreflightMode | None:
     """`mode` checked (None: no pre-flight).
 
@@ -170,15 +175,16 @@ def preflight(workload: Workload, recipe: Recipe, gpu: GPU, *, num_gpus: int = 1
     """Predict `recipe`; where it does not fit, search the change `mode` may make (see the module).
 
     Raises:
-        InputError: the budget is below the weights alone (no batch, accumulation or checkpointing
-            can help), or what `estimate()` refuses.
+        BelowWeights: the budget is below the weights alone (no batch, accumulation or checkpointing
+            can help).
+        InputError: what `estimate()` refuses.
     """
     from anatomist.estimate.predict import estimate
 
     predicted = estimate(workload, recipe, gpu, num_gpus=num_gpus, margin=margin)
     weights = predicted.memory.anatomy.category_bytes(MemoryCategory.WEIGHTS)
     if weights > predicted.memory.limit_bytes:
-        raise InputError(f"the memory budget {_size(predicted.memory.limit_bytes)} on {gpu.name} is below "
+        raise BelowWeights(f"the memory budget {_size(predicted.memory.limit_bytes)} on {gpu.name} is below "
                          f"{workload.name}'s weights alone ({_size(weights)} predicted)")
     result = Preflight(estimate=predicted, num_gpus=num_gpus)
     if result.fits:

@@ -19,7 +19,14 @@ from anatomist.anatomy import DEFAULT_MEMORY_MARGIN
 from anatomist.errors import InputError
 from anatomist.hardware import GPU
 from anatomist.measure.monitor import allocator_stats, device_snapshot
-from anatomist.measure.preflight import Preflight, PreflightRefused, check_mode, preflight, target_gpu
+from anatomist.measure.preflight import (
+    BelowWeights,
+    Preflight,
+    PreflightRefused,
+    check_mode,
+    preflight,
+    target_gpu,
+)
 
 if TYPE_CHECKING:
     from anatomist.estimate.predict import Estimate
@@ -73,18 +80,24 @@ class Watch:
 
         Raises:
             PreflightRefused: "refuse" (or "fit" with nothing that fits) and the run will not fit.
-            InputError: the budget is below the weights alone.
+            BelowWeights: "refuse" or "fit", and the budget is below the weights alone.
         """
         if self.mode is None:
             return None
         try:
             gpu, margin = target_gpu(self.gpu, self.limit_bytes, self.margin)
             workload, recipe, num_gpus = inputs()
-        except InputError as exc:
+            result = preflight(workload, recipe, gpu, num_gpus=num_gpus, margin=margin, mode=self.mode)
+        except BelowWeights as exc:
+            if self.mode != "warn":
+                raise
+            self.skipped = str(exc)
+            logger.warning("anatomist pre-flight: %s; the run goes on (preflight=\"warn\")", exc)
+            return None
+        except InputError as exc:  # a prediction that cannot be made: said, and the run goes on
             self.skipped = str(exc)
             logger.warning("anatomist pre-flight skipped, the run goes on: %s", exc)
             return None
-        result = preflight(workload, recipe, gpu, num_gpus=num_gpus, margin=margin, mode=self.mode)
         self.result = result
         logger.warning("%s", result.table())
         if not result.fits and (self.mode == "refuse" or (self.mode == "fit" and result.change is None)):
