@@ -94,9 +94,34 @@ def test_fit_keeps_the_effective_batch_and_trains(llama, tmp_path):
     assert len(fed) == NUM_SAMPLES // new.per_device_train_batch_size
     assert trainer.state.global_step == NUM_SAMPLES // 16
     assert trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps == 16
+    # measured beside predicted went through the Trainer's own log (what TensorBoard / W&B / trackio receive)
+    [logged] = [h for h in trainer.state.log_history if "anatomist/measured_median_step_s" in h]
+    # the prediction of the pair it trains with, which fits the budget
+    assert logged["anatomist/predicted_device_total"] == callback.watch.running.memory.anatomy.device_total <= budget
+    assert logged["anatomist/measured_median_step_s"] > 0
     [row] = read_records(tmp_path / "runs.jsonl")
     assert row["recipe"]["per_device_train_batch_size"] == new.per_device_train_batch_size
     assert row["measured"]["time"]["median_step_s"] > 0 and row["predicted"]["memory"]["device_total"] > 0
+
+
+def test_fit_with_no_pair_that_fits_refuses_and_leaves_the_batch(llama, tmp_path):
+    # below batch 1 x 16 (the smallest pair keeping 16), above the weights: no pair fits
+    budget = _total(llama, 1, 16) - 2**20
+    trainer = _trainer(llama, tmp_path, 16, 1)
+    callback = AnatomistCallback(tokens_per_sample=SEQ, preflight="fit", gpu=GPU, limit_bytes=budget, record=False)
+    with pytest.raises(PreflightRefused, match="will not fit"):
+        callback.attach(trainer)
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (16, 1)
+    assert trainer._train_batch_size == 16
+
+
+def test_fit_without_attach_says_how(llama, tmp_path):
+    budget = (_total(llama, 16, 1) + _total(llama, 4, 4)) // 2
+    callback = AnatomistCallback(tokens_per_sample=SEQ, preflight="fit", gpu=GPU, limit_bytes=budget, record=False)
+    trainer = _trainer(llama, tmp_path, 16, 1, callback)
+    with pytest.raises(PreflightRefused, match=r"\.attach\(trainer\) before trainer\.train\(\)"):
+        trainer.train()
+    assert trainer.state.global_step == 0
 
 
 def test_warn_lets_a_run_that_does_not_fit_go_on(llama, tmp_path, caplog):
@@ -131,7 +156,9 @@ def test_bad_inputs_are_one_clear_message(llama, tmp_path):
     assert "weights alone" in (warned.watch.skipped or "")
 
 
-def test_a_broken_record_line_is_skipped(tmp_path):
+def test_a_broken_record_line_is_skipped(tmp_path, cli):
+    missing = cli("calibrate", "--records", str(tmp_path / "none.jsonl"))
+    assert missing.returncode == 2 and "no such file" in missing.stderr
     path = tmp_path / "runs.jsonl"
     good = {"name": "a", "status": "ok", "workload": {}, "recipe": {}, "device": {}}
     append_record(good, path)
