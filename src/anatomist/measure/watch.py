@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +36,15 @@ if TYPE_CHECKING:
     from anatomist.workload import Workload
 
 logger = logging.getLogger("anatomist")
+
+
+RANK_VARIABLE = "RANK"
+"""The global rank torchrun and `accelerate launch` give each process (unset: a single process)."""
+
+
+def is_rank_zero() -> bool:
+    """Whether this is the first process of a distributed run (or the only one)."""
+    return os.environ.get(RANK_VARIABLE, "0") == "0"
 
 
 class Watch:
@@ -99,7 +109,8 @@ class Watch:
             logger.warning("anatomist pre-flight skipped, the run goes on: %s", exc)
             return None
         self.result = result
-        logger.warning("%s", result.table())
+        if is_rank_zero():  # every process predicts (and refuses alike); one says it
+            logger.warning("%s", result.table())
         if not result.fits and (self.mode == "refuse" or (self.mode == "fit" and result.change is None)):
             raise PreflightRefused(result.refusal())
         return result
@@ -134,7 +145,7 @@ class Watch:
                                      "median_step_s": e.time.step_s if e.time is not None else None}
         self.comparison = {"measured": measured, "predicted": predicted, "median_step_s": median_s,
                            "steps": len(recorder.step_times_s)}
-        if self.record is not False:
+        if self.record is not False and is_rank_zero():  # one record per run
             self._keep(measured, predicted, median_s, recorder.samples_per_step)
         logs = {f"anatomist/predicted_{k}": v for k, v in predicted.items() if v is not None}
         logs.update({f"anatomist/measured_{k}": v for k, v in measured.items() if v is not None})
