@@ -31,7 +31,7 @@ from anatomist.model_catalog import METADATA_KEY, catalog_entries, find_entry
 from anatomist.model_facts import TASKS, ModelFacts
 
 __all__ = ["LAYER_FIELDS", "PEFT_TASK_TYPES", "TASKS", "Task", "Workload", "catalog_names", "config_from_dict",
-           "load_workload"]
+           "load_workload", "workload_from_config"]
 
 Task = Literal["sequence-classification", "causal-lm", "seq2seq-lm", "masked-lm"]
 PEFT_TASK_TYPES = {"sequence-classification": "SEQ_CLS", "causal-lm": "CAUSAL_LM", "seq2seq-lm": "SEQ_2_SEQ_LM"}
@@ -53,7 +53,7 @@ class Workload:
     seq_len: int
     """Tokens per sample."""
     source: str = "catalog"
-    """Where the config came from: catalog, local, hf-cache or hub."""
+    """Where the config came from: catalog, local, hf-cache, hub, or live (a loaded model's, `workload_from_config`)."""
     trust_remote_code: bool = False
     num_labels: int = 2
     extra: dict[str, Any] = field(default_factory=dict)
@@ -188,6 +188,37 @@ def load_workload(
             seq_len out of range, remote code without `trust_remote_code`.
     """
     found = _find_config(model, trust_remote_code=trust_remote_code, allow_network=allow_network)
+    return _workload(model, found, seq_len=seq_len, task=task, trust_remote_code=trust_remote_code)
+
+
+LIVE_ONLY_KEYS = ("quantization_config", "_name_or_path", "transformers_version")
+"""Keys a loaded model's config carries that say how it was loaded, not what it is: the recipe says
+the quantization (a Workload is the architecture), and where and with which release it was loaded
+changes no trace."""
+
+
+def workload_from_config(config: Any, *, name: str, task: Task, seq_len: int, num_labels: int = 2,
+                         trust_remote_code: bool = False) -> Workload:
+    """The Workload of a live model's transformers config (`model.config`), without writing a file.
+
+    Args:
+        config: a `transformers.PretrainedConfig` (its `to_dict()` is read, less LIVE_ONLY_KEYS).
+        name: what messages call the model (its `_name_or_path`).
+        task, seq_len, num_labels: as `load_workload` takes them.
+
+    Raises:
+        InputError: as `load_workload` (an architecture transformers does not know, remote code
+            without `trust_remote_code`, seq_len out of range).
+    """
+    data = {k: v for k, v in config.to_dict().items() if k not in LIVE_ONLY_KEYS}
+    workload = _workload(name, _Found(_checked(data, name), name, "live"), seq_len=seq_len, task=task,
+                         trust_remote_code=trust_remote_code)
+    workload.num_labels = num_labels
+    return workload
+
+
+def _workload(model: str, found: _Found, *, seq_len: int | None, task: Task | None,
+              trust_remote_code: bool) -> Workload:
     facts, built = _facts(found, trust_remote_code)
     chosen_task: Task = task or facts.default_task  # type: ignore[assignment]
     if chosen_task not in TASKS:

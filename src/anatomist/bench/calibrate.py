@@ -41,18 +41,28 @@ def _workload(spec: dict[str, Any], folder: Path) -> Workload:
     return load_workload(model, seq_len=int(spec["seq_len"]), task=spec.get("task", "sequence-classification"))
 
 
-def calibrate(results: str | Path) -> Calibrated:
-    """Fit the roofline factors to the finished GPU rows of a bench results file.
+def calibrate(results: str | Path | None, *, records: str | Path | None = None) -> Calibrated:
+    """Fit the roofline factors to the finished GPU rows of a bench results file and/or the run
+    records AnatomistCallback and track() keep (`records`: a runs.jsonl, `anatomist.measure.records`).
 
     Raises:
         InputError: not a results file, no finished GPU row with a step time (CPU rows cannot
             calibrate a GPU), rows from more than one GPU, or a GPU the catalog lacks.
     """
-    store = open_results(results, create=False)
+    # issue 24's hook: run records are bench rows (same keys), read after the results file's
+    rows = list(open_results(results, create=False).rows) if results is not None else []
+    if records is not None:
+        from anatomist.measure.records import read_records
+
+        rows += read_records(records)
+    named = results if results is not None else records
+    if named is None:
+        raise InputError("calibrate needs a bench results file or run records")
+    results = named
     steps: list[TimedStep] = []
     names: list[str] = []
     with tempfile.TemporaryDirectory(prefix="anatomist-calibrate-") as tmp:
-        for i, row in enumerate(store.rows):
+        for i, row in enumerate(rows):
             device = row.get("device") or {}
             step_s = ((row.get("measured") or {}).get("time") or {}).get("median_step_s")
             if row["status"] != "ok" or device.get("kind") != "cuda" or not step_s or not row.get("workload"):

@@ -18,8 +18,7 @@ from typing import Any
 
 from anatomist.bench.store import ResultsFile
 from anatomist.bench.suites import Row, Suite
-from anatomist.bench.worker import device_info, versions
-from anatomist.measure.monitor import cuda_available, device_snapshot
+from anatomist.measure.monitor import cuda_available, device_info, device_snapshot, versions
 from anatomist.workload import Task, load_workload
 
 

@@ -13,53 +13,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import platform
 import sys
 import tempfile
 import traceback
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from anatomist.errors import InputError
-from anatomist.measure.monitor import cuda_available
+from anatomist.measure.monitor import cuda_available, device_info, versions
 from anatomist.measure.recorder import RunSummary, mfu_inputs
 from anatomist.recipe import Recipe, ResolvedRecipe
 from anatomist.workload import Workload, load_workload
 
 CPU_REFERENCE_GPU = "A100-80GB"
 """The catalog GPU whose code paths the CPU prediction uses (any Ampere part would do)."""
-
-
-def versions() -> dict[str, str | None]:
-    out: dict[str, str | None] = {"python": platform.python_version()}
-    for name in ("anatomist", "torch", "transformers", "accelerate", "datasets", "peft", "bitsandbytes"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    out["cuda"] = torch.version.cuda
-    return out
-
-
-def device_info() -> dict[str, Any]:
-    if cuda_available():
-        props = torch.cuda.get_device_properties(0)
-        info: dict[str, Any] = {"name": props.name, "kind": "cuda", "memory_bytes": int(props.total_memory),
-                                "compute_capability": f"{props.major}.{props.minor}"}
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            info["driver"] = str(pynvml.nvmlSystemGetDriverVersion())
-            pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001 - the driver version is informative only
-            pass
-        return info
-    return {"name": "cpu", "kind": "cpu", "cpu": platform.processor() or platform.machine(),
-            "note": "no GPU: CPU run of the suite's small configuration; no GPU figure was measured"}
 
 
 def build_dataset(workload: Workload, num_samples: int) -> Any:

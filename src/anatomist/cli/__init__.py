@@ -32,13 +32,14 @@ collector off)."""
 COMMAND_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 """Set for the command where the user has not set them: offline unless a command asks
 (--allow-network), and transformers' own warnings quiet (anatomist says what matters)."""
-QUIET_LOGGERS = ("torch.utils._pytree",)
-"""Loggers whose warnings say nothing to a user of anatomist (torchao registering enums with torch's
-pytree when transformers' quantizers import it) and are kept below ERROR while a command runs."""
+QUIET_LOGGERS = ("torch.utils._pytree", "torchao")
+"""Loggers whose warnings say nothing to a user of anatomist and are kept below ERROR while a command
+runs: torchao registering enums with torch's pytree when transformers' quantizers import it, and
+torchao's "Failed to load" of its CUDA extensions on a machine without them."""
 NORMAL_EXIT_VARIABLE = "ANATOMIST_NORMAL_EXIT"
 """Set to 1 to end the process with the interpreter's normal teardown (see `run`)."""
 
-SUBCOMMAND_MODULES = ("estimate", "plan", "bench", "calibrate", "profile", "report", "catalog", "serve")
+SUBCOMMAND_MODULES = ("estimate", "plan", "check", "bench", "calibrate", "profile", "report", "catalog", "serve")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -10,11 +10,17 @@ from rich.table import Table
 
 from anatomist.cli.common import print_json
 from anatomist.cli.render import console
+from anatomist.errors import InputError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="fit the step-time model to `anatomist bench` rows measured on a GPU")
-    p.add_argument("results", metavar="RESULTS", help="a bench results file (JSONL) with rows run on one GPU")
+    p.add_argument("results", metavar="RESULTS", nargs="?", default=None,
+                   help="a bench results file (JSONL) with rows run on one GPU")
+    # issue 24's hook: the run records AnatomistCallback / track() keep, read as bench rows
+    p.add_argument("--records", metavar="PATH", nargs="?", const="", default=None,
+                   help="also read the run records AnatomistCallback and track() keep (default "
+                        "<user cache>/calibration/runs.jsonl)")
     p.add_argument("-o", "--output", metavar="PATH", help="write the calibration file (use it with --calibration PATH)")
     p.add_argument("--install", action="store_true",
                    help="also install it as this user's calibration of that GPU (<cache>/calibration/<GPU>.toml): "
@@ -27,8 +33,12 @@ def run(args: argparse.Namespace) -> int:
     from anatomist.bench.calibrate import calibrate
     from anatomist.estimate.calibration import calibration_toml, user_calibration_path
     from anatomist.hardware import get_gpu
+    from anatomist.measure.records import records_path  # anatomist.measure imports transformers
 
-    result = calibrate(args.results)
+    if args.results is None and args.records is None:
+        raise InputError("calibrate needs RESULTS (a bench results file) or --records (runs this machine watched)")
+    records = None if args.records is None else args.records or records_path()
+    result = calibrate(args.results, records=records)
     written = [Path(args.output)] if args.output else []
     if args.install:
         written.append(user_calibration_path(get_gpu(result.gpu)))
@@ -41,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     out = console()
     cal = result.calibration
-    out.print(f"[bold]{result.gpu}[/]: fitted to {len(result.rows)} rows of {args.results}")
+    out.print(f"[bold]{result.gpu}[/]: fitted to {len(result.rows)} rows of "
+              f"{' and '.join(str(s) for s in (args.results, records) if s is not None)}")
     f = cal.factors
     out.print(f"  tensor-core efficiency {f.tensor_core_efficiency:.3f}, fp32 {f.fp32_efficiency:.3f}, bandwidth "
               f"{f.bandwidth_efficiency:.3f}, kernel overhead {f.kernel_overhead_s * 1e6:.1f} us, host overhead "

@@ -23,12 +23,12 @@ from anatomist.cli.common import (
 from anatomist.cli.recipe_flags import add_recipe_flags, recipe_file_from_args, recipe_from_args
 from anatomist.cli.render import console, gib
 from anatomist.errors import InputError
-from anatomist.hardware import get_gpu
-from anatomist.workload import load_workload
+from anatomist.hardware import GPU, get_gpu
+from anatomist.workload import Workload, load_workload
 
 if TYPE_CHECKING:
     from anatomist.estimate.predict import Estimate
-    from anatomist.recipe import Recipe
+    from anatomist.recipe import Recipe, ResolvedRecipe
 
 DEFAULT_MODEL = "bert-large-uncased"
 DEFAULT_GPU = "V100-16GB"
@@ -58,8 +58,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def build_estimate(args: argparse.Namespace) -> Estimate:
-    apply_cache_flag(args)
     gpu = get_gpu(args.gpu)
+    calibration = calibration_from_args(args, gpu)  # a bad calibration file is said before any heavy import
+    workload, recipe, gpu, num_gpus = estimate_inputs(args, gpu)
+    from anatomist.estimate.predict import estimate  # torch only if something must be traced
+
+    return estimate(workload, recipe, gpu, mode=args.mode, num_gpus=num_gpus, calibration=calibration,
+                    margin=args.memory_margin)
+
+
+def estimate_inputs(args: argparse.Namespace, gpu: GPU | None = None) -> tuple[Workload, ResolvedRecipe, GPU, int]:
+    """The workload, resolved recipe, GPU (`gpu`, else --gpu) and device count the flags and the
+    --recipe file describe, checked (`anatomist check` reads the same flags)."""
+    apply_cache_flag(args)
+    gpu = gpu or get_gpu(args.gpu)
     source = recipe_file_from_args(args)
     # What the command line gives wins over what the file says; without MODEL from either: the
     # seeds' experiment, with the batch size the seeds name.
@@ -71,7 +83,6 @@ def build_estimate(args: argparse.Namespace) -> Estimate:
     # The recipe, then the model: a bad value or a mistyped name is said before anything imports
     # transformers (Recipe's defaults are kept on disk per transformers version).
     recipe = recipe_from_args(args, base=SEEDS_RECIPE if model is None else None, source=source)
-    calibration = calibration_from_args(args, gpu)
     if recipe.bf16 and not gpu.bf16:
         raise InputError(f"bf16 needs an Ampere or newer GPU; {gpu.name} has none (use --fp16)")
     if recipe.tf32 and not gpu.tf32:
@@ -87,10 +98,7 @@ def build_estimate(args: argparse.Namespace) -> Estimate:
     if recipe.dtype == "bfloat16" and not gpu.bf16:
         warn(f"{workload.name} loads in bfloat16 (its config's dtype) but {gpu.name} has no bf16 tensor cores: "
              "it runs emulated and slowly there; --dtype float16 or float32 is the usual choice")
-    from anatomist.estimate.predict import estimate  # torch only if something must be traced
-
-    return estimate(workload, recipe, gpu, mode=args.mode, num_gpus=num_gpus, calibration=calibration,
-                    margin=args.memory_margin)
+    return workload, recipe, gpu, num_gpus
 
 
 def _given(*values: Any) -> Any:

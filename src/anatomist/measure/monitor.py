@@ -14,9 +14,11 @@ the Trainer's runtime and throughput. This module makes that a small library:
 
 from __future__ import annotations
 
+import platform
 import resource
 import sys
 from dataclasses import asdict, dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 
@@ -158,3 +160,34 @@ def reset_peaks() -> None:
     if cuda_available():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+
+
+def versions() -> dict[str, str | None]:
+    """The versions of the packages a measurement depends on (bench rows and run records keep them)."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in ("anatomist", "torch", "transformers", "accelerate", "datasets", "peft", "bitsandbytes"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    out["cuda"] = torch.version.cuda
+    return out
+
+
+def device_info() -> dict[str, Any]:
+    """The device a measurement ran on: GPU 0's name, memory, compute capability and driver, or the CPU."""
+    if cuda_available():
+        props = torch.cuda.get_device_properties(0)
+        info: dict[str, Any] = {"name": props.name, "kind": "cuda", "memory_bytes": int(props.total_memory),
+                                "compute_capability": f"{props.major}.{props.minor}"}
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            info["driver"] = str(pynvml.nvmlSystemGetDriverVersion())
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001 - the driver version is informative only
+            pass
+        return info
+    return {"name": "cpu", "kind": "cpu", "cpu": platform.processor() or platform.machine(),
+            "note": "no GPU: CPU run of the suite's small configuration; no GPU figure was measured"}

@@ -78,8 +78,16 @@ def read_recipe_file(path: str | Path) -> RecipeFile:
             a value that cannot be modelled or that conflicts with another; the message names the
             file and the field.
     """
-    file = str(path)
-    data = load_mapping(Path(path))
+    return read_recipe_mapping(load_mapping(Path(path)), str(path))
+
+
+def read_recipe_mapping(data: dict[str, Any], file: str) -> RecipeFile:
+    """Read `data`, the content of a recipe file (or a live `TrainingArguments.to_dict()`), named
+    `file` in messages, as `read_recipe_file` reads a file.
+
+    Raises:
+        InputError: as `read_recipe_file`.
+    """
     reading = Reading()
     kind: Kind
     if looks_like_accelerate(data):
@@ -121,4 +129,4 @@ def _positive(value: object, reading: Reading, name: str) -> int | None:
     return value
 
 
-__all__ = ["Kind", "RecipeFile", "read_recipe_file"]
+__all__ = ["Kind", "RecipeFile", "read_recipe_file", "read_recipe_mapping"]
