@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     gpu, margin = target_gpu(None if args.gpu in ("local", "auto") else args.gpu, limit, args.memory_margin)
     with tracing_progress():
         workload, recipe, gpu, num_gpus = estimate_inputs(args, gpu)
-        result = preflight(workload, recipe, gpu, num_gpus=num_gpus, margin=margin, mode="refuse")
+        result = preflight(workload, recipe, gpu, num_gpus=num_gpus, margin=margin, mode="refuse", budget_bytes=limit)
     if args.json:
         print_json(result.to_dict())
     else:

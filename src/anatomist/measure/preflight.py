@@ -84,7 +84,8 @@ def target_gpu(gpu: str | GPU | None, limit_bytes: int | None,
         return found, margin
     if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes <= 0:
         raise InputError(f"limit_bytes must be a positive integer, got {limit_bytes!r}")
-    return replace(found, name=f"{found.name} (budget {_size(limit_bytes)})", memory_bytes=limit_bytes), 0.0
+    # the name is kept: the GPU's time calibration is looked up by it
+    return replace(found, memory_bytes=limit_bytes), 0.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -101,6 +102,8 @@ class Preflight:
     """The fields `change` sets differently from the recipe as given."""
     why_not: str | None = None
     """Where nothing searched fits: what the plan says is short."""
+    budget_bytes: int | None = None
+    """The explicit memory budget the prediction was held to (`target_gpu`'s limit_bytes), if any."""
 
     @property
     def fits(self) -> bool:
@@ -125,7 +128,8 @@ class Preflight:
                       "device_total": self.change.device_total,
                       "samples_per_second": self.change.samples_per_second}
         return {"fits": self.fits, "num_gpus": self.num_gpus, "effective_batch": self.effective_batch,
-                "estimate": self.estimate.to_dict(), "smallest_change": change, "why_not": self.why_not}
+                "budget_bytes": self.budget_bytes, "estimate": self.estimate.to_dict(), "smallest_change": change,
+                "why_not": self.why_not}
 
     def table(self) -> str:
         """The compact table the log shows: predicted peak, limit, fits, largest batch."""
@@ -139,7 +143,8 @@ class Preflight:
             ("predicted peak", f"{_size(self.device_total_bytes)} device total "
                                f"({_size(e.memory.anatomy.peak_allocated)} allocated)"),
             ("limit", f"{_size(e.memory.limit_bytes)} on {e.gpu.name}"
-                      + (f" less the {e.margin:.0%} margin" if e.margin else "")),
+                      + (" (the budget given)" if self.budget_bytes is not None
+                         else f" less the {e.margin:.0%} margin" if e.margin else "")),
             ("fits", "yes" if self.fits else "no"),
             ("largest batch", str(e.memory.max_batch_size)),
         ]
@@ -171,8 +176,10 @@ class Preflight:
 
 
 def preflight(workload: Workload, recipe: Recipe, gpu: GPU, *, num_gpus: int = 1,
-              margin: float = DEFAULT_MEMORY_MARGIN, mode: PreflightMode = "warn") -> Preflight:
+              margin: float = DEFAULT_MEMORY_MARGIN, mode: PreflightMode = "warn",
+              budget_bytes: int | None = None) -> Preflight:
     """Predict `recipe`; where it does not fit, search the change `mode` may make (see the module).
+    `gpu` and `margin` as `target_gpu` gives them; `budget_bytes`: its limit_bytes, said in the table.
 
     Raises:
         BelowWeights: the budget is below the weights alone (no batch, accumulation or checkpointing
@@ -184,9 +191,9 @@ def preflight(workload: Workload, recipe: Recipe, gpu: GPU, *, num_gpus: int = 1
     predicted = estimate(workload, recipe, gpu, num_gpus=num_gpus, margin=margin)
     weights = predicted.memory.anatomy.category_bytes(MemoryCategory.WEIGHTS)
     if weights > predicted.memory.limit_bytes:
-        raise BelowWeights(f"the memory budget {_size(predicted.memory.limit_bytes)} on {gpu.name} is below "
+        raise BelowWeights(f"the memory limit {_size(predicted.memory.limit_bytes)} on {gpu.name} is below "
                          f"{workload.name}'s weights alone ({_size(weights)} predicted)")
-    result = Preflight(estimate=predicted, num_gpus=num_gpus)
+    result = Preflight(estimate=predicted, num_gpus=num_gpus, budget_bytes=budget_bytes)
     if result.fits:
         return result
     # The batch pair first: keeping the effective batch, it changes nothing of what is learned, and it

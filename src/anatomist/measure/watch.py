@@ -97,7 +97,8 @@ class Watch:
         try:
             gpu, margin = target_gpu(self.gpu, self.limit_bytes, self.margin)
             workload, recipe, num_gpus = inputs()
-            result = preflight(workload, recipe, gpu, num_gpus=num_gpus, margin=margin, mode=self.mode)
+            result = preflight(workload, recipe, gpu, num_gpus=num_gpus, margin=margin, mode=self.mode,
+                               budget_bytes=self.limit_bytes)
         except BelowWeights as exc:
             if self.mode != "warn":
                 raise
@@ -171,6 +172,7 @@ class Watch:
             "measured": {"memory": measured, "time": {"median_step_s": median_s,
                                                       "samples_per_second": samples / median_s if median_s else None}},
             "predicted": {"memory": predicted, "gpu": e.gpu.name, "limit_bytes": e.memory.limit_bytes,
+                          "budget_bytes": self.limit_bytes,
                           "fits": e.memory.fits},
             "error_pct": {k: (predicted[k] - v) / v * 100 for k, v in measured.items()
                           if v and predicted.get(k) is not None},
