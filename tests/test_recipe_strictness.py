@@ -169,3 +169,25 @@ def test_memory_settings_not_modelled_yet_are_refused_never_predicted_as_somethi
     dp_only = _with(DATA / "trl/fsdp2.yaml", tmp_path / "dp.yaml",
                     {"parallelism_config": {"parallelism_config_dp_shard_size": 8, "parallelism_config_tp_size": 1}})
     assert read_recipe_file(dp_only).recipe.fsdp == "full_shard"  # sizes of 1 turn nothing on
+
+
+@pytest.mark.parametrize(("name", "text", "message"), [
+    # TrainingArguments 4.50's tp_size and 4.57+'s parallelism_config (accelerate's ParallelismConfig sizes)
+    ("args.yaml", "tp_size: 2\n", "tp_size=2 is not modelled yet (tensor parallel"),
+    ("args.yaml", "parallelism_config:\n  cp_size: 2\n", "parallelism_config.cp_size=2 is not modelled yet (context"),
+    # TrainingArguments.fsdp's "offload" option and fsdp_config.offload_params
+    ("args.yaml", "fsdp: full_shard offload auto_wrap\n", "fsdp='offload' is not modelled yet (FSDP parameter"),
+    ("args.yaml", "fsdp: full_shard\nfsdp_config:\n  offload_params: true\n", "fsdp_config.offload_params=True is not"),
+    # TRL's activation offloading, axolotl's checkpoint offload
+    ("sft.yaml", "max_length: 512\nactivation_offloading: true\n", "activation_offloading=True is not modelled yet"),
+    ("ax.yml", "base_model: x\ngradient_checkpointing: offload\n", "gradient_checkpointing='offload' is not modelled"),
+    ("ds.json", '{"zero_optimization": {"stage": 2}, "sequence_parallel_size": 4}', "sequence_parallel_size=4 is not"),
+    ("ds.json", '{"zero_optimization": {"stage": 2}, "fp16": {"enabled": true, "fp16_master_weights_and_grads": true}}',
+     "fp16.fp16_master_weights_and_grads=True is not modelled yet"),
+])
+def test_each_unmodelled_setting_is_one_line(tmp_path: Path, name: str, text: str, message: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(InputError) as error:
+        read_recipe_file(path)
+    assert str(error.value).startswith(f"{path}: {message}")
