@@ -61,7 +61,7 @@ def test_recipe_file_with_unknown_key(cli, tmp_path):
     path.write_text("per_device_train_batch_size: 2\nlearning_rte: 3\n")
     result = cli("estimate", "--recipe", str(path))
     assert result.returncode == 2
-    assert "unknown recipe field(s) learning_rte" in result.stderr
+    assert "unknown key learning_rte (did you mean learning_rate?)" in result.stderr
 
 
 def test_a_prediction_does_not_need_the_methods_package(cli):

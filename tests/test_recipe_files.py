@@ -213,7 +213,7 @@ def test_deepspeed_auto_values_come_from_the_training_arguments(tmp_path: Path) 
          "{acc.yaml}: fsdp_config.fsdp_sharding_strategy='HYBRID_SHARD' is not a sharding anatomist models"),
         ({"args.yaml": "optim: lion_32bit\n"}, "{args.yaml}: unknown optim 'lion_32bit'"),
         ({"args.yaml": "fp16: true\nbf16: true\n"}, "{args.yaml}: fp16 and bf16 are mutually exclusive"),
-        ({"args.yaml": "per_device_train_batch_size: 2\nlearning_rte: 3\n"}, "{args.yaml}: unknown recipe field(s) learning_rte"),
+        ({"args.yaml": "per_device_train_batch_size: 2\nlearning_rte: 3\n"}, "{args.yaml}: unknown key learning_rte (did you mean learning_rate?)"),
         ({"args.yaml": "lora_r: eight\n"}, "{args.yaml}: field lora_r must be int, got 'eight'"),
         ({"args.yaml": "deepspeed: missing.json\n"}, "{args.yaml}: deepspeed names 'missing.json', which does not exist"),
     ],

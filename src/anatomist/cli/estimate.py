@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from rich.table import Table
 
 from anatomist.anatomy import MemoryCategory, TimeAnatomy
+from anatomist.axes.shardings import sharding_of
 from anatomist.cli.common import (
     add_cache_flag,
     add_calibration_flag,
@@ -130,7 +131,9 @@ def render(result: Estimate) -> None:
         f"[bold]{w.name}[/] ({w.task}, {mem.parameters / 1e6:,.1f} M parameters), seq {w.seq_len}, "
         f"batch {result.recipe.per_device_train_batch_size} x {result.recipe.gradient_accumulation_steps} accumulation, "
         f"weights {result.recipe.dtype}{_autocast(result.recipe)}{_peft(result.recipe)}, "
-        f"{result.mode} on [bold]{result.gpu.name}[/] ({gib(result.gpu.memory_bytes)})"
+        f"checkpointing {'on' if result.recipe.gradient_checkpointing else 'off'}, "
+        f"sharding {_sharding(result.recipe, result.num_gpus)}, "
+        f"{result.mode} on {result.num_gpus} x [bold]{result.gpu.name}[/] ({gib(result.gpu.memory_bytes)})"
     )
     table = Table(title="Memory anatomy at the peak", title_justify="left")
     table.add_column("component")
@@ -188,6 +191,12 @@ def render_time(t: TimeAnatomy) -> None:
 
 def _autocast(recipe: Recipe) -> str:
     return f" + {recipe.mixed_precision} autocast" if recipe.mixed_precision != "no" else ""
+
+
+def _sharding(recipe: Recipe, num_gpus: int) -> str:
+    """The sharding's name (axes/shardings.py), and where ZeRO offloads to."""
+    name = sharding_of(recipe, num_gpus).removesuffix("+offload")
+    return name + (f", offload to {recipe.offload}" if recipe.offload != "none" else "")
 
 
 def _peft(recipe: Recipe) -> str:

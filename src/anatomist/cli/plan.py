@@ -22,6 +22,7 @@ from anatomist.cli.common import (
     print_json,
     tracing_progress,
 )
+from anatomist.cli.recipe_flags import recipe_file_from_args
 from anatomist.cli.render import console, gib
 from anatomist.errors import InputError
 from anatomist.hardware import get_gpu
@@ -37,11 +38,17 @@ if TYPE_CHECKING:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="search recipes: the fastest that fits, the Pareto front, and why")
-    add_model_flags(p)
+    p.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                   help="catalog name, Hub id in the local cache, or path (default: the --recipe file's)")
+    add_model_flags(p, model_required=False)
+    p.add_argument("--recipe", metavar="FILE",
+                   help="a recipe file as `estimate --recipe` reads it (TrainingArguments, TRL, accelerate, DeepSpeed, "
+                        "axolotl, LLaMA-Factory): the fields it sets are held fixed, the rest searched")
     p.add_argument("--gpu", required=True, metavar="NAME", help="target GPU (see `anatomist gpus`)")
     p.add_argument("--global-batch-size", type=int, default=None, metavar="N",
                    help="samples per optimizer step over all GPUs (default: any batch, no accumulation)")
-    p.add_argument("--gpus", type=int, default=1, metavar="N", help="data-parallel GPUs (adds ZeRO 1/2/3 and FSDP)")
+    p.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="data-parallel GPUs (adds ZeRO 1/2/3 and FSDP; default: the --recipe file's, else 1)")
     p.add_argument("--objective", choices=["throughput", "memory"], default="throughput")
     add_margin_flag(p)
     p.add_argument("--optims", default=",".join(DEFAULT_SEARCH), metavar="A,B",
@@ -85,12 +92,24 @@ def build_plan(args: argparse.Namespace) -> Plan:
             if getattr(args, k) is not None}
     if lora and not added:
         raise InputError(f"--{next(iter(lora)).replace('_', '-')} needs --peft lora and/or qlora")
-    workload = load_workload(args.model, seq_len=args.seq_len, task=args.task,
+    source = recipe_file_from_args(args)
+    fixed = dict(source.fields) if source else {}
+    methods = ("full", *dict.fromkeys(added))
+    if source and {"peft", "load_in_4bit", "load_in_8bit"} & set(fixed):
+        if added:
+            raise InputError(f"--peft: {source.path} fixes the fine-tuning method ({method_of(source.recipe)})")
+        methods = (method_of(source.recipe),)
+    model = args.model if args.model is not None else source.model if source else None
+    if model is None:
+        raise InputError("plan needs a MODEL (or a --recipe file that names one)")
+    seq_len = args.seq_len if args.seq_len is not None else source.seq_len if source else None
+    num_gpus = args.gpus if args.gpus is not None else (source.num_gpus if source and source.num_gpus else 1)
+    workload = load_workload(model, seq_len=seq_len, task=args.task,
                              trust_remote_code=args.trust_remote_code, allow_network=args.allow_network)
     space = SearchSpace(
-        global_batch_size=args.global_batch_size, num_gpus=args.gpus, optims=optims,
+        global_batch_size=args.global_batch_size, num_gpus=num_gpus, optims=optims,
         compile_options=(False,) if args.no_compile else (False, True),
-        precisions=precisions, methods=("full", *dict.fromkeys(added)), base=Recipe(**lora),
+        precisions=precisions, methods=methods, base=Recipe(**lora), fixed=fixed,
     )
     from anatomist.plan.search import plan  # imports torch
     from anatomist.plan.throughput import predict_time

@@ -43,7 +43,7 @@ def add_recipe_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("recipe (TrainingArguments names; flags given override --recipe)")
     group.add_argument("--recipe", metavar="FILE",
                        help="YAML or JSON: these keys, or a TrainingArguments, TRL (trl sft --config), "
-                            "accelerate config or DeepSpeed file as you have it")
+                            "accelerate config, DeepSpeed, axolotl or LLaMA-Factory file as you have it")
     kinds = field_kinds()
     for field in dataclasses.fields(Recipe):
         kind = kinds[field.name]

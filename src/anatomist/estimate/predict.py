@@ -32,6 +32,8 @@ class Estimate:
     moe: MoeRouting | None = None
     """The routing a Mixture-of-Experts estimate assumes and its peak range (None for a dense model)."""
     extra: dict[str, Any] = field(default_factory=dict)
+    num_gpus: int = 1
+    """Data-parallel devices the step runs on (ZeRO/FSDP shard across them); the figures are per device."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -43,6 +45,7 @@ class Estimate:
             "trainable_parameters": self.memory.trainable_parameters,
             "recipe": self.recipe.to_dict(),
             "gpu": {"name": self.gpu.name, "memory_bytes": self.gpu.memory_bytes},
+            "num_gpus": self.num_gpus,
             "memory": self.memory.anatomy.to_dict(),
             "fits": self.memory.fits,
             "memory_margin": self.margin,
@@ -70,4 +73,5 @@ def estimate(
     calibration = calibration or calibration_for(gpu)
     time = estimate_time(workload, recipe, gpu, calibration) if mode == "train" else None
     return Estimate(workload=workload, recipe=recipe, gpu=gpu, mode=mode, margin=margin, memory=memory, time=time,
-                    moe=moe_routing(workload, recipe, memory.anatomy), extra={"time_calibration": calibration.describe()})
+                    moe=moe_routing(workload, recipe, memory.anatomy), extra={"time_calibration": calibration.describe()},
+                    num_gpus=num_gpus)

@@ -90,7 +90,11 @@ def plan(
     if objective not in ("throughput", "memory"):
         raise InputError(f"--objective must be throughput or memory, got {objective!r}")
     evaluate = Evaluator(workload, gpu, space.num_gpus, margin, time_model or predict_time)
-    recipes = [r.resolved(workload) for r in enumerate_recipes(space, gpu)]
+    recipes = list(dict.fromkeys(r.resolved(workload) for r in enumerate_recipes(space, gpu)))
+    if not recipes:
+        raise InputError(f"the fields the recipe file fixes ({', '.join(f'{k}={v}' for k, v in space.fixed.items())}) "
+                         f"leave no recipe to search on {space.num_gpus} x {gpu.name}"
+                         + (f" with a global batch of {space.global_batch_size}" if space.global_batch_size else ""))
     with pool.kept():  # the workers that trace the candidates then trace the alternatives the reasons compare
         prefetch(workload, recipes, gpu.compute_capability)  # every trace the recipes read, side by side
         candidates = [evaluate(r) for r in recipes]
@@ -110,6 +114,8 @@ def plan(
     if len(space.methods) > 1:
         notes.append(f"fine-tuning: searched {', '.join(space.methods)}; LoRA/QLoRA train r={space.base.lora_r} adapters "
                      "on a frozen base (a different fine-tune from full), without ZeRO/FSDP")
+    if space.fixed:
+        notes.append("held fixed by --recipe: " + ", ".join(f"{k}={v}" for k, v in space.fixed.items()))
     notes.append(f"{best.time.calibration}; the sharding, offload and communication terms are not in that "
                  "error (plan_throughput.toml's constants, not fitted)" if space.num_gpus > 1 or best.recipe.offload != "none"
                  else best.time.calibration)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from anatomist.axes.optimizers import DEFAULT_SEARCH
 from anatomist.axes.precisions import precision, qlora_precision, searchable_on
@@ -65,6 +66,9 @@ class SearchSpace:
     adapters' gradients and optimizer states are too small for sharding to pay)."""
     base: Recipe = field(default_factory=Recipe)
     """Fields the search does not vary (dataloader workers, max_grad_norm ...)."""
+    fixed: dict[str, Any] = field(default_factory=dict)
+    """Recipe fields held at the values a recipe file sets (`plan --recipe`): every enumerated recipe takes
+    them, so the search varies only what the file leaves open; a combination they make invalid is dropped."""
 
     def __post_init__(self) -> None:
         unknown_methods = [m for m in self.methods if m not in METHODS]
@@ -114,11 +118,30 @@ def searched_precisions(space: SearchSpace, gpu: GPU, method: str = "full") -> l
 
 
 def enumerate_recipes(space: SearchSpace, gpu: GPU) -> Iterator[Recipe]:
-    """Every recipe of the space, expensive axes outermost (so traces are made in order)."""
+    """Every recipe of the space, expensive axes outermost (so traces are made in order), each once."""
+    seen: set[Recipe] = set()
     for method in space.methods:
         precisions = searched_precisions(space, gpu, method)
         for ckpt, name, optim in itertools.product(space.checkpointing_options, precisions, space.optims):
-            yield from _recipes(space, method, ckpt, name, optim)
+            for recipe in _recipes(space, method, ckpt, name, optim):
+                held = _held(space, recipe)
+                if held is not None and held not in seen:
+                    seen.add(held)
+                    yield held
+
+
+def _held(space: SearchSpace, recipe: Recipe) -> Recipe | None:
+    """`recipe` with the space's fixed fields; None where they make it invalid or break the global batch."""
+    if not space.fixed:
+        return recipe
+    try:
+        recipe = recipe.replace(**space.fixed)
+    except InputError:  # e.g. a fixed bf16 on a candidate that set fp16
+        return None
+    samples = recipe.per_device_train_batch_size * recipe.gradient_accumulation_steps * space.num_gpus
+    if space.global_batch_size is not None and samples != space.global_batch_size:
+        return None
+    return recipe
 
 
 def _recipes(space: SearchSpace, method: str, ckpt: bool, precision_name: str, optim: str) -> Iterator[Recipe]:

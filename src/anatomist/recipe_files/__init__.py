@@ -10,13 +10,17 @@ A JSON or YAML file of any of these kinds, told apart by its keys:
   with TRL's own defaults where it is silent; it can name the model and the sequence length;
 - accelerate: the YAML `accelerate launch --config_file` reads (`accelerate config` writes it);
   it can name the number of devices;
-- DeepSpeed: a ds_config JSON; "auto" values are taken from elsewhere (flags, defaults).
+- DeepSpeed: a ds_config JSON; "auto" values are taken from elsewhere (flags, defaults);
+- axolotl: the YAML `axolotl train` reads (base_model, adapter, micro_batch_size, sequence_len, ...);
+- LLaMA-Factory: the YAML `llamafactory-cli train` reads (finetuning_type, lora_rank, cutoff_len, ...).
 
 The fields anatomist models become the Recipe; every other field the file moves off its tool's
-default is named once in `RecipeFile.note()` ("not modelled: ..."), never an error. A value
-anatomist cannot represent (an optimizer or precision it does not model, FSDP hybrid sharding)
-or two values that disagree (DeepSpeed's micro-batch against TrainingArguments' batch, which
-the Trainer refuses too) is an InputError naming the file and the field.
+default is named once in `RecipeFile.note()` ("not modelled: ..."). A key the format's own tool
+would refuse (known.py: a typo, named with the closest known key), a value anatomist cannot
+represent (an optimizer or precision it does not model, FSDP hybrid sharding), a setting that
+changes memory and is not modelled yet (unmodelled.py: tensor parallel, FSDP offload, ...), or
+two values that disagree (DeepSpeed's micro-batch against TrainingArguments' batch, which the
+Trainer refuses too) is an InputError naming the file and the key.
 
 Example:
     >>> source = read_recipe_file("sft.yaml")
@@ -32,11 +36,13 @@ from typing import Any, Literal
 from anatomist.errors import InputError
 from anatomist.recipe import Recipe
 from anatomist.recipe_files.accelerate import looks_like_accelerate, read_accelerate
+from anatomist.recipe_files.axolotl import looks_like_axolotl, read_axolotl
 from anatomist.recipe_files.deepspeed import looks_like_deepspeed, read_deepspeed
-from anatomist.recipe_files.reading import WORKLOAD_KEYS, Reading, load_mapping
+from anatomist.recipe_files.llamafactory import looks_like_llamafactory, read_llamafactory
+from anatomist.recipe_files.reading import OPTIMIZER_ALIASES, WORKLOAD_KEYS, Reading, load_mapping
 from anatomist.recipe_files.trainer import read_trainer
 
-Kind = Literal["anatomist", "TrainingArguments", "TRL", "accelerate", "DeepSpeed"]
+Kind = Literal["anatomist", "TrainingArguments", "TRL", "accelerate", "DeepSpeed", "axolotl", "LLaMA-Factory"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -52,9 +58,9 @@ class RecipeFile:
     fields: dict[str, Any]
     """The Recipe fields it sets (and its tool's defaults, where they differ from anatomist's)."""
     model: str | None = None
-    """The model it names (TRL's model_name_or_path)."""
+    """The model it names (TRL's and LLaMA-Factory's model_name_or_path, axolotl's base_model)."""
     seq_len: int | None = None
-    """Tokens per sample (TRL's max_length)."""
+    """Tokens per sample (TRL's max_length, axolotl's sequence_len, LLaMA-Factory's cutoff_len)."""
     num_gpus: int | None = None
     """Devices it runs on (accelerate's num_processes; DeepSpeed's train_batch_size / micro-batch / accumulation)."""
     not_modelled: tuple[str, ...] = ()
@@ -71,7 +77,7 @@ class RecipeFile:
 
 
 def read_recipe_file(path: str | Path) -> RecipeFile:
-    """Read `path` (JSON, or YAML by its suffix) as whichever kind its keys say.
+    """Read `path` (JSON or YAML, told apart by its content) as whichever kind its keys say.
 
     Raises:
         InputError: the file is missing or unparsable, names a field no known tool has, or sets
@@ -96,9 +102,17 @@ def read_recipe_mapping(data: dict[str, Any], file: str) -> RecipeFile:
     elif looks_like_deepspeed(data):
         kind = "DeepSpeed"
         read_deepspeed(data, reading, file)
+    elif looks_like_llamafactory(data):
+        kind = "LLaMA-Factory"
+        read_llamafactory(data, reading, file)
+    elif looks_like_axolotl(data):
+        kind = "axolotl"
+        read_axolotl(data, reading, file)
     else:
         kind = read_trainer(data, reading, file)  # type: ignore[assignment]
     merged = reading.merged()
+    if merged.get("optim") in OPTIMIZER_ALIASES:
+        merged["optim"] = OPTIMIZER_ALIASES[merged["optim"]]
     workload = {key: merged.pop(key, None) for key in WORKLOAD_KEYS}
     return RecipeFile(path=file, kind=kind, recipe=_recipe(merged, reading, file), fields=merged, model=workload["model"],
                       seq_len=_positive(workload["seq_len"], reading, "seq_len"),

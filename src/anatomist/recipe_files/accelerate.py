@@ -4,6 +4,14 @@ Key names are accelerate's `ClusterConfig` (accelerate/commands/config/config_ar
 `accelerate launch` options its sections hold (`deepspeed_config.zero_stage`,
 `fsdp_config.fsdp_sharding_strategy`, ...). It says how the script runs (precision, engine,
 devices), not the batch: that comes from the flags, or the defaults.
+
+Read as strictly as accelerate reads it: a top-level key ClusterConfig lacks is refused
+(`ClusterConfig.from_yaml_file`: "had unknown keys"), and so is a key of a section that is no
+`accelerate launch` option once accelerate prefixes it (launch.py `_validate_launch_command`:
+fsdp_config.x -> --fsdp_x): accelerate would set it and nothing would read it. Settings that
+change memory but are not modelled yet are refused, never predicted as something else:
+tensor, context and sequence parallel and hybrid (replicated) sharding in `parallelism_config`,
+FSDP parameter offload (`fsdp_offload_params`).
 """
 
 from __future__ import annotations
@@ -14,19 +22,63 @@ from typing import Any
 
 from anatomist.errors import InputError
 from anatomist.recipe_files.deepspeed import read_deepspeed
+from anatomist.recipe_files.known import refuse_unknown
 from anatomist.recipe_files.reading import Reading, fsdp_mode, load_mapping, referenced_file, zero_offload
+from anatomist.recipe_files.unmodelled import refuse_unmodelled
 
 MARKERS = ("compute_environment", "distributed_type")
 ENGINES = ("NO", "MULTI_GPU", "DEEPSPEED", "FSDP")
 """The distributed types anatomist models: one device, data parallel, DeepSpeed ZeRO, PyTorch FSDP."""
 WRITTEN_BY_DEFAULT = {"compute_environment": "LOCAL_MACHINE", "gpu_ids": "all"}
 """What `accelerate config` writes where ClusterConfig has no default or another one."""
+SECTION_PREFIXES = {"fsdp_config": "fsdp_", "dynamo_config": "dynamo_", "fp8_config": "fp8_",
+                    "deepspeed_config": "", "parallelism_config": ""}
+"""The sections whose keys become `accelerate launch` options, and the prefix launch.py gives a key that lacks it."""
+PARALLEL_SIZES = {"parallelism_config_tp_size": "tensor_parallel", "parallelism_config_cp_size": "context_parallel",
+                  "parallelism_config_sp_size": "sequence_parallel", "parallelism_config_dp_replicate_size": "hybrid_shard"}
+"""parallelism_config sizes above 1 that anatomist does not model: tensor, context and sequence parallel, and
+hybrid sharding (replicas of a sharded group): refused, not predicted as plain data parallel."""
 MULTI_NODE = ("same_network", "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend")
 """Keys that only matter across machines: at their default whatever they say when num_machines is 1."""
 
 
 def looks_like_accelerate(data: dict[str, Any]) -> bool:
     return any(key in data for key in MARKERS)
+
+
+@cache
+def launch_options() -> frozenset[str]:
+    """The options of `accelerate launch` (its parser's destinations); empty where accelerate is not installed."""
+    try:
+        from accelerate.commands.launch import launch_command_parser
+    except ImportError:
+        return frozenset()
+    return frozenset(action.dest for action in launch_command_parser()._actions)
+
+
+def _check_keys(data: dict[str, Any], file: str) -> None:
+    """accelerate's own refusals: a top-level key ClusterConfig lacks; here also a section key no launch option takes."""
+    defaults = cluster_defaults()
+    if not defaults:
+        return
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    refuse_unknown(data, ClusterConfig.__dataclass_fields__, file, "accelerate's config (ClusterConfig): "
+                   "accelerate launch refuses it too")
+    options = launch_options()
+    for name, prefix in SECTION_PREFIXES.items():
+        section = data.get(name)
+        if isinstance(section, dict) and options:  # a key with or without its prefix: launch.py adds it
+            known = {option for option in options if option.startswith(prefix)}
+            refuse_unknown(section, known | {option.removeprefix(prefix) for option in known}, file,
+                           f"accelerate launch's options for {name}", prefix=f"{name}.")
+
+
+def _parallelism(section: dict[str, Any], file: str) -> None:
+    for key, setting in PARALLEL_SIZES.items():
+        for written in (key, key.removeprefix("parallelism_config_")):
+            if written in section:
+                refuse_unmodelled(setting, file, f"parallelism_config.{written}", section[written])
 
 
 @cache
@@ -43,9 +95,13 @@ def read_accelerate(data: dict[str, Any], reading: Reading, file: str) -> None:
     engine = str(data.get("distributed_type", "NO")).upper()
     if engine not in ENGINES:
         raise InputError(f"{file}: distributed_type={engine} is not one anatomist models; known: {', '.join(ENGINES)}")
+    _check_keys(data, file)
     defaults = cluster_defaults()
     for key, value in data.items():
-        if key == "mixed_precision":
+        if key == "parallelism_config":
+            _parallelism(value or {}, file)
+            reading.skip(key, value, {})
+        elif key == "mixed_precision":
             _precision(value, reading, file)
         elif key == "num_processes":
             if isinstance(value, int) and value > 0:  # -1: accelerate counts the devices
@@ -110,10 +166,13 @@ def _fsdp(section: dict[str, Any], reading: Reading, file: str) -> None:
         reading.set("fsdp", "full_shard", file, f"{prefix}.fsdp_version")  # both versions' default
     if version not in (1, 2):
         raise InputError(f"{file}: {prefix}.fsdp_version must be 1 or 2, got {version!r}")
+    refuse_unmodelled("fsdp_offload_params", file, f"{prefix}.fsdp_offload_params", section.get("fsdp_offload_params"))
+    refuse_unmodelled("activation_offload", file, f"{prefix}.fsdp_activation_checkpointing_offload",
+                      section.get("fsdp_activation_checkpointing_offload"))
     if section.get("fsdp_activation_checkpointing"):
         reading.set("gradient_checkpointing", True, file, f"{prefix}.fsdp_activation_checkpointing")
     reading.skip_all(prefix, section, keep=("fsdp_version", "fsdp_reshard_after_forward", "fsdp_sharding_strategy",
-                                            "fsdp_activation_checkpointing"))
+                                            "fsdp_activation_checkpointing", "fsdp_offload_params"))
 
 
 def _dynamo(section: dict[str, Any], reading: Reading, file: str) -> None:

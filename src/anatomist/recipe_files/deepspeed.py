@@ -6,6 +6,13 @@ Trainer, from TrainingArguments; accelerate, from its config), so it sets nothin
 from a TrainingArguments file (`deepspeed=`), every value must match the TrainingArguments'
 own, defaults included: transformers' `HfTrainerDeepSpeedConfig.trainer_config_process`
 refuses a mismatch, and so does this reader.
+
+Read as strictly as DeepSpeed reads it: its sections (zero_optimization and its offload_param /
+offload_optimizer, bf16, fp16) are pydantic models that forbid extra keys, and a top-level key
+DeepSpeed never reads is refused too (it would ignore `zero_optimisation`, and train without
+ZeRO); keys starting with "_" are comments (LLaMA-Factory's `_comment`). The keys are in
+data/deepspeed_keys.json (known.py). bf16 master weights / optimizer states, tensor and
+sequence parallel change memory and are not modelled yet: refused (unmodelled.py).
 """
 
 from __future__ import annotations
@@ -13,7 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 from anatomist.errors import InputError
+from anatomist.recipe_files.known import deepspeed_keys, refuse_unknown
 from anatomist.recipe_files.reading import Reading, zero_offload
+from anatomist.recipe_files.unmodelled import refuse_unmodelled
 
 MARKERS = ("zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size", "zero_allow_untested_optimizer")
 """Top-level keys only a DeepSpeed config has."""
@@ -23,6 +32,28 @@ SCALARS = {
     "gradient_accumulation_steps": "gradient_accumulation_steps",
     "gradient_clipping": "max_grad_norm",
 }
+
+
+PARALLEL = {"tensor_parallel": "tensor_parallel", "sequence_parallel_size": "sequence_parallel"}
+"""Top-level keys that turn on a parallelism anatomist does not model (a size, or a section of sizes: autotp_size)."""
+PRECISION_UNMODELLED = {"bf16": ("bf16_master_weights_and_grads", "bf16_optimizer_states"),
+                        "bfloat16": ("bf16_master_weights_and_grads", "bf16_optimizer_states"),
+                        "fp16": ("fp16_master_weights_and_grads",)}
+"""Keys of the precision sections that change the bytes of master weights, gradients or optimizer states."""
+
+
+def _check_keys(data: dict[str, Any], file: str) -> None:
+    """DeepSpeed's own refusals (pydantic's extra="forbid"), and a top-level key it never reads."""
+    refuse_unknown([k for k in data if not k.startswith("_")], deepspeed_keys("top_level"), file,
+                   "a DeepSpeed config (deepspeed 0.19 reads no such key)")
+    sections = [(name, data.get(name)) for name in ("zero_optimization", "bf16", "bfloat16", "fp16")]
+    zero = data.get("zero_optimization")
+    if isinstance(zero, dict):
+        sections += [(f"zero_optimization.{n}", zero.get(n)) for n in ("offload_param", "offload_optimizer")]
+    for name, section in sections:
+        if isinstance(section, dict):
+            refuse_unknown(section, deepspeed_keys(name), file, f"DeepSpeed's {name} section (DeepSpeed refuses it too)",
+                           prefix=f"{name}.")
 
 
 def looks_like_deepspeed(data: dict[str, Any]) -> bool:
@@ -36,6 +67,7 @@ def read_deepspeed(data: dict[str, Any], reading: Reading, file: str, *, match_d
     def put(name: str, value: Any, key: str) -> None:
         reading.set(name, value, file, key, match_defaults=match_defaults)
 
+    _check_keys(data, file)
     for key, value in data.items():
         if key in SCALARS:
             if value != "auto":
@@ -44,10 +76,25 @@ def read_deepspeed(data: dict[str, Any], reading: Reading, file: str, *, match_d
             _precision(key, value, reading, file, put)
         elif key == "zero_optimization":
             _zero(value, reading, file, put)
-        elif key != "train_batch_size":
+        elif key in PARALLEL:
+            _parallel(key, value, file)
+            reading.skip(key, value)
+        elif key != "train_batch_size" and not key.startswith("_"):
             reading.skip(key, value)
     if "train_batch_size" in data:
         _world_size(data["train_batch_size"], reading, file)
+
+
+def _parallel(key: str, value: Any, file: str) -> None:
+    """A size above 1, or in a section (tensor_parallel.autotp_size, .tp.tp_size) any size above 1: refused."""
+    if not isinstance(value, dict):
+        refuse_unmodelled(PARALLEL[key], file, key, value)
+        return
+    for name, item in value.items():
+        if isinstance(item, dict):
+            _parallel(key, {f"{name}.{k}": v for k, v in item.items()}, file)
+        elif name.endswith("size"):
+            refuse_unmodelled(PARALLEL[key], file, f"{key}.{name}", item)
 
 
 def _precision(key: str, section: Any, reading: Reading, file: str, put: Any) -> None:
@@ -57,6 +104,8 @@ def _precision(key: str, section: Any, reading: Reading, file: str, put: Any) ->
     if enabled != "auto":
         put("bf16" if key in ("bf16", "bfloat16") else "fp16", bool(enabled), f"{key}.enabled")
     if enabled:  # a disabled section's other keys do nothing
+        for name in PRECISION_UNMODELLED[key]:
+            refuse_unmodelled(name, file, f"{key}.{name}", section.get(name))
         reading.skip_all(key, section, keep=("enabled",))
 
 

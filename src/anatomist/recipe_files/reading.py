@@ -12,6 +12,10 @@ from anatomist.errors import InputError
 WORKLOAD_KEYS = ("model", "seq_len", "num_gpus")
 """What a file can say beyond the Recipe: the model, the tokens per sample, the devices."""
 
+OPTIMIZER_ALIASES = {"adamw_8bit": "adamw_bnb_8bit"}
+"""TrainingArguments' other spellings of an optimizer (transformers training_args.py OptimizerNames:
+ADAMW_8BIT = "adamw_8bit", "just an alias for adamw_bnb_8bit"); axolotl's examples use it."""
+
 UNKNOWN: Any = object()
 """The default of a key no dataclass describes."""
 OFF_VALUES = (None, False, "", "none", "no", "auto", "default")
@@ -125,24 +129,43 @@ def _masked(key: str, value: Any) -> bool:
 
 
 def load_mapping(path: Path, what: str = "recipe file") -> dict[str, Any]:
-    """A JSON or YAML file (by its suffix) holding a mapping."""
+    """A file holding a mapping, in JSON or YAML told apart by its content, not its suffix: text that opens with
+    "{" is JSON (DeepSpeed's, accelerate's JSON; a YAML flow mapping at the top is not read), anything else YAML.
+
+    Raises:
+        InputError: missing, empty, not parsable (with the line and column of the error), or not a mapping.
+    """
     if not path.is_file():
         raise InputError(f"{what} {str(path)!r} does not exist")
-    text = path.read_text()
     try:
-        if path.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
-    except ValueError as exc:
-        raise InputError(f"{what} {str(path)!r} is not valid {path.suffix.lstrip('.') or 'JSON'}: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - yaml's own error types subclass Exception only
-        raise InputError(f"{what} {str(path)!r} could not be parsed: {exc}".splitlines()[0]) from None
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{what} {str(path)!r} cannot be read: {exc}") from None
+    data = _parse(text, path, what)
+    if data is None:
+        raise InputError(f"{what} {str(path)!r} is empty")
     if not isinstance(data, dict):
         raise InputError(f"{what} {str(path)!r} must hold a mapping of fields, not {type(data).__name__}")
     return data
+
+
+def _parse(text: str, path: Path, what: str) -> Any:
+    import yaml
+
+    if text.lstrip().startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{path}:{exc.lineno}:{exc.colno}: {what} is not valid JSON: {exc.msg}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = ": ".join(p for p in (exc.context, exc.problem) if p)
+        raise InputError(f"{where}: {what} is not valid YAML: {problem}") from None
+    except yaml.YAMLError as exc:
+        raise InputError(f"{path}: {what} is not valid YAML: {str(exc).splitlines()[0]}") from None
 
 
 def referenced_file(value: str, file: str, key: str) -> Path:

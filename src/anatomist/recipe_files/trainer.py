@@ -7,8 +7,11 @@ TrainingArguments), ModelConfig and DatasetMixtureConfig (trl/scripts/sft.py), a
 and ModelConfig change some defaults: gradient checkpointing on, bf16 unless fp16, weights
 loaded in ModelConfig.dtype (float32), LoRA dropout 0.05. Those apply where a TRL file is silent.
 
-Field names are read from the installed transformers and trl, never copied: a field the file
-sets that none of them has is an error (a typo the tool itself would refuse).
+Field names and defaults are read from the installed transformers and trl; the names of the releases
+of the last two years (a YAML written for transformers 4.46 sets `warmup_ratio`, one for the
+alignment handbook `chat_template`, `dataset_mixture`) come from data/recipe_fields.json (known.py):
+those are accepted and named as not modelled. A field that none of them has is refused with the
+closest known name (a typo: HfArgumentParser refuses it too).
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ from typing import Any
 from anatomist.errors import InputError
 from anatomist.recipe import Recipe
 from anatomist.recipe_files.deepspeed import read_deepspeed
+from anatomist.recipe_files.known import TRAINER_CLASSES, historical_fields, refuse_unknown
+from anatomist.recipe_files.known import TRL_CLASSES as TRL_HISTORY
 from anatomist.recipe_files.reading import Reading, fsdp_mode, load_mapping, referenced_file
+from anatomist.recipe_files.unmodelled import refuse_unmodelled
 
 RECIPE_FIELDS = frozenset(f.name for f in dataclasses.fields(Recipe))
 TRL_CLASSES = ("ScriptArguments", "SFTConfig", "ModelConfig", "DatasetMixtureConfig")
@@ -38,6 +44,13 @@ DEEPSPEED_CHECKED = ("per_device_train_batch_size", "gradient_accumulation_steps
 HANDLED = frozenset({"gradient_checkpointing", "activation_checkpointing", "tf32", "fsdp", "fsdp_config",
                      "deepspeed", "lora_target_modules", "use_peft", "use_bnb_nested_quant", "model_name_or_path",
                      "max_length", "model_init_kwargs", *TRL_LEGACY})
+
+
+PARALLEL_FIELDS = {"tp_size": "tensor_parallel", "activation_offloading": "activation_offload"}
+"""TrainingArguments' tp_size (4.50-4.51) and TRL's activation_offloading (0.29+): memory anatomist does not model yet."""
+PARALLELISM_SIZES = {"tp_size": "tensor_parallel", "cp_size": "context_parallel", "sp_size": "sequence_parallel",
+                     "dp_replicate_size": "hybrid_shard"}
+"""accelerate's ParallelismConfig sizes, as TrainingArguments.parallelism_config (4.57+) holds them."""
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -60,6 +73,17 @@ def trainer_fields() -> dict[str, Any]:
     # __post_init__ turns None into AcceleratorConfig(), which to_dict() writes out in full
     defaults["accelerator_config"] = AcceleratorConfig().to_dict()
     return defaults
+
+
+@cache
+def trl_names() -> frozenset[str]:
+    """The field names of the installed trl's other trainer configs a `trl` YAML may be written for (DPOConfig's
+    beta, max_prompt_length, ...): accepted, not modelled (their defaults are not read: not SFT's)."""
+    try:
+        import trl
+    except ImportError:
+        return frozenset()
+    return frozenset(f.name for name in ("DPOConfig",) for f in dataclasses.fields(getattr(trl, name)))
 
 
 @cache
@@ -87,6 +111,7 @@ def read_trainer(data: dict[str, Any], reading: Reading, file: str) -> str:
                 reading.set(key, value, file, key)
         elif key not in HANDLED:
             reading.skip(key, value, schema.get(key))
+    _unmodelled(data, file)
     _checkpointing(data, reading, file)
     if data.get("tf32") is not None:
         reading.set("tf32", data["tf32"], file, "tf32")
@@ -98,20 +123,21 @@ def read_trainer(data: dict[str, Any], reading: Reading, file: str) -> str:
 
 
 def _kind(data: dict[str, Any], trainer: dict[str, Any], file: str) -> tuple[str, dict[str, Any]]:
+    """Which format the keys say; a key of none of them is refused, naming the closest known one."""
     keys = set(data)
     if keys <= RECIPE_FIELDS and not keys <= set(trainer):
         return "anatomist", {}
-    if keys <= RECIPE_FIELDS | set(trainer):
+    trainer_known = set(trainer) | historical_fields(TRAINER_CLASSES)
+    if keys <= RECIPE_FIELDS | trainer_known:
         return "TrainingArguments", trainer
     trl = trl_fields()
-    known = RECIPE_FIELDS | set(trainer) | set(trl or {}) | set(TRL_LEGACY) | {TRL_ENV}
-    unknown = sorted(keys - known)
+    known = (RECIPE_FIELDS | trainer_known | set(trl or {}) | trl_names() | historical_fields(TRL_HISTORY)
+             | set(TRL_LEGACY) | {TRL_ENV})
+    refuse_unknown(data, known, file, "anatomist's Recipe, nor of TrainingArguments, TRL's SFTConfig, DPOConfig, "
+                   "ModelConfig or ScriptArguments or the alignment handbook's arguments in any release since 2024")
     if trl is None:
-        raise InputError(f"{file}: unknown recipe field(s) {', '.join(sorted(keys - RECIPE_FIELDS - set(trainer)))}: "
-                         "not a Recipe or TrainingArguments field; if this is a TRL config, pip install trl to read it")
-    if unknown:
-        raise InputError(f"{file}: unknown recipe field(s) {', '.join(unknown)}: not a field of anatomist's Recipe, "
-                         "TrainingArguments, or trl's SFTConfig, ModelConfig or ScriptArguments")
+        raise InputError(f"{file}: {', '.join(sorted(keys - trainer_known - RECIPE_FIELDS))} are TRL fields: "
+                         "pip install trl to read this file")
     return "TRL", {**trainer, **trl}
 
 
@@ -125,6 +151,15 @@ def _trl_defaults(data: dict[str, Any], schema: dict[str, Any], reading: Reading
         reading.set_default(name, value, file, key, "TRL")
     if schema.get("max_length") is not None and not {"max_length", "max_seq_length"} & set(data):
         reading.set_default("seq_len", schema["max_length"], file, "max_length", "TRL")
+
+
+def _unmodelled(data: dict[str, Any], file: str) -> None:
+    for key, setting in PARALLEL_FIELDS.items():
+        refuse_unmodelled(setting, file, key, data.get(key))
+    config = data.get("parallelism_config")
+    if isinstance(config, dict):
+        for key, setting in PARALLELISM_SIZES.items():
+            refuse_unmodelled(setting, file, f"parallelism_config.{key}", config.get(key))
 
 
 def _checkpointing(data: dict[str, Any], reading: Reading, file: str) -> None:
@@ -148,8 +183,9 @@ def _fsdp(data: dict[str, Any], reading: Reading, file: str) -> None:
         return
     items = value.split() if isinstance(value, str) else list(value) if isinstance(value, list) else []
     strategies = [i for i in items if i not in ("auto_wrap", "offload")]
-    if "offload" in items:
-        config.setdefault("cpu_offload", True)
+    refuse_unmodelled("fsdp_offload_params", file, "fsdp", "offload" if "offload" in items else None)
+    for key in ("offload_params", "cpu_offload"):
+        refuse_unmodelled("fsdp_offload_params", file, f"fsdp_config.{key}", config.get(key))
     if len(strategies) > 1:
         raise InputError(f"{file}: fsdp={value!r} names more than one sharding strategy")
     if strategies:
@@ -193,7 +229,14 @@ def _model_config(data: dict[str, Any], kind: str, reading: Reading, file: str) 
 
 
 def _deepspeed(value: Any, schema: dict[str, Any], reading: Reading, file: str) -> None:
-    """TrainingArguments.deepspeed: a ds_config path or dict, whose values must match the TrainingArguments'."""
+    read_deepspeed_reference(value, reading, file, tool="TRL" if "max_length" in schema else "TrainingArguments",
+                             schema=schema)
+
+
+def read_deepspeed_reference(value: Any, reading: Reading, file: str, *, tool: str,
+                             schema: dict[str, Any] | None = None) -> None:
+    """A `deepspeed` key (TrainingArguments', axolotl's, LLaMA-Factory's): a ds_config path or mapping, whose values
+    must match the Trainer's (`schema`'s defaults, TrainingArguments' by default, where the file is silent)."""
     if isinstance(value, str):
         path = referenced_file(value, file, "deepspeed")
         data, where = load_mapping(path, "DeepSpeed config"), str(path)
@@ -201,7 +244,7 @@ def _deepspeed(value: Any, schema: dict[str, Any], reading: Reading, file: str) 
         data, where = value, f"{file}: deepspeed"
     else:
         raise InputError(f"{file}: deepspeed must be a path or a mapping, got {value!r}")
-    tool = "TRL" if "max_length" in schema else "TrainingArguments"
+    schema = trainer_fields() if schema is None else schema
     for name in DEEPSPEED_CHECKED:  # the Trainer fills "auto" with its own values and checks the rest against them
         if name not in reading.defaults and schema.get(name) is not None:
             reading.set_default(name, schema[name], file, name, tool)

@@ -1,0 +1,155 @@
+"""An axolotl config (`axolotl train FILE`), read as YAML: axolotl is not a dependency.
+
+Field names and meanings are axolotl's schema (axolotl-ai-cloud/axolotl src/axolotl/utils/schemas/:
+config.py AxolotlInputConfig, peft.py LoraConfig, fsdp.py FSDPConfig; at the commit
+data/framework_fields.json names) and what its loader does with them:
+- base_model; sequence_len (tokens per sample); micro_batch_size (per device), gradient_accumulation_steps;
+- adapter lora / qlora: lora_r, lora_alpha, lora_dropout, lora_target_modules or lora_target_linear
+  (every linear layer); qlora loads the base with load_in_4bit as nf4 with double quantization,
+  computing in the weights' dtype (loaders/model.py);
+- precision (utils/config/__init__.py resolve_dtype): bf16 true or "auto" (read as true: an Ampere
+  or newer GPU, where axolotl turns it on) is bf16 autocast, and the weights are loaded in
+  bfloat16 (also with bfloat16: true, without autocast); fp16 / float16 / load_in_8bit load float16;
+  else float32;
+- attention: attn_implementation, or the older flash_attention / sdp_attention / eager_attention;
+- gradient_checkpointing true ("offload" moves activations to the CPU: not modelled, refused);
+- deepspeed (a ds_config path or mapping, read as the Trainer reads it), fsdp (a strategy list) with
+  fsdp_config (keys with or without "fsdp_"), fsdp_version;
+- tensor_parallel_size, context_parallel_size, dp_replicate_size above 1: not modelled, refused.
+axolotl's pydantic models ignore a key they do not declare; here a key close to a declared one is
+refused as a typo, any other is named as not modelled, as sample_packing and the Liger flags are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from anatomist.errors import InputError
+from anatomist.recipe_files.known import closest, framework_fields
+from anatomist.recipe_files.reading import Reading, fsdp_mode, load_mapping, referenced_file
+from anatomist.recipe_files.unmodelled import refuse_unmodelled
+
+MARKERS = ("base_model", "micro_batch_size", "sequence_len", "adapter")
+"""Keys only an axolotl config has."""
+DIRECT = {"micro_batch_size": "per_device_train_batch_size", "gradient_accumulation_steps": "gradient_accumulation_steps",
+          "max_grad_norm": "max_grad_norm", "optimizer": "optim", "lora_r": "lora_r", "lora_alpha": "lora_alpha",
+          "lora_dropout": "lora_dropout", "load_in_4bit": "load_in_4bit", "load_in_8bit": "load_in_8bit",
+          "tf32": "tf32"}
+"""axolotl key -> Recipe field of the same meaning."""
+ATTENTION_FLAGS = {"flash_attention": "flash_attention_2", "sdp_attention": "sdpa", "eager_attention": "eager"}
+PARALLEL = {"tensor_parallel_size": "tensor_parallel", "context_parallel_size": "context_parallel",
+            "sequence_parallel_degree": "context_parallel", "dp_replicate_size": "hybrid_shard"}
+READ = {"base_model", "sequence_len", "adapter", "bf16", "fp16", "bfloat16", "float16", "attn_implementation",
+        "gradient_checkpointing", "lora_target_modules", "lora_target_linear", "deepspeed", "fsdp", "fsdp_config",
+        "fsdp_version", "torch_compile", *DIRECT, *ATTENTION_FLAGS, *PARALLEL}
+
+
+def looks_like_axolotl(data: dict[str, Any]) -> bool:
+    return any(key in data for key in MARKERS)
+
+
+def read_axolotl(data: dict[str, Any], reading: Reading, file: str) -> None:
+    known = framework_fields("axolotl")
+    for key, value in data.items():
+        if key not in known:
+            near = closest(key, known)
+            if near:
+                raise InputError(f"{file}: unknown key {key} (did you mean {near}?): not a key of axolotl's config "
+                                 "(axolotl would ignore it)")
+        if key in PARALLEL:
+            refuse_unmodelled(PARALLEL[key], file, key, value)
+        if key in DIRECT and value is not None:
+            reading.set(DIRECT[key], value, file, key)
+        elif key not in READ:
+            reading.skip(key, value)
+    if data.get("base_model"):
+        reading.set("model", data["base_model"], file, "base_model")
+    if data.get("sequence_len") is not None:
+        reading.set("seq_len", data["sequence_len"], file, "sequence_len")
+    _precision(data, reading, file)
+    _attention(data, reading, file)
+    checkpointing = data.get("gradient_checkpointing")
+    if isinstance(checkpointing, str):
+        refuse_unmodelled("activation_offload", file, "gradient_checkpointing", checkpointing)
+    if checkpointing is not None:
+        reading.set("gradient_checkpointing", bool(checkpointing), file, "gradient_checkpointing")
+    if data.get("torch_compile") is True:  # "auto": axolotl decides by the torch version; read as off
+        reading.set("torch_compile", True, file, "torch_compile")
+    _adapter(data, reading, file)
+    _sharding(data, reading, file)
+
+
+def _precision(data: dict[str, Any], reading: Reading, file: str) -> None:
+    fp16 = bool(data.get("fp16"))
+    autocast_bf16 = data.get("bf16") is True or (data.get("bf16") == "auto" and not fp16)
+    reading.set("bf16", autocast_bf16, file, "bf16")
+    reading.set("fp16", fp16 and not autocast_bf16, file, "fp16")
+    if autocast_bf16 or data.get("bfloat16"):
+        dtype, key = "bfloat16", "bf16" if autocast_bf16 else "bfloat16"
+    elif data.get("load_in_8bit") or fp16 or data.get("float16"):
+        dtype, key = "float16", "fp16"
+    else:
+        dtype, key = "float32", "bf16"
+    reading.set("dtype", dtype, file, key)
+
+
+def _attention(data: dict[str, Any], reading: Reading, file: str) -> None:
+    if data.get("attn_implementation"):
+        reading.set("attn_implementation", data["attn_implementation"], file, "attn_implementation")
+        return
+    for key, implementation in ATTENTION_FLAGS.items():
+        if data.get(key):
+            reading.set("attn_implementation", implementation, file, key)
+            return
+    if data.get("xformers_attention"):
+        raise InputError(f"{file}: xformers_attention is not modelled; modelled: flash_attention, sdp_attention, "
+                         "eager_attention")
+
+
+def _adapter(data: dict[str, Any], reading: Reading, file: str) -> None:
+    adapter = data.get("adapter")
+    if not adapter:
+        return
+    if adapter not in ("lora", "qlora"):
+        raise InputError(f"{file}: adapter={adapter!r} is not modelled; modelled: lora, qlora")
+    reading.set("peft", adapter, file, "adapter")
+    if data.get("lora_target_linear"):
+        reading.set("lora_target_modules", "all-linear", file, "lora_target_linear")
+    elif data.get("lora_target_modules"):
+        targets = data["lora_target_modules"]
+        reading.set("lora_target_modules", ",".join(targets) if isinstance(targets, list) else str(targets), file,
+                    "lora_target_modules")
+    if adapter == "qlora":  # loaders/model.py: nf4, double quantization, computing in the weights' dtype
+        reading.set("load_in_4bit", True, file, "adapter")
+        reading.set("bnb_4bit_use_double_quant", True, file, "adapter")
+        reading.set("bnb_4bit_compute_dtype", reading.get("dtype"), file, "adapter")
+        if "gradient_checkpointing" not in reading.values:
+            reading.set("gradient_checkpointing", False, file, "gradient_checkpointing")  # axolotl's default: off
+
+
+def _sharding(data: dict[str, Any], reading: Reading, file: str) -> None:
+    if data.get("deepspeed"):
+        from anatomist.recipe_files.trainer import read_deepspeed_reference
+
+        read_deepspeed_reference(data["deepspeed"], reading, file, tool="axolotl")
+    config = data.get("fsdp_config") or {}
+    if isinstance(config, str):
+        config = load_mapping(referenced_file(config, file, "fsdp_config"), "fsdp_config file")
+    config = {k.removeprefix("fsdp_"): v for k, v in config.items()}
+    strategies = [s for s in (data.get("fsdp") or []) if s not in ("auto_wrap", "offload")]
+    if not strategies and not config:
+        return
+    refuse_unmodelled("fsdp_offload_params", file, "fsdp_config.fsdp_offload_params", config.get("offload_params"))
+    refuse_unmodelled("fsdp_offload_params", file, "fsdp", "offload" if "offload" in (data.get("fsdp") or []) else None)
+    if strategies:
+        mode, key = fsdp_mode(strategies[0], file, "fsdp"), "fsdp"
+    elif "sharding_strategy" in config:
+        mode, key = fsdp_mode(config["sharding_strategy"], file, "fsdp_config.sharding_strategy"), "fsdp_config"
+    else:
+        key = "fsdp_config.reshard_after_forward"
+        mode = fsdp_mode(config.get("reshard_after_forward", True), file, key)
+    reading.set("fsdp", mode, file, key)
+    if config.get("activation_checkpointing"):
+        reading.set("gradient_checkpointing", True, file, "fsdp_config.activation_checkpointing")
+    reading.skip_all("fsdp_config", config, keep=("reshard_after_forward", "sharding_strategy", "activation_checkpointing",
+                                                  "offload_params", "version"))

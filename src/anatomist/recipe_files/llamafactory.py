@@ -1,0 +1,113 @@
+"""A LLaMA-Factory training YAML (`llamafactory-cli train FILE`), read as YAML: LLaMA-Factory is not a dependency.
+
+Field names and defaults are LLaMA-Factory's (hiyouga/LLaMA-Factory src/llamafactory/hparams/,
+at the commit data/framework_fields.json names): its ModelArguments, DataArguments and
+FinetuningArguments beside transformers' Seq2SeqTrainingArguments, all parsed by HfArgumentParser,
+which refuses a key none of them has; so does this reader. What LLaMA-Factory does with them:
+- finetuning_type (default lora): lora trains adapters of rank lora_rank (8), alpha lora_alpha
+  (default 2 x rank), dropout lora_dropout (0), on lora_target ("all": every linear layer);
+  full trains every weight in float32 (model/adapter.py: cast_trainable_params_to_fp32, unless pure_bf16;
+  under ZeRO-3 DeepSpeed keeps the fp32 copy itself); freeze and oft are not modelled;
+- the model is loaded in the compute dtype: bfloat16 with bf16 or pure_bf16, float16 with fp16
+  (hparams/parser.py);
+- quantization_bit 4/8 with quantization_method bnb (the default) is bitsandbytes QLoRA, nf4
+  (quantization_type) with double_quantization (default true);
+- gradient checkpointing is on unless disable_gradient_checkpointing (model/model_utils/checkpointing.py);
+- flash_attn: auto (the model's default), disabled (eager), sdpa, fa2;
+- cutoff_len (2048) is the tokens per sample; deepspeed names a ds_config, read as the Trainer reads it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from anatomist.errors import InputError
+from anatomist.recipe_files.known import TRAINER_CLASSES, framework_fields, historical_fields, refuse_unknown
+from anatomist.recipe_files.reading import Reading
+from anatomist.recipe_files.unmodelled import refuse_unmodelled
+
+MARKERS = ("finetuning_type", "stage", "template", "cutoff_len", "lora_target", "quantization_bit")
+"""Keys only a LLaMA-Factory file has (neither TrainingArguments nor TRL nor axolotl names them)."""
+OWN = {"model_name_or_path", "finetuning_type", "stage", "lora_rank", "lora_alpha", "lora_dropout", "lora_target",
+       "cutoff_len", "quantization_bit", "quantization_method", "quantization_type", "double_quantization",
+       "disable_gradient_checkpointing", "use_unsloth_gc", "flash_attn", "pure_bf16"}
+"""The LLaMA-Factory keys read here; its TrainingArguments keys go to the TrainingArguments reader."""
+ATTENTION = {"auto": None, "disabled": "eager", "sdpa": "sdpa", "fa2": "flash_attention_2"}
+"""flash_attn (extras/constants.py AttentionFunction) -> Recipe.attn_implementation (None: the model's default)."""
+STAGES = ("sft", "pt")
+"""Stages trained as one causal-LM model; rm, ppo, dpo and kto add a value head or reference/reward models."""
+
+
+def looks_like_llamafactory(data: dict[str, Any]) -> bool:
+    return any(key in data for key in MARKERS)
+
+
+def read_llamafactory(data: dict[str, Any], reading: Reading, file: str) -> None:
+    """Add the file's settings to `reading`; its TrainingArguments keys through `read_trainer`."""
+    from anatomist.recipe_files.trainer import read_trainer, trainer_fields
+
+    training = set(trainer_fields()) | historical_fields(TRAINER_CLASSES)
+    refuse_unknown(data, framework_fields("LLaMA-Factory") | training, file,
+                   "LLaMA-Factory's arguments (HfArgumentParser refuses it too)")
+    stage = data.get("stage", "sft")
+    if stage not in STAGES:
+        raise InputError(f"{file}: stage={stage!r} is not modelled (it adds a reward, value or reference model); "
+                         f"modelled: {', '.join(STAGES)}")
+    method = data.get("finetuning_type", "lora")
+    if method not in ("lora", "full"):
+        raise InputError(f"{file}: finetuning_type={method!r} is not modelled; modelled: lora, full")
+    refuse_unmodelled("activation_offload", file, "use_unsloth_gc", data.get("use_unsloth_gc"))
+    read_trainer({k: v for k, v in data.items() if k in training and k not in OWN}, reading, file)
+    if data.get("model_name_or_path"):
+        reading.set("model", data["model_name_or_path"], file, "model_name_or_path")
+    reading.set("seq_len", data.get("cutoff_len", 2048), file, "cutoff_len")
+    if "gradient_checkpointing" not in reading.values:
+        reading.set("gradient_checkpointing", not data.get("disable_gradient_checkpointing", False), file,
+                    "disable_gradient_checkpointing")
+    attention = data.get("flash_attn", "auto")
+    if attention not in ATTENTION:
+        raise InputError(f"{file}: flash_attn={attention!r} is not modelled; modelled: {', '.join(ATTENTION)}")
+    if ATTENTION[attention]:
+        reading.set("attn_implementation", ATTENTION[attention], file, "flash_attn")
+    _precision(data, method, reading, file)
+    if method == "lora":
+        _lora(data, reading, file)
+    for key, value in data.items():
+        if key not in OWN and key not in training:
+            reading.skip(key, value)
+
+
+def _precision(data: dict[str, Any], method: str, reading: Reading, file: str) -> None:
+    pure = bool(data.get("pure_bf16"))
+    compute = "bfloat16" if reading.get("bf16") or pure else "float16" if reading.get("fp16") else None
+    if pure:
+        reading.set("bf16", False, file, "pure_bf16")  # bf16 weights, no autocast
+    if method == "full" and not pure:
+        dtype = "float32"  # trainable parameters in float32: upcast (model/adapter.py), or ZeRO-3's own fp32 copy
+    else:
+        dtype = compute or "auto"
+    reading.set("dtype", dtype, file, "pure_bf16" if pure else "bf16" if compute else "finetuning_type")
+
+
+def _lora(data: dict[str, Any], reading: Reading, file: str) -> None:
+    rank = data.get("lora_rank", 8)
+    reading.set("peft", "lora", file, "finetuning_type")
+    reading.set("lora_r", rank, file, "lora_rank")
+    reading.set("lora_alpha", data.get("lora_alpha") or 2 * rank, file, "lora_alpha")
+    reading.set("lora_dropout", data.get("lora_dropout", 0.0), file, "lora_dropout")
+    target = data.get("lora_target", "all")
+    reading.set("lora_target_modules", "all-linear" if target == "all" else str(target), file, "lora_target")
+    bits = data.get("quantization_bit")
+    if bits is None:
+        return
+    if data.get("quantization_method", "bnb") != "bnb" or bits not in (4, 8):
+        raise InputError(f"{file}: quantization_bit={bits!r} with quantization_method="
+                         f"{data.get('quantization_method', 'bnb')!r} is not modelled; modelled: bnb with 4 or 8 bits")
+    if bits == 8:
+        reading.set("load_in_8bit", True, file, "quantization_bit")
+        return
+    reading.set("load_in_4bit", True, file, "quantization_bit")
+    reading.set("bnb_4bit_quant_type", data.get("quantization_type", "nf4"), file, "quantization_type")
+    reading.set("bnb_4bit_use_double_quant", data.get("double_quantization", True), file, "double_quantization")
+    compute = reading.get("dtype")
+    reading.set("bnb_4bit_compute_dtype", compute if compute != "auto" else "float32", file, "quantization_bit")
