@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 from functools import cache
 from typing import TYPE_CHECKING, Any, Literal, Self, get_args, get_origin, get_type_hints
 
+from anatomist.axes.liger import check_liger
 from anatomist.axes.optimizers import OPTIMIZERS, optimizer
 from anatomist.axes.precisions import HALF_DTYPES
 from anatomist.axes.shardings import FSDP_STAGES
@@ -148,6 +149,12 @@ class Recipe:
         "weights, gradients and optimizer states (like ZeRO-3); shard_grad_op shards gradients and optimizer "
         "states (like ZeRO-2). Exclusive with DeepSpeed ZeRO.", when_none="none")
 
+    # -- LLM fine-tuning as TRL and the Trainer run it (issue 23): Liger Kernel --------------------
+    use_liger_kernel: bool = _trainer_default(
+        "use_liger_kernel", "Liger Kernel's Triton kernels (TrainingArguments.use_liger_kernel): fused linear + "
+        "cross-entropy that never holds the logits, RMSNorm, SwiGLU and RoPE; causal LMs Liger supports "
+        "(axes/liger.py). Predicted without liger-kernel installed.")
+
     def __post_init__(self) -> None:
         if self.per_device_train_batch_size <= 0:
             raise InputError(
@@ -260,8 +267,10 @@ class Recipe:
 
         Raises:
             InputError: a dtype the model's code rejects, or one that with the recipe's precision
-                flags makes a combination PyTorch refuses.
+                flags makes a combination PyTorch refuses; Liger Kernel for a model it does not patch.
         """
+        if self.use_liger_kernel:
+            check_liger(workload.model_type, workload.task, workload.name)
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return ResolvedRecipe(**{**values, "dtype": workload.weights_dtype(self.dtype)})
 
@@ -295,6 +304,8 @@ class Recipe:
             needed.append("deepspeed")
         if self.load_in_4bit or self.load_in_8bit:
             needed.append("bitsandbytes")
+        if self.use_liger_kernel:
+            needed.append("liger_kernel")
         return [name for name in dict.fromkeys(needed) if importlib.util.find_spec(name) is None]
 
     def to_training_arguments_kwargs(self) -> dict[str, Any]:
@@ -315,6 +326,8 @@ class Recipe:
             kwargs["tf32"] = True
         if self.fsdp != "none":
             kwargs["fsdp"] = self.fsdp
+        if self.use_liger_kernel:
+            kwargs["use_liger_kernel"] = True
         return kwargs | dict(optimizer(self.optim).trainer_kwargs)
 
     def to_training_arguments(self, output_dir: str, **extra: Any) -> Any:

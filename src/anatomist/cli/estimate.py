@@ -80,8 +80,8 @@ def build_estimate(args: argparse.Namespace) -> Estimate:
         raise InputError(f"tf32 needs an Ampere or newer GPU; {gpu.name} has none")
     if recipe.dtype == "bfloat16" and not gpu.bf16:
         raise InputError(f"--dtype bfloat16 needs an Ampere or newer GPU; {gpu.name} has none (use --dtype float16 or float32)")
+    recipe = recipe.resolved(workload)  # refuses what the model cannot take before any note is said
     note_missing_packages(recipe)
-    recipe = recipe.resolved(workload)
     if recipe.dtype == "bfloat16" and not gpu.bf16:
         warn(f"{workload.name} loads in bfloat16 (its config's dtype) but {gpu.name} has no bf16 tensor cores: "
              "it runs emulated and slowly there; --dtype float16 or float32 is the usual choice")

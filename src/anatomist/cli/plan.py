@@ -49,6 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--precisions", default=None, metavar="A,B",
                    help=f"precisions to search (default: all the GPU supports; known: {', '.join(FULL_PRECISIONS)})")
     p.add_argument("--no-compile", action="store_true", help="do not consider torch.compile")
+    p.add_argument("--no-liger-kernel", action="store_true",
+                   help="do not consider Liger Kernel (searched by default for the causal LMs whose kernels anatomist traces)")
     peft = p.add_argument_group("parameter-efficient fine-tuning (searched only when asked: it changes what is trained)")
     peft.add_argument("--peft", default="", metavar="lora,qlora",
                       help="also search LoRA adapters (bf16/fp32 base) and/or QLoRA (4-bit NF4 base)")
@@ -90,6 +92,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
     space = SearchSpace(
         global_batch_size=args.global_batch_size, num_gpus=args.gpus, optims=optims,
         compile_options=(False,) if args.no_compile else (False, True),
+        liger_options=(False,) if args.no_liger_kernel else None,
         precisions=precisions, methods=("full", *dict.fromkeys(added)), base=Recipe(**lora),
     )
     from anatomist.plan.search import plan  # imports torch
@@ -118,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe(recipe: Recipe, num_gpus: int) -> list[str]:
+def _describe(recipe: Recipe, num_gpus: int, liger: bool = False) -> list[str]:
+    """The table's cells of `recipe`; `liger`: with the Liger column (when the plan searched it)."""
     return [
         method_of(recipe),
         f"{recipe.per_device_train_batch_size} x {recipe.gradient_accumulation_steps}",
@@ -127,7 +131,7 @@ def _describe(recipe: Recipe, num_gpus: int) -> list[str]:
         recipe.optim,
         "on" if recipe.torch_compile else "off",
         sharding_of(recipe, num_gpus),
-    ]
+    ] + (["on" if recipe.use_liger_kernel else "off"] if liger else [])
 
 
 def render(result: Plan) -> None:
@@ -142,21 +146,23 @@ def render(result: Plan) -> None:
         f"{len(result.candidates)} candidates, {len(result.feasible)} fit"
     )
     table = Table(title="Pareto front (throughput vs peak device memory)", title_justify="left")
-    for col in ("method", "batch x accum", "ckpt", "precision", "optim", "compile", "sharding"):
+    liger = len(result.space.liger_options or ()) > 1
+    for col in ("method", "batch x accum", "ckpt", "precision", "optim", "compile", "sharding") + (("liger",) if liger else ()):
         table.add_column(col)
     table.add_column("device memory", justify="right")
     table.add_column("samples/s", justify="right")
     for c in result.pareto:
         mark = "[bold green]" if c is result.best else ""
-        cells = _describe(c.recipe, result.space.num_gpus) + [gib(c.device_total), f"{c.samples_per_second:.1f}"]
+        cells = _describe(c.recipe, result.space.num_gpus, liger) + [gib(c.device_total), f"{c.samples_per_second:.1f}"]
         table.add_row(*[f"{mark}{x}" for x in cells])
     out.print(table)
     best = result.best
     method, batch, ckpt, precision, optim, compiled, sharding = _describe(best.recipe, result.space.num_gpus)
     adapters = f" (r={best.recipe.lora_r})" if method != "full" else ""
+    kernels = ", Liger Kernel" if best.recipe.use_liger_kernel else ""
     out.print(
         f"[bold]top pick[/]: {method} fine-tuning{adapters}, batch {batch}, checkpointing {ckpt}, {precision}, "
-        f"{optim}, compile {compiled}, "
+        f"{optim}{kernels}, compile {compiled}, "
         f"sharding {sharding}, attention {best.recipe.attn_implementation}: {gib(best.device_total)} of limit "
         f"{gib(result.limit_bytes)}, {best.samples_per_second:.1f} samples/s predicted"
     )

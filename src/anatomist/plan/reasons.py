@@ -96,6 +96,9 @@ def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[ResolvedRec
          lambda r: [("on" if not r.torch_compile else "off", r.replace(torch_compile=not r.torch_compile))]
          if len(space.compile_options) > 1 else []),
         ("sharding", lambda r: sharding_of(r, space.num_gpus), sharding_alts),
+        ("Liger Kernel", lambda r: "on" if r.use_liger_kernel else "off",
+         lambda r: [("on" if not r.use_liger_kernel else "off", r.replace(use_liger_kernel=not r.use_liger_kernel))]
+         if len(space.liger_options or ()) > 1 else []),
     ]
 
 

@@ -120,10 +120,11 @@ def pareto_front(candidates: list[Candidate]) -> list[Candidate]:
 
 def _simplicity(recipe: Recipe) -> tuple[int, ...]:
     """Tie-break among equally fast recipes: fewer moving parts first (every weight trained, no
-    compile, no sharding, no checkpointing, AdamW), then a per-device batch that is a multiple of 8."""
+    compile, no Liger, no sharding, no checkpointing, AdamW), then a per-device batch that is a multiple of 8."""
     return (
         int(recipe.peft != "none") + int(recipe.quantized),
         int(recipe.torch_compile),
+        int(recipe.use_liger_kernel),
         recipe.sharding_stage,
         int(recipe.offload != "none"),
         int(recipe.gradient_checkpointing),
@@ -154,7 +155,7 @@ def plan(
     """
     from anatomist.plan.reasons import explain, explain_infeasible
 
-    space = space or SearchSpace()
+    space = (space or SearchSpace()).for_workload(workload.model_type, workload.task)
     if workload.is_moe and space.precisions is None:
         if not gpu.bf16:
             raise InputError(f"{workload.name}: its Mixture-of-Experts layers need bfloat16 weights, which {gpu.name} lacks")

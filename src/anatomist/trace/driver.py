@@ -89,7 +89,8 @@ def trace_step(
         tracer.register(p, MemoryCategory.WEIGHTS)
     for b in model.buffers():
         tracer.register(b, MemoryCategory.WEIGHTS)
-    with _tracing(workload, recipe, tracer, fake_mode, observers):
+    with _tracing(workload, recipe, tracer, fake_mode, observers), \
+            _kernels(model, workload, recipe, part, compute_capability, fake):
         # cuBLAS workspaces live from the first matrix product on: one for the main thread's
         # handle and, in training, one for the autograd engine's device thread. A steady-state
         # step starts with both.
@@ -114,6 +115,18 @@ def traced_model(workload: Workload, recipe: ResolvedRecipe, depth: Depth, fake_
         model = apply_peft(base, recipe, workload.task)
     fake_parameters(model, fake_mode)
     return model
+
+
+def _kernels(model: torch.nn.Module, workload: Workload, recipe: ResolvedRecipe, part: Part, compute_capability: str,
+             fake: bool) -> Any:
+    """The training kernels the recipe swaps in (Liger's, issue 23), as stand-ins; nothing otherwise."""
+    if not recipe.use_liger_kernel or part == "inference":
+        return contextlib.nullcontext()
+    if not fake:
+        raise InputError("Liger Kernel's Triton kernels need a GPU: a real CPU step cannot run them")
+    from anatomist.trace.liger import liger_kernels
+
+    return liger_kernels(model, workload.model_type, compute_capability)
 
 
 @contextlib.contextmanager
