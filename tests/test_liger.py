@@ -151,6 +151,7 @@ def llama(tiny_model):
     return load_workload(str(tiny_model("llama", num_hidden_layers=3)), seq_len=64)
 
 
+@pytest.mark.slow
 def test_liger_removes_the_logits_from_the_peak(tiny_model):
     """A vocabulary of 32,000 at hidden 64: the logits and their fp32 copies are most of the peak; with
     Liger the head's chunk is batch x ceil(64 / 500) = 4 x 1 tokens."""
@@ -179,7 +180,8 @@ def test_liger_keeps_the_step_s_flops(llama):
 def test_liger_for_a_model_it_does_not_patch_is_one_line(cli, config, task, message):
     proc = cli("estimate", config["model"], "--use-liger-kernel", "--seq-len", "64", "--json")
     assert proc.returncode == 2
-    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    said = [line for line in proc.stderr.splitlines() if not (line[:1] in "WI" and line[1:5].isdigit())]  # torch's logs
+    assert len(said) == 1 and "Traceback" not in proc.stderr
     assert pytest.importorskip("re").search(message, proc.stderr), proc.stderr
 
 

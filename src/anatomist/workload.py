@@ -13,6 +13,7 @@ came from (see data/models/README.md). That key is stripped before transformers 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import json
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from typing import Any, Literal
 
 from anatomist.errors import InputError
 from anatomist.model_catalog import METADATA_KEY, catalog_entries, find_entry
+from anatomist.token_stats import TokenStats, read_lengths, stats_from_mean
 
 Task = Literal["sequence-classification", "causal-lm", "seq2seq-lm", "masked-lm"]
 TASKS: tuple[str, ...] = ("sequence-classification", "causal-lm", "seq2seq-lm", "masked-lm")
@@ -61,6 +63,10 @@ class Workload:
     trust_remote_code: bool = False
     num_labels: int = 2
     extra: dict[str, Any] = field(default_factory=dict)
+    tokens: TokenStats | None = None
+    """The data's token statistics (--avg-seq-len, --lengths; issue 23): what padding-free training processes."""
+    prompt_len: int = 0
+    """Tokens of each sequence's prompt, which a preference loss does not score (--prompt-len; DPO)."""
     _trace_key: tuple[Any, ...] | None = field(default=None, init=False, repr=False, compare=False)
     _is_moe: bool | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -80,8 +86,24 @@ class Workload:
         Computed once (a JSON dump of the config): nothing changes a workload's config after
         loading; `model_at_depth` and `dataclasses.replace` make new workloads."""
         if self._trace_key is None:
-            self._trace_key = (self.config.to_json_string(use_diff=False), self.task, self.num_labels, self.seq_len)
+            prompt = (self.prompt_len,) if self.prompt_len else ()  # DPO scores the completion only (issue 23)
+            self._trace_key = (self.config.to_json_string(use_diff=False), self.task, self.num_labels, self.seq_len,
+                               *prompt)
         return self._trace_key
+
+    def for_recipe(self, recipe: Any) -> Workload:
+        """The samples `recipe` trains on: padding-free (not packed) micro-batches are the data's sequences at their
+        mean length (`tokens`); packed rows and padded micro-batches are `seq_len` tokens each.
+
+        Raises:
+            InputError: padding-free training without the data's lengths.
+        """
+        if not recipe.padding_free or recipe.packing:
+            return self
+        if self.tokens is None:
+            raise InputError("padding_free: a micro-batch holds the data's sequences without padding; give their "
+                             "lengths: --avg-seq-len N or --lengths FILE")
+        return dataclasses.replace(self, seq_len=self.tokens.avg_seq_len)
 
     @property
     def is_moe(self) -> bool:
@@ -167,12 +189,16 @@ def load_workload(
     task: Task | None = None,
     trust_remote_code: bool = False,
     allow_network: bool = False,
+    avg_seq_len: int | None = None,
+    lengths: str | None = None,
+    prompt_len: int | None = None,
 ) -> Workload:
-    """Resolve MODEL to a Workload.
+    """Resolve MODEL to a Workload; `avg_seq_len` or `lengths` (a file of token counts): the data's token
+    statistics (`token_stats`), read against the maximum length `seq_len`.
 
     Raises:
         InputError: unknown model (with close names), malformed config (naming the field),
-            seq_len out of range, remote code without `trust_remote_code`.
+            seq_len out of range, remote code without `trust_remote_code`, both or bad token statistics.
     """
     config, source = _resolve_config(model, trust_remote_code=trust_remote_code, allow_network=allow_network)
     chosen_task: Task = task or _default_task(config)
@@ -188,6 +214,16 @@ def load_workload(
     if limit is not None and seq_len > limit:
         raise InputError(f"seq_len {seq_len} is above {model}'s maximum of {limit} positions")
     workload.seq_len = seq_len
+    if avg_seq_len is not None and lengths is not None:
+        raise InputError("--avg-seq-len and --lengths both give the data's lengths: give one")
+    if avg_seq_len is not None:
+        workload.tokens = stats_from_mean(avg_seq_len, seq_len)
+    elif lengths is not None:
+        workload.tokens = read_lengths(lengths, seq_len)
+    if prompt_len is not None:
+        if not 0 <= prompt_len < seq_len:
+            raise InputError(f"--prompt-len must be at least 0 and below the sequence length {seq_len}, got {prompt_len}")
+        workload.prompt_len = prompt_len
     return workload
 
 

@@ -71,6 +71,8 @@ def build_estimate(args: argparse.Namespace) -> Estimate:
     workload = load_workload(
         model or DEFAULT_MODEL, seq_len=seq_len, task=args.task,
         trust_remote_code=args.trust_remote_code, allow_network=args.allow_network,
+        avg_seq_len=args.avg_seq_len, lengths=args.lengths,
+        prompt_len=args.prompt_len,
     )
     recipe = recipe_from_args(args, base=SEEDS_RECIPE if model is None else None, source=source)
     calibration = calibration_from_args(args)
@@ -81,6 +83,7 @@ def build_estimate(args: argparse.Namespace) -> Estimate:
     if recipe.dtype == "bfloat16" and not gpu.bf16:
         raise InputError(f"--dtype bfloat16 needs an Ampere or newer GPU; {gpu.name} has none (use --dtype float16 or float32)")
     recipe = recipe.resolved(workload)  # refuses what the model cannot take before any note is said
+    workload.for_recipe(recipe)  # and what the data cannot (padding-free without its lengths)
     note_missing_packages(recipe)
     if recipe.dtype == "bfloat16" and not gpu.bf16:
         warn(f"{workload.name} loads in bfloat16 (its config's dtype) but {gpu.name} has no bf16 tensor cores: "

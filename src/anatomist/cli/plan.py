@@ -28,7 +28,7 @@ from anatomist.hardware import get_gpu
 from anatomist.plan.emit import TARGETS, write
 from anatomist.plan.emit import render as render_emit
 from anatomist.plan.space import SearchSpace, method_of
-from anatomist.recipe import Recipe
+from anatomist.recipe import TRAINERS, Recipe
 from anatomist.workload import load_workload
 
 if TYPE_CHECKING:
@@ -51,6 +51,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-compile", action="store_true", help="do not consider torch.compile")
     p.add_argument("--no-liger-kernel", action="store_true",
                    help="do not consider Liger Kernel (searched by default for the causal LMs whose kernels anatomist traces)")
+    llm = p.add_argument_group("the trainer (issue 23: kept as given, not searched)")
+    llm.add_argument("--trainer", choices=TRAINERS, default=None,
+                     help="transformers' Trainer (default), TRL's SFTTrainer (sft) or DPOTrainer (dpo)")
+    llm.add_argument("--precompute-ref-log-probs", action="store_true", default=None,
+                     help="DPO: reference log-probabilities computed before training (no reference model held)")
+    llm.add_argument("--padding-free", action="store_true", default=None,
+                     help="SFT: padding-free micro-batches (needs the data's lengths; flash_attention_2 searched only)")
     peft = p.add_argument_group("parameter-efficient fine-tuning (searched only when asked: it changes what is trained)")
     peft.add_argument("--peft", default="", metavar="lora,qlora",
                       help="also search LoRA adapters (bf16/fp32 base) and/or QLoRA (4-bit NF4 base)")
@@ -85,15 +92,21 @@ def build_plan(args: argparse.Namespace) -> Plan:
     added = _names("--peft", "method", args.peft, ("lora", "qlora"), allow_none=True)
     lora = {k: getattr(args, k) for k in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
             if getattr(args, k) is not None}
+    trainer = {k: getattr(args, k) for k in ("trainer", "precompute_ref_log_probs", "padding_free")
+               if getattr(args, k) is not None}
+    if trainer.get("padding_free"):
+        trainer["attn_implementation"] = "flash_attention_2"  # the attention that takes packed sequences
     if lora and not added:
         raise InputError(f"--{next(iter(lora)).replace('_', '-')} needs --peft lora and/or qlora")
     workload = load_workload(args.model, seq_len=args.seq_len, task=args.task,
-                             trust_remote_code=args.trust_remote_code, allow_network=args.allow_network)
+                             trust_remote_code=args.trust_remote_code, allow_network=args.allow_network,
+                             avg_seq_len=args.avg_seq_len, lengths=args.lengths,
+                             prompt_len=args.prompt_len)
     space = SearchSpace(
         global_batch_size=args.global_batch_size, num_gpus=args.gpus, optims=optims,
         compile_options=(False,) if args.no_compile else (False, True),
         liger_options=(False,) if args.no_liger_kernel else None,
-        precisions=precisions, methods=("full", *dict.fromkeys(added)), base=Recipe(**lora),
+        precisions=precisions, methods=("full", *dict.fromkeys(added)), base=Recipe(**lora, **trainer),
     )
     from anatomist.plan.search import plan  # imports torch
     from anatomist.plan.throughput import predict_time

@@ -66,6 +66,7 @@ def estimate(
     """Predict memory (and, in training, time) of one step of `recipe` on `gpu`; `calibration`:
     the time model's factors (default: the shipped data/time_calibration.toml)."""
     recipe = recipe.resolved(workload)  # the library's entry point: everything below takes it resolved
+    workload = workload.for_recipe(recipe)  # padding-free: the data's sequences, not the longest (issue 23)
     memory = estimate_memory(workload, recipe, gpu, mode=mode, num_gpus=num_gpus, margin=margin)
     time = estimate_time(workload, recipe, gpu, calibration) if mode == "train" else None
     source = (calibration or default_calibration()).source

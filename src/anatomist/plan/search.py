@@ -103,8 +103,9 @@ class Evaluator:
         """The candidate of `recipe` (resolved here for the workload: the plan's entry point for each recipe)."""
         recipe = recipe.resolved(self.workload)
         if recipe not in self.seen:
-            memory = estimate_memory(self.workload, recipe, self.gpu, num_gpus=self.num_gpus, margin=self.margin)
-            time = self.time_model(self.workload, recipe, self.gpu, num_gpus=self.num_gpus)
+            workload = self.workload.for_recipe(recipe)  # padding-free: the data's sequences (issue 23)
+            memory = estimate_memory(workload, recipe, self.gpu, num_gpus=self.num_gpus, margin=self.margin)
+            time = self.time_model(workload, recipe, self.gpu, num_gpus=self.num_gpus)
             self.seen[recipe] = Candidate(recipe=recipe, memory=memory, time=time, fits=memory.fits)
         return self.seen[recipe]
 

@@ -146,7 +146,7 @@ def _recipes(space: SearchSpace, method: str, ckpt: bool, precision_name: str, o
             "gradient_accumulation_steps": accum,
             "gradient_checkpointing": ckpt,
             "optim": optim,
-            "attn_implementation": "sdpa",
+            "attn_implementation": "flash_attention_2" if space.base.padding_free else "sdpa",  # packed rows: varlen
             "torch_compile": compiled,
             "zero_stage": 0, "offload": "none", "fsdp": "none",
             "use_liger_kernel": liger,

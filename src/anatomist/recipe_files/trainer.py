@@ -25,6 +25,8 @@ from anatomist.recipe_files.reading import Reading, fsdp_mode, load_mapping, ref
 
 RECIPE_FIELDS = frozenset(f.name for f in dataclasses.fields(Recipe))
 TRL_CLASSES = ("ScriptArguments", "SFTConfig", "ModelConfig", "DatasetMixtureConfig")
+TRL_DPO_CLASSES = ("ScriptArguments", "DPOConfig", "ModelConfig", "DatasetMixtureConfig")
+"""What `trl dpo --config` parses its YAML into (trl/scripts/dpo.py): DPOConfig in SFTConfig's place (issue 23)."""
 TRL_LEGACY = {"max_seq_length": "max_length", "torch_dtype": "dtype"}
 """Names older TRL releases used, and what they are now."""
 TRL_ENV = "env"
@@ -63,16 +65,27 @@ def trainer_fields() -> dict[str, Any]:
 
 
 @cache
-def trl_fields() -> dict[str, Any] | None:
-    """The fields `trl sft --config` reads and their defaults (SFTConfig's over TrainingArguments'); None without trl."""
+def trl_fields(script: str = "sft") -> dict[str, Any] | None:
+    """The fields `trl sft --config` (or `trl dpo --config`) reads and their defaults (SFTConfig's or DPOConfig's
+    over TrainingArguments'); None without trl."""
     try:
         import trl
     except ImportError:
         return None
     fields: dict[str, Any] = {}
-    for name in TRL_CLASSES:
+    for name in TRL_CLASSES if script == "sft" else TRL_DPO_CLASSES:
         fields.update({f.name: _default(f) for f in dataclasses.fields(getattr(trl, name))})
     return fields
+
+
+def _trl_script(keys: set[str], file: str) -> str:
+    """sft or dpo: a file that sets a field only DPOConfig has is `trl dpo`'s (one with only shared fields, sft's)."""
+    sft, dpo = trl_fields("sft") or {}, trl_fields("dpo") or {}
+    dpo_only, sft_only = sorted(keys & (set(dpo) - set(sft))), sorted(keys & (set(sft) - set(dpo)))
+    if dpo_only and sft_only:
+        raise InputError(f"{file}: sets SFTConfig's {', '.join(sft_only[:3])} and DPOConfig's {', '.join(dpo_only[:3])}: "
+                         "a TRL config is one trainer's (trl sft or trl dpo)")
+    return "dpo" if dpo_only else "sft"
 
 
 def read_trainer(data: dict[str, Any], reading: Reading, file: str) -> str:
@@ -81,6 +94,9 @@ def read_trainer(data: dict[str, Any], reading: Reading, file: str) -> str:
     kind, schema = _kind(data, trainer, file)
     if kind == "TRL":
         _trl_defaults(data, schema, reading, file)
+        script = "dpo" if "beta" in schema else "sft"  # DPOConfig.beta: the schema is trl dpo's
+        if data.get("trainer") is None:
+            reading.set_default("trainer", script, file, f"{script.upper()}Config", "TRL")
     for key, value in data.items():
         if key in DIRECT:
             if value is not None:
@@ -104,6 +120,8 @@ def _kind(data: dict[str, Any], trainer: dict[str, Any], file: str) -> tuple[str
     if keys <= RECIPE_FIELDS | set(trainer):
         return "TrainingArguments", trainer
     trl = trl_fields()
+    if trl is not None:
+        trl = trl_fields(_trl_script(keys, file))
     known = RECIPE_FIELDS | set(trainer) | set(trl or {}) | set(TRL_LEGACY) | {TRL_ENV}
     unknown = sorted(keys - known)
     if trl is None:
@@ -111,7 +129,7 @@ def _kind(data: dict[str, Any], trainer: dict[str, Any], file: str) -> tuple[str
                          "not a Recipe or TrainingArguments field; if this is a TRL config, pip install trl to read it")
     if unknown:
         raise InputError(f"{file}: unknown recipe field(s) {', '.join(unknown)}: not a field of anatomist's Recipe, "
-                         "TrainingArguments, or trl's SFTConfig, ModelConfig or ScriptArguments")
+                         "TrainingArguments, or trl's SFTConfig (or DPOConfig), ModelConfig or ScriptArguments")
     return "TRL", {**trainer, **trl}
 
 

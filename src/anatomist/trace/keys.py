@@ -59,8 +59,10 @@ names, or the whole model (None)."""
 PEFT_FIELDS = ("peft", "lora_r", "lora_dropout", "lora_target_modules", "load_in_4bit", "load_in_8bit",
                "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype")
 """What changes the model a trace builds under PEFT (which layers, which adapters, what is trainable)."""
-LLM_FIELDS = ("use_liger_kernel",)
-"""What changes the passes of a causal-LM fine-tune as TRL and the Trainer run it (issue 23): Liger's kernels."""
+LLM_FIELDS = ("use_liger_kernel", "trainer", "precompute_ref_log_probs")
+"""What changes the passes of a causal-LM fine-tune as TRL and the Trainer run it (issue 23): Liger's kernels, the
+trainer's loss (TRL's fused LM head, DPO's pairs and reference model). Padding-free training changes the traced
+sequence length (`Workload.for_recipe`), packing nothing traced."""
 PART_FIELDS: dict[str, tuple[str, ...]] = {
     "forward-backward": ("dtype", "gradient_checkpointing", "fp16", "bf16", "attn_implementation",
                          "experts_implementation", *PEFT_FIELDS, *LLM_FIELDS),
@@ -120,7 +122,7 @@ TRACE_SOURCES: tuple[str, ...] = (
     "axes/__init__.py", "axes/liger.py", "axes/optimizers.py", "axes/precisions.py", "axes/quantization.py", "axes/shardings.py",
     "trace/__init__.py", "trace/allocator.py", "trace/autocast.py", "trace/cache.py", "trace/cuda_model.py",
     "trace/cuts.py", "trace/cutting.py", "trace/driver.py", "trace/experts.py", "trace/inputs.py", "trace/keys.py",
-    "trace/kernel_ops.py", "trace/liger.py",
+    "trace/kernel_ops.py", "trace/liger.py", "trace/trainers.py", "trace/trl_head.py", "token_stats.py",
     "trace/ops.py", "trace/optimizer_layouts.py", "trace/parts.py", "trace/peft.py", "trace/pool.py",
     "trace/records.py", "trace/stack.py", "trace/tracer.py",
     "data/__init__.py", "data/op_classes.toml", "data/cuda_autocast.toml", "data/gpus.toml", "data/liger.toml",

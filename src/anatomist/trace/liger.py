@@ -228,10 +228,12 @@ def _swiglu_mlp_forward(self: Any, x: Tensor) -> Tensor:
 
 
 @contextlib.contextmanager
-def liger_kernels(model: torch.nn.Module, model_type: str, compute_capability: str) -> Iterator[None]:
+def liger_kernels(model: torch.nn.Module, model_type: str, compute_capability: str, *, fused_loss: bool = True,
+                  ) -> Iterator[None]:
     """Patch `model` (a causal LM, or PEFT's wrapper of one) as the Trainer's use_liger_kernel=True does
     (`_apply_liger_kernel_to_instance` on the base model): every RMSNorm and SwiGLU MLP of the backbone,
-    the causal LM's forward, and, while inside, the model module's `apply_rotary_pos_emb`."""
+    the causal LM's forward (`fused_loss`: TRL's trainers turn it off for their own fused head), and, while
+    inside, the model module's `apply_rotary_pos_emb`."""
     wrapper: Any = model
     base: Any = wrapper.get_base_model() if hasattr(wrapper, "get_base_model") else wrapper
     backbone: Any = getattr(base, base.base_model_prefix, base)
@@ -241,8 +243,9 @@ def liger_kernels(model: torch.nn.Module, model_type: str, compute_capability: s
             module.forward = MethodType(_rms_norm_forward, module)
         elif kind.endswith("MLP") and all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj")):
             module.forward = MethodType(_swiglu_mlp_forward, module)
-    base._anatomist_sm80 = int(compute_capability.split(".")[0]) >= 8
-    base.forward = MethodType(lce_forward, base)
+    if fused_loss:
+        base._anatomist_sm80 = int(compute_capability.split(".")[0]) >= 8
+        base.forward = MethodType(lce_forward, base)
     modeling: Any = importlib.import_module(liger_table().modelled[model_type])
     original = modeling.apply_rotary_pos_emb
     modeling.apply_rotary_pos_emb = liger_rotary_pos_emb
