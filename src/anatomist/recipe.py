@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 from functools import cache
 from typing import TYPE_CHECKING, Any, Literal, Self, get_args, get_origin, get_type_hints
 
+from anatomist.axes.liger import check_liger
 from anatomist.axes.optimizers import OPTIMIZERS, optimizer
 from anatomist.axes.precisions import HALF_DTYPES
 from anatomist.axes.shardings import FSDP_STAGES
@@ -37,6 +38,7 @@ Fsdp = Literal["none", "full_shard", "shard_grad_op"]
 LoadDtype = Literal["auto", "float32", "bfloat16", "float16"]
 Peft = Literal["none", "lora", "qlora"]
 QuantType = Literal["nf4", "fp4"]
+Trainer = Literal["trainer", "sft", "dpo"]
 
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttnImplementation)
 EXPERTS_IMPLEMENTATIONS: tuple[str, ...] = get_args(ExpertsImplementation)
@@ -45,6 +47,7 @@ FSDP_MODES: tuple[str, ...] = get_args(Fsdp)
 LOAD_DTYPES: tuple[str, ...] = get_args(LoadDtype)
 PEFT_METHODS: tuple[str, ...] = get_args(Peft)
 QUANT_TYPES: tuple[str, ...] = get_args(QuantType)
+TRAINERS: tuple[str, ...] = get_args(Trainer)
 
 
 QLORA_PRESET: dict[str, Any] = {"load_in_4bit": True, "bnb_4bit_use_double_quant": True,
@@ -148,6 +151,27 @@ class Recipe:
         "weights, gradients and optimizer states (like ZeRO-3); shard_grad_op shards gradients and optimizer "
         "states (like ZeRO-2). Exclusive with DeepSpeed ZeRO.", when_none="none")
 
+    # -- LLM fine-tuning as TRL and the Trainer run it (issue 23) ----------------------------------
+    use_liger_kernel: bool = _trainer_default(
+        "use_liger_kernel", "Liger Kernel's Triton kernels (TrainingArguments.use_liger_kernel): fused linear + "
+        "cross-entropy that never holds the logits, RMSNorm, SwiGLU and RoPE; causal LMs Liger supports "
+        "(axes/liger.py). Predicted without liger-kernel installed. Under TRL's trainers only the layer kernels "
+        "apply (TRL's own fused LM head computes the loss).")
+    trainer: Trainer = _field(
+        "trainer", "Which trainer runs the step: transformers' Trainer (the model's own head and loss: the logits "
+        "exist), TRL's SFTTrainer (sft) or DPOTrainer (dpo), whose fused LM head never holds the logits; dpo runs "
+        "chosen and rejected sequences as one batch of twice the pairs and a reference model (trace/trainers.py).")
+    padding_free: bool = _field(
+        False, "Flatten each micro-batch into one row without padding (SFTConfig.padding_free, transformers' "
+        "DataCollatorWithFlattening): position_ids restart per sequence, flash_attention_2's varlen kernel; a "
+        "micro-batch is then batch x the data's mean length in tokens (--avg-seq-len or --lengths).")
+    packing: bool = _field(
+        False, "Pack sequences into rows of max_length (--seq-len) tokens (SFTConfig.packing, best-fit decreasing, "
+        "which is padding-free): every row full, several sequences in each.")
+    precompute_ref_log_probs: bool = _field(
+        False, "DPO: the reference model's log-probabilities are computed before training (DPOConfig), so no "
+        "reference model is held nor run during it.")
+
     def __post_init__(self) -> None:
         if self.per_device_train_batch_size <= 0:
             raise InputError(
@@ -209,6 +233,25 @@ class Recipe:
             raise InputError(f"unknown bnb_4bit_quant_type {self.bnb_4bit_quant_type!r}; known: {', '.join(QUANT_TYPES)}")
         if self.max_grad_norm < 0:
             raise InputError(f"max_grad_norm must be >= 0, got {self.max_grad_norm}")
+        self._check_llm_fields()
+
+    def _check_llm_fields(self) -> None:
+        """The trainer, padding-free and packing fields (issue 23): combinations the tools themselves refuse."""
+        if self.trainer not in TRAINERS:
+            raise InputError(f"unknown trainer {self.trainer!r}; known: {', '.join(TRAINERS)}")
+        if self.packing and not self.padding_free:
+            raise InputError("packing=True packs rows with TRL's best-fit decreasing strategy, which is padding-free: "
+                             "set padding_free=True too, or make the recipe with Recipe.with_presets(packing=True)")
+        if (self.padding_free or self.packing) and self.attn_implementation != "flash_attention_2":
+            what = "packing" if self.packing else "padding_free"
+            raise InputError(f"{what}: sequences flattened into one row need an attention that takes packed "
+                             f"position_ids (TRL: FlashAttention 2 or 3): use --attn-implementation flash_attention_2, "
+                             f"not {self.attn_implementation}")
+        if self.trainer == "dpo" and self.padding_free:
+            raise InputError("DPOTrainer (trl 1.16) has no padding-free training: its padding_free falls back to "
+                             "padding; leave padding_free and packing off with --trainer dpo")
+        if self.precompute_ref_log_probs and self.trainer != "dpo":
+            raise InputError("precompute_ref_log_probs is DPO's reference model: it needs --trainer dpo")
 
     @property
     def sharding_stage(self) -> int:
@@ -252,7 +295,9 @@ class Recipe:
             >>> Recipe.with_presets(peft="qlora").load_in_4bit
             True
         """
-        preset = QLORA_PRESET if given.get("peft") == "qlora" else {}
+        preset = dict(QLORA_PRESET) if given.get("peft") == "qlora" else {}
+        if given.get("packing"):
+            preset["padding_free"] = True  # TRL: padding_free = padding_free or (packing and strategy "bfd")
         return cls(**{**preset, **given})
 
     def resolved(self, workload: Workload) -> ResolvedRecipe:
@@ -260,8 +305,13 @@ class Recipe:
 
         Raises:
             InputError: a dtype the model's code rejects, or one that with the recipe's precision
-                flags makes a combination PyTorch refuses.
+                flags makes a combination PyTorch refuses; Liger Kernel for a model it does not patch.
         """
+        if self.use_liger_kernel:
+            check_liger(workload.model_type, workload.task, workload.name)
+        if self.trainer != "trainer" and workload.task != "causal-lm":
+            raise InputError(f"{workload.name}: TRL's {self.trainer.upper()}Trainer trains causal language models; this "
+                             f"is a {workload.task} model (--task causal-lm, or --trainer trainer)")
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return ResolvedRecipe(**{**values, "dtype": workload.weights_dtype(self.dtype)})
 
@@ -295,6 +345,8 @@ class Recipe:
             needed.append("deepspeed")
         if self.load_in_4bit or self.load_in_8bit:
             needed.append("bitsandbytes")
+        if self.use_liger_kernel:
+            needed.append("liger_kernel")
         return [name for name in dict.fromkeys(needed) if importlib.util.find_spec(name) is None]
 
     def to_training_arguments_kwargs(self) -> dict[str, Any]:
@@ -315,6 +367,8 @@ class Recipe:
             kwargs["tf32"] = True
         if self.fsdp != "none":
             kwargs["fsdp"] = self.fsdp
+        if self.use_liger_kernel:
+            kwargs["use_liger_kernel"] = True
         return kwargs | dict(optimizer(self.optim).trainer_kwargs)
 
     def to_training_arguments(self, output_dir: str, **extra: Any) -> Any:

@@ -19,6 +19,7 @@ neither transformers nor torch.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import json
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from anatomist.config_fields import ESTIMATOR_FIELDS, LAYER_FIELDS
 from anatomist.errors import InputError
 from anatomist.model_catalog import METADATA_KEY, catalog_entries, find_entry
 from anatomist.model_facts import TASKS, ModelFacts
+from anatomist.token_stats import TokenStats, read_lengths, stats_from_mean
 
 __all__ = ["LAYER_FIELDS", "PEFT_TASK_TYPES", "TASKS", "Task", "Workload", "catalog_names", "config_from_dict",
            "load_workload", "workload_from_config"]
@@ -61,6 +63,10 @@ class Workload:
     """Where a config that needs the model's own code (auto_map) finds it."""
     built_config: Any = field(default=None, repr=False, compare=False)
     """The transformers config, once built (`config`)."""
+    tokens: TokenStats | None = None
+    """The data's token statistics (--avg-seq-len, --lengths; issue 23): what padding-free training processes."""
+    prompt_len: int = 0
+    """Tokens of each sequence's prompt, which a preference loss does not score (--prompt-len; DPO)."""
     _trace_key: tuple[Any, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -85,8 +91,23 @@ class Workload:
         """What decides the model a trace builds and the inputs it feeds: the caches' key (the
         config.json's content, canonically written, not transformers' object: no import needed)."""
         if self._trace_key is None:
-            self._trace_key = (canonical_json(self.config_json), self.task, self.num_labels, self.seq_len)
+            prompt = (self.prompt_len,) if self.prompt_len else ()  # DPO scores the completion only (issue 23)
+            self._trace_key = (canonical_json(self.config_json), self.task, self.num_labels, self.seq_len, *prompt)
         return self._trace_key
+
+    def for_recipe(self, recipe: Any) -> Workload:
+        """The samples `recipe` trains on: padding-free (not packed) micro-batches are the data's sequences at their
+        mean length (`tokens`); packed rows and padded micro-batches are `seq_len` tokens each.
+
+        Raises:
+            InputError: padding-free training without the data's lengths.
+        """
+        if not recipe.padding_free or recipe.packing:
+            return self
+        if self.tokens is None:
+            raise InputError("padding_free: a micro-batch holds the data's sequences without padding; give their "
+                             "lengths: --avg-seq-len N or --lengths FILE")
+        return dataclasses.replace(self, seq_len=self.tokens.avg_seq_len)
 
     @property
     def is_moe(self) -> bool:
@@ -180,15 +201,31 @@ def load_workload(
     task: Task | None = None,
     trust_remote_code: bool = False,
     allow_network: bool = False,
+    avg_seq_len: int | None = None,
+    lengths: str | None = None,
+    prompt_len: int | None = None,
 ) -> Workload:
-    """Resolve MODEL to a Workload.
+    """Resolve MODEL to a Workload; `avg_seq_len` or `lengths` (a file of token counts): the data's token
+    statistics (`token_stats`), read against the maximum length `seq_len`.
 
     Raises:
         InputError: unknown model (with close names), malformed config (naming the field),
-            seq_len out of range, remote code without `trust_remote_code`.
+            seq_len out of range, remote code without `trust_remote_code`, both or bad token statistics.
     """
     found = _find_config(model, trust_remote_code=trust_remote_code, allow_network=allow_network)
-    return _workload(model, found, seq_len=seq_len, task=task, trust_remote_code=trust_remote_code)
+    workload = _workload(model, found, seq_len=seq_len, task=task, trust_remote_code=trust_remote_code)
+    if avg_seq_len is not None and lengths is not None:
+        raise InputError("--avg-seq-len and --lengths both give the data's lengths: give one")
+    if avg_seq_len is not None:
+        workload.tokens = stats_from_mean(avg_seq_len, workload.seq_len)
+    elif lengths is not None:
+        workload.tokens = read_lengths(lengths, workload.seq_len)
+    if prompt_len is not None:
+        if not 0 <= prompt_len < workload.seq_len:
+            raise InputError(f"--prompt-len must be at least 0 and below the sequence length {workload.seq_len}, "
+                             f"got {prompt_len}")
+        workload.prompt_len = prompt_len
+    return workload
 
 
 LIVE_ONLY_KEYS = ("quantization_config", "_name_or_path", "transformers_version")

@@ -18,13 +18,23 @@ if TYPE_CHECKING:
     from anatomist.hardware import GPU
 
 
-def add_model_flags(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:
+def add_model_flags(parser: argparse.ArgumentParser, *, model_required: bool = True, data_flags: bool = True) -> None:
+    """MODEL and what shapes its inputs; `data_flags`: the data's lengths too (what the prediction reads)."""
     if model_required:
         parser.add_argument("model", metavar="MODEL", help="catalog name, Hub id in the local cache, or path")
     parser.add_argument("--seq-len", type=int, default=None, metavar="N", help="tokens per sample (default 512)")
     parser.add_argument("--task", default=None, choices=["sequence-classification", "causal-lm", "seq2seq-lm", "masked-lm"])
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code from the Hub")
     parser.add_argument("--allow-network", action="store_true", help="let transformers ask the Hub for the config")
+    if not data_flags:
+        return
+    data = parser.add_argument_group("the data's lengths (padding-free training and packing; the cost of padding)")
+    data.add_argument("--avg-seq-len", type=int, default=None, metavar="N",
+                      help="mean tokens per example (at most --seq-len, the maximum length)")
+    data.add_argument("--lengths", default=None, metavar="FILE",
+                      help="token count of every example: one integer per line, or a JSON list")
+    data.add_argument("--prompt-len", type=int, default=None, metavar="N",
+                      help="DPO: tokens of each prompt, which the loss does not score (default 0: every token)")
 
 
 def warn(message: str) -> None:

@@ -93,9 +93,11 @@ def estimate_inputs(args: argparse.Namespace, gpu: GPU | None = None) -> tuple[W
     workload = load_workload(
         model or DEFAULT_MODEL, seq_len=seq_len, task=args.task,
         trust_remote_code=args.trust_remote_code, allow_network=args.allow_network,
+        avg_seq_len=args.avg_seq_len, lengths=args.lengths, prompt_len=args.prompt_len,
     )
+    recipe = recipe.resolved(workload)  # refuses what the model cannot take before any note is said
+    workload.for_recipe(recipe)  # and what the data cannot (padding-free without its lengths)
     note_missing_packages(recipe)
-    recipe = recipe.resolved(workload)
     if recipe.dtype == "bfloat16" and not gpu.bf16:
         warn(f"{workload.name} loads in bfloat16 (its config's dtype) but {gpu.name} has no bf16 tensor cores: "
              "it runs emulated and slowly there; --dtype float16 or float32 is the usual choice")

@@ -29,7 +29,7 @@ from anatomist.hardware import get_gpu
 from anatomist.plan.emit import TARGETS, write
 from anatomist.plan.emit import render as render_emit
 from anatomist.plan.space import SearchSpace, method_of
-from anatomist.recipe import Recipe
+from anatomist.recipe import TRAINERS, Recipe
 from anatomist.workload import load_workload
 
 if TYPE_CHECKING:
@@ -56,6 +56,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--precisions", default=None, metavar="A,B",
                    help=f"precisions to search (default: all the GPU supports; known: {', '.join(FULL_PRECISIONS)})")
     p.add_argument("--no-compile", action="store_true", help="do not consider torch.compile")
+    p.add_argument("--no-liger-kernel", action="store_true",
+                   help="do not consider Liger Kernel (searched by default for the causal LMs whose kernels anatomist traces)")
+    llm = p.add_argument_group("the trainer (issue 23: kept as given, not searched)")
+    llm.add_argument("--trainer", choices=TRAINERS, default=None,
+                     help="transformers' Trainer (default), TRL's SFTTrainer (sft) or DPOTrainer (dpo)")
+    llm.add_argument("--precompute-ref-log-probs", action="store_true", default=None,
+                     help="DPO: reference log-probabilities computed before training (no reference model held)")
+    llm.add_argument("--padding-free", action="store_true", default=None,
+                     help="SFT: padding-free micro-batches (needs the data's lengths; flash_attention_2 searched only)")
     peft = p.add_argument_group("parameter-efficient fine-tuning (searched only when asked: it changes what is trained)")
     peft.add_argument("--peft", default="", metavar="lora,qlora",
                       help="also search LoRA adapters (bf16/fp32 base) and/or QLoRA (4-bit NF4 base)")
@@ -90,6 +99,10 @@ def build_plan(args: argparse.Namespace) -> Plan:
     added = _names("--peft", "method", args.peft, ("lora", "qlora"), allow_none=True)
     lora = {k: getattr(args, k) for k in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
             if getattr(args, k) is not None}
+    trainer = {k: getattr(args, k) for k in ("trainer", "precompute_ref_log_probs", "padding_free")
+               if getattr(args, k) is not None}
+    if trainer.get("padding_free"):
+        trainer["attn_implementation"] = "flash_attention_2"  # the attention that takes packed sequences
     if lora and not added:
         raise InputError(f"--{next(iter(lora)).replace('_', '-')} needs --peft lora and/or qlora")
     source = recipe_file_from_args(args)
@@ -105,11 +118,13 @@ def build_plan(args: argparse.Namespace) -> Plan:
     seq_len = args.seq_len if args.seq_len is not None else source.seq_len if source else None
     num_gpus = args.gpus if args.gpus is not None else (source.num_gpus if source and source.num_gpus else 1)
     workload = load_workload(model, seq_len=seq_len, task=args.task,
-                             trust_remote_code=args.trust_remote_code, allow_network=args.allow_network)
+                             trust_remote_code=args.trust_remote_code, allow_network=args.allow_network,
+                             avg_seq_len=args.avg_seq_len, lengths=args.lengths, prompt_len=args.prompt_len)
     space = SearchSpace(
         global_batch_size=args.global_batch_size, num_gpus=num_gpus, optims=optims,
         compile_options=(False,) if args.no_compile else (False, True),
-        precisions=precisions, methods=methods, base=Recipe(**lora), fixed=fixed,
+        liger_options=(False,) if args.no_liger_kernel else None,
+        precisions=precisions, methods=methods, base=Recipe(**lora, **trainer), fixed=fixed,
     )
     from anatomist.plan.search import plan  # imports torch
     from anatomist.plan.throughput import predict_time
@@ -137,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe(recipe: Recipe, num_gpus: int) -> list[str]:
+def _describe(recipe: Recipe, num_gpus: int, liger: bool = False) -> list[str]:
+    """The table's cells of `recipe`; `liger`: with the Liger column (when the plan searched it)."""
     return [
         method_of(recipe),
         f"{recipe.per_device_train_batch_size} x {recipe.gradient_accumulation_steps}",
@@ -146,7 +162,7 @@ def _describe(recipe: Recipe, num_gpus: int) -> list[str]:
         recipe.optim,
         "on" if recipe.torch_compile else "off",
         sharding_of(recipe, num_gpus),
-    ]
+    ] + (["on" if recipe.use_liger_kernel else "off"] if liger else [])
 
 
 def render(result: Plan) -> None:
@@ -161,21 +177,23 @@ def render(result: Plan) -> None:
         f"{len(result.candidates)} candidates, {len(result.feasible)} fit"
     )
     table = Table(title="Pareto front (throughput vs peak device memory)", title_justify="left")
-    for col in ("method", "batch x accum", "ckpt", "precision", "optim", "compile", "sharding"):
+    liger = len(result.space.liger_options or ()) > 1
+    for col in ("method", "batch x accum", "ckpt", "precision", "optim", "compile", "sharding") + (("liger",) if liger else ()):
         table.add_column(col)
     table.add_column("device memory", justify="right")
     table.add_column("samples/s", justify="right")
     for c in result.pareto:
         mark = "[bold green]" if c is result.best else ""
-        cells = _describe(c.recipe, result.space.num_gpus) + [gib(c.device_total), f"{c.samples_per_second:.1f}"]
+        cells = _describe(c.recipe, result.space.num_gpus, liger) + [gib(c.device_total), f"{c.samples_per_second:.1f}"]
         table.add_row(*[f"{mark}{x}" for x in cells])
     out.print(table)
     best = result.best
     method, batch, ckpt, precision, optim, compiled, sharding = _describe(best.recipe, result.space.num_gpus)
     adapters = f" (r={best.recipe.lora_r})" if method != "full" else ""
+    kernels = ", Liger Kernel" if best.recipe.use_liger_kernel else ""
     out.print(
         f"[bold]top pick[/]: {method} fine-tuning{adapters}, batch {batch}, checkpointing {ckpt}, {precision}, "
-        f"{optim}, compile {compiled}, "
+        f"{optim}{kernels}, compile {compiled}, "
         f"sharding {sharding}, attention {best.recipe.attn_implementation}: {gib(best.device_total)} of limit "
         f"{gib(result.limit_bytes)}, {best.samples_per_second:.1f} samples/s predicted"
     )

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="profile real training steps: time and FLOPs by operation class")
-    add_model_flags(p)
+    add_model_flags(p, data_flags=False)
     add_recipe_flags(p)
     p.add_argument("--steps", type=int, default=3, metavar="N", help="profiled steps after one warm-up step (default 3)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout, nothing else")

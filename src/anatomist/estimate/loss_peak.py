@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from anatomist.anatomy import GIB, TENSOR_CATEGORIES, MemoryAnatomy, MemoryCategory, Phase
+from anatomist.axes.liger import liger_modelled
 from anatomist.axes.precisions import half_dtype
 from anatomist.estimate.traces import TRACE_BATCHES, StepTraces, affine
 from anatomist.recipe import ResolvedRecipe
@@ -75,8 +76,8 @@ def post_segment_peak(traces: StepTraces, phase: Phase, batch: int) -> LossPeak 
 
 def loss_peak_note(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnatomy, traces: StepTraces) -> str | None:
     """The note for an anatomy whose peak is the logits of the loss (see the module's criterion), else None."""
-    if anatomy.peak_phase not in (Phase.FORWARD, Phase.BACKWARD):
-        return None
+    if anatomy.peak_phase not in (Phase.FORWARD, Phase.BACKWARD) or recipe.use_liger_kernel:
+        return None  # Liger's loss holds no logits (its own note, estimate/memory.py)
     peak = post_segment_peak(traces, anatomy.peak_phase, recipe.per_device_train_batch_size)
     transient = anatomy.activations + anatomy.temporary
     if peak is None or transient <= 0:
@@ -88,8 +89,14 @@ def loss_peak_note(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAn
     return (f"the peak is the logits of the loss: {peak.loss_bytes / GIB:.1f} GiB of the {transient / GIB:.1f} GiB "
             f"of activations and temporaries at the peak (in {anatomy.peak_phase}) are the LM head's output and "
             f"the loss's copies of it ({_logits_size(workload, recipe)}); fewer tokens per micro-batch shrink them "
-            "in proportion, gradient checkpointing does not; a chunked or fused linear + cross-entropy (Liger "
-            "Kernel's) that never holds the logits is not modelled")
+            f"in proportion, gradient checkpointing does not{_fused_hint(workload)}")
+
+
+def _fused_hint(workload: Workload) -> str:
+    """What would take the logits out of the peak, where anatomist models it."""
+    if liger_modelled(workload.model_type, workload.task):
+        return "; Liger Kernel's fused linear + cross-entropy never holds them (--use-liger-kernel)"
+    return ""
 
 
 def _logits_size(workload: Workload, recipe: ResolvedRecipe) -> str:

@@ -22,7 +22,9 @@ from typing import Any
 import numpy as np
 
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, TENSOR_CATEGORIES, MemoryAnatomy, MemoryCategory, Phase
+from anatomist.axes.liger import liger_note, liger_table
 from anatomist.errors import InputError
+from anatomist.estimate.llm_notes import llm_notes
 from anatomist.estimate.loss_peak import loss_peak_note
 from anatomist.estimate.moe import moe_note
 from anatomist.estimate.rules import BytesPerParamRule, bytes_per_param_rule
@@ -320,7 +322,23 @@ def _notes(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnatomy, r
         )
     if recipe.attn_implementation == "flash_attention_2":
         notes.append("flash_attention_2: modelled as a fused kernel keeping output + log-sum-exp (as SDPA flash)")
+    if recipe.use_liger_kernel and workload.config is not None:
+        notes.append(_liger_note(workload, recipe))
+    notes += llm_notes(workload, recipe)
     moe = moe_note(workload, recipe)
     if moe is not None:
         notes.append(moe)
     return notes
+
+
+def _liger_note(workload: Workload, recipe: ResolvedRecipe) -> str:
+    """Liger's fused cross-entropy: its chunk, and what the trace's chunk leaves out (axes/liger.py); under TRL's
+    trainers, which keep Liger's layer kernels only, that."""
+    if recipe.trainer != "trainer":
+        return (f"Liger Kernel {liger_table().version}: stand-ins of its RMSNorm, SwiGLU and RoPE kernels allocate and "
+                "save what Liger's own do; TRL turns its fused linear + cross-entropy off (it would replace TRL's own "
+                "fused LM head: liger_kernel_config fused_linear_cross_entropy=False)")
+    text = workload.config.get_text_config()
+    half = recipe.mixed_precision != "no" or recipe.half_weights
+    return liger_note(recipe.per_device_train_batch_size, workload.seq_len, int(text.hidden_size),
+                      int(text.vocab_size), 2 if half else 4)

@@ -69,6 +69,7 @@ def estimate(
     """Predict memory (and, in training, time) of one step of `recipe` on `gpu`; `calibration`:
     the time model's factors (default: `calibration_for(gpu)`, the lookup of estimate/calibration.py)."""
     recipe = recipe.resolved(workload)  # the library's entry point: everything below takes it resolved
+    workload = workload.for_recipe(recipe)  # padding-free: the data's sequences, not the longest (issue 23)
     memory = estimate_memory(workload, recipe, gpu, mode=mode, num_gpus=num_gpus, margin=margin)
     calibration = calibration or calibration_for(gpu)
     time = estimate_time(workload, recipe, gpu, calibration) if mode == "train" else None

@@ -248,6 +248,7 @@ def search_space(recipe: Recipe, num_gpus: int, free: set[str], gpu: GPU) -> Sea
             num_gpus=num_gpus, optims=optims, compile_options=(recipe.torch_compile,),
             checkpointing_options=tuple(dict.fromkeys(checkpointing or (recipe.gradient_checkpointing,))),
             shardings=(sharding_of(recipe, num_gpus),), precisions=(name,), methods=(method,), base=recipe,
+            liger_options=(recipe.use_liger_kernel,),  # held: the plan would otherwise search Liger for causal LMs
         )
     except InputError:  # a sharding the plan does not search on this many devices
         return None

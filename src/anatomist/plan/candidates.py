@@ -58,8 +58,9 @@ class Evaluator:
         """The candidate of `recipe` (resolved here for the workload: the plan's entry point for each recipe)."""
         recipe = recipe.resolved(self.workload)
         if recipe not in self.seen:
-            memory = estimate_memory(self.workload, recipe, self.gpu, num_gpus=self.num_gpus, margin=self.margin)
-            time = self.time_model(self.workload, recipe, self.gpu, num_gpus=self.num_gpus)
+            workload = self.workload.for_recipe(recipe)  # padding-free: the data's sequences (issue 23)
+            memory = estimate_memory(workload, recipe, self.gpu, num_gpus=self.num_gpus, margin=self.margin)
+            time = self.time_model(workload, recipe, self.gpu, num_gpus=self.num_gpus)
             self.seen[recipe] = Candidate(recipe=recipe, memory=memory, time=time, fits=memory.fits)
         return self.seen[recipe]
 
@@ -75,10 +76,11 @@ def pareto_front(candidates: list[Candidate]) -> list[Candidate]:
 
 def _simplicity(recipe: Recipe) -> tuple[int, ...]:
     """Tie-break among equally fast recipes: fewer moving parts first (every weight trained, no
-    compile, no sharding, no checkpointing, AdamW), then a per-device batch that is a multiple of 8."""
+    compile, no Liger, no sharding, no checkpointing, AdamW), then a per-device batch that is a multiple of 8."""
     return (
         int(recipe.peft != "none") + int(recipe.quantized),
         int(recipe.torch_compile),
+        int(recipe.use_liger_kernel),
         recipe.sharding_stage,
         int(recipe.offload != "none"),
         int(recipe.gradient_checkpointing),

@@ -75,7 +75,8 @@ def bnb_config(recipe: Recipe) -> dict[str, Any] | None:
 
 
 def trl_config(recipe: Recipe, *, model: str = "MODEL", seq_len: int = 1024) -> dict[str, Any]:
-    """The YAML `trl sft --config` reads: SFTConfig and ModelConfig fields (TRL's field names).
+    """The YAML `trl sft --config` reads (`trl dpo --config` for a DPO recipe): SFTConfig (DPOConfig) and
+    ModelConfig fields (TRL's field names).
 
     TRL dequantizes 4-bit weights to its `dtype` (get_quantization_config), so a 4-bit base is
     loaded in its compute dtype; `prepare_model_for_kbit_training` casts the rest to fp32 anyway.
@@ -87,7 +88,8 @@ def trl_config(recipe: Recipe, *, model: str = "MODEL", seq_len: int = 1024) -> 
         "attn_implementation": recipe.attn_implementation,
         "dataset_name": "DATASET",
         "output_dir": "out",
-        "max_length": seq_len,
+        # padding-free without packing: TRL refuses a max_length (it would not be enforced)
+        "max_length": None if recipe.padding_free and not recipe.packing else seq_len,
         **trainer_kwargs(recipe),
     }
     if recipe.zero_stage:
@@ -103,7 +105,23 @@ def trl_config(recipe: Recipe, *, model: str = "MODEL", seq_len: int = 1024) -> 
     if recipe.load_in_4bit:
         config.update({"load_in_4bit": True, "bnb_4bit_quant_type": recipe.bnb_4bit_quant_type,
                        "use_bnb_nested_quant": recipe.bnb_4bit_use_double_quant})
+    config.update(_trl_trainer_fields(recipe))
     return config
+
+
+def _trl_trainer_fields(recipe: Recipe) -> dict[str, Any]:
+    """SFTConfig's padding_free/packing or DPOConfig's precompute_ref_log_probs where set (issue 23); a DPO recipe's
+    YAML is the one `trl dpo --config` reads, an SFT one `trl sft --config`'s."""
+    fields: dict[str, Any] = {}
+    if recipe.trainer == "dpo":
+        if recipe.precompute_ref_log_probs:
+            fields["precompute_ref_log_probs"] = True
+        return fields
+    if recipe.padding_free:
+        fields["padding_free"] = True
+    if recipe.packing:
+        fields["packing"] = True
+    return fields
 
 
 AUTO_CLASSES = {

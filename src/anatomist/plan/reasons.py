@@ -92,11 +92,15 @@ def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[ResolvedRec
          lambda r: [(o, r.replace(optim=o)) for o in space.optims if o != r.optim]),
         ("attention", lambda r: r.attn_implementation,
          lambda r: [(a, r.replace(attn_implementation=a)) for a in attn
-                    if a != r.attn_implementation and (a != "flash_attention_2" or r.mixed_precision != "no")]),
+                    if a != r.attn_implementation and (a != "flash_attention_2" or r.mixed_precision != "no")]
+         if not r.padding_free else []),  # padding-free rows need the varlen kernel
         ("torch.compile", lambda r: "on" if r.torch_compile else "off",
          lambda r: [("on" if not r.torch_compile else "off", r.replace(torch_compile=not r.torch_compile))]
          if len(space.compile_options) > 1 else []),
         ("sharding", lambda r: sharding_of(r, space.num_gpus), sharding_alts),
+        ("Liger Kernel", lambda r: "on" if r.use_liger_kernel else "off",
+         lambda r: [("on" if not r.use_liger_kernel else "off", r.replace(use_liger_kernel=not r.use_liger_kernel))]
+         if len(space.liger_options or ()) > 1 else []),
     ]
 
 

@@ -81,7 +81,7 @@ def plan(
         InputError: bad margin/objective, or no recipe fits (the message says what is short,
             by how much, and what would fit).
     """
-    space = space or SearchSpace()
+    space = (space or SearchSpace()).for_workload(workload.model_type, workload.task)
     if workload.is_moe and space.precisions is None:
         if not gpu.bf16:
             raise InputError(f"{workload.name}: its Mixture-of-Experts layers need bfloat16 weights, which {gpu.name} lacks")

@@ -1,6 +1,7 @@
 """The recipe space `anatomist plan` searches, and how it is enumerated.
 
-Axes are split by cost. Batch size, accumulation, ZeRO/FSDP sharding, CPU offload and
+Axes are split by cost (Liger Kernel, for the causal LMs whose kernels anatomist traces, is a
+traced axis like checkpointing). Batch size, accumulation, ZeRO/FSDP sharding, CPU offload and
 torch.compile do not change what the memory tracer records (the estimator extrapolates batch
 size and applies sharding arithmetically), so they are enumerated in full. Checkpointing,
 precision and optimizer each need a new fake-tensor trace (1-3 s for bert-large), so only
@@ -11,11 +12,13 @@ never faster in any model anatomist has (the seeds' "SDPA / Flash Attention" sec
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from anatomist.axes.liger import liger_modelled
 from anatomist.axes.optimizers import DEFAULT_SEARCH
 from anatomist.axes.precisions import precision, qlora_precision, searchable_on
 from anatomist.axes.shardings import ShardingSpec, shardings_for
@@ -69,6 +72,16 @@ class SearchSpace:
     fixed: dict[str, Any] = field(default_factory=dict)
     """Recipe fields held at the values a recipe file sets (`plan --recipe`): every enumerated recipe takes
     them, so the search varies only what the file leaves open; a combination they make invalid is dropped."""
+    # -- issue 23: LLM fine-tuning kernels --------------------------------------------------------------
+    liger_options: tuple[bool, ...] | None = None
+    """Liger Kernel off/on; None: both for a causal LM whose kernels anatomist traces (`axes.liger`), else off
+    (settled by `for_workload`)."""
+
+    def for_workload(self, model_type: str, task: str) -> SearchSpace:
+        """This space with what depends on the model settled: Liger searched where it applies."""
+        if self.liger_options is not None:
+            return self
+        return dataclasses.replace(self, liger_options=(False, True) if liger_modelled(model_type, task) else (False,))
 
     def __post_init__(self) -> None:
         unknown_methods = [m for m in self.methods if m not in METHODS]
@@ -122,8 +135,9 @@ def enumerate_recipes(space: SearchSpace, gpu: GPU) -> Iterator[Recipe]:
     seen: set[Recipe] = set()
     for method in space.methods:
         precisions = searched_precisions(space, gpu, method)
-        for ckpt, name, optim in itertools.product(space.checkpointing_options, precisions, space.optims):
-            for recipe in _recipes(space, method, ckpt, name, optim):
+        for ckpt, name, optim, liger in itertools.product(space.checkpointing_options, precisions, space.optims,
+                                                          space.liger_options or (False,)):
+            for recipe in _recipes(space, method, ckpt, name, optim, liger):
                 held = _held(space, recipe)
                 if held is not None and held not in seen:
                     seen.add(held)
@@ -144,7 +158,8 @@ def _held(space: SearchSpace, recipe: Recipe) -> Recipe | None:
     return recipe
 
 
-def _recipes(space: SearchSpace, method: str, ckpt: bool, precision_name: str, optim: str) -> Iterator[Recipe]:
+def _recipes(space: SearchSpace, method: str, ckpt: bool, precision_name: str, optim: str,
+             liger: bool = False) -> Iterator[Recipe]:
     """The cheap axes (batch, sharding, compile) of one traced combination."""
     for (batch, accum), sharding, compiled in itertools.product(
         space.batch_options(), space.sharding_options(method), space.compile_options
@@ -154,9 +169,10 @@ def _recipes(space: SearchSpace, method: str, ckpt: bool, precision_name: str, o
             "gradient_accumulation_steps": accum,
             "gradient_checkpointing": ckpt,
             "optim": optim,
-            "attn_implementation": "sdpa",
+            "attn_implementation": "flash_attention_2" if space.base.padding_free else "sdpa",  # packed rows: varlen
             "torch_compile": compiled,
             "zero_stage": 0, "offload": "none", "fsdp": "none",
+            "use_liger_kernel": liger,
         }
         yield space.base.replace(**{**fields, **METHODS[method], **precision(precision_name).fields,
                                     **sharding.fields})

@@ -31,6 +31,8 @@ from anatomist.recipe_files.unmodelled import refuse_unmodelled
 
 RECIPE_FIELDS = frozenset(f.name for f in dataclasses.fields(Recipe))
 TRL_CLASSES = ("ScriptArguments", "SFTConfig", "ModelConfig", "DatasetMixtureConfig")
+TRL_DPO_CLASSES = ("ScriptArguments", "DPOConfig", "ModelConfig", "DatasetMixtureConfig")
+"""What `trl dpo --config` parses its YAML into (trl/scripts/dpo.py): DPOConfig in SFTConfig's place (issue 23)."""
 TRL_LEGACY = {"max_seq_length": "max_length", "torch_dtype": "dtype"}
 """Names older TRL releases used, and what they are now."""
 TRL_ENV = "env"
@@ -76,27 +78,27 @@ def trainer_fields() -> dict[str, Any]:
 
 
 @cache
-def trl_names() -> frozenset[str]:
-    """The field names of the installed trl's other trainer configs a `trl` YAML may be written for (DPOConfig's
-    beta, max_prompt_length, ...): accepted, not modelled (their defaults are not read: not SFT's)."""
-    try:
-        import trl
-    except ImportError:
-        return frozenset()
-    return frozenset(f.name for name in ("DPOConfig",) for f in dataclasses.fields(getattr(trl, name)))
-
-
-@cache
-def trl_fields() -> dict[str, Any] | None:
-    """The fields `trl sft --config` reads and their defaults (SFTConfig's over TrainingArguments'); None without trl."""
+def trl_fields(script: str = "sft") -> dict[str, Any] | None:
+    """The fields `trl sft --config` (or `trl dpo --config`) reads and their defaults (SFTConfig's or DPOConfig's
+    over TrainingArguments'); None without trl."""
     try:
         import trl
     except ImportError:
         return None
     fields: dict[str, Any] = {}
-    for name in TRL_CLASSES:
+    for name in TRL_CLASSES if script == "sft" else TRL_DPO_CLASSES:
         fields.update({f.name: _default(f) for f in dataclasses.fields(getattr(trl, name))})
     return fields
+
+
+def _trl_script(keys: set[str], file: str) -> str:
+    """sft or dpo: a file that sets a field only DPOConfig has is `trl dpo`'s (one with only shared fields, sft's)."""
+    sft, dpo = trl_fields("sft") or {}, trl_fields("dpo") or {}
+    dpo_only, sft_only = sorted(keys & (set(dpo) - set(sft))), sorted(keys & (set(sft) - set(dpo)))
+    if dpo_only and sft_only:
+        raise InputError(f"{file}: sets SFTConfig's {', '.join(sft_only[:3])} and DPOConfig's {', '.join(dpo_only[:3])}: "
+                         "a TRL config is one trainer's (trl sft or trl dpo)")
+    return "dpo" if dpo_only else "sft"
 
 
 def read_trainer(data: dict[str, Any], reading: Reading, file: str) -> str:
@@ -105,6 +107,9 @@ def read_trainer(data: dict[str, Any], reading: Reading, file: str) -> str:
     kind, schema = _kind(data, trainer, file)
     if kind == "TRL":
         _trl_defaults(data, schema, reading, file)
+        script = "dpo" if "beta" in schema else "sft"  # DPOConfig.beta: the schema is trl dpo's
+        if data.get("trainer") is None:
+            reading.set_default("trainer", script, file, f"{script.upper()}Config", "TRL")
     for key, value in data.items():
         if key in DIRECT:
             if value is not None:
@@ -131,7 +136,9 @@ def _kind(data: dict[str, Any], trainer: dict[str, Any], file: str) -> tuple[str
     if keys <= RECIPE_FIELDS | trainer_known:
         return "TrainingArguments", trainer
     trl = trl_fields()
-    known = (RECIPE_FIELDS | trainer_known | set(trl or {}) | trl_names() | historical_fields(TRL_HISTORY)
+    if trl is not None:
+        trl = trl_fields(_trl_script(keys, file))
+    known = (RECIPE_FIELDS | trainer_known | set(trl or {}) | historical_fields(TRL_HISTORY)
              | set(TRL_LEGACY) | {TRL_ENV})
     refuse_unknown(data, known, file, "anatomist's Recipe, nor of TrainingArguments, TRL's SFTConfig, DPOConfig, "
                    "ModelConfig or ScriptArguments or the alignment handbook's arguments in any release since 2024")

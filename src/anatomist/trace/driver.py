@@ -28,6 +28,7 @@ from anatomist.axes.precisions import autocast_dtype
 from anatomist.errors import InputError
 from anatomist.hardware import cublas_workspace_bytes
 from anatomist.recipe import ResolvedRecipe
+from anatomist.trace import trainers
 from anatomist.trace.allocator import round_size
 from anatomist.trace.autocast import cuda_autocast_policy
 from anatomist.trace.cuda_model import cuda_code_paths, fake_parameters
@@ -83,20 +84,23 @@ def trace_step(
     """
     fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     model = traced_model(workload, recipe, depth, fake_mode if fake else None)
+    reference = traced_reference(workload, recipe, depth, fake_mode if fake else None) if part != "optimizer" else None
     tracer = StepTracer(lower_precision_dtype=lower_dtype(recipe), record_ops=record_ops)
     params = [p for p in model.parameters() if p.requires_grad]  # what the Trainer's optimizer gets
-    for p in model.parameters():
-        tracer.register(p, MemoryCategory.WEIGHTS)
-    for b in model.buffers():
-        tracer.register(b, MemoryCategory.WEIGHTS)
-    with _tracing(workload, recipe, tracer, fake_mode, observers):
+    for held in (model, reference) if reference is not None else (model,):
+        for p in held.parameters():
+            tracer.register(p, MemoryCategory.WEIGHTS)
+        for b in held.buffers():
+            tracer.register(b, MemoryCategory.WEIGHTS)
+    with _tracing(workload, recipe, tracer, fake_mode, observers), \
+            _kernels(model, workload, recipe, part, compute_capability, fake):
         # cuBLAS workspaces live from the first matrix product on: one for the main thread's
         # handle and, in training, one for the autograd engine's device thread. A steady-state
         # step starts with both.
         tracer.phase = Phase.SETUP
         for _ in range(1 if part == "inference" else 2):
             tracer.allocate_extra(cublas_workspace_bytes(compute_capability), MemoryCategory.FUNCTIONALITY)
-        phases, static = _run_part(part, model, params, workload, recipe, batch_size, tracer)
+        phases, static = _run_part(part, model, params, workload, recipe, batch_size, tracer, reference)
     return _step_trace(tracer, model, params, phases, static, part)
 
 
@@ -107,13 +111,43 @@ def traced_model(workload: Workload, recipe: ResolvedRecipe, depth: Depth, fake_
     experts = build_kwargs(workload, recipe)
     if fake_mode is None:
         base = workload.build_model(traced_attention(recipe), recipe.dtype, config=config, **experts)
-        return apply_peft(base, recipe, workload.task)
+        model = apply_peft(base, recipe, workload.task)
+        trainers.prepare(model, recipe)
+        return model
     check_traceable(workload, recipe)
     with torch.device("meta"), contextlib.redirect_stderr(None):
         base = workload.build_model(traced_attention(recipe), recipe.dtype, config=config, **experts)
         model = apply_peft(base, recipe, workload.task)
     fake_parameters(model, fake_mode)
+    trainers.prepare(model, recipe)
     return model
+
+
+def traced_reference(workload: Workload, recipe: ResolvedRecipe, depth: Depth, fake_mode: Any | None) -> Any:
+    """DPO's reference model where the trainer holds a copy (`trainers.needs_reference_copy`), built as the
+    policy's base in its load dtype; else None."""
+    if not trainers.needs_reference_copy(recipe):
+        return None
+    config = traced_config(workload, depth)
+    experts = build_kwargs(workload, recipe)
+    with torch.device("meta") if fake_mode is not None else contextlib.nullcontext(), contextlib.redirect_stderr(None):
+        reference = workload.build_model(traced_attention(recipe), recipe.dtype, config=config, **experts)
+    if fake_mode is not None:
+        fake_parameters(reference, fake_mode)
+    trainers.prepare_reference(reference)
+    return reference
+
+
+def _kernels(model: torch.nn.Module, workload: Workload, recipe: ResolvedRecipe, part: Part, compute_capability: str,
+             fake: bool) -> Any:
+    """The training kernels the recipe swaps in (Liger's, issue 23), as stand-ins; nothing otherwise."""
+    if not recipe.use_liger_kernel or part == "inference":
+        return contextlib.nullcontext()
+    if not fake:
+        raise InputError("Liger Kernel's Triton kernels need a GPU: a real CPU step cannot run them")
+    from anatomist.trace.liger import liger_kernels
+
+    return liger_kernels(model, workload.model_type, compute_capability, fused_loss=recipe.trainer == "trainer")
 
 
 @contextlib.contextmanager
@@ -131,7 +165,8 @@ def _tracing(workload: Workload, recipe: ResolvedRecipe, tracer: StepTracer, fak
 
 
 def _run_part(part: Part, model: torch.nn.Module, params: list[torch.nn.Parameter], workload: Workload,
-              recipe: ResolvedRecipe, batch_size: int, tracer: StepTracer) -> tuple[list[Phase], dict[MemoryCategory, int]]:
+              recipe: ResolvedRecipe, batch_size: int, tracer: StepTracer, reference: torch.nn.Module | None = None,
+              ) -> tuple[list[Phase], dict[MemoryCategory, int]]:
     """Run `part` of the step; (the phases it ran, the static bytes it made: the optimizer state)."""
     lower = lower_dtype(recipe)
     autocast = torch.autocast("cpu", dtype=lower) if lower is not None else contextlib.nullcontext()
@@ -139,11 +174,11 @@ def _run_part(part: Part, model: torch.nn.Module, params: list[torch.nn.Paramete
         _inference_step(model, workload, batch_size, tracer, autocast)
         return [Phase.FORWARD], {}
     if part == "forward-backward":
-        forward_backward(model, params, workload, recipe, batch_size, tracer, autocast)
+        forward_backward(model, params, workload, recipe, batch_size, tracer, autocast, reference)
         return [Phase.FORWARD, Phase.BACKWARD], {}
     optimizer, state_bytes = create_state(params, recipe, tracer)
     if part == "train-step":
-        forward_backward(model, params, workload, recipe, batch_size, tracer, autocast)
+        forward_backward(model, params, workload, recipe, batch_size, tracer, autocast, reference)
         phases = [Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER]
     else:
         for p in params:
@@ -240,6 +275,7 @@ def forward_backward(
     batch_size: int,
     tracer: StepTracer,
     autocast: Any,
+    reference: torch.nn.Module | None = None,
 ) -> None:
     model.train()
     if recipe.gradient_checkpointing:
@@ -253,15 +289,15 @@ def forward_backward(
         tracer.label_live(scaler_state, MemoryCategory.FUNCTIONALITY)
         scale = scaler_state[0]
     _watch_blocks(model, tracer)
+    if reference is not None:
+        _watch_blocks(reference, tracer)  # DPO's reference forward: its blocks as the policy's
     # Two micro-batches when gradients accumulate: the second forward runs with gradients alive.
     for micro in range(traced_micro_batches(recipe, "forward-backward")):
         tracer.begin_micro_batch(micro)
         tracer.phase, tracer.segment, tracer.block = Phase.FORWARD, "pre", -1
-        batch = make_batch(workload, batch_size)
         with autocast:
-            loss = model(**batch).loss
+            loss = trainers.step_loss(model, reference, workload, recipe, batch_size)
         loss = loss / recipe.gradient_accumulation_steps
-        del batch
         tracer.label_phase_survivors(Phase.FORWARD, MemoryCategory.ACTIVATIONS)
         tracer.phase, tracer.segment, tracer.block = Phase.BACKWARD, "post", -1
         if scale is not None:

@@ -59,9 +59,13 @@ names, or the whole model (None)."""
 PEFT_FIELDS = ("peft", "lora_r", "lora_dropout", "lora_target_modules", "load_in_4bit", "load_in_8bit",
                "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype")
 """What changes the model a trace builds under PEFT (which layers, which adapters, what is trainable)."""
+LLM_FIELDS = ("use_liger_kernel", "trainer", "precompute_ref_log_probs")
+"""What changes the passes of a causal-LM fine-tune as TRL and the Trainer run it (issue 23): Liger's kernels, the
+trainer's loss (TRL's fused LM head, DPO's pairs and reference model). Padding-free training changes the traced
+sequence length (`Workload.for_recipe`), packing nothing traced."""
 PART_FIELDS: dict[str, tuple[str, ...]] = {
     "forward-backward": ("dtype", "gradient_checkpointing", "fp16", "bf16", "attn_implementation",
-                         "experts_implementation", *PEFT_FIELDS),
+                         "experts_implementation", *PEFT_FIELDS, *LLM_FIELDS),
     "inference": ("dtype", "fp16", "bf16", "attn_implementation", "experts_implementation", *PEFT_FIELDS),
     "optimizer": ("dtype", "optim", "fp16", "max_grad_norm", *PEFT_FIELDS),
 }
@@ -95,7 +99,16 @@ def part_key(workload: Workload, recipe: ResolvedRecipe, part: Part, depth: Dept
     return (
         *workload.trace_key(), part, fields, traced_micro_batches(recipe, part),
         depth, batch_size if part != "optimizer" else 1, cublas_workspace_bytes(compute_capability),
+        *_kernel_paths(recipe, part, compute_capability),
     )
+
+
+def _kernel_paths(recipe: ResolvedRecipe, part: Part, compute_capability: str) -> tuple[Any, ...]:
+    """What else of the GPU changes a traced part: Liger's fused cross-entropy takes another path from
+    compute capability 8.0 on (trace/liger.py)."""
+    if recipe.use_liger_kernel and part in ("forward-backward", "train-step"):
+        return ("liger-sm80" if int(compute_capability.split(".")[0]) >= 8 else "liger-pre-sm80",)
+    return ()
 
 
 def plan_key(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ...]:
@@ -105,13 +118,15 @@ def plan_key(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ...]:
 
 TRACE_SOURCES: tuple[str, ...] = (
     "__init__.py", "anatomy.py", "config_fields.py", "errors.py", "hardware.py", "model_catalog.py", "model_facts.py",
-    "op_classes.py", "recipe.py", "trainer_defaults.py", "user_cache.py", "workload.py",
-    "axes/__init__.py", "axes/optimizers.py", "axes/precisions.py", "axes/quantization.py", "axes/shardings.py",
+    "op_classes.py", "recipe.py", "token_stats.py", "trainer_defaults.py", "user_cache.py", "workload.py",
+    "axes/__init__.py", "axes/liger.py", "axes/optimizers.py", "axes/precisions.py", "axes/quantization.py",
+    "axes/shardings.py",
     "trace/__init__.py", "trace/allocator.py", "trace/autocast.py", "trace/cache.py", "trace/cuda_model.py",
     "trace/cuts.py", "trace/cutting.py", "trace/driver.py", "trace/experts.py", "trace/inputs.py", "trace/keys.py",
+    "trace/kernel_ops.py", "trace/liger.py", "trace/trainers.py", "trace/trl_head.py",
     "trace/ops.py", "trace/optimizer_layouts.py", "trace/parts.py", "trace/peft.py", "trace/pool.py",
     "trace/records.py", "trace/stack.py", "trace/tracer.py",
-    "data/__init__.py", "data/op_classes.toml", "data/cuda_autocast.toml", "data/gpus.toml",
+    "data/__init__.py", "data/op_classes.toml", "data/cuda_autocast.toml", "data/gpus.toml", "data/liger.toml",
 )
 """Every file of this package a trace depends on, relative to the package: the modules the tracer
 imports and the data files it reads (a test traces a model in a fresh interpreter and fails if it

@@ -19,6 +19,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from anatomist.anatomy import OpClass, Phase
 from anatomist.op_classes import base_name, classify, is_known, is_view
+from anatomist.trace.kernel_ops import PROJECTION_FLOPS
 from anatomist.trace.records import Signature
 
 _aten = torch.ops.aten
@@ -54,6 +55,8 @@ CUSTOM_FLOPS: dict[Any, Any] = {
 """FLOP formulas (on shapes) for what flop_counter does not know: the CPU stand-ins of CUDA
 kernels and the grouped matrix product of Mixture-of-Experts layers. Pass it as
 `FlopCounterMode(custom_mapping=CUSTOM_FLOPS)` to count the same way."""
+
+CUSTOM_FLOPS.update(PROJECTION_FLOPS)  # the products of fused kernels' stand-ins (trace/kernel_ops.py)
 
 _FLOP_FORMULAS = {**flop_registry, **{k: shape_wrapper(v) for k, v in CUSTOM_FLOPS.items()}}
 
