@@ -61,12 +61,13 @@ PEFT_FIELDS = ("peft", "lora_r", "lora_dropout", "lora_target_modules", "load_in
 """What changes the model a trace builds under PEFT (which layers, which adapters, what is trainable)."""
 PART_FIELDS: dict[str, tuple[str, ...]] = {
     "forward-backward": ("dtype", "gradient_checkpointing", "fp16", "bf16", "attn_implementation",
-                         "experts_implementation", *PEFT_FIELDS),
+                         "experts_implementation", "torch_compile", *PEFT_FIELDS),
     "inference": ("dtype", "fp16", "bf16", "attn_implementation", "experts_implementation", *PEFT_FIELDS),
     "optimizer": ("dtype", "optim", "fp16", "max_grad_norm", *PEFT_FIELDS),
 }
 """The recipe fields that change each part's trace. Recipes that differ only in the
-optimizer share the passes' traces and the other way round; batch size, accumulation beyond
+optimizer share the passes' traces and the other way round; torch.compile changes the passes'
+(`compiled`: inductor's partition and fused kernels); batch size, accumulation beyond
 2 micro-batches and sharding change no trace (they are arithmetic on it); flash_attention_2
 shares SDPA's (`traced_attention`)."""
 
@@ -107,7 +108,8 @@ TRACE_SOURCES: tuple[str, ...] = (
     "__init__.py", "anatomy.py", "errors.py", "hardware.py", "op_classes.py", "recipe.py", "trainer_defaults.py",
     "user_cache.py", "workload.py", "model_catalog.py",
     "axes/__init__.py", "axes/optimizers.py", "axes/precisions.py", "axes/quantization.py", "axes/shardings.py",
-    "trace/__init__.py", "trace/allocator.py", "trace/autocast.py", "trace/cache.py", "trace/cuda_model.py",
+    "trace/__init__.py", "trace/allocator.py", "trace/autocast.py", "trace/cache.py", "trace/compiled.py",
+    "trace/cuda_model.py",
     "trace/cuts.py", "trace/cutting.py", "trace/driver.py", "trace/experts.py", "trace/inputs.py", "trace/keys.py",
     "trace/ops.py", "trace/optimizer_layouts.py", "trace/parts.py", "trace/peft.py", "trace/pool.py",
     "trace/records.py", "trace/stack.py", "trace/tracer.py",
