@@ -316,9 +316,11 @@ def _notes(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnatomy, r
             "in that dtype, no fp32 master weights); --dtype float32 gives the fp32 / mixed-precision figure"
         )
     if recipe.torch_compile:
-        notes.append(
-            "torch.compile: traced as eager code; inductor fuses element-wise ops and usually keeps "
-            "less for backward, so activations are an upper bound"
+        notes.append(  # trace/compiled.py
+            "torch.compile: each block keeps for backward what AOTAutograd's min-cut partitioner (inductor's "
+            "partition) saves, traced on fake tensors; inductor's kernels are approximated (its code generation "
+            "is not run); embeddings, head and loss stay eager" + ("; with gradient checkpointing the blocks are "
+            "predicted as eager checkpointed code (fusion's time saving not counted)" if recipe.gradient_checkpointing else "")
         )
     if recipe.attn_implementation == "flash_attention_2":
         notes.append("flash_attention_2: modelled as a fused kernel keeping output + log-sum-exp (as SDPA flash)")

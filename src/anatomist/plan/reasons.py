@@ -115,12 +115,6 @@ def explain(best: Candidate, evaluate: Evaluator, space: SearchSpace, objective:
         alts = [(name, evaluate(recipe)) for name, recipe in named]
         if not alts:
             continue
-        if axis == "torch.compile" and all(
-            c.samples_per_second == best.samples_per_second and c.device_total == best.device_total for _, c in alts
-        ):
-            reasons.append(f"{axis} {label(best.recipe)}: not modelled (compiled code is traced and timed as eager "
-                           "code, so both predict the same); left off, the simpler. Measure it with `anatomist bench`")
-            continue
         fitting = [(n, c) for n, c in alts if c.fits]
         faster_blocked = [n for n, c in alts if not c.fits and c.samples_per_second > best.samples_per_second * (1 + SPEED_TIE)]
         tied = [n for n, c in fitting if abs(c.samples_per_second / best.samples_per_second - 1) < SPEED_TIE]

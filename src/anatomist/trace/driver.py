@@ -31,6 +31,7 @@ from anatomist.recipe import ResolvedRecipe
 from anatomist.trace import trainers
 from anatomist.trace.allocator import round_size
 from anatomist.trace.autocast import cuda_autocast_policy
+from anatomist.trace.compiled import compile_blocks
 from anatomist.trace.cuda_model import cuda_code_paths, fake_parameters
 from anatomist.trace.cutting import traced_config
 from anatomist.trace.experts import build_kwargs, check_traceable
@@ -282,6 +283,8 @@ def forward_backward(
         # transformers' methods (the newer name first): not nn.Module's, so typed Any
         enable: Any = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()
+    if recipe.torch_compile and not recipe.gradient_checkpointing:  # trace/compiled.py (under checkpointing:
+        compile_blocks(model, tracer)  # blocks stay eager, see its docstring)
     scale: torch.Tensor | None = None
     if recipe.fp16:  # GradScaler: scale and growth tracker on the device
         tracer.phase = Phase.SETUP

@@ -65,12 +65,13 @@ trainer's loss (TRL's fused LM head, DPO's pairs and reference model). Padding-f
 sequence length (`Workload.for_recipe`), packing nothing traced."""
 PART_FIELDS: dict[str, tuple[str, ...]] = {
     "forward-backward": ("dtype", "gradient_checkpointing", "fp16", "bf16", "attn_implementation",
-                         "experts_implementation", *PEFT_FIELDS, *LLM_FIELDS),
+                         "experts_implementation", "torch_compile", *PEFT_FIELDS, *LLM_FIELDS),
     "inference": ("dtype", "fp16", "bf16", "attn_implementation", "experts_implementation", *PEFT_FIELDS),
     "optimizer": ("dtype", "optim", "fp16", "max_grad_norm", *PEFT_FIELDS),
 }
 """The recipe fields that change each part's trace. Recipes that differ only in the
-optimizer share the passes' traces and the other way round; batch size, accumulation beyond
+optimizer share the passes' traces and the other way round; torch.compile changes the passes'
+(`compiled`: inductor's partition and fused kernels); batch size, accumulation beyond
 2 micro-batches and sharding change no trace (they are arithmetic on it); flash_attention_2
 shares SDPA's (`traced_attention`)."""
 
@@ -121,7 +122,8 @@ TRACE_SOURCES: tuple[str, ...] = (
     "op_classes.py", "recipe.py", "token_stats.py", "trainer_defaults.py", "user_cache.py", "workload.py",
     "axes/__init__.py", "axes/liger.py", "axes/optimizers.py", "axes/precisions.py", "axes/quantization.py",
     "axes/shardings.py",
-    "trace/__init__.py", "trace/allocator.py", "trace/autocast.py", "trace/cache.py", "trace/cuda_model.py",
+    "trace/__init__.py", "trace/allocator.py", "trace/autocast.py", "trace/cache.py", "trace/compiled.py",
+    "trace/cuda_model.py",
     "trace/cuts.py", "trace/cutting.py", "trace/driver.py", "trace/experts.py", "trace/inputs.py", "trace/keys.py",
     "trace/kernel_ops.py", "trace/liger.py", "trace/trainers.py", "trace/trl_head.py",
     "trace/ops.py", "trace/optimizer_layouts.py", "trace/parts.py", "trace/peft.py", "trace/pool.py",

@@ -15,8 +15,10 @@ forward and still alive when forward ends is an activation; a storage that ends 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -61,6 +63,34 @@ class StepTracer(TorchDispatchMode):
         self._live: dict[int, tuple[int, weakref.ref[Any]]] = {}  # storage key -> (alloc_id, ref)
         self._weight_keys: set[int] = set()
         self._lower_dtype = lower_precision_dtype
+        self._paused = 0
+
+    # -- compiled code (trace/compiled.py) ---------------------------------------------
+    @property
+    def is_paused(self) -> bool:
+        return self._paused > 0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Within: ops run unrecorded, their tensors neither allocated nor costed (the values inside a
+        fused kernel, the tracing of a compiled graph)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    @contextlib.contextmanager
+    def kernels(self, ops: tuple[tuple[Any, ...], ...]) -> Iterator[None]:
+        """Within: the ops' tensors are recorded but not their costs; on leaving, `ops` (signatures less
+        their phase: one per compiled kernel) are recorded in the current phase instead."""
+        recording, self.record_ops = self.record_ops, False
+        try:
+            yield
+        finally:
+            self.record_ops = recording
+        if self.record_ops and self.micro_step == 0 and self.phase in STEP_PHASES:
+            self.trace.ops.extend((op[0], op[1], self.phase, *op[2:]) for op in ops)  # type: ignore[misc]
 
     # -- registration of what exists before the step -------------------------------
     def register(self, tensor: torch.Tensor, category: MemoryCategory) -> None:
@@ -115,6 +145,8 @@ class StepTracer(TorchDispatchMode):
     # -- the dispatch hook -------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self._paused:
+            return func(*args, **kwargs)
         self.trace.op_count += 1
         out = func(*args, **kwargs)
         is_weight_cast = (
