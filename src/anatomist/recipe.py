@@ -116,7 +116,8 @@ class Recipe:
     zero_stage: Literal[0, 1, 2, 3] = _field(
         0, "DeepSpeed ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also weights.")
     offload: Offload = _field(
-        "none", "Where DeepSpeed ZeRO offloads optimizer states (and, at stage 3, parameters).")
+        "none", "Where DeepSpeed ZeRO offloads optimizer states (and, at stage 3, parameters); with FSDP, cpu is "
+        "its CPUOffloadPolicy (sharded parameters, gradients, optimizer states and step on the host).")
     max_grad_norm: float = _trainer_default(
         "max_grad_norm", "Gradient clipping, as the Trainer does by default (0 turns it off).")
     peft: Peft = _field(
@@ -184,8 +185,8 @@ class Recipe:
             raise InputError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.offload not in OFFLOADS:
             raise InputError(f"unknown offload {self.offload!r}; known: {', '.join(OFFLOADS)}")
-        if self.offload != "none" and self.zero_stage == 0:
-            raise InputError(f"offload={self.offload} needs DeepSpeed ZeRO: set zero_stage to 1, 2 or 3")
+        if self.offload != "none" and self.zero_stage == 0 and self.fsdp == "none":
+            raise InputError(f"offload={self.offload} needs DeepSpeed ZeRO (zero_stage 1, 2 or 3) or FSDP (fsdp)")
         if self.offload == "nvme" and self.zero_stage != 3:
             raise InputError("offload=nvme needs zero_stage=3")
         if self.fsdp not in FSDP_MODES:

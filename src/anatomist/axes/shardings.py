@@ -22,6 +22,11 @@ FSDP_STAGES: dict[str, int] = {"full_shard": 3, "shard_grad_op": 2}
 FSDP", sec. 3: FULL_SHARD shards weights, gradients and optimizer state; SHARD_GRAD_OP keeps the
 weights whole between forward and backward)."""
 
+RESHARD_AFTER_FORWARD: dict[str, bool] = {"full_shard": True, "shard_grad_op": False}
+"""FSDP2's `fully_shard(reshard_after_forward=...)` for each `TrainingArguments.fsdp` strategy (transformers
+5.23, `TrainingArguments._apply_legacy_fsdp_to_config`: full_shard -> True, shard_grad_op -> False; FSDP2
+is the Trainer's default, `fsdp_config["version"] = 2`)."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ShardingSpec:

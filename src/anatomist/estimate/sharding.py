@@ -33,6 +33,7 @@ layers, and under offload the gradient buckets on their way to the host. NOT val
 from __future__ import annotations
 
 from anatomist.anatomy import MemoryCategory, Phase
+from anatomist.axes.shardings import RESHARD_AFTER_FORWARD
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.records import PhasePeak
 
@@ -47,8 +48,8 @@ estimate leaves out stay small and known."""
 def shard(peak: PhasePeak, recipe: ResolvedRecipe, parameters: int, num_gpus: int, mode: str, phase: Phase) -> PhasePeak:
     """`peak` of `phase` (traced on one device, no sharding) as one of `num_gpus` devices holds it under `recipe`."""
     stage = recipe.sharding_stage
-    if mode != "train" or (stage == 0 and num_gpus == 1):
-        return peak
+    if mode != "train" or (stage == 0 and num_gpus == 1) or recipe.fsdp != "none":
+        return peak  # FSDP's peak is traced per rank (trace/sharded.py)
     n = max(num_gpus, 1)
     categories = dict(peak.categories)
     if recipe.zero_stage >= 1 and recipe.mixed_precision != "no":  # DeepSpeed's mixed-precision layout
@@ -76,3 +77,16 @@ def shard(peak: PhasePeak, recipe: ResolvedRecipe, parameters: int, num_gpus: in
     # categories that sharding shrinks.
     reserved = round(allocated * peak.reserved / peak.allocated) if peak.allocated else 0
     return PhasePeak(allocated=allocated, reserved=max(reserved, allocated), categories=categories)
+
+
+def sharding_notes(recipe: ResolvedRecipe, num_gpus: int, mode: str) -> list[str]:
+    """What the estimate says of how the recipe's sharding was predicted."""
+    if mode != "train" or recipe.fsdp == "none":
+        return []
+    offload = "; CPUOffloadPolicy: sharded parameters, gradients, optimizer states and step on the host" \
+        if recipe.offload == "cpu" else ""
+    return [f"fsdp {recipe.fsdp}: one rank of {num_gpus} traced running PyTorch's FSDP2 as the Trainer wraps it "
+            f"(fully_shard per block, the output head and final norm, then the root; reshard_after_forward="
+            f"{RESHARD_AFTER_FORWARD[recipe.fsdp]}) under the fake process group: weights are this rank's shards and "
+            f"the unsharded parameters of the units in flight, functionality includes the all-gather and "
+            f"reduce-scatter buffers{offload}"]

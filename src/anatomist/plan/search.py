@@ -165,7 +165,7 @@ def plan(
     evaluate = Evaluator(workload, gpu, space.num_gpus, margin, time_model or predict_time)
     recipes = [r.resolved(workload) for r in enumerate_recipes(space, gpu)]
     with pool.kept():  # the workers that trace the candidates then trace the alternatives the reasons compare
-        prefetch(workload, recipes, gpu.compute_capability)  # every trace the recipes read, side by side
+        prefetch(workload, recipes, gpu.compute_capability, num_gpus=space.num_gpus)  # every trace, side by side
         candidates = [evaluate(r) for r in recipes]
         feasible = [c for c in candidates if c.fits]
         if not feasible:
