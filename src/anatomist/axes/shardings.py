@@ -99,3 +99,52 @@ def sharding(name: str, num_gpus: int) -> ShardingSpec:
         return known[name]
     except KeyError:
         raise InputError(f"sharding options on {num_gpus} GPU(s) are {', '.join(known)}; got {name}") from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeepSpeedSetting:
+    """A ZeRO config value that sizes one of DeepSpeed's own buffers: what a run takes when the config
+    leaves it out or says "auto", and where that comes from."""
+
+    field: str
+    """Its Recipe field (and key of `zero_optimization`)."""
+    default: int
+    """DeepSpeed's default where the config leaves it out (deepspeed 0.19 runtime/zero/config.py
+    DeepSpeedZeroConfig)."""
+    auto: bool
+    """Whether transformers' `HfTrainerDeepSpeedConfig.trainer_config_finalize` fills "auto" from the
+    model's hidden size h (`AUTO_FROM_HIDDEN_SIZE`); "auto" elsewhere is an error in the Trainer."""
+
+
+DEEPSPEED_SETTINGS: dict[str, DeepSpeedSetting] = {s.field: s for s in (
+    DeepSpeedSetting(field="reduce_bucket_size", default=500_000_000, auto=True),
+    DeepSpeedSetting(field="allgather_bucket_size", default=500_000_000, auto=False),
+    DeepSpeedSetting(field="stage3_prefetch_bucket_size", default=50_000_000, auto=True),
+    DeepSpeedSetting(field="stage3_max_live_parameters", default=1_000_000_000, auto=False),
+    DeepSpeedSetting(field="stage3_max_reuse_distance", default=1_000_000_000, auto=False),
+    DeepSpeedSetting(field="stage3_param_persistence_threshold", default=100_000, auto=True),
+)}
+"""The ZeRO values the estimate reads. A recipe that leaves one unset means what the HF docs' ZeRO
+configs write: "auto" for the three the Trainer fills, DeepSpeed's default for the others; `plan
+--emit deepspeed` writes it so. A DeepSpeed file that leaves one out gets DeepSpeed's default
+(recipe_files/deepspeed.py)."""
+
+
+def auto_from_hidden_size(hidden_size: int) -> dict[str, int]:
+    """What `HfTrainerDeepSpeedConfig.trainer_config_finalize` (transformers 5.x, integrations/deepspeed.py)
+    writes for "auto": reduce_bucket_size = h*h; under ZeRO-3 stage3_prefetch_bucket_size = int(0.9*h*h)
+    and stage3_param_persistence_threshold = 10*h."""
+    h = hidden_size
+    return {"reduce_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h),
+            "stage3_param_persistence_threshold": 10 * h}
+
+
+def deepspeed_values(hidden_size: int, given: dict[str, int | None]) -> dict[str, int]:
+    """Each DEEPSPEED_SETTINGS value: `given`'s where set, else "auto" filled from `hidden_size` as
+    transformers fills it, else DeepSpeed's default."""
+    auto = auto_from_hidden_size(hidden_size)
+    values = {}
+    for name, setting in DEEPSPEED_SETTINGS.items():
+        value = given.get(name)
+        values[name] = value if value is not None else auto[name] if setting.auto else setting.default
+    return values

@@ -26,12 +26,12 @@ from anatomist.errors import InputError
 from anatomist.estimate.loss_peak import loss_peak_note
 from anatomist.estimate.moe import moe_note
 from anatomist.estimate.rules import BytesPerParamRule, bytes_per_param_rule
-from anatomist.estimate.sharding import shard, sharding_notes
+from anatomist.estimate.sharding import ModelSize, persistent_parameters, shard, sharding_notes
 from anatomist.estimate.traces import TRACE_BATCHES, Mode, StepTraces, affine, step_traces
 from anatomist.hardware import GPU
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace import cache
-from anatomist.trace.cuts import TracePlan
+from anatomist.trace.cuts import TracePlan, model_plan
 from anatomist.trace.keys import Depth, Part, part_key
 from anatomist.trace.records import Curves, PhasePeak
 from anatomist.workload import Workload
@@ -233,11 +233,23 @@ def _phase_peaks(workload: Workload, recipe: ResolvedRecipe, gpu: GPU, traces: S
     def peak_at(phase: Phase, b: int) -> PhasePeak:
         return _PHASE_PEAKS.get((traced, phase, b), lambda: model.phase_at(phase, b))
 
+    size = _model_size(workload, recipe, traces)
+
     def phases_at(b: int) -> dict[Phase, PhasePeak]:
-        return {phase: shard(peak_at(phase, b), recipe, traces.parameters, num_gpus, mode, phase)
-                for phase in model.phases()}
+        return {phase: shard(peak_at(phase, b), recipe, size, num_gpus, mode, phase) for phase in model.phases()}
 
     return phases_at
+
+
+def _model_size(workload: Workload, recipe: ResolvedRecipe, traces: StepTraces) -> ModelSize:
+    """What DeepSpeed's arithmetic needs of the model (`sharding.shard`): its parameters and, under ZeRO-3,
+    the persistent ones and the largest block's."""
+    if recipe.zero_stage < 3:
+        return ModelSize(parameters=traces.parameters, trainable=traces.trainable_parameters)
+    plan = model_plan(workload, recipe)
+    threshold = recipe.stage3_param_persistence_threshold or 0
+    return ModelSize(parameters=traces.parameters, trainable=traces.trainable_parameters, block=plan.block_parameters,
+                     persistent=persistent_parameters(plan.parameter_numels, threshold))
 
 
 def _anatomy(phases: dict[Phase, PhasePeak], gpu: GPU) -> MemoryAnatomy:

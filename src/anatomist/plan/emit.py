@@ -15,8 +15,9 @@ from typing import Any, Literal
 
 import yaml
 
+from anatomist.axes.shardings import DEEPSPEED_SETTINGS
 from anatomist.errors import InputError
-from anatomist.estimate.sharding import BUCKET_ELEMENTS
+from anatomist.estimate.sharding import overlap_comm
 from anatomist.recipe import Recipe
 from anatomist.workload import PEFT_TASK_TYPES
 
@@ -36,11 +37,14 @@ def deepspeed_config(recipe: Recipe, num_gpus: int = 1) -> dict[str, Any]:
         if recipe.zero_stage == 3:
             zero["offload_param"] = {"device": recipe.offload, "pin_memory": True}
     if recipe.zero_stage >= 2:
-        zero.update({"overlap_comm": True, "contiguous_gradients": True})
-    if recipe.zero_stage >= 1:
-        zero.update({"reduce_bucket_size": BUCKET_ELEMENTS, "allgather_bucket_size": BUCKET_ELEMENTS})
-    if recipe.zero_stage == 3:
-        zero["stage3_prefetch_bucket_size"] = BUCKET_ELEMENTS
+        zero.update({"overlap_comm": overlap_comm(recipe), "contiguous_gradients": True})
+    names = [n for n in DEEPSPEED_SETTINGS if recipe.zero_stage == 3 or not n.startswith("stage3_")]
+    for name in names if recipe.zero_stage else ():  # what the estimate sized DeepSpeed's buffers with
+        value = getattr(recipe, name)
+        if value is not None:
+            zero[name] = value
+        else:  # what Recipe.resolved assumes of an unset value: the Trainer's "auto", else DeepSpeed's default
+            zero[name] = "auto" if DEEPSPEED_SETTINGS[name].auto else DEEPSPEED_SETTINGS[name].default
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,

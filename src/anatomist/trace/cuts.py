@@ -96,6 +96,11 @@ class ModelPlan:
     trainable_parameters: int
     blocks: int
     """Repeated blocks of the full model (0 where no stack was found)."""
+    parameter_numels: tuple[int, ...] = ()
+    """Elements of each parameter of the full model, ascending (DeepSpeed ZeRO-3 keeps those below its
+    persistence threshold whole on every device)."""
+    block_parameters: int = 0
+    """Parameters of the largest repeated block (an FSDP unit; DeepSpeed's gathered working set)."""
 
 
 def model_plan(workload: Workload, recipe: ResolvedRecipe, *, use_cache: bool = True) -> ModelPlan:
@@ -107,7 +112,8 @@ def model_plan(workload: Workload, recipe: ResolvedRecipe, *, use_cache: bool = 
 
         layout = layout_of(workload, recipe)
         return ModelPlan(plan=trace_plan(workload, recipe, layout), parameters=layout.parameters,
-                         trainable_parameters=layout.trainable_parameters, blocks=layout.blocks)
+                         trainable_parameters=layout.trainable_parameters, blocks=layout.blocks,
+                         parameter_numels=layout.parameter_numels, block_parameters=layout.block_parameters)
 
     if not use_cache:
         return make()

@@ -61,6 +61,10 @@ class Layout:
     trainable_parameters: int
     signatures: tuple[tuple[Any, ...], ...] = dataclasses.field(repr=False, compare=False)
     """Per stack, the structural signature of each block (what `kinds` numbers)."""
+    parameter_numels: tuple[int, ...] = ()
+    """Elements of each parameter, ascending (`cuts.ModelPlan.parameter_numels`)."""
+    block_parameters: int = 0
+    """Parameters of the largest repeated block."""
 
     @property
     def blocks(self) -> int:
@@ -175,13 +179,18 @@ def layout_of(workload: Workload, recipe: ResolvedRecipe) -> Layout:
         model = apply_peft(model, recipe, workload.task)
     parameters = counted_parameters(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    numels = tuple(sorted(p.numel() for p in model.parameters()))
     if found is None:
-        return Layout(stacks=(), parameters=parameters, trainable_parameters=trainable, signatures=())
+        return Layout(stacks=(), parameters=parameters, trainable_parameters=trainable, signatures=(),
+                      parameter_numels=numels)
+    block = max((sum(p.numel() for p in b.parameters()) for _, lists in found for _, blocks in lists for b in blocks),
+                default=0)
     stacks = tuple(
         Stack(fields=fields, paths=tuple(p for p, _ in members), kinds=_kinds(rows, _varying(rows)))
         for (fields, members), rows in zip(found, signatures, strict=True)
     )
-    return Layout(stacks=stacks, parameters=parameters, trainable_parameters=trainable,
+    return Layout(stacks=stacks, parameters=parameters, trainable_parameters=trainable, parameter_numels=numels,
+                  block_parameters=block,
                   signatures=tuple(tuple(rows) for rows in signatures))
 
 
