@@ -70,6 +70,11 @@ def measure(config: str, seq_len: int, batch: int, case: dict[str, Any]) -> dict
                                         is_main_process=True, device=torch.device("cpu"))
     torch.manual_seed(0)
     model = workload.build_model("sdpa", "float32")
+    if case.get("lora"):  # LoRA as PEFT's FSDP guide runs it: adapters on the model, then the Trainer wraps it
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, bias="none",
+                                                 task_type="CAUSAL_LM"))
     if case.get("gradient_checkpointing"):
         model.gradient_checkpointing_enable()  # the Trainer does it before accelerator.prepare
     model = fsdp2_prepare_model(accelerator, model)
@@ -120,7 +125,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--backend", choices=["fake", "gloo"], required=True)
-    parser.add_argument("cases", help="JSON list of {name, fsdp, bf16, accumulation, gradient_checkpointing}")
+    parser.add_argument("cases", help="JSON list of {name, fsdp, bf16, accumulation, gradient_checkpointing, lora}")
     args = parser.parse_args()
     cases = json.loads(args.cases)
     if args.backend == "fake":

@@ -58,6 +58,7 @@ CASES = {
     "fp32": {"fsdp": "full_shard"},
     "bf16+accumulation": {"fsdp": "full_shard", "bf16": True, "accumulation": 2},
     "shard_grad_op+checkpointing": {"fsdp": "shard_grad_op", "gradient_checkpointing": True},
+    "lora+bf16": {"fsdp": "full_shard", "bf16": True, "lora": True},
 }
 CATEGORIES = {
     "weights": ("SHARDED_PARAM", "UNSHARDED_PARAM", "BUFFER"),
@@ -70,7 +71,8 @@ CATEGORIES = {
 def _recipe(case: dict) -> Recipe:
     return Recipe(per_device_train_batch_size=BATCH, dtype="float32", optim="adamw_torch", fsdp=case["fsdp"],
                   bf16=case.get("bf16", False), gradient_accumulation_steps=case.get("accumulation", 1),
-                  gradient_checkpointing=case.get("gradient_checkpointing", False))
+                  gradient_checkpointing=case.get("gradient_checkpointing", False),
+                  peft="lora" if case.get("lora") else "none")  # r=16, alpha 32, no dropout: fsdp_truth.py's
 
 
 def _measured(config: Path, world: int, backend: str, names: list[str]) -> dict[str, list[dict[str, int]]]:
@@ -114,8 +116,9 @@ def _tiny(tiny_model, hidden: int) -> Tiny:
 
 def test_world_8_on_the_fake_process_group(tiny_model):
     llama = _tiny(tiny_model, 128)
-    measured = _measured(llama.path, 8, "fake", ["bf16+accumulation"])
-    _check(llama.workload, "bf16+accumulation", 8, measured["bf16+accumulation"])
+    measured = _measured(llama.path, 8, "fake", ["bf16+accumulation", "lora+bf16"])
+    for name in ("bf16+accumulation", "lora+bf16"):
+        _check(llama.workload, name, 8, measured[name])
 
 
 def test_world_2_real_processes_over_gloo(tiny_model):

@@ -3,8 +3,10 @@
 Each spec names the Recipe fields that make it, the ZeRO-equivalent stage (what it partitions:
 1 optimizer states, 2 also gradients, 3 also weights; Rajbhandari et al. 2020, "ZeRO", sec. 5),
 its engine and whether it offloads, on how many devices it is searched, and whether it is
-searched for adapters (LoRA/QLoRA's gradients and optimizer states are too small for sharding
-them to pay).
+searched for adapters: LoRA/QLoRA's gradients and optimizer states are too small for ZeRO-1/2 to
+pay, but sharding the frozen base is what fits a 70B model on two 24 GB cards (FSDP + QLoRA:
+Answer.AI's fsdp_qlora, bitsandbytes' and PEFT's FSDP-QLoRA guides; ZeRO-3 + QLoRA: PEFT's DeepSpeed
+guide), so FSDP full_shard and ZeRO-3 are searched for adapters too.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ _SPECS = (
     ShardingSpec(name="zero2", description="ZeRO-2: optimizer states and gradients partitioned",
                  fields={"zero_stage": 2}, stage=2, engine="deepspeed", devices="many"),
     ShardingSpec(name="zero3", description="ZeRO-3: optimizer states, gradients and weights partitioned",
-                 fields={"zero_stage": 3}, stage=3, engine="deepspeed", devices="many"),
+                 fields={"zero_stage": 3}, stage=3, engine="deepspeed", devices="many", for_adapters=True),
     ShardingSpec(name="zero2+offload", description="ZeRO-2 with optimizer state and step on the host",
                  fields={"zero_stage": 2, "offload": "cpu"}, stage=2, engine="deepspeed", offload=True,
                  devices="many"),
@@ -69,7 +71,7 @@ _SPECS = (
     ShardingSpec(name="fsdp_shard_grad_op", description="FSDP SHARD_GRAD_OP: like ZeRO-2",
                  fields={"fsdp": "shard_grad_op"}, stage=2, engine="fsdp", devices="many"),
     ShardingSpec(name="fsdp_full_shard", description="FSDP FULL_SHARD: like ZeRO-3", fields={"fsdp": "full_shard"},
-                 stage=3, engine="fsdp", devices="many"),
+                 stage=3, engine="fsdp", devices="many", for_adapters=True),
 )
 
 

@@ -73,9 +73,12 @@ def bnb_config(recipe: Recipe) -> dict[str, Any] | None:
         return {"load_in_8bit": True}
     if not recipe.load_in_4bit:
         return None
-    return {"load_in_4bit": True, "bnb_4bit_quant_type": recipe.bnb_4bit_quant_type,
-            "bnb_4bit_use_double_quant": recipe.bnb_4bit_use_double_quant,
-            "bnb_4bit_compute_dtype": recipe.bnb_4bit_compute_dtype}
+    kwargs = {"load_in_4bit": True, "bnb_4bit_quant_type": recipe.bnb_4bit_quant_type,
+              "bnb_4bit_use_double_quant": recipe.bnb_4bit_use_double_quant,
+              "bnb_4bit_compute_dtype": recipe.bnb_4bit_compute_dtype}
+    if recipe.fsdp != "none" or recipe.zero_stage == 3:  # the codes sharded with the rest: stored in the same float
+        kwargs["bnb_4bit_quant_storage"] = recipe.bnb_4bit_compute_dtype  # dtype (bitsandbytes' FSDP-QLoRA guide)
+    return kwargs
 
 
 def trl_config(recipe: Recipe, *, model: str = "MODEL", seq_len: int = 1024) -> dict[str, Any]:
@@ -193,9 +196,10 @@ def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = Fals
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "fsdp_backward_prefetch": "BACKWARD_PRE",
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-            "fsdp_offload_params": False,
-            "fsdp_use_orig_params": True,
-            "fsdp_cpu_ram_efficient_loading": False,
+            "fsdp_offload_params": recipe.offload == "cpu",
+            # adapters: PEFT's FSDP-QLoRA config (examples/sft/configs/fsdp_config_qlora.yaml)
+            "fsdp_use_orig_params": recipe.peft == "none",
+            "fsdp_cpu_ram_efficient_loading": recipe.peft != "none",
             "fsdp_sync_module_states": True,
             "fsdp_activation_checkpointing": recipe.gradient_checkpointing,
         }

@@ -67,8 +67,22 @@ def communication_s(workload: Workload, recipe: ResolvedRecipe, *, num_gpus: int
     ring = (num_gpus - 1) / num_gpus
     # PEFT makes adapters in fp32 whatever the base's dtype.
     grad_bytes = parameter_count(workload, recipe) * (2 if recipe.mixed_precision != "no" and recipe.peft == "none" else 4)
-    volume = (3 if recipe.sharding_stage >= 3 else 2) * ring * grad_bytes
+    if recipe.sharding_stage < 3:
+        volume = 2 * ring * grad_bytes  # ring all-reduce
+    else:  # reduce-scatter of the gradients, all-gather of every weight (frozen base included) in forward and backward
+        volume = ring * (grad_bytes + 2 * gathered_weight_bytes(workload, recipe))
     return volume / (constants()["interconnect"]["bus_gbps"] * 1e9)
+
+
+def gathered_weight_bytes(workload: Workload, recipe: ResolvedRecipe) -> float:
+    """Bytes of one all-gather of the whole model under ZeRO-3 / FSDP full_shard: a quantized base's codes as
+    they are stored (bitsandbytes' FSDP-QLoRA guide stores them in a float dtype: the same bytes), every
+    other parameter in the dtype it is gathered in (the half dtype under mixed precision or half weights)."""
+    from anatomist.trace.cuts import model_plan
+
+    plan = model_plan(workload, recipe)
+    element = 2 if recipe.mixed_precision != "no" or recipe.half_weights else 4
+    return plan.quantized_codes + (sum(plan.parameter_numels) - plan.quantized_codes) * element
 
 
 def predict_time(

@@ -101,6 +101,8 @@ class ModelPlan:
     persistence threshold whole on every device)."""
     block_parameters: int = 0
     """Parameters of the largest repeated block (an FSDP unit; DeepSpeed's gathered working set)."""
+    quantized_codes: int = 0
+    """Bytes of a quantized base's 4-/8-bit codes, whose elements `parameter_numels` counts too."""
 
 
 def model_plan(workload: Workload, recipe: ResolvedRecipe, *, use_cache: bool = True) -> ModelPlan:
@@ -113,7 +115,8 @@ def model_plan(workload: Workload, recipe: ResolvedRecipe, *, use_cache: bool = 
         layout = layout_of(workload, recipe)
         return ModelPlan(plan=trace_plan(workload, recipe, layout), parameters=layout.parameters,
                          trainable_parameters=layout.trainable_parameters, blocks=layout.blocks,
-                         parameter_numels=layout.parameter_numels, block_parameters=layout.block_parameters)
+                         parameter_numels=layout.parameter_numels, block_parameters=layout.block_parameters,
+                         quantized_codes=layout.quantized_codes)
 
     if not use_cache:
         return make()
