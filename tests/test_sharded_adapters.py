@@ -13,12 +13,12 @@ import pytest
 
 from anatomist.anatomy import MemoryCategory
 from anatomist.axes.shardings import sharding_of
+from anatomist.estimate.communication import communication_s
 from anatomist.estimate.memory import estimate_memory
 from anatomist.hardware import get_gpu
 from anatomist.plan import SearchSpace
 from anatomist.plan.emit import accelerate_config, bnb_config, write
 from anatomist.plan.space import enumerate_recipes, method_of
-from anatomist.plan.throughput import communication_s
 from anatomist.recipe import Recipe
 from anatomist.workload import load_workload
 
@@ -68,7 +68,7 @@ def test_a_sharded_base_is_gathered_every_step(tiny_model):
     ring all-gathers ((N-1)/N x the bytes each: the linear layers' 4-bit codes, 0.5 B per weight, the rest in
     bf16, the adapters included) beside the adapters' reduce-scatter ((N-1)/N x their fp32 gradients, half
     the all-reduce's volume). The model counted here as bitsandbytes stores it, independently of anatomist."""
-    from anatomist.plan.throughput import constants
+    from anatomist.estimate.communication import constants
 
     workload = load_workload(str(tiny_model("llama")), seq_len=64)
     recipe = QLORA_FSDP.resolved(workload)

@@ -92,8 +92,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
         compile_options=(False,) if args.no_compile else (False, True),
         precisions=precisions, methods=("full", *dict.fromkeys(added)), base=Recipe(**lora),
     )
+    from anatomist.estimate.communication import predict_time
     from anatomist.plan.search import plan  # imports torch
-    from anatomist.plan.throughput import predict_time
 
     time_model = functools.partial(predict_time, calibration=calibration) if calibration else None
     return plan(workload, gpu, space=space, objective=args.objective, margin=args.memory_margin, time_model=time_model)

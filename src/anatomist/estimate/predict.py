@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN
+from anatomist.estimate.communication import predict_time
 from anatomist.estimate.memory import MemoryEstimate, estimate_memory
 from anatomist.estimate.moe import MoeRouting, moe_routing
 from anatomist.estimate.time import Calibration, estimate_time
@@ -67,7 +68,11 @@ def estimate(
     the time model's factors (default: the shipped data/time_calibration.toml)."""
     recipe = recipe.resolved(workload)  # the library's entry point: everything below takes it resolved
     memory = estimate_memory(workload, recipe, gpu, mode=mode, num_gpus=num_gpus, margin=margin)
-    time = estimate_time(workload, recipe, gpu, calibration) if mode == "train" else None
+    time = None
+    if mode == "train":  # the plan's time model: one device's step, plus sharding, offload and communication terms
+        several = num_gpus > 1 or recipe.offload != "none"  # (on one device without offload those are nothing)
+        time = (predict_time(workload, recipe, gpu, num_gpus=num_gpus, calibration=calibration) if several
+                else estimate_time(workload, recipe, gpu, calibration))
     source = (calibration or default_calibration()).source
     return Estimate(workload=workload, recipe=recipe, gpu=gpu, mode=mode, margin=margin, memory=memory, time=time,
                     moe=moe_routing(workload, recipe, memory.anatomy), extra={"time_calibration": source})

@@ -15,11 +15,11 @@ from typing import Any, Literal
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, GIB, TimeAnatomy
 from anatomist.axes.precisions import searchable_on
 from anatomist.errors import InputError
+from anatomist.estimate.communication import TimeModel, predict_time
 from anatomist.estimate.memory import MemoryEstimate, estimate_memory, memory_limit_bytes
 from anatomist.estimate.traces import prefetch
 from anatomist.hardware import GPU, catalog
 from anatomist.plan.space import SearchSpace, enumerate_recipes
-from anatomist.plan.throughput import TimeModel, predict_time
 from anatomist.recipe import Recipe, ResolvedRecipe
 from anatomist.trace import pool
 from anatomist.workload import Workload
