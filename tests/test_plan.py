@@ -13,11 +13,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from anatomist.axes.shardings import shardings_for
 from anatomist.errors import InputError
+from anatomist.estimate.communication import parameter_count, predict_time
 from anatomist.estimate.time import estimate_time
 from anatomist.hardware import get_gpu
 from anatomist.plan import SearchSpace, plan
 from anatomist.plan.candidates import pareto_front
-from anatomist.plan.throughput import parameter_count, predict_time
 from anatomist.recipe import Recipe
 from anatomist.workload import load_workload
 
@@ -115,13 +115,15 @@ def test_checkpointing_reason_is_computed_from_predictions(tiny) -> None:
 
 def test_nothing_fits_says_what_is_short(tiny) -> None:
     # 16.25 MiB of every recipe are the two cuBLAS workspaces (forward and backward handles);
-    # the best single-GPU recipe (ZeRO-2 + offload, bf16) needs 21.0 MiB; ZeRO-3 + offload (parameters offloaded
-    # too) on 2 devices 20.6 MiB.
+    # the best single-GPU recipe (ZeRO-2 + offload, bf16) needs 21.0 MiB. No number of GPUs is offered: ZeRO-3
+    # (+ offload) on 2 devices needed 20.6 MiB before DeepSpeed's own buffers were counted; with them
+    # (estimate/sharding.py) DeepSpeed keeps a model this small gathered from forward to backward
+    # (stage3_max_reuse_distance 1e9 elements) beside its flat gradient partition and reduction bucket.
     gpu = _small_gpu(int(20.8 * 2**20))
     # fp32 master weights only: the figures above were worked out for those precisions
     space = SearchSpace(global_batch_size=8, optims=("adafactor",), compile_options=(False,),
                         precisions=("fp32", "tf32", "bf16"))
-    with pytest.raises(InputError, match=r"no recipe fits tiny-gpu.*short by 0\.2 MiB.*Would fit: a GPU with more memory \(T4.*2 GPUs with ZeRO-3"):
+    with pytest.raises(InputError, match=r"no recipe fits tiny-gpu.*short by 0\.2 MiB\. Would fit: a GPU with more memory \(T4, 15\.00 GiB\)$"):
         plan(tiny, gpu, space=space, margin=0.0)
 
 
@@ -131,16 +133,16 @@ def test_multi_gpu_considers_zero_and_fsdp(tiny) -> None:
     result = plan(tiny, _small_gpu(8 * GIB), space=space)
     stages = {(c.recipe.zero_stage, c.recipe.fsdp) for c in result.candidates}
     assert {(0, "none"), (1, "none"), (2, "none"), (3, "none"), (0, "full_shard"), (0, "shard_grad_op")} <= stages
-    by = {(c.recipe.zero_stage, c.recipe.fsdp, c.recipe.per_device_train_batch_size, c.recipe.bf16): c
+    by = {(c.recipe.zero_stage, c.recipe.fsdp, c.recipe.per_device_train_batch_size, c.recipe.bf16, c.recipe.dtype): c
           for c in result.candidates if c.recipe.offload == "none"}
-    ddp, z3, fsdp = by[0, "none", 8, True], by[3, "none", 8, True], by[0, "full_shard", 8, True]
-    # FSDP full_shard halves the traced (fp32) weights on 2 devices; DeepSpeed ZeRO-3 with bf16 keeps
-    # bf16 weights (2 B/param) and moves the fp32 master copy into the optimizer states, both halved.
+    key = (8, True, "float32")  # fp32 weights, bf16 autocast
+    ddp, z3, fsdp = by[0, "none", *key], by[3, "none", *key], by[0, "full_shard", *key]
     n = ddp.memory.parameters
-    assert abs(fsdp.memory.anatomy.weights * 2 - ddp.memory.anatomy.weights) <= 2
-    assert z3.memory.anatomy.weights == 2 * n // 2
+    # DeepSpeed ZeRO-3 with bf16 moves the fp32 master copy into the optimizer states, halved on 2 devices
+    # (estimate/sharding.py); FSDP2, traced per rank, holds half of the fp32 Adam states (each parameter's
+    # rows padded to the world size, the step counters whole: 4% on this tiny BERT of many small tensors).
     assert z3.memory.anatomy.optimizer_states == (ddp.memory.anatomy.optimizer_states + 4 * n) // 2
-    assert max(z3.device_total, fsdp.device_total) < ddp.device_total
+    assert fsdp.memory.anatomy.optimizer_states == pytest.approx(ddp.memory.anatomy.optimizer_states / 2, rel=0.05)
 
 
 def test_pareto_front_by_hand() -> None:

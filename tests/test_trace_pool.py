@@ -42,8 +42,10 @@ def _requests(folder: Path) -> tuple[object, list[parts.PartRequest]]:
     workload = load_workload(str(folder), seq_len=32)
     recipe = Recipe(bf16=True).resolved(workload)
     two = dataclasses.replace(recipe, gradient_accumulation_steps=2)  # its first micro-batch: the first request
-    return workload, [(recipe, "forward-backward", 2, 2), (recipe, "forward-backward", 3, 2), (recipe, "optimizer", 2, 1),
-                      (two, "forward-backward", 2, 2)]
+    sharded = dataclasses.replace(recipe, fsdp="full_shard")  # one rank of 4 (trace/sharded.py)
+    return workload, [(recipe, "forward-backward", 2, 2, 1), (recipe, "forward-backward", 3, 2, 1),
+                      (recipe, "optimizer", 2, 1, 1), (two, "forward-backward", 2, 2, 1),
+                      (sharded, "forward-backward", 2, 2, 4)]
 
 
 def test_workers_trace_what_this_process_would(tiny_model, cache_folder: Path, traced_here: list[str],
@@ -53,10 +55,11 @@ def test_workers_trace_what_this_process_would(tiny_model, cache_folder: Path, t
     parts.trace_parts(workload, requests, CC)
     assert traced_here == []  # all in the workers
     assert stored_kinds(cache_folder)["StepTrace"] == len(requests)  # stored by this process
-    for recipe, part, depth, batch in requests:
-        from_worker = parts.trace_part(workload, recipe.resolved(workload), part, depth=depth, batch_size=batch, compute_capability=CC)
+    for recipe, part, depth, batch, num_gpus in requests:
+        from_worker = parts.trace_part(workload, recipe.resolved(workload), part, depth=depth, batch_size=batch,
+                                       compute_capability=CC, num_gpus=num_gpus)
         here = parts.trace_part(workload, recipe.resolved(workload), part, depth=depth, batch_size=batch, compute_capability=CC,
-                               use_cache=False)
+                               use_cache=False, num_gpus=num_gpus)
         assert pickle.dumps(from_worker) == pickle.dumps(here)
     assert len(traced_here) == len(requests)  # the uncached ones only
     parts.trace_parts(workload, requests, CC)  # all cached: nothing to trace
@@ -130,15 +133,16 @@ def test_a_dead_worker_ends_the_pool_without_hanging(monkeypatch: pytest.MonkeyP
     assert 0 not in got and set(got) <= {1, 2}
 
 
-def test_no_trace_depends_on_the_cyclic_collector(tiny_model) -> None:
+@pytest.mark.parametrize("request_index", [0, -1])  # one device; one rank of FSDP
+def test_no_trace_depends_on_the_cyclic_collector(tiny_model, request_index: int) -> None:
     """A storage kept alive by a reference cycle would die when the collector runs: collecting as
     often as it can and not at all must give the same trace."""
     workload, requests = _requests(tiny_model("llama"))
-    recipe, part, depth, batch = requests[0]
+    recipe, part, depth, batch, num_gpus = requests[request_index]
 
     def traced() -> bytes:
         return pickle.dumps(driver.trace_step(workload, recipe.resolved(workload), part=part, depth=depth, batch_size=batch,
-                                            compute_capability=CC, record_ops=True))
+                                            compute_capability=CC, record_ops=True, num_gpus=num_gpus))
 
     thresholds = gc.get_threshold()
     try:

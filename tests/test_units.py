@@ -167,19 +167,20 @@ def test_deepspeed_mixed_precision_is_the_zero_papers_arithmetic(stage, per_para
     (6 B), fp32 gradients (4 B) and Adam moments (8 B)."""
     from anatomist.anatomy import MemoryCategory as C
     from anatomist.anatomy import Phase
-    from anatomist.estimate.sharding import shard
+    from anatomist.estimate.sharding import ModelSize, shard
     from anatomist.trace.records import PhasePeak
 
     n = 1 << 20
     traced = {C.WEIGHTS: 6 * n, C.GRADIENTS: 4 * n, C.OPTIMIZER_STATES: 8 * n, C.ACTIVATIONS: 123,
               C.TEMPORARY: 0, C.FUNCTIONALITY: 0}
     peak = PhasePeak(allocated=sum(traced.values()), reserved=sum(traced.values()) + 1000, categories=traced)
-    out = shard(peak, Recipe(zero_stage=stage, bf16=True), n, 4, "train", Phase.BACKWARD)
+    size = ModelSize(parameters=n, trainable=n)  # no parameter kept whole, none gathered: the paper's model
+    out = shard(peak, Recipe(zero_stage=stage, bf16=True), size, 4, "train", Phase.BACKWARD)
     states = out.categories[C.WEIGHTS] + out.categories[C.GRADIENTS] + out.categories[C.OPTIMIZER_STATES]
     assert states == per_param * n
     assert out.categories[C.ACTIVATIONS] == 123 and out.allocated == states + 123
     assert out.reserved == round(out.allocated * peak.reserved / peak.allocated)  # the reserve keeps its ratio
     if stage >= 2:  # ZeRO-Offload: master weights, moments and gradient partitions live on the host
-        offloaded = shard(peak, Recipe(zero_stage=stage, bf16=True, offload="cpu"), n, 4, "train", Phase.BACKWARD)
+        offloaded = shard(peak, Recipe(zero_stage=stage, bf16=True, offload="cpu"), size, 4, "train", Phase.BACKWARD)
         assert offloaded.categories[C.OPTIMIZER_STATES] == offloaded.categories[C.GRADIENTS] == 0
         assert offloaded.categories[C.WEIGHTS] == (0 if stage == 3 else 2 * n)  # stage 3 offloads parameters too

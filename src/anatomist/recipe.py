@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self, get_args, get_origin, get_
 from anatomist.axes.liger import check_liger
 from anatomist.axes.optimizers import OPTIMIZERS, optimizer
 from anatomist.axes.precisions import HALF_DTYPES
-from anatomist.axes.shardings import FSDP_STAGES
+from anatomist.axes.shardings import DEEPSPEED_SETTINGS, FSDP_STAGES, deepspeed_values
 from anatomist.errors import InputError
 from anatomist.trainer_defaults import trainer_defaults
 
@@ -119,7 +119,8 @@ class Recipe:
     zero_stage: Literal[0, 1, 2, 3] = _field(
         0, "DeepSpeed ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also weights.")
     offload: Offload = _field(
-        "none", "Where DeepSpeed ZeRO offloads optimizer states (and, at stage 3, parameters).")
+        "none", "Where DeepSpeed ZeRO offloads optimizer states (and, at stage 3, parameters); with FSDP, cpu is "
+        "its CPUOffloadPolicy (sharded parameters, gradients, optimizer states and step on the host).")
     max_grad_norm: float = _trainer_default(
         "max_grad_norm", "Gradient clipping, as the Trainer does by default (0 turns it off).")
     peft: Peft = _field(
@@ -172,6 +173,25 @@ class Recipe:
         False, "DPO: the reference model's log-probabilities are computed before training (DPOConfig), so no "
         "reference model is held nor run during it.")
 
+    # -- DeepSpeed's buffer sizes (zero_optimization; axes/shardings.py DEEPSPEED_SETTINGS) --
+    reduce_bucket_size: int | None = _field(
+        None, "DeepSpeed zero_optimization.reduce_bucket_size: elements per gradient-reduction bucket (ZeRO >= 1); "
+        "unset: the Trainer's auto, hidden_size^2.", metavar="N")
+    allgather_bucket_size: int | None = _field(
+        None, "DeepSpeed zero_optimization.allgather_bucket_size (ZeRO-1/2); unset: DeepSpeed's 5e8.", metavar="N")
+    stage3_prefetch_bucket_size: int | None = _field(
+        None, "DeepSpeed ZeRO-3: parameter elements fetched ahead; unset: the Trainer's auto, 0.9 x hidden_size^2.",
+        metavar="N")
+    stage3_max_live_parameters: int | None = _field(
+        None, "DeepSpeed ZeRO-3: gathered parameter elements kept on a device before releasing; unset: "
+        "DeepSpeed's 1e9.", metavar="N")
+    stage3_max_reuse_distance: int | None = _field(
+        None, "DeepSpeed ZeRO-3: a gathered parameter used again within this many parameter elements is kept "
+        "gathered; unset: DeepSpeed's 1e9.", metavar="N")
+    stage3_param_persistence_threshold: int | None = _field(
+        None, "DeepSpeed ZeRO-3: parameters of at most this many elements stay whole on every device; unset: the "
+        "Trainer's auto, 10 x hidden_size.", metavar="N")
+
     def __post_init__(self) -> None:
         if self.per_device_train_batch_size <= 0:
             raise InputError(
@@ -208,8 +228,8 @@ class Recipe:
             raise InputError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.offload not in OFFLOADS:
             raise InputError(f"unknown offload {self.offload!r}; known: {', '.join(OFFLOADS)}")
-        if self.offload != "none" and self.zero_stage == 0:
-            raise InputError(f"offload={self.offload} needs DeepSpeed ZeRO: set zero_stage to 1, 2 or 3")
+        if self.offload != "none" and self.zero_stage == 0 and self.fsdp == "none":
+            raise InputError(f"offload={self.offload} needs DeepSpeed ZeRO (zero_stage 1, 2 or 3) or FSDP (fsdp)")
         if self.offload == "nvme" and self.zero_stage != 3:
             raise InputError("offload=nvme needs zero_stage=3")
         if self.fsdp not in FSDP_MODES:
@@ -233,6 +253,10 @@ class Recipe:
             raise InputError(f"unknown bnb_4bit_quant_type {self.bnb_4bit_quant_type!r}; known: {', '.join(QUANT_TYPES)}")
         if self.max_grad_norm < 0:
             raise InputError(f"max_grad_norm must be >= 0, got {self.max_grad_norm}")
+        for name in DEEPSPEED_SETTINGS:
+            value = getattr(self, name)
+            if value is not None and value < 0 or (name == "reduce_bucket_size" and value == 0):
+                raise InputError(f"{name} must be {'> 0' if name == 'reduce_bucket_size' else '>= 0'}, got {value}")
         self._check_llm_fields()
 
     def _check_llm_fields(self) -> None:
@@ -301,7 +325,8 @@ class Recipe:
         return cls(**{**preset, **given})
 
     def resolved(self, workload: Workload) -> ResolvedRecipe:
-        """This recipe settled for `workload`: its load dtype concrete ("auto" -> the config's).
+        """This recipe settled for `workload`: its load dtype concrete ("auto" -> the config's) and, under
+        DeepSpeed, its buffer sizes (unset -> "auto" as the Trainer fills it, or DeepSpeed's default).
 
         Raises:
             InputError: a dtype the model's code rejects, or one that with the recipe's precision
@@ -313,6 +338,8 @@ class Recipe:
             raise InputError(f"{workload.name}: TRL's {self.trainer.upper()}Trainer trains causal language models; this "
                              f"is a {workload.task} model (--task causal-lm, or --trainer trainer)")
         values = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.zero_stage:  # DeepSpeed's buffer sizes, "auto" filled as the Trainer fills it
+            values |= deepspeed_values(workload.hidden_size(), {n: values[n] for n in DEEPSPEED_SETTINGS})
         return ResolvedRecipe(**{**values, "dtype": workload.weights_dtype(self.dtype)})
 
     def to_dict(self) -> dict[str, Any]:

@@ -123,6 +123,25 @@ class Workload:
         """The dtype the config names, else float32: what `from_pretrained(dtype="auto")` loads the weights in."""
         return self.facts.config_dtype
 
+    def hidden_size(self) -> int:
+        """The model's hidden size as transformers' `HfTrainerDeepSpeedConfig.trainer_config_finalize` finds it
+        to fill DeepSpeed's "auto" buffer sizes: `hidden_size`, else the largest of `hidden_sizes`, else the
+        same in `text_config` (GPT-2's `n_embd` is `hidden_size` through its attribute map).
+
+        Raises:
+            InputError: a config with neither (the Trainer refuses "auto" there too).
+        """
+        for config in (self.config, getattr(self.config, "text_config", None)):
+            if config is None:
+                continue
+            if getattr(config, "hidden_size", None):
+                return int(config.hidden_size)
+            if getattr(config, "hidden_sizes", None):
+                return int(max(config.hidden_sizes))
+        raise InputError(f"{self.name}: its config has neither hidden_size nor hidden_sizes, from which the Trainer "
+                         "fills DeepSpeed's auto bucket sizes; set --reduce-bucket-size, --stage3-prefetch-bucket-size "
+                         "and --stage3-param-persistence-threshold")
+
     def weights_dtype(self, requested: str) -> str:
         """The dtype the weights load in for `requested` ("auto": the config's).
 

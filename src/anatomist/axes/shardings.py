@@ -3,8 +3,10 @@
 Each spec names the Recipe fields that make it, the ZeRO-equivalent stage (what it partitions:
 1 optimizer states, 2 also gradients, 3 also weights; Rajbhandari et al. 2020, "ZeRO", sec. 5),
 its engine and whether it offloads, on how many devices it is searched, and whether it is
-searched for adapters (LoRA/QLoRA's gradients and optimizer states are too small for sharding
-them to pay).
+searched for adapters: LoRA/QLoRA's gradients and optimizer states are too small for ZeRO-1/2 to
+pay, but sharding the frozen base is what fits a 70B model on two 24 GB cards (FSDP + QLoRA:
+Answer.AI's fsdp_qlora, bitsandbytes' and PEFT's FSDP-QLoRA guides; ZeRO-3 + QLoRA: PEFT's DeepSpeed
+guide), so FSDP full_shard and ZeRO-3 are searched for adapters too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ FSDP_STAGES: dict[str, int] = {"full_shard": 3, "shard_grad_op": 2}
 """The ZeRO stage each `TrainingArguments.fsdp` strategy partitions like (Zhao et al. 2023, "PyTorch
 FSDP", sec. 3: FULL_SHARD shards weights, gradients and optimizer state; SHARD_GRAD_OP keeps the
 weights whole between forward and backward)."""
+
+RESHARD_AFTER_FORWARD: dict[str, bool] = {"full_shard": True, "shard_grad_op": False}
+"""FSDP2's `fully_shard(reshard_after_forward=...)` for each `TrainingArguments.fsdp` strategy (transformers
+5.23, `TrainingArguments._apply_legacy_fsdp_to_config`: full_shard -> True, shard_grad_op -> False; FSDP2
+is the Trainer's default, `fsdp_config["version"] = 2`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,7 +61,7 @@ _SPECS = (
     ShardingSpec(name="zero2", description="ZeRO-2: optimizer states and gradients partitioned",
                  fields={"zero_stage": 2}, stage=2, engine="deepspeed", devices="many"),
     ShardingSpec(name="zero3", description="ZeRO-3: optimizer states, gradients and weights partitioned",
-                 fields={"zero_stage": 3}, stage=3, engine="deepspeed", devices="many"),
+                 fields={"zero_stage": 3}, stage=3, engine="deepspeed", devices="many", for_adapters=True),
     ShardingSpec(name="zero2+offload", description="ZeRO-2 with optimizer state and step on the host",
                  fields={"zero_stage": 2, "offload": "cpu"}, stage=2, engine="deepspeed", offload=True,
                  devices="many"),
@@ -64,7 +71,7 @@ _SPECS = (
     ShardingSpec(name="fsdp_shard_grad_op", description="FSDP SHARD_GRAD_OP: like ZeRO-2",
                  fields={"fsdp": "shard_grad_op"}, stage=2, engine="fsdp", devices="many"),
     ShardingSpec(name="fsdp_full_shard", description="FSDP FULL_SHARD: like ZeRO-3", fields={"fsdp": "full_shard"},
-                 stage=3, engine="fsdp", devices="many"),
+                 stage=3, engine="fsdp", devices="many", for_adapters=True),
 )
 
 
@@ -94,3 +101,52 @@ def sharding(name: str, num_gpus: int) -> ShardingSpec:
         return known[name]
     except KeyError:
         raise InputError(f"sharding options on {num_gpus} GPU(s) are {', '.join(known)}; got {name}") from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeepSpeedSetting:
+    """A ZeRO config value that sizes one of DeepSpeed's own buffers: what a run takes when the config
+    leaves it out or says "auto", and where that comes from."""
+
+    field: str
+    """Its Recipe field (and key of `zero_optimization`)."""
+    default: int
+    """DeepSpeed's default where the config leaves it out (deepspeed 0.19 runtime/zero/config.py
+    DeepSpeedZeroConfig)."""
+    auto: bool
+    """Whether transformers' `HfTrainerDeepSpeedConfig.trainer_config_finalize` fills "auto" from the
+    model's hidden size h (`AUTO_FROM_HIDDEN_SIZE`); "auto" elsewhere is an error in the Trainer."""
+
+
+DEEPSPEED_SETTINGS: dict[str, DeepSpeedSetting] = {s.field: s for s in (
+    DeepSpeedSetting(field="reduce_bucket_size", default=500_000_000, auto=True),
+    DeepSpeedSetting(field="allgather_bucket_size", default=500_000_000, auto=False),
+    DeepSpeedSetting(field="stage3_prefetch_bucket_size", default=50_000_000, auto=True),
+    DeepSpeedSetting(field="stage3_max_live_parameters", default=1_000_000_000, auto=False),
+    DeepSpeedSetting(field="stage3_max_reuse_distance", default=1_000_000_000, auto=False),
+    DeepSpeedSetting(field="stage3_param_persistence_threshold", default=100_000, auto=True),
+)}
+"""The ZeRO values the estimate reads. A recipe that leaves one unset means what the HF docs' ZeRO
+configs write: "auto" for the three the Trainer fills, DeepSpeed's default for the others; `plan
+--emit deepspeed` writes it so. A DeepSpeed file that leaves one out gets DeepSpeed's default
+(recipe_files/deepspeed.py)."""
+
+
+def auto_from_hidden_size(hidden_size: int) -> dict[str, int]:
+    """What `HfTrainerDeepSpeedConfig.trainer_config_finalize` (transformers 5.x, integrations/deepspeed.py)
+    writes for "auto": reduce_bucket_size = h*h; under ZeRO-3 stage3_prefetch_bucket_size = int(0.9*h*h)
+    and stage3_param_persistence_threshold = 10*h."""
+    h = hidden_size
+    return {"reduce_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h),
+            "stage3_param_persistence_threshold": 10 * h}
+
+
+def deepspeed_values(hidden_size: int, given: dict[str, int | None]) -> dict[str, int]:
+    """Each DEEPSPEED_SETTINGS value: `given`'s where set, else "auto" filled from `hidden_size` as
+    transformers fills it, else DeepSpeed's default."""
+    auto = auto_from_hidden_size(hidden_size)
+    values = {}
+    for name, setting in DEEPSPEED_SETTINGS.items():
+        value = given.get(name)
+        values[name] = value if value is not None else auto[name] if setting.auto else setting.default
+    return values

@@ -126,8 +126,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
         liger_options=(False,) if args.no_liger_kernel else None,
         precisions=precisions, methods=methods, base=Recipe(**lora, **trainer), fixed=fixed,
     )
+    from anatomist.estimate.communication import predict_time
     from anatomist.plan.search import plan  # imports torch
-    from anatomist.plan.throughput import predict_time
 
     time_model = functools.partial(predict_time, calibration=calibration)
     return plan(workload, gpu, space=space, objective=args.objective, margin=args.memory_margin, time_model=time_model)

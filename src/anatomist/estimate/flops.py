@@ -32,7 +32,7 @@ from anatomist.estimate.traces import TRACE_BATCHES, TRACE_DEPTHS, affine, step_
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace import cache
 from anatomist.trace.cuts import TracePlan
-from anatomist.trace.keys import Depth, part_key
+from anatomist.trace.keys import Depth, one_device, part_key
 from anatomist.trace.parts import trace_part
 from anatomist.trace.records import COST_FIELDS, Signature
 from anatomist.workload import Workload
@@ -132,8 +132,10 @@ _STEP_OPS = cache.Memo(1024)
 
 def step_ops(workload: Workload, recipe: ResolvedRecipe, compute_capability: str = DEFAULT_COMPUTE_CAPABILITY) -> StepOps:
     """Op records of one micro-batch (forward, backward) and one optimizer step, at full depth: from
-    the cuts of the estimator's plan (`traces.step_traces`), or a cut as deep as the model.
-    The result is shared: do not change it."""
+    the cuts of the estimator's plan (`traces.step_traces`), or a cut as deep as the model; of one
+    device's step (`keys.one_device`: a rank computes what one device does on its micro-batch; what
+    sharding adds is the communication model's). The result is shared: do not change it."""
+    recipe = one_device(recipe)
     key = (part_key(workload, recipe, "forward-backward", None, recipe.per_device_train_batch_size, compute_capability),
            part_key(workload, recipe, "optimizer", None, 1, compute_capability))
     return _STEP_OPS.get(key, lambda: _step_ops(workload, recipe, compute_capability))

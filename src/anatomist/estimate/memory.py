@@ -28,12 +28,12 @@ from anatomist.estimate.llm_notes import llm_notes
 from anatomist.estimate.loss_peak import loss_peak_note
 from anatomist.estimate.moe import moe_note
 from anatomist.estimate.rules import BytesPerParamRule, bytes_per_param_rule
-from anatomist.estimate.sharding import shard
+from anatomist.estimate.sharding import ModelSize, persistent_parameters, shard, sharding_notes
 from anatomist.estimate.traces import TRACE_BATCHES, Mode, StepTraces, affine, step_traces
 from anatomist.hardware import GPU
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace import cache
-from anatomist.trace.cuts import TracePlan
+from anatomist.trace.cuts import TracePlan, model_plan
 from anatomist.trace.keys import Depth, Part, part_key
 from anatomist.trace.records import Curves, PhasePeak
 from anatomist.workload import Workload
@@ -190,14 +190,15 @@ def estimate_memory(
         recipe: the training knobs (batch size, precision, optimizer, ...).
         gpu: the target GPU (capacity, CUDA context size, cuBLAS workspace size).
         mode: "train" for a full optimizer step, "inference" for one forward pass.
-        num_gpus: devices that DeepSpeed ZeRO shards across (1: no sharding).
+        num_gpus: the data-parallel devices: an FSDP recipe is traced as one rank of that many
+            (`trace.sharded`); DeepSpeed ZeRO shards one device's trace across them (`sharding.py`).
         margin: share of the GPU's memory kept free when deciding `fits` and `max_batch_size`.
 
     Returns:
         A MemoryEstimate whose anatomy categories add up to device_total.
     """
     limit = memory_limit_bytes(gpu, margin)
-    traces = step_traces(workload, recipe, gpu.compute_capability, mode)
+    traces = step_traces(workload, recipe, gpu.compute_capability, mode, num_gpus=num_gpus)
     phases_at = _phase_peaks(workload, recipe, gpu, traces, mode, num_gpus)
     phases = phases_at(recipe.per_device_train_batch_size)
     anatomy = _anatomy(phases, gpu)
@@ -213,7 +214,7 @@ def estimate_memory(
         max_batch_size=_largest_batch(workload, recipe, gpu, mode, num_gpus, limit, phases_at),
         rule=rule,
         phase_peaks={str(p): v.allocated for p, v in phases.items()},
-        notes=[*traces.notes, *_notes(workload, recipe, anatomy, rule, traces)],
+        notes=[*traces.notes, *_notes(workload, recipe, anatomy, rule, traces), *sharding_notes(recipe, num_gpus, mode)],
     )
 
 
@@ -227,17 +228,30 @@ def _phase_peaks(workload: Workload, recipe: ResolvedRecipe, gpu: GPU, traces: S
     model = _Model(traces)
     # The traces' keys name the model's peaks at any batch: recipes that share the traces share them.
     passes: Part = "forward-backward" if mode == "train" else "inference"
-    traced = (part_key(workload, recipe, passes, None, 0, gpu.compute_capability),
-              part_key(workload, recipe, "optimizer", None, 1, gpu.compute_capability) if mode == "train" else None)
+    traced = (part_key(workload, recipe, passes, None, 0, gpu.compute_capability, num_gpus),
+              part_key(workload, recipe, "optimizer", None, 1, gpu.compute_capability, num_gpus)
+              if mode == "train" else None)
 
     def peak_at(phase: Phase, b: int) -> PhasePeak:
         return _PHASE_PEAKS.get((traced, phase, b), lambda: model.phase_at(phase, b))
 
+    size = _model_size(workload, recipe, traces)
+
     def phases_at(b: int) -> dict[Phase, PhasePeak]:
-        return {phase: shard(peak_at(phase, b), recipe, traces.parameters, num_gpus, mode, phase)
-                for phase in model.phases()}
+        return {phase: shard(peak_at(phase, b), recipe, size, num_gpus, mode, phase) for phase in model.phases()}
 
     return phases_at
+
+
+def _model_size(workload: Workload, recipe: ResolvedRecipe, traces: StepTraces) -> ModelSize:
+    """What DeepSpeed's arithmetic needs of the model (`sharding.shard`): its parameters and, under ZeRO-3,
+    the persistent ones and the largest block's."""
+    if recipe.zero_stage < 3:
+        return ModelSize(parameters=traces.parameters, trainable=traces.trainable_parameters)
+    plan = model_plan(workload, recipe)
+    threshold = recipe.stage3_param_persistence_threshold or 0
+    return ModelSize(parameters=traces.parameters, trainable=traces.trainable_parameters, block=plan.block_parameters,
+                     persistent=persistent_parameters(plan.parameter_numels, threshold))
 
 
 def _anatomy(phases: dict[Phase, PhasePeak], gpu: GPU) -> MemoryAnatomy:

@@ -7,6 +7,7 @@ from typing import Any
 
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN
 from anatomist.estimate.calibration import Calibration, calibration_for
+from anatomist.estimate.communication import predict_time
 from anatomist.estimate.memory import MemoryEstimate, estimate_memory
 from anatomist.estimate.moe import MoeRouting, moe_routing
 from anatomist.estimate.time import estimate_time
@@ -72,7 +73,11 @@ def estimate(
     workload = workload.for_recipe(recipe)  # padding-free: the data's sequences, not the longest (issue 23)
     memory = estimate_memory(workload, recipe, gpu, mode=mode, num_gpus=num_gpus, margin=margin)
     calibration = calibration or calibration_for(gpu)
-    time = estimate_time(workload, recipe, gpu, calibration) if mode == "train" else None
+    time = None
+    if mode == "train":  # the plan's time model: one device's step, plus sharding, offload and communication terms
+        several = num_gpus > 1 or recipe.offload != "none"  # (on one device without offload those are nothing)
+        time = (predict_time(workload, recipe, gpu, num_gpus=num_gpus, calibration=calibration) if several
+                else estimate_time(workload, recipe, gpu, calibration))
     return Estimate(workload=workload, recipe=recipe, gpu=gpu, mode=mode, margin=margin, memory=memory, time=time,
                     moe=moe_routing(workload, recipe, memory.anatomy), extra={"time_calibration": calibration.describe()},
                     num_gpus=num_gpus)

@@ -64,18 +64,23 @@ class StepTraces:
 
 
 def step_traces(workload: Workload, recipe: ResolvedRecipe, compute_capability: str, mode: Mode = "train",
-                *, use_cache: bool = True) -> StepTraces:
+                *, use_cache: bool = True, num_gpus: int = 1) -> StepTraces:
     """The passes of each cut of the plan at TRACE_BATCHES and, in training, the optimizer of each cut;
-    at full depth instead where the parameters they imply are not the model's exact count."""
+    at full depth instead where the parameters they imply are not the model's exact count. An FSDP
+    recipe's are one rank's of `num_gpus` (`trace.sharded`)."""
     check_traceable(workload, recipe)  # before the caches: a config's experts kernel is not in their keys
     model = model_plan(workload, recipe, use_cache=use_cache)
+    if recipe.fsdp != "none" and model.blocks == 0:
+        raise InputError(f"{workload.name}: FSDP shards a model block by block, and this model has no repeated block to "
+                         "wrap (its layers are shared or unlisted); use DeepSpeed ZeRO (--zero-stage) instead")
 
     def traced(plan: TracePlan) -> StepTraces:
         parts = parts_of(plan, mode)
         if use_cache:
-            trace_parts(workload, [(recipe, *p) for p in parts], compute_capability)
+            trace_parts(workload, [(recipe, *p, num_gpus) for p in parts], compute_capability)
         traces = {(part, c, b): trace_part(workload, recipe, part, depth=c, batch_size=b,
-                                           compute_capability=compute_capability, use_cache=use_cache)
+                                           compute_capability=compute_capability, use_cache=use_cache,
+                                           num_gpus=num_gpus)
                   for part, c, b in parts}
         passes = {(c, b): t for (part, c, b), t in traces.items() if part != "optimizer"}
         optimizer = {c: t for (part, c, _), t in traces.items() if part == "optimizer"} if mode == "train" else None
@@ -110,8 +115,10 @@ def parts_of(plan: TracePlan, mode: Mode) -> list[tuple[Part, Depth, int]]:
     return parts
 
 
-def prefetch(workload: Workload, recipes: Iterable[ResolvedRecipe], compute_capability: str, mode: Mode = "train") -> None:
-    """Trace side by side what `step_traces` of each recipe will read (see `trace.parts.trace_parts`)."""
+def prefetch(workload: Workload, recipes: Iterable[ResolvedRecipe], compute_capability: str, mode: Mode = "train",
+             *, num_gpus: int = 1) -> None:
+    """Trace side by side what `step_traces` of each recipe on `num_gpus` devices will read (see
+    `trace.parts.trace_parts`)."""
     requests = []
     for recipe in recipes:
         try:
@@ -119,7 +126,7 @@ def prefetch(workload: Workload, recipes: Iterable[ResolvedRecipe], compute_capa
         except InputError:
             continue  # step_traces says so, in its turn
         plan = model_plan(workload, recipe).plan
-        requests += [(recipe, *p) for p in parts_of(plan, mode)]
+        requests += [(recipe, *p, num_gpus) for p in parts_of(plan, mode)]
     trace_parts(workload, requests, compute_capability)
 
 

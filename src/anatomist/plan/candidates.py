@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from anatomist.anatomy import TimeAnatomy
+from anatomist.estimate.communication import TimeModel
 from anatomist.estimate.memory import MemoryEstimate, estimate_memory
 from anatomist.hardware import GPU, catalog
-from anatomist.plan.throughput import TimeModel
 from anatomist.recipe import Recipe, ResolvedRecipe
 from anatomist.workload import Workload
 

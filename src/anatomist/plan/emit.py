@@ -15,8 +15,9 @@ from typing import Any, Literal
 
 import yaml
 
+from anatomist.axes.shardings import DEEPSPEED_SETTINGS
 from anatomist.errors import InputError
-from anatomist.estimate.sharding import BUCKET_ELEMENTS
+from anatomist.estimate.sharding import overlap_comm
 from anatomist.recipe import Recipe
 from anatomist.workload import PEFT_TASK_TYPES
 
@@ -36,11 +37,14 @@ def deepspeed_config(recipe: Recipe, num_gpus: int = 1) -> dict[str, Any]:
         if recipe.zero_stage == 3:
             zero["offload_param"] = {"device": recipe.offload, "pin_memory": True}
     if recipe.zero_stage >= 2:
-        zero.update({"overlap_comm": True, "contiguous_gradients": True})
-    if recipe.zero_stage >= 1:
-        zero.update({"reduce_bucket_size": BUCKET_ELEMENTS, "allgather_bucket_size": BUCKET_ELEMENTS})
-    if recipe.zero_stage == 3:
-        zero["stage3_prefetch_bucket_size"] = BUCKET_ELEMENTS
+        zero.update({"overlap_comm": overlap_comm(recipe), "contiguous_gradients": True})
+    names = [n for n in DEEPSPEED_SETTINGS if recipe.zero_stage == 3 or not n.startswith("stage3_")]
+    for name in names if recipe.zero_stage else ():  # what the estimate sized DeepSpeed's buffers with
+        value = getattr(recipe, name)
+        if value is not None:
+            zero[name] = value
+        else:  # what Recipe.resolved assumes of an unset value: the Trainer's "auto", else DeepSpeed's default
+            zero[name] = "auto" if DEEPSPEED_SETTINGS[name].auto else DEEPSPEED_SETTINGS[name].default
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
@@ -69,9 +73,12 @@ def bnb_config(recipe: Recipe) -> dict[str, Any] | None:
         return {"load_in_8bit": True}
     if not recipe.load_in_4bit:
         return None
-    return {"load_in_4bit": True, "bnb_4bit_quant_type": recipe.bnb_4bit_quant_type,
-            "bnb_4bit_use_double_quant": recipe.bnb_4bit_use_double_quant,
-            "bnb_4bit_compute_dtype": recipe.bnb_4bit_compute_dtype}
+    kwargs = {"load_in_4bit": True, "bnb_4bit_quant_type": recipe.bnb_4bit_quant_type,
+              "bnb_4bit_use_double_quant": recipe.bnb_4bit_use_double_quant,
+              "bnb_4bit_compute_dtype": recipe.bnb_4bit_compute_dtype}
+    if recipe.fsdp != "none" or recipe.zero_stage == 3:  # the codes sharded with the rest: stored in the same float
+        kwargs["bnb_4bit_quant_storage"] = recipe.bnb_4bit_compute_dtype  # dtype (bitsandbytes' FSDP-QLoRA guide)
+    return kwargs
 
 
 def trl_config(recipe: Recipe, *, model: str = "MODEL", seq_len: int = 1024) -> dict[str, Any]:
@@ -207,9 +214,10 @@ def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = Fals
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "fsdp_backward_prefetch": "BACKWARD_PRE",
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-            "fsdp_offload_params": False,
-            "fsdp_use_orig_params": True,
-            "fsdp_cpu_ram_efficient_loading": False,
+            "fsdp_offload_params": recipe.offload == "cpu",
+            # adapters: PEFT's FSDP-QLoRA config (examples/sft/configs/fsdp_config_qlora.yaml)
+            "fsdp_use_orig_params": recipe.peft == "none",
+            "fsdp_cpu_ram_efficient_loading": recipe.peft != "none",
             "fsdp_sync_module_states": True,
             "fsdp_activation_checkpointing": recipe.gradient_checkpointing,
         }

@@ -110,7 +110,8 @@ def explain(best: Candidate, evaluate: Evaluator, space: SearchSpace, objective:
     goal = "fastest" if objective == "throughput" else "smallest"
     axes = [(axis, label, alternatives(best.recipe)) for axis, label, alternatives in _axes(space, evaluate.gpu)]
     every_alternative = [recipe for _, _, named in axes for _, recipe in named]
-    prefetch(evaluate.workload, every_alternative, evaluate.gpu.compute_capability)  # traced side by side
+    prefetch(evaluate.workload, every_alternative, evaluate.gpu.compute_capability,  # traced side by side
+             num_gpus=evaluate.num_gpus)
     for axis, label, named in axes:
         alts = [(name, evaluate(recipe)) for name, recipe in named]
         if not alts:

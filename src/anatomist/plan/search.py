@@ -15,13 +15,13 @@ from typing import Any
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, GIB
 from anatomist.axes.precisions import searchable_on
 from anatomist.errors import InputError
+from anatomist.estimate.communication import TimeModel, predict_time
 from anatomist.estimate.memory import memory_limit_bytes
 from anatomist.estimate.traces import prefetch
 from anatomist.hardware import GPU
 from anatomist.plan.candidates import Candidate, Evaluator, Objective, choose, pareto_front
 from anatomist.plan.reasons import explain, explain_infeasible
 from anatomist.plan.space import SearchSpace, enumerate_recipes
-from anatomist.plan.throughput import TimeModel, predict_time
 from anatomist.trace import pool
 from anatomist.workload import Workload
 
@@ -96,7 +96,7 @@ def plan(
                          f"leave no recipe to search on {space.num_gpus} x {gpu.name}"
                          + (f" with a global batch of {space.global_batch_size}" if space.global_batch_size else ""))
     with pool.kept():  # the workers that trace the candidates then trace the alternatives the reasons compare
-        prefetch(workload, recipes, gpu.compute_capability)  # every trace the recipes read, side by side
+        prefetch(workload, recipes, gpu.compute_capability, num_gpus=space.num_gpus)  # every trace, side by side
         candidates = [evaluate(r) for r in recipes]
         feasible = [c for c in candidates if c.fits]
         if not feasible:

@@ -65,8 +65,8 @@ class SearchSpace:
     precisions: tuple[str, ...] | None = None
     """Names from `axes.precisions.FULL_PRECISIONS`; None: every one the GPU supports (`searchable_on`)."""
     methods: tuple[str, ...] = ("full",)
-    """Names from METHODS: what is trained. LoRA and QLoRA are searched without ZeRO/FSDP (the
-    adapters' gradients and optimizer states are too small for sharding to pay)."""
+    """Names from METHODS: what is trained. LoRA and QLoRA are searched with the shardings that shard the
+    frozen base (`ShardingSpec.for_adapters`: FSDP full_shard, ZeRO-3) or none."""
     base: Recipe = field(default_factory=Recipe)
     """Fields the search does not vary (dataloader workers, max_grad_norm ...)."""
     fixed: dict[str, Any] = field(default_factory=dict)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from anatomist.axes.shardings import DEEPSPEED_SETTINGS
 from anatomist.errors import InputError
 from anatomist.recipe_files.known import deepspeed_keys, refuse_unknown
 from anatomist.recipe_files.reading import Reading, zero_offload
@@ -124,7 +125,16 @@ def _zero(section: Any, reading: Reading, file: str, put: Any) -> None:
             reading.skip(f"zero_optimization.{name}", sub)  # DeepSpeed reads it at stage 3 only
         else:
             reading.skip_all(f"zero_optimization.{name}", sub, keep=("device",))
-    reading.skip_all("zero_optimization", section, keep=("stage", "offload_optimizer", "offload_param"))
+    for name, setting in DEEPSPEED_SETTINGS.items():  # the buffer sizes: "auto" is the Trainer's to fill
+        value = section.get(name, setting.default)  # left out: DeepSpeed's default
+        if value == "auto" and setting.auto:
+            continue  # Recipe.resolved fills it as the Trainer does
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
+            auto = ' or "auto"' if setting.auto else ' (the Trainer fills "auto" only for the hidden-size ones)'
+            raise InputError(f"{file}: zero_optimization.{name} must be a whole number of elements{auto}, got {value!r}")
+        put(name, int(value), f"zero_optimization.{name}")
+    reading.skip_all("zero_optimization", section,
+                     keep=("stage", "offload_optimizer", "offload_param", *DEEPSPEED_SETTINGS))
 
 
 def _world_size(value: Any, reading: Reading, file: str) -> None:

@@ -96,6 +96,13 @@ class ModelPlan:
     trainable_parameters: int
     blocks: int
     """Repeated blocks of the full model (0 where no stack was found)."""
+    parameter_numels: tuple[int, ...] = ()
+    """Elements of each parameter of the full model, ascending (DeepSpeed ZeRO-3 keeps those below its
+    persistence threshold whole on every device)."""
+    block_parameters: int = 0
+    """Parameters of the largest repeated block (an FSDP unit; DeepSpeed's gathered working set)."""
+    quantized_codes: int = 0
+    """Bytes of a quantized base's 4-/8-bit codes, whose elements `parameter_numels` counts too."""
 
 
 def model_plan(workload: Workload, recipe: ResolvedRecipe, *, use_cache: bool = True) -> ModelPlan:
@@ -107,7 +114,9 @@ def model_plan(workload: Workload, recipe: ResolvedRecipe, *, use_cache: bool = 
 
         layout = layout_of(workload, recipe)
         return ModelPlan(plan=trace_plan(workload, recipe, layout), parameters=layout.parameters,
-                         trainable_parameters=layout.trainable_parameters, blocks=layout.blocks)
+                         trainable_parameters=layout.trainable_parameters, blocks=layout.blocks,
+                         parameter_numels=layout.parameter_numels, block_parameters=layout.block_parameters,
+                         quantized_codes=layout.quantized_codes)
 
     if not use_cache:
         return make()

@@ -28,15 +28,14 @@ from anatomist.axes.precisions import autocast_dtype
 from anatomist.errors import InputError
 from anatomist.hardware import cublas_workspace_bytes
 from anatomist.recipe import ResolvedRecipe
-from anatomist.trace import trainers
-from anatomist.trace.allocator import round_size
+from anatomist.trace import sharded, trainers
 from anatomist.trace.autocast import cuda_autocast_policy
 from anatomist.trace.compiled import compile_blocks
 from anatomist.trace.cuda_model import cuda_code_paths, fake_parameters
 from anatomist.trace.cutting import traced_config
 from anatomist.trace.experts import build_kwargs, check_traceable
 from anatomist.trace.inputs import make_batch
-from anatomist.trace.keys import Depth, Part, traced_attention, traced_micro_batches
+from anatomist.trace.keys import Depth, Part, traced_attention, traced_micro_batches, traced_world
 from anatomist.trace.peft import apply_peft, counted_parameters
 from anatomist.trace.records import StepTrace, Trace, curves_of
 from anatomist.trace.stack import block_lists
@@ -66,6 +65,7 @@ def trace_step(
     fake: bool = True,
     record_ops: bool = False,
     observers: tuple[Any, ...] = (),
+    num_gpus: int = 1,
 ) -> StepTrace:
     """Trace one part of a step of `workload` cut to `depth` (an int: blocks per stack; a Cut: those
     layers; None: the full model).
@@ -82,27 +82,36 @@ def trace_step(
     Args:
         record_ops: also record each op's cost signature (for the FLOPs and time model).
         observers: further dispatch modes to run inside the trace (e.g. a FlopCounterMode).
+        num_gpus: the data-parallel devices; an FSDP recipe is traced as one rank of that many
+            (`trace.sharded`), any other as one device.
     """
     fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    model = traced_model(workload, recipe, depth, fake_mode if fake else None)
-    reference = traced_reference(workload, recipe, depth, fake_mode if fake else None) if part != "optimizer" else None
-    tracer = StepTracer(lower_precision_dtype=lower_dtype(recipe), record_ops=record_ops)
-    params = [p for p in model.parameters() if p.requires_grad]  # what the Trainer's optimizer gets
-    for held in (model, reference) if reference is not None else (model,):
-        for p in held.parameters():
-            tracer.register(p, MemoryCategory.WEIGHTS)
-        for b in held.buffers():
-            tracer.register(b, MemoryCategory.WEIGHTS)
-    with _tracing(workload, recipe, tracer, fake_mode, observers), \
-            _kernels(model, workload, recipe, part, compute_capability, fake):
-        # cuBLAS workspaces live from the first matrix product on: one for the main thread's
-        # handle and, in training, one for the autograd engine's device thread. A steady-state
-        # step starts with both.
-        tracer.phase = Phase.SETUP
-        for _ in range(1 if part == "inference" else 2):
-            tracer.allocate_extra(cublas_workspace_bytes(compute_capability), MemoryCategory.FUNCTIONALITY)
-        phases, static = _run_part(part, model, params, workload, recipe, batch_size, tracer, reference)
-    return _step_trace(tracer, model, params, phases, static, part)
+    with contextlib.ExitStack() as world:
+        model = traced_model(workload, recipe, depth, fake_mode if fake else None)
+        reference = traced_reference(workload, recipe, depth, fake_mode if fake else None) if part != "optimizer" else None
+        tracer = StepTracer(lower_precision_dtype=lower_dtype(recipe), record_ops=record_ops)
+        if recipe.fsdp != "none" and fake:  # FSDP2's step on one rank of a fake world (trace/sharded.py)
+            mesh = world.enter_context(sharded.fake_world(traced_world(recipe, num_gpus)))
+            with fake_mode:
+                sharded.wrap(model, recipe, mesh)
+            tracer = sharded.ShardedStepTracer(lower_precision_dtype=lower_dtype(recipe), record_ops=record_ops,
+                                               offload=recipe.offload == "cpu").watching(model)
+        params = [p for p in model.parameters() if p.requires_grad]  # what the Trainer's optimizer gets
+        for held in (model, reference) if reference is not None else (model,):
+            for p in held.parameters():
+                tracer.register(p, MemoryCategory.WEIGHTS)
+            for b in held.buffers():
+                tracer.register(b, MemoryCategory.WEIGHTS)
+        with _tracing(workload, recipe, tracer, fake_mode, observers), \
+                _kernels(model, workload, recipe, part, compute_capability, fake):
+            # cuBLAS workspaces live from the first matrix product on: one for the main thread's
+            # handle and, in training, one for the autograd engine's device thread. A steady-state
+            # step starts with both.
+            tracer.phase = Phase.SETUP
+            for _ in range(1 if part == "inference" else 2):
+                tracer.allocate_extra(cublas_workspace_bytes(compute_capability), MemoryCategory.FUNCTIONALITY)
+            phases, static = _run_part(part, model, params, workload, recipe, batch_size, tracer, reference)
+        return _step_trace(tracer, model, params, phases, static, part)
 
 
 def traced_model(workload: Workload, recipe: ResolvedRecipe, depth: Depth, fake_mode: Any | None) -> torch.nn.Module:
@@ -250,7 +259,7 @@ def create_state(
     optimizer.zero_grad(set_to_none=True)
     states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     tracer.label_live(states, MemoryCategory.OPTIMIZER_STATES)
-    return optimizer, sum(round_size(t.untyped_storage().nbytes()) for t in states)
+    return optimizer, tracer.state_bytes(states)
 
 
 def optimizer_phase(
@@ -295,18 +304,20 @@ def forward_backward(
     if reference is not None:
         _watch_blocks(reference, tracer)  # DPO's reference forward: its blocks as the policy's
     # Two micro-batches when gradients accumulate: the second forward runs with gradients alive.
-    for micro in range(traced_micro_batches(recipe, "forward-backward")):
+    micro_batches = traced_micro_batches(recipe, "forward-backward")
+    for micro in range(micro_batches):
         tracer.begin_micro_batch(micro)
         tracer.phase, tracer.segment, tracer.block = Phase.FORWARD, "pre", -1
-        with autocast:
-            loss = trainers.step_loss(model, reference, workload, recipe, batch_size)
-        loss = loss / recipe.gradient_accumulation_steps
-        tracer.label_phase_survivors(Phase.FORWARD, MemoryCategory.ACTIVATIONS)
-        tracer.phase, tracer.segment, tracer.block = Phase.BACKWARD, "post", -1
-        if scale is not None:
-            loss = loss * scale
-        loss.backward()
-        del loss
+        with sharded.gradient_sync(model, micro == micro_batches - 1):  # FSDP: reduced at the last only
+            with autocast:
+                loss = trainers.step_loss(model, reference, workload, recipe, batch_size)
+            loss = loss / recipe.gradient_accumulation_steps
+            tracer.label_phase_survivors(Phase.FORWARD, MemoryCategory.ACTIVATIONS)
+            tracer.phase, tracer.segment, tracer.block = Phase.BACKWARD, "post", -1
+            if scale is not None:
+                loss = loss * scale
+            loss.backward()
+            del loss
         tracer.label_live([p.grad for p in params if p.grad is not None], MemoryCategory.GRADIENTS)
 
 

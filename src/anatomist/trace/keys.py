@@ -88,18 +88,37 @@ def traced_micro_batches(recipe: ResolvedRecipe, part: Part) -> int:
     return min(recipe.gradient_accumulation_steps, 2) if part == "forward-backward" else 1
 
 
+SHARDED_FIELDS = ("fsdp", "offload")
+"""What else shapes the trace of an FSDP recipe (`trace.sharded`): the strategy and CPU offload."""
+
+
+def traced_world(recipe: ResolvedRecipe, num_gpus: int) -> int:
+    """The world size the trace of `recipe` on `num_gpus` data-parallel devices runs at: FSDP's step is
+    traced as one rank of `num_gpus` (`trace.sharded`); every other recipe's on one device (data
+    parallelism holds on each device what one device holds; ZeRO is arithmetic over it)."""
+    return num_gpus if recipe.fsdp != "none" else 1
+
+
+def one_device(recipe: ResolvedRecipe) -> ResolvedRecipe:
+    """`recipe` as one device runs its computation: without FSDP, whose trace is one rank's. The op costs
+    of the time model are one device's; the sharded step's collectives are `estimate.communication`'s."""
+    return recipe if recipe.fsdp == "none" else recipe.replace(fsdp="none", offload="none")
+
+
 def part_key(workload: Workload, recipe: ResolvedRecipe, part: Part, depth: Depth, batch_size: int,
-             compute_capability: str) -> tuple[Any, ...]:
-    """Everything that decides the trace of `part`: the key of the trace caches."""
+             compute_capability: str, num_gpus: int = 1) -> tuple[Any, ...]:
+    """Everything that decides the trace of `part` (on `num_gpus` devices): the key of the trace caches."""
     from anatomist.recipe import ResolvedRecipe
 
     if not isinstance(recipe, ResolvedRecipe):  # "auto" would key the same trace twice
         raise TypeError("trace keys take a ResolvedRecipe: recipe.resolved(workload)")
     fields = tuple(traced_attention(recipe) if f == "attn_implementation" else getattr(recipe, f)
                    for f in PART_FIELDS[part])
+    sharded = ((traced_world(recipe, num_gpus), *(getattr(recipe, f) for f in SHARDED_FIELDS))
+               if recipe.fsdp != "none" else ())
     return (
         *workload.trace_key(), part, fields, traced_micro_batches(recipe, part),
-        depth, batch_size if part != "optimizer" else 1, cublas_workspace_bytes(compute_capability),
+        depth, batch_size if part != "optimizer" else 1, cublas_workspace_bytes(compute_capability), sharded,
         *_kernel_paths(recipe, part, compute_capability),
     )
 
@@ -127,7 +146,7 @@ TRACE_SOURCES: tuple[str, ...] = (
     "trace/cuts.py", "trace/cutting.py", "trace/driver.py", "trace/experts.py", "trace/inputs.py", "trace/keys.py",
     "trace/kernel_ops.py", "trace/liger.py", "trace/trainers.py", "trace/trl_head.py",
     "trace/ops.py", "trace/optimizer_layouts.py", "trace/parts.py", "trace/peft.py", "trace/pool.py",
-    "trace/records.py", "trace/stack.py", "trace/tracer.py",
+    "trace/records.py", "trace/sharded.py", "trace/stack.py", "trace/tracer.py",
     "data/__init__.py", "data/op_classes.toml", "data/cuda_autocast.toml", "data/gpus.toml", "data/liger.toml",
 )
 """Every file of this package a trace depends on, relative to the package: the modules the tracer

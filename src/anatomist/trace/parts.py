@@ -21,21 +21,22 @@ if TYPE_CHECKING:
     from anatomist.recipe import ResolvedRecipe
     from anatomist.workload import Workload
 
-PartRequest = tuple["ResolvedRecipe", Part, Depth, int]
-"""A part of a recipe's step at a depth and batch size: what `trace_part` is asked for."""
+PartRequest = tuple["ResolvedRecipe", Part, Depth, int, int]
+"""A part of a recipe's step at a depth and batch size, on a number of data-parallel devices (only an
+FSDP recipe's trace depends on it: `keys.traced_world`): what `trace_part` is asked for."""
 
 
 def trace_part(workload: Workload, recipe: ResolvedRecipe, part: Part, *, depth: Depth, batch_size: int,
-               compute_capability: str, use_cache: bool = True) -> StepTrace:
+               compute_capability: str, use_cache: bool = True, num_gpus: int = 1) -> StepTrace:
     """The fake-tensor trace of one part of a step (see `driver.trace_step`), with its ops recorded.
 
     Served from the trace cache (memory, then disk: `trace.cache`) when the same part was
     traced before with everything that shapes it equal (`keys.part_key`).
     """
-    request = (recipe, part, depth, batch_size)
+    request = (recipe, part, depth, batch_size, num_gpus)
     if not use_cache:
         return dataclasses.replace(trace_request(workload, request, compute_capability), first_micro_batch=None)
-    return cache.get_or_trace(part_key(workload, recipe, part, depth, batch_size, compute_capability),
+    return cache.get_or_trace(part_key(workload, recipe, part, depth, batch_size, compute_capability, num_gpus),
                               lambda: _keep_first_micro_batch(workload, request, compute_capability,
                                                               trace_request(workload, request, compute_capability)))
 
@@ -48,12 +49,12 @@ def trace_parts(workload: Workload, requests: Iterable[PartRequest], compute_cap
     wanted: dict[tuple[Any, ...], PartRequest] = {}
     derived: set[tuple[Any, ...]] = set()
     for request in requests:
-        recipe, part, depth, batch = request
-        key = part_key(workload, recipe, part, depth, batch, compute_capability)
+        recipe, part, depth, batch, num_gpus = request
+        key = part_key(workload, recipe, part, depth, batch, compute_capability, num_gpus)
         if key in wanted or cache.has(key):
             continue
         wanted[key] = request
-        if part == "forward-backward" and recipe.gradient_accumulation_steps > 1:
+        if part == "forward-backward" and recipe.gradient_accumulation_steps > 1 and recipe.fsdp == "none":
             derived.add(_first_micro_batch_key(workload, request, compute_capability))
     jobs = sorted(((key, request) for key, request in wanted.items() if key not in derived),
                   key=lambda job: -_size_guess(job[1]))  # the longest first: no long job left for the end
@@ -69,14 +70,14 @@ def trace_request(workload: Workload, request: PartRequest, compute_capability: 
     (module level, so that it pickles)."""
     from anatomist.trace.driver import trace_step  # imports torch: only when something is traced
 
-    recipe, part, depth, batch = request
+    recipe, part, depth, batch, num_gpus = request
     return trace_step(workload, recipe, depth=depth, batch_size=batch, compute_capability=compute_capability,
-                      part=part, record_ops=True)
+                      part=part, record_ops=True, num_gpus=num_gpus)
 
 
 def _size_guess(request: PartRequest) -> float:
     """How long a part takes to trace, roughly (its ops): blocks, micro-batches, recomputation."""
-    recipe, part, depth, _ = request
+    recipe, part, depth, _, _ = request
     blocks = depth if isinstance(depth, int) else depth.blocks if isinstance(depth, Cut) else 100
     if part == "optimizer":
         return blocks
@@ -84,9 +85,9 @@ def _size_guess(request: PartRequest) -> float:
 
 
 def _first_micro_batch_key(workload: Workload, request: PartRequest, compute_capability: str) -> tuple[Any, ...]:
-    recipe, part, depth, batch = request
+    recipe, part, depth, batch, num_gpus = request
     one = dataclasses.replace(recipe, gradient_accumulation_steps=1)
-    return part_key(workload, one, part, depth, batch, compute_capability)
+    return part_key(workload, one, part, depth, batch, compute_capability, num_gpus)
 
 
 def _keep_first_micro_batch(workload: Workload, request: PartRequest, compute_capability: str,

@@ -40,6 +40,8 @@ class Allocation:
     """True once the category is settled (weights, gradients, states are not re-labelled)."""
     op: str = ""
     """The ATen op that made it ("" for registered tensors)."""
+    host: bool = False
+    """In host memory, not the device's (FSDP's CPU offload): left out of the curves."""
 
 
 @dataclass(slots=True)
@@ -157,7 +159,10 @@ def curves_of(trace: Trace) -> Curves:
     post: list[int] = []
     live = post_live = 0
     for event in trace.events:
-        category = index[trace.allocations[event.alloc_id].category]
+        allocation = trace.allocations[event.alloc_id]
+        if allocation.host:
+            continue
+        category = index[allocation.category]
         if event.nbytes > 0:
             blocks[event.alloc_id] = allocator.malloc(event.nbytes)
             size = round_size(event.nbytes)

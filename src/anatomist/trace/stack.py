@@ -61,6 +61,12 @@ class Layout:
     trainable_parameters: int
     signatures: tuple[tuple[Any, ...], ...] = dataclasses.field(repr=False, compare=False)
     """Per stack, the structural signature of each block (what `kinds` numbers)."""
+    parameter_numels: tuple[int, ...] = ()
+    """Elements of each parameter, ascending (`cuts.ModelPlan.parameter_numels`)."""
+    block_parameters: int = 0
+    """Parameters of the largest repeated block."""
+    quantized_codes: int = 0
+    """Elements (bytes) of the 4-/8-bit codes of a quantized base: counted in `parameter_numels` too."""
 
     @property
     def blocks(self) -> int:
@@ -166,7 +172,7 @@ def layout_of(workload: Workload, recipe: ResolvedRecipe) -> Layout:
     it (PEFT adapters, quantized layout), built on the meta device."""
     import contextlib
 
-    from anatomist.trace.peft import apply_peft, counted_parameters
+    from anatomist.trace.peft import QuantizedLinearLayout, apply_peft, counted_parameters
 
     model = meta_model(workload, recipe)
     found = _stacks_of(model, model.config)
@@ -175,13 +181,19 @@ def layout_of(workload: Workload, recipe: ResolvedRecipe) -> Layout:
         model = apply_peft(model, recipe, workload.task)
     parameters = counted_parameters(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    numels = tuple(sorted(p.numel() for p in model.parameters()))
+    codes = sum(m.weight.numel() for m in model.modules() if isinstance(m, QuantizedLinearLayout))
     if found is None:
-        return Layout(stacks=(), parameters=parameters, trainable_parameters=trainable, signatures=())
+        return Layout(stacks=(), parameters=parameters, trainable_parameters=trainable, signatures=(),
+                      parameter_numels=numels, quantized_codes=codes)
+    block = max((sum(p.numel() for p in b.parameters()) for _, lists in found for _, blocks in lists for b in blocks),
+                default=0)
     stacks = tuple(
         Stack(fields=fields, paths=tuple(p for p, _ in members), kinds=_kinds(rows, _varying(rows)))
         for (fields, members), rows in zip(found, signatures, strict=True)
     )
-    return Layout(stacks=stacks, parameters=parameters, trainable_parameters=trainable,
+    return Layout(stacks=stacks, parameters=parameters, trainable_parameters=trainable, parameter_numels=numels,
+                  block_parameters=block, quantized_codes=codes,
                   signatures=tuple(tuple(rows) for rows in signatures))
 
 

@@ -25,6 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from anatomist.anatomy import STEP_PHASES, MemoryCategory, Phase
+from anatomist.trace.allocator import round_size
 from anatomist.trace.ops import op_signature, tensors_in
 from anatomist.trace.records import Allocation, Event, Trace
 
@@ -138,6 +139,10 @@ class StepTracer(TorchDispatchMode):
             if alloc.phase is phase and not alloc.fixed:
                 alloc.category = category
                 alloc.fixed = True
+
+    def state_bytes(self, tensors: list[torch.Tensor]) -> int:
+        """Device bytes of the storages behind `tensors` (the optimizer state), as the allocator rounds them."""
+        return sum(round_size(t.untyped_storage().nbytes()) for t in tensors)
 
     def live_bytes(self) -> int:
         return sum(self.trace.allocations[a].nbytes for a, _ in self._live.values())

@@ -1,8 +1,10 @@
-"""The time side of the plan: the step-time estimator, plus what sharding and offload change.
+"""The multi-device step time: one device's step (estimate/time.py) plus what sharding, offload and
+communication change. Both `estimate` and `plan` call `predict_time`, so one recipe on N devices has
+one step time.
 
 `anatomist.estimate.time.estimate_time` (a roofline per traced op, factors from
 `estimate.calibration.calibration_for`) predicts one device running the whole step. Across devices and
-with DeepSpeed or FSDP the plan changes three terms:
+with DeepSpeed or FSDP three terms change:
 
     optimizer_s  / N            when optimizer state is sharded (ZeRO >= 1, FSDP): each device
                                 updates its 1/N of the parameters
@@ -10,8 +12,11 @@ with DeepSpeed or FSDP the plan changes three terms:
                                 to the host, updated weights come back over PCIe, and DeepSpeed's
                                 CPU Adam updates 1/N of the parameters
     communication_s             ring all-reduce of the gradients, 2 (N-1)/N x gradient bytes;
-                                ZeRO-3 / FSDP full_shard all-gather weights too: 1.5x that
-                                (Rajbhandari et al. 2020, sec. 7); no overlap with compute
+                                ZeRO-3 / FSDP full_shard reduce-scatter the gradients, (N-1)/N x
+                                their bytes, and all-gather every weight (a frozen base's too) in
+                                forward and backward, 2 (N-1)/N x the gathered bytes: for full
+                                fine-tuning 1.5x the all-reduce (Rajbhandari et al. 2020, sec. 7);
+                                no overlap with compute
 
 Their constants live in data/plan_throughput.toml with their sources; none was measured.
 """
@@ -66,10 +71,26 @@ def communication_s(workload: Workload, recipe: ResolvedRecipe, *, num_gpus: int
     if num_gpus <= 1:
         return 0.0
     ring = (num_gpus - 1) / num_gpus
-    # PEFT makes adapters in fp32 whatever the base's dtype.
-    grad_bytes = parameter_count(workload, recipe) * (2 if recipe.mixed_precision != "no" and recipe.peft == "none" else 4)
-    volume = (3 if recipe.sharding_stage >= 3 else 2) * ring * grad_bytes
+    # PEFT makes adapters in fp32 whatever the base's dtype; full fine-tuning reduces half-precision gradients
+    # under mixed precision (DDP's and FSDP's reduce dtype) and with half weights (their own dtype).
+    half = recipe.peft == "none" and (recipe.mixed_precision != "no" or recipe.half_weights)
+    grad_bytes = parameter_count(workload, recipe) * (2 if half else 4)
+    if recipe.sharding_stage < 3:
+        volume = 2 * ring * grad_bytes  # ring all-reduce
+    else:  # reduce-scatter of the gradients, all-gather of every weight (frozen base included) in forward and backward
+        volume = ring * (grad_bytes + 2 * gathered_weight_bytes(workload, recipe))
     return volume / (constants()["interconnect"]["bus_gbps"] * 1e9)
+
+
+def gathered_weight_bytes(workload: Workload, recipe: ResolvedRecipe) -> float:
+    """Bytes of one all-gather of the whole model under ZeRO-3 / FSDP full_shard: a quantized base's codes as
+    they are stored (bitsandbytes' FSDP-QLoRA guide stores them in a float dtype: the same bytes), every
+    other parameter in the dtype it is gathered in (the half dtype under mixed precision or half weights)."""
+    from anatomist.trace.cuts import model_plan
+
+    plan = model_plan(workload, recipe)
+    element = 2 if recipe.mixed_precision != "no" or recipe.half_weights else 4
+    return plan.quantized_codes + (sum(plan.parameter_numels) - plan.quantized_codes) * element
 
 
 def predict_time(
