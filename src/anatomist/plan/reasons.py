@@ -96,11 +96,12 @@ def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[ResolvedRec
          if not r.padding_free else []),  # padding-free rows need the varlen kernel
         ("torch.compile", lambda r: "on" if r.torch_compile else "off",
          lambda r: [("on" if not r.torch_compile else "off", r.replace(torch_compile=not r.torch_compile))]
-         if len(space.compile_options) > 1 else []),
+         if len(space.compile_options) > 1 and not r.use_liger_kernel else []),  # compile over Liger: not traced
+
         ("sharding", lambda r: sharding_of(r, space.num_gpus), sharding_alts),
         ("Liger Kernel", lambda r: "on" if r.use_liger_kernel else "off",
          lambda r: [("on" if not r.use_liger_kernel else "off", r.replace(use_liger_kernel=not r.use_liger_kernel))]
-         if len(space.liger_options or ()) > 1 else []),
+         if len(space.liger_options or ()) > 1 and not r.torch_compile else []),
     ]
 
 

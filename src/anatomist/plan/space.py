@@ -164,6 +164,8 @@ def _recipes(space: SearchSpace, method: str, ckpt: bool, precision_name: str, o
     for (batch, accum), sharding, compiled in itertools.product(
         space.batch_options(), space.sharding_options(method), space.compile_options
     ):
+        if compiled and liger or optim == "adafactor" and sharding.fields.get("fsdp", "none") != "none":
+            continue  # neither traces yet: compile over Liger's stand-ins, transformers' Adafactor on FSDP2's DTensors
         fields: dict[str, object] = {
             "per_device_train_batch_size": batch,
             "gradient_accumulation_steps": accum,
