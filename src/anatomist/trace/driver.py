@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,6 +84,9 @@ def trace_step(
         record_ops: also record each op's cost signature (for the FLOPs and time model).
         observers: further dispatch modes to run inside the trace (e.g. a FlopCounterMode).
     """
+    if part in ("optimizer", "train-step"):
+        for module in optimizer_spec(recipe.optim).imports:  # not under the tracer: see OptimizerSpec.imports
+            importlib.import_module(module)
     fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     model = traced_model(workload, recipe, depth, fake_mode if fake else None)
     reference = traced_reference(workload, recipe, depth, fake_mode if fake else None) if part != "optimizer" else None
