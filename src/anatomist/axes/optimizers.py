@@ -79,6 +79,11 @@ class OptimizerSpec:
     """TrainingArguments fields beyond `optim` that make the Trainer build this optimizer."""
     quantized_state: QuantizedState | None = None
     """The low-bit layout of its moments, where it has one."""
+    imports: tuple[str, ...] = ()
+    """Modules `build` imports, which the tracer imports before the step (`driver.trace_step`): a module's
+    first import runs its top-level code, and tensors made there under the tracer (transformers.optimization
+    imports peft and bitsandbytes, whose constants are tensors) would count as the step's allocations in
+    whichever trace imported it first, and be left fake in the module."""
 
 
 def _torch_adamw(**kwargs: Any) -> Builder:
@@ -134,7 +139,8 @@ _SPECS = (
                   build=_torch_adamw(fused=True), state_bytes_per_param=8, half_state_bytes_per_param=4,
                   searched=True),
     OptimizerSpec(name="adafactor", description="transformers' Adafactor: factored second moment",
-                  build=_adafactor, state_bytes_per_param=None, half_state_bytes_per_param=None, searched=True),
+                  build=_adafactor, state_bytes_per_param=None, half_state_bytes_per_param=None, searched=True,
+                  imports=("transformers.optimization",)),
     OptimizerSpec(name="adamw_bnb_8bit", description="bitsandbytes AdamW8bit: blockwise 8-bit moments",
                   build=_quantized_adam(BNB_8BIT), state_bytes_per_param=2, half_state_bytes_per_param=2,
                   package="bitsandbytes", searched=True, quantized_state=BNB_8BIT),

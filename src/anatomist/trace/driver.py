@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,6 +86,9 @@ def trace_step(
         num_gpus: the data-parallel devices; an FSDP recipe is traced as one rank of that many
             (`trace.sharded`), any other as one device.
     """
+    if part in ("optimizer", "train-step"):
+        for module in optimizer_spec(recipe.optim).imports:  # not under the tracer: see OptimizerSpec.imports
+            importlib.import_module(module)
     fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with contextlib.ExitStack() as world:
         model = traced_model(workload, recipe, depth, fake_mode if fake else None)
