@@ -101,11 +101,7 @@ def trace_step(
             tracer = sharded.ShardedStepTracer(lower_precision_dtype=lower_dtype(recipe), record_ops=record_ops,
                                                offload=recipe.offload == "cpu").watching(model)
         params = [p for p in model.parameters() if p.requires_grad]  # what the Trainer's optimizer gets
-        for held in (model, reference) if reference is not None else (model,):
-            for p in held.parameters():
-                tracer.register(p, MemoryCategory.WEIGHTS)
-            for b in held.buffers():
-                tracer.register(b, MemoryCategory.WEIGHTS)
+        _register_weights(tracer, model, reference)
         with _tracing(workload, recipe, tracer, fake_mode, observers), \
                 _kernels(model, workload, recipe, part, compute_capability, fake):
             # cuBLAS workspaces live from the first matrix product on: one for the main thread's
@@ -116,6 +112,15 @@ def trace_step(
                 tracer.allocate_extra(cublas_workspace_bytes(compute_capability), MemoryCategory.FUNCTIONALITY)
             phases, static = _run_part(part, model, params, workload, recipe, batch_size, tracer, reference)
         return _step_trace(tracer, model, params, phases, static, part)
+
+
+def _register_weights(tracer: StepTracer, *models: torch.nn.Module | None) -> None:
+    """Every parameter and buffer of `models` (the policy, DPO's reference model) as weights."""
+    for held in (m for m in models if m is not None):
+        for p in held.parameters():
+            tracer.register(p, MemoryCategory.WEIGHTS)
+        for b in held.buffers():
+            tracer.register(b, MemoryCategory.WEIGHTS)
 
 
 def traced_model(workload: Workload, recipe: ResolvedRecipe, depth: Depth, fake_mode: Any | None) -> torch.nn.Module:
