@@ -53,11 +53,17 @@ def measure_step(workload, recipe: Recipe, model: torch.nn.Module, batch: int) -
         optimizer.zero_grad(set_to_none=True)
 
     with cuda_code_paths(), policy:
-        step()  # creates the optimizer state
-        tracker = MemTracker()
-        tracker.track_external(model, optimizer)
-        with tracker:
-            step()
+        return steady_step_snapshots(step, model, optimizer)
+
+
+def steady_step_snapshots(step, *tracked) -> tuple[dict[str, int], dict[str, int]]:
+    """MemTracker's snapshots of the second call of `step` (the first creates the optimizer state), at its peak
+    and after it, by category name; `tracked`: the modules and optimizers MemTracker attributes storages to."""
+    step()
+    tracker = MemTracker()
+    tracker.track_external(*tracked)
+    with tracker:
+        step()
     (peak,) = tracker.get_tracker_snapshot("peak").values()
     (after,) = tracker.get_tracker_snapshot("current").values()
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
+from memtracker_step import steady_step_snapshots
 
 from anatomist.trace.cuda_model import cuda_code_paths
 
@@ -135,15 +135,4 @@ def measure_trainer_step(trainer: Any, batch: dict[str, Any], extra: tuple[torch
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step()  # creates the optimizer state
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer, *extra)
-    with tracker:
-        step()
-    (peak,) = tracker.get_tracker_snapshot("peak").values()
-    (after,) = tracker.get_tracker_snapshot("current").values()
-
-    def by_name(stats: dict) -> dict[str, int]:
-        return {str(k).removeprefix("_MemRefType."): v for k, v in stats.items()}
-
-    return by_name(peak), by_name(after)
+    return steady_step_snapshots(step, model, optimizer, *extra)
