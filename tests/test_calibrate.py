@@ -65,6 +65,7 @@ def gpu_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_calibration_recovers_the_factors_from_a_results_file(gpu_results: Path) -> None:
     result = calibrate(gpu_results)
     cal = result.calibration
@@ -77,6 +78,7 @@ def test_calibration_recovers_the_factors_from_a_results_file(gpu_results: Path)
     assert all(abs(r["error_pct"]) < 0.1 for r in result.rows)
 
 
+@pytest.mark.slow
 def test_cli_writes_a_calibration_that_estimate_and_plan_use(cli, gpu_results: Path, tmp_path: Path) -> None:
     out = tmp_path / "h100.toml"
     run = cli("calibrate", str(gpu_results), "-o", str(out))

@@ -40,6 +40,7 @@ def test_a_fused_kernel_reads_its_inputs_and_writes_its_outputs_once() -> None:
     assert plan.quiet == {"mul", "add", "tanh"}  # values inside a kernel are never stored
 
 
+@pytest.mark.slow
 def test_compile_changes_the_trace_key_and_keeps_less(tiny_model) -> None:
     """A compiled step is its own trace; it keeps less for backward and takes less time than eager code,
     with the same matrix-product FLOPs."""
@@ -57,6 +58,7 @@ def test_compile_changes_the_trace_key_and_keeps_less(tiny_model) -> None:
     assert time[True].flops_per_step == pytest.approx(time[False].flops_per_step, rel=0.01)
 
 
+@pytest.mark.slow
 def test_under_checkpointing_compiled_blocks_are_predicted_as_eager_ones(tiny_model) -> None:
     """The documented approximation (trace/compiled.py): with gradient checkpointing the blocks stay eager,
     so the recomputation is in the step and the memory is the checkpointed one."""

@@ -90,6 +90,7 @@ def test_the_reduction_buckets(tiny_model, stage: int, buckets: int):
         stage >= 2)  # stage 3's single bucket is overlapped too (stage3.py: one `ipg_buckets` buffer per dtype)
 
 
+@pytest.mark.slow
 def test_zero3_optimizer_state_is_fsdp2s(tiny_model):
     """fp32 AdamW over 8 devices: ZeRO-3's partition of the moments is what the traced FSDP2 rank holds
     (FSDP2 pads each parameter's rows to the world size and keeps the step counters whole: within 1%)."""

@@ -74,7 +74,8 @@ def _half_copies_bytes(workload, recipe: Recipe) -> int:
     return sum(round_to_block(p.numel() * 2) for p in params.values())
 
 
-@pytest.mark.parametrize("model", ["bert", "gpt2", "llama"])
+@pytest.mark.parametrize("model", [pytest.param("bert", marks=pytest.mark.slow), pytest.param("gpt2", marks=pytest.mark.slow),
+                                   "llama"])
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
 def test_prediction_matches_pytorchs_accounting(tiny_model, counted_as_on_cuda, model, recipe_name):
     workload = load_workload(str(tiny_model(model, num_hidden_layers=5, n_layer=5)), seq_len=64)

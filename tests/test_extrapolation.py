@@ -42,7 +42,8 @@ def _measured(workload, recipe):
     return key[0], peaks[key]
 
 
-@pytest.mark.parametrize("model", ["bert", "gpt2", "llama"])
+@pytest.mark.parametrize("model", [pytest.param("bert", marks=pytest.mark.slow), pytest.param("gpt2", marks=pytest.mark.slow),
+                                   "llama"])
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
 def test_extrapolation_matches_a_full_depth_trace(tiny_model, model, recipe_name):
     recipe = RECIPES[recipe_name]

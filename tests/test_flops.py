@@ -85,6 +85,7 @@ def test_checkpointing_adds_one_forward_of_the_blocks_to_hardware_flops_only(tmp
     # bf16 autocast: the recomputed forward casts the weights again
     Recipe(per_device_train_batch_size=2, bf16=True),
 ], ids=["sdpa-extrapolated", "bf16"])
+@pytest.mark.slow
 def test_hardware_flops_add_one_forward_of_the_blocks_per_micro_batch(tmp_path: Path, recipe: Recipe) -> None:
     w = tiny_bert(tmp_path, num_hidden_layers=5)
     plain = step_flops(w, recipe.resolved(w))
@@ -95,6 +96,7 @@ def test_hardware_flops_add_one_forward_of_the_blocks_per_micro_batch(tmp_path: 
     assert ckpt.hardware - ckpt.model == blocks
 
 
+@pytest.mark.slow
 def test_model_flops_with_peft_are_the_step_without_checkpointing(tiny_model) -> None:
     """With LoRA, checkpointing changes more than the recomputed forward: transformers makes the
     frozen embeddings' output require a gradient, so backward also computes the first block's

@@ -53,6 +53,7 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_every_part_records_dry_run_rows(dry_run: Path) -> None:
     rows = [r for r in lines(dry_run) if "record" not in r]
     assert {r["part"] for r in rows} == {"a", "b", "c", "d", "e"}
@@ -85,6 +86,7 @@ def test_every_part_records_dry_run_rows(dry_run: Path) -> None:
     assert "no finished GPU row" in rows_of(dry_run, "e")["calibrate"]["reason"]
 
 
+@pytest.mark.slow
 def test_table_and_catalog_snippet(dry_run: Path) -> None:
     table = (dry_run / "table.md").read_text()
     assert "DRY RUN" in table and COLUMNS in table
@@ -96,6 +98,7 @@ def test_table_and_catalog_snippet(dry_run: Path) -> None:
     assert "NOT MEASURED" in (dry_run / "gpus-snippet.toml").read_text()
 
 
+@pytest.mark.slow
 def test_second_run_skips_done_units_and_redo_runs_again(dry_run: Path, tmp_path: Path) -> None:
     out = tmp_path / "again"
     shutil.copytree(dry_run, out)

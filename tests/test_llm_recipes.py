@@ -90,6 +90,7 @@ def test_bad_input_is_one_line(cli, llama, args, message):
     assert message in proc.stderr and len(said) == 1 and "Traceback" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_padding_free_processes_the_data_s_tokens(cli, llama, tmp_path):
     """5 examples of 64 tokens at most whose mean is 32: padding-free micro-batches are 4 x 32 tokens; padded
     ones are 4 x 64 (the longest batch) and the note says what the padding costs."""

@@ -42,6 +42,7 @@ def _cpu_seconds(workload, recipe) -> float:
     return time.process_time() - start
 
 
+@pytest.mark.slow
 def test_longest_sequence_estimates_as_fast_as_512(tiny_model, no_trace_cache):
     """At 131,072 tokens a real [s, s] mask alone would be 16 GiB and a Python loop over positions
     would take minutes: the traces run the same ops as at 512 and take about the same CPU time."""

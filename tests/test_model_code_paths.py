@@ -36,6 +36,7 @@ def _folder(tmp_path, config: dict):
     return str(tmp_path)
 
 
+@pytest.mark.slow
 def test_deberta_with_eager_attention_is_estimated(cli, tmp_path):
     # Its classification loss picks the labelled rows with nonzero() unless problem_type is set:
     # the trace sets it, as the Trainer's integer labels mean. (DeBERTa has no SDPA code.)

@@ -77,6 +77,7 @@ def test_estimate_states_the_balanced_routing_and_its_range(tmp_path):
                    "peak_range_bytes": [peak, peak]}
 
 
+@pytest.mark.slow
 def test_batched_mm_is_modelled_with_its_weight_copies(tmp_path):
     """batched_mm gathers every routed row's expert weights: [256 rows, 64, 64] + [256, 64, 32] bf16 per layer,
     kept for backward: it needs more than grouped_mm, which reads the weights in place."""

@@ -16,6 +16,7 @@ from anatomist.workload import load_workload
 GPU = get_gpu("A100-80GB")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["zero3", "fsdp_full_shard", "ddp"])
 def test_estimate_and_plan_give_one_step_time(tiny_model, sharding: str):
     workload = load_workload(str(tiny_model("gpt2")), seq_len=64)

@@ -35,6 +35,7 @@ def test_trainable_parameters_are_peft_s_own(tiny_model, model, targets):
     assert predicted.parameters == total
 
 
+@pytest.mark.slow
 def test_qlora_counts_the_base_as_its_authors_do(tiny_model):
     """4-bit codes pack 2 parameters a byte; the count stays the model's (as print_trainable_parameters)."""
     workload = load_workload(str(tiny_model("llama", num_hidden_layers=5)), seq_len=32)
@@ -87,6 +88,7 @@ def test_target_modules_that_match_nothing_name_the_linear_layers(tiny_model):
         estimate_memory(workload, recipe.resolved(workload), GPU)
 
 
+@pytest.mark.slow
 def test_qlora_with_a_paged_optimizer_names_bitsandbytes_once(cli):
     """QLoRA's usual optimizer (paged 8-bit AdamW): 2 B per trainable parameter, like 8-bit Adam;
     the note names the one package the training machine needs once."""

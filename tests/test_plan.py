@@ -76,6 +76,7 @@ def test_sharding_terms_of_the_time_model(tiny) -> None:
     assert zero3.phases_s["communication"] == pytest.approx(1.5 * zero1.phases_s["communication"])
 
 
+@pytest.mark.slow
 def test_plan_picks_fastest_that_fits_and_explains(tiny) -> None:
     gpu = _small_gpu(64 * 2**20)
     space = SearchSpace(global_batch_size=32, optims=("adamw_torch_fused", "adafactor"), compile_options=(False,))
@@ -101,6 +102,7 @@ def test_plan_picks_fastest_that_fits_and_explains(tiny) -> None:
     assert set(d["best"]) == {"recipe", "memory", "time", "reasons"}
 
 
+@pytest.mark.slow
 def test_checkpointing_reason_is_computed_from_predictions(tiny) -> None:
     gpu = _small_gpu(8 * GIB)  # everything fits: checkpointing is off, and its cost is stated
     space = SearchSpace(global_batch_size=8, optims=("adamw_torch_fused",), compile_options=(False,))
@@ -113,6 +115,7 @@ def test_checkpointing_reason_is_computed_from_predictions(tiny) -> None:
     assert f"{slower:.0%} slower" in line
 
 
+@pytest.mark.slow
 def test_nothing_fits_says_what_is_short(tiny) -> None:
     # 16.25 MiB of every recipe are the two cuBLAS workspaces (forward and backward handles);
     # the best single-GPU recipe (ZeRO-2 + offload, bf16) needs 21.0 MiB. No number of GPUs is offered: ZeRO-3
@@ -127,6 +130,7 @@ def test_nothing_fits_says_what_is_short(tiny) -> None:
         plan(tiny, gpu, space=space, margin=0.0)
 
 
+@pytest.mark.slow
 def test_multi_gpu_considers_zero_and_fsdp(tiny) -> None:
     space = SearchSpace(global_batch_size=16, num_gpus=2, optims=("adamw_torch_fused",), compile_options=(False,),
                         checkpointing_options=(False,))
@@ -170,6 +174,7 @@ def test_cli_bad_input_exit_2(cli, args: list[str], message: str) -> None:
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_cli_json_and_emit(cli, tiny, tmp_path: Path) -> None:
     folder = tmp_path / "m"
     folder.mkdir()
@@ -186,6 +191,7 @@ def test_cli_json_and_emit(cli, tiny, tmp_path: Path) -> None:
     assert ds["train_batch_size"] == 16
 
 
+@pytest.mark.slow
 def test_bf16_weights_are_searched_where_the_gpu_has_bf16(tiny) -> None:
     space = SearchSpace(global_batch_size=8, optims=("adamw_torch_fused",), compile_options=(False,),
                         checkpointing_options=(False,))

@@ -46,6 +46,7 @@ def peft_plan(folder: Path):
     return plan(workload, get_gpu("A100-80GB"), space=space)
 
 
+@pytest.mark.slow
 def test_peft_methods_join_the_search_only_as_asked(peft_plan, folder: Path) -> None:
     methods = {method_of(c.recipe) for c in peft_plan.candidates}
     assert methods == {"full", "lora", "qlora"}
@@ -60,6 +61,7 @@ def test_peft_methods_join_the_search_only_as_asked(peft_plan, folder: Path) -> 
     assert {method_of(r) for r in enumerate_recipes(SearchSpace(), get_gpu("A100-80GB"))} == {"full"}
 
 
+@pytest.mark.slow
 def test_adapters_shrink_the_trained_state(peft_plan) -> None:
     """Same batch, checkpointing and optimizer: LoRA and QLoRA keep optimizer states for the same
     adapters only. (Their weights are compared in test_peft.py: in a model this small the fp32
@@ -101,6 +103,7 @@ def test_emitted_peft_configs_load_in_peft_and_transformers(recipe: Recipe, tmp_
     assert ("BitsAndBytesConfig" in calls) == recipe.quantized
 
 
+@pytest.mark.slow
 def test_the_lora_snippet_runs_and_trains_what_the_estimate_counts(folder: Path, tmp_path: Path) -> None:
     """Execute the emitted snippet against a tiny local checkpoint: PEFT's trainable parameters
     are the ones the estimator traced."""
@@ -158,6 +161,7 @@ def test_full_fine_tuning_writes_no_peft_config(tmp_path: Path) -> None:
     assert "peft" not in render(recipe, "trainer")
 
 
+@pytest.mark.slow
 def test_cli_plan_peft_and_emit_trl(cli, peft_plan, folder: Path, tmp_path: Path) -> None:
     """The CLI searches the space of `peft_plan` (its traces come from the cache) and writes the
     pick as TRL's YAML."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.test_plan import TINY_BERT
@@ -28,6 +29,7 @@ def _plan(cli, tmp_path: Path, recipe: Path, *extra: str) -> dict:
     return json.loads(proc.stdout)
 
 
+@pytest.mark.slow
 def test_fields_the_file_sets_are_held_and_the_rest_searched(cli, tmp_path: Path) -> None:
     recipe = tmp_path / "args.yaml"
     recipe.write_text("per_device_train_batch_size: 2\ngradient_checkpointing: true\noptim: adafactor\n")
@@ -42,6 +44,7 @@ def test_fields_the_file_sets_are_held_and_the_rest_searched(cli, tmp_path: Path
         in data["notes"]
 
 
+@pytest.mark.slow
 def test_an_accelerate_config_sets_the_gpus_and_the_sharding(cli, tmp_path: Path) -> None:
     config = yaml.safe_load((DATA / "trl/zero3.yaml").read_text())
     config["num_processes"] = 4

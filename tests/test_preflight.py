@@ -61,6 +61,7 @@ def _feeds(model) -> list[int]:
     return seen
 
 
+@pytest.mark.slow
 def test_refuse_stops_before_the_first_optimizer_step(llama, tmp_path):
     # budget just under the prediction at 16 x 1: 16 x 1 does not fit, a smaller pair does
     budget = (_total(llama, 16, 1) + _total(llama, 4, 4)) // 2
@@ -78,6 +79,7 @@ def test_refuse_stops_before_the_first_optimizer_step(llama, tmp_path):
     assert change.per_device_train_batch_size * change.gradient_accumulation_steps == 16
 
 
+@pytest.mark.slow
 def test_fit_keeps_the_effective_batch_and_trains(llama, tmp_path):
     budget = (_total(llama, 16, 1) + _total(llama, 4, 4)) // 2
     trainer = _trainer(llama, tmp_path, 16, 1)
@@ -104,6 +106,7 @@ def test_fit_keeps_the_effective_batch_and_trains(llama, tmp_path):
     assert row["measured"]["time"]["median_step_s"] > 0 and row["predicted"]["memory"]["device_total"] > 0
 
 
+@pytest.mark.slow
 def test_fit_with_no_pair_that_fits_refuses_and_leaves_the_batch(llama, tmp_path):
     # below batch 1 x 16 (the smallest pair keeping 16), above the weights: no pair fits
     budget = _total(llama, 1, 16) - 2**20
@@ -115,6 +118,7 @@ def test_fit_with_no_pair_that_fits_refuses_and_leaves_the_batch(llama, tmp_path
     assert trainer._train_batch_size == 16
 
 
+@pytest.mark.slow
 def test_fit_without_attach_says_how(llama, tmp_path):
     budget = (_total(llama, 16, 1) + _total(llama, 4, 4)) // 2
     callback = AnatomistCallback(tokens_per_sample=SEQ, preflight="fit", gpu=GPU, limit_bytes=budget, record=False)
@@ -124,6 +128,7 @@ def test_fit_without_attach_says_how(llama, tmp_path):
     assert trainer.state.global_step == 0
 
 
+@pytest.mark.slow
 def test_warn_lets_a_run_that_does_not_fit_go_on(llama, tmp_path, caplog):
     budget = (_total(llama, 16, 1) + _total(llama, 4, 4)) // 2
     callback = AnatomistCallback(tokens_per_sample=SEQ, gpu=GPU, limit_bytes=budget, record=False, print_at_end=False)
@@ -219,6 +224,7 @@ def _loop(workload, t, model, optimizer, batch: int, steps: int) -> None:
         t.step_end()
 
 
+@pytest.mark.slow
 def test_track_refuses_before_the_loop(llama):
     import torch
 

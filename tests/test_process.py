@@ -76,6 +76,7 @@ def test_help_bad_flags_gpus_and_models_import_neither_torch_nor_transformers(ar
     assert proc.stderr.strip().splitlines()[-1] == "heavy: []", proc.stderr
 
 
+@pytest.mark.slow
 def test_a_repeated_estimate_and_a_bad_recipe_value_import_neither_torch_nor_transformers(tiny_model,
                                                                                       tmp_path: Path) -> None:
     """The trace cache holds the traces, the model's plan and what the estimate reads of the config;

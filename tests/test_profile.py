@@ -32,6 +32,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_profile_splits_a_real_run(model_dir: Path) -> None:
     w = load_workload(str(model_dir), seq_len=128, task="sequence-classification")
     r = profile_training(w, Recipe(per_device_train_batch_size=8), steps=2)

@@ -32,6 +32,7 @@ def _note(stderr: str) -> str:
     return line.removeprefix("anatomist: note: ")
 
 
+@pytest.mark.slow
 def test_training_arguments_json_as_transformers_writes_it(cli, tiny_model, tmp_path: Path) -> None:
     from transformers import TrainingArguments
 
@@ -53,6 +54,7 @@ def test_training_arguments_json_as_transformers_writes_it(cli, tiny_model, tmp_
                         r"\d+ more at their defaults", _note(result.stderr))
 
 
+@pytest.mark.slow
 def test_flags_given_override_the_file_and_flags_not_given_do_not(cli, tiny_model, tmp_path: Path) -> None:
     path = tmp_path / "r.yaml"
     path.write_text("per_device_train_batch_size: 4\ngradient_checkpointing: true\nfsdp: shard_grad_op\n")
@@ -65,6 +67,7 @@ def test_flags_given_override_the_file_and_flags_not_given_do_not(cli, tiny_mode
     assert result.stderr == ""  # anatomist's own keys: nothing left out, nothing said
 
 
+@pytest.mark.slow
 def test_trl_sft_config_yaml_names_the_model_and_sequence_length(cli, tiny_model, tmp_path: Path) -> None:
     """What `trl sft --config sft.yaml` reads: SFTConfig + ModelConfig fields; TRL's defaults where silent."""
     from trl import ModelConfig, SFTConfig
@@ -105,6 +108,7 @@ def test_hand_written_trl_yaml_with_qlora(tmp_path: Path) -> None:
     assert source.not_modelled == ("dataset_name", "learning_rate")
 
 
+@pytest.mark.slow
 def test_accelerate_config_written_by_accelerate(cli, tiny_model, tmp_path: Path) -> None:
     from accelerate.commands.config.config_args import ClusterConfig
     from accelerate.utils import ComputeEnvironment, DistributedType

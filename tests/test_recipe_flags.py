@@ -28,6 +28,7 @@ def test_every_recipe_field_is_a_flag_with_the_fields_help(cli, command: str) ->
         assert _squeeze(field.metadata["help"]) in text, field.name
 
 
+@pytest.mark.slow
 def test_fsdp_has_a_flag_that_reaches_the_estimate(cli, tiny_model) -> None:
     result = cli("estimate", str(tiny_model("bert")), "--fsdp", "shard_grad_op", "--gpus", "2", "--json")
     assert result.returncode == 0, result.stderr

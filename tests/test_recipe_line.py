@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 DATA = Path(__file__).parent / "data"
@@ -16,6 +17,7 @@ def _first_line(stdout: str) -> str:
     return " ".join(stdout.split("Memory anatomy")[0].split())
 
 
+@pytest.mark.slow
 def test_recipe_line_and_json_name_the_gpus_and_sharding(cli, tiny_model, tmp_path: Path) -> None:
     config = yaml.safe_load((DATA / "trl/zero3.yaml").read_text())
     config["num_processes"] = 4

@@ -51,6 +51,7 @@ def test_resolving_refuses_what_the_model_refuses(tiny_model) -> None:
         Recipe(fp16=True).resolved(workload)
 
 
+@pytest.mark.slow
 def test_trainer_defaults_are_read_once_per_version(tmp_path) -> None:
     """The second process makes a Recipe from the file kept by the first, without importing transformers."""
     code = ("import sys; from anatomist.recipe import Recipe; r = Recipe(); "

@@ -34,6 +34,7 @@ def test_the_plan_searches_adapters_with_the_shardings_of_the_base():
     assert {m for m, _ in found} == {"lora", "qlora"}
 
 
+@pytest.mark.slow
 def test_fsdp_shards_a_qlora_base(tiny_model):
     workload = load_workload(str(tiny_model("llama", hidden_size=256, intermediate_size=512)), seq_len=64)
 

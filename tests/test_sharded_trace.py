@@ -40,6 +40,7 @@ def _full_depth_peak(workload, recipe, num_gpus):
     ("gpt2", Recipe(per_device_train_batch_size=BATCH, dtype="float32", fsdp="shard_grad_op", bf16=True,
                     gradient_accumulation_steps=2, gradient_checkpointing=True), 2),
 ])
+@pytest.mark.slow
 def test_sharded_extrapolation_matches_a_full_depth_sharded_trace(tiny_model, model, recipe, num_gpus):
     workload = load_workload(str(tiny_model(model, num_hidden_layers=5, n_layer=5)), seq_len=64)
     resolved = recipe.resolved(workload)
@@ -75,6 +76,7 @@ def test_a_trace_is_the_same_first_and_again(tiny_model):
     assert np.array_equal(first.curves.allocated, again.curves.allocated)
 
 
+@pytest.mark.slow
 def test_cpu_offload_keeps_the_sharded_state_on_the_host(tiny_model):
     workload = load_workload(str(tiny_model("llama", num_hidden_layers=3)), seq_len=64)
     kept = estimate_memory(workload, Recipe(per_device_train_batch_size=3, fsdp="full_shard").resolved(workload), GPU,

@@ -37,6 +37,7 @@ def workload(tmp_path_factory: pytest.TempPathFactory) -> Workload:
 A100 = "A100-80GB"
 
 
+@pytest.mark.slow
 def test_fp16_faster_than_fp32_on_a100(workload: Workload) -> None:
     gpu = get_gpu(A100)
     fp32 = estimate_time(workload, Recipe(per_device_train_batch_size=8).resolved(workload), gpu)
@@ -106,6 +107,7 @@ def test_estimate_json_has_time(workload: Workload) -> None:
     assert "time" not in inference
 
 
+@pytest.mark.slow
 def test_fit_calibration_recovers_known_factors(workload: Workload) -> None:
     """Step times made with known factors give those factors back. Four factors are free (tensor-core
     and bandwidth efficiencies, the two overheads), so five steps: accumulation tells the host time per

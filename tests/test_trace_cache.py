@@ -26,6 +26,7 @@ def _estimate(folder: Path, **recipe: object) -> dict:
     return estimate(workload, Recipe(per_device_train_batch_size=3, **recipe), GPU).to_dict()
 
 
+@pytest.mark.slow
 def test_cached_and_uncached_estimates_are_identical(tiny_model, cache_folder: Path) -> None:
     model = tiny_model("llama")
     cache.set_disk_cache(False)

@@ -44,6 +44,7 @@ def curves(workload: Workload, recipe: Recipe) -> list[list[int]]:
     return [trace.curves.allocated.tolist(), trace.curves.categories.tolist()]
 
 
+@pytest.mark.slow
 def test_a_trace_is_the_same_first_in_a_process_or_after_others(tiny_model, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     from anatomist.trainer_defaults import trainer_defaults

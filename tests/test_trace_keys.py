@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from anatomist.trace import keys
 
 T5 = {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "d_model": 32, "d_ff": 64, "d_kv": 8,
@@ -17,6 +19,7 @@ T5 = {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "d_mo
 """Encoder and decoder of different depths: a plan by kind, whose cuts are built and checked (`stack.cut_matches`)."""
 
 
+@pytest.mark.slow
 def test_every_file_a_trace_loads_is_in_the_digest(tiny_model, tmp_path: Path) -> None:
     t5 = tmp_path / "t5"
     t5.mkdir()

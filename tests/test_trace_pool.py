@@ -48,6 +48,7 @@ def _requests(folder: Path) -> tuple[object, list[parts.PartRequest]]:
                       (sharded, "forward-backward", 2, 2, 4)]
 
 
+@pytest.mark.slow
 def test_workers_trace_what_this_process_would(tiny_model, cache_folder: Path, traced_here: list[str],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ANATOMIST_JOBS", "2")

@@ -36,7 +36,8 @@ def _dataset(lengths: list[int], vocab: int):
     return datasets.Dataset.from_dict({"input_ids": [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]})
 
 
-@pytest.mark.parametrize("checkpointing", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [False, True])
 def test_sft_padding_free_step_matches_pytorchs_accounting(tiny_model, tmp_path, monkeypatch, checkpointing):
     from transformers import AutoModelForCausalLM
 

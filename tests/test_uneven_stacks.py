@@ -88,6 +88,7 @@ def _real_parameters(workload: Workload, recipe: Recipe) -> int:
     return sum(p.numel() for p in workload.build_model("sdpa", recipe.dtype).parameters())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_uneven_stack_matches_a_full_depth_trace(name):
     workload, how = _workload(name), CASES[name][2]
@@ -115,6 +116,7 @@ def test_uneven_stack_matches_a_full_depth_trace(name):
     assert result.time.flops_per_step == pytest.approx(flops, rel=0.01)
 
 
+@pytest.mark.slow
 def test_a_plan_whose_count_is_wrong_falls_back_to_full_depth(monkeypatch):
     # Cutting both of T5's stacks to 2 and 3 layers (what a uniform model gets) implies a decoder as
     # deep as the encoder: 16 + 16 layers instead of 16 + 4. The check must catch it and trace the full model.

@@ -110,6 +110,7 @@ def test_categories_add_up_to_peak_and_device_total():
     assert sum(anatomy.category_bytes(c) for c in MemoryCategory) == anatomy.device_total
 
 
+@pytest.mark.slow
 def test_the_load_dtype_follows_the_config_unless_given(tiny_model):
     """transformers 5 loads a checkpoint in its config's dtype (`dtype="auto"`): a bf16 config
     trains in pure bf16 (weights, gradients and AdamW moments at 2 B/param each); --dtype

@@ -159,6 +159,7 @@ def test_the_page_is_served_with_a_same_origin_policy_and_only_to_local_host_nam
     assert live.request("GET", "/", headers={"host": "attacker.example"}).status == 400
 
 
+@pytest.mark.slow
 def test_emitted_files_of_a_plan_pick(live: LiveServer) -> None:
     reply, _ = live.run({"view": "plan", "config": _config_id(live), "gpu": "A100-80GB", "seq_len": "64",
                          "optims": "adamw_torch_fused", "precisions": "bf16", "no_compile": "true",

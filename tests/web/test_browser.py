@@ -105,6 +105,7 @@ def _download(driver: Any, folder: Path, name: str) -> Path:
     return _until(lambda: target if target.exists() and target.stat().st_size > 0 else None, f"download of {name}", 30)
 
 
+@pytest.mark.slow
 def test_the_page_from_a_model_to_the_files_of_a_plan(browser: Any, live: LiveServer, tiny_config: Path,
                                                      downloads: Path, tmp_path: Path) -> None:
     d = browser

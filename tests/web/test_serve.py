@@ -52,6 +52,7 @@ def _get(url: str, host: str | None = None) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
+@pytest.mark.slow
 def test_serve_listens_on_localhost_and_prints_its_url() -> None:
     with _process([sys.executable, "-m", "anatomist", "serve", "--port", "0"]) as (_, url):
         assert url.startswith("http://127.0.0.1:")
@@ -88,6 +89,7 @@ def test_the_web_extra_is_what_pyproject_declares() -> None:
     assert set(WEB_REQUIREMENTS) <= set(requirements())
 
 
+@pytest.mark.slow
 def test_write_space_makes_a_docker_space_that_serves_the_page(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     space = tmp_path / "space"
     result = cli("serve", "--write-space", str(space))
