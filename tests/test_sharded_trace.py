@@ -117,3 +117,17 @@ def test_each_rank_holds_its_padded_shard_of_every_parameter(tiny_model):
                         num_gpus=world)
     peak = traced.peaks()[STEP_PHASES[2], "pre"]  # the optimizer step: the unsharded parameters are freed
     assert peak.categories[MemoryCategory.WEIGHTS] == expected
+
+
+@pytest.mark.slow
+def test_half_weights_under_fsdp_mixed_precision_are_upcast_as_accelerate_does(tiny_model):
+    """accelerate's fsdp2_prepare_model upcasts trainable parameters to fp32 when mixed precision is on,
+    whatever dtype they were loaded in: the optimizer state is fp32 (AdamW: 8 B per parameter of the shard),
+    and the notes say so instead of "pure bfloat16 training"."""
+    workload = load_workload(str(tiny_model("llama", num_hidden_layers=2)), seq_len=32)
+    recipe = Recipe(fsdp="full_shard", dtype="bfloat16", bf16=True, optim="adamw_torch").resolved(workload)
+    memory = estimate_memory(workload, recipe, GPU, num_gpus=2)
+    assert any("FSDP2 upcasts the trainable parameters to fp32" in note for note in memory.notes)
+    assert not any("pure bfloat16 training" in note for note in memory.notes)
+    states = memory.anatomy.category_bytes(MemoryCategory.OPTIMIZER_STATES)
+    assert states == pytest.approx(8 * memory.parameters / 2, rel=0.05)

@@ -324,6 +324,12 @@ def _notes(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnatomy, r
                 else recipe.dtype)
         notes.append(f"{recipe.peft}: the {base} base is frozen (no gradients, no optimizer states); the r={recipe.lora_r} "
                      "adapters (fp32, as PEFT makes them) carry the full rule")
+    elif recipe.half_weights and recipe.fsdp != "none" and recipe.mixed_precision != "no":
+        notes.append(  # trace/sharded.py does what accelerate's fsdp2_prepare_model does
+            f"weights loaded in {recipe.dtype}, but with {recipe.mixed_precision} mixed precision accelerate's FSDP2 "
+            "upcasts the trainable parameters to fp32: fp32 sharded master weights, gradients and optimizer states, "
+            f"the weights gathered in {recipe.mixed_precision} for compute"
+        )
     elif recipe.half_weights:
         notes.append(
             f"weights loaded in {recipe.dtype}: pure {recipe.dtype} training (gradients and optimizer states "
