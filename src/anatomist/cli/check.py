@@ -11,7 +11,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from anatomist.cli.common import add_cache_flag, add_margin_flag, add_model_flags, print_json, tracing_progress
+from anatomist.cli.common import (
+    add_cache_flag,
+    add_devices_flags,
+    add_margin_flag,
+    add_model_flags,
+    print_json,
+    tracing_progress,
+)
 from anatomist.cli.recipe_flags import add_recipe_flags
 from anatomist.errors import InputError
 
@@ -24,8 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_flags(p)
     add_recipe_flags(p)
     p.add_argument("--gpu", default="local", metavar="NAME", help="target GPU (default: the one NVML finds here)")
-    p.add_argument("--gpus", type=int, default=None, metavar="N",
-                   help="data-parallel devices (default: the --recipe file's, else 1)")
+    add_devices_flags(p, "data-parallel devices (default: the --recipe file's, else 1)")
     p.add_argument("--limit-gib", type=float, default=None, metavar="GIB",
                    help="an explicit memory budget per device in GiB (2**30 bytes), instead of the GPU's memory less "
                         "the margin")
@@ -44,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     limit = int(args.limit_gib * 2**30) if args.limit_gib is not None else None
     gpu, margin = target_gpu(None if args.gpu in ("local", "auto") else args.gpu, limit, args.memory_margin)
     with tracing_progress():
-        workload, recipe, gpu, num_gpus = estimate_inputs(args, gpu)
+        workload, recipe, gpu, (num_gpus, _) = estimate_inputs(args, gpu)  # whether it fits: the same on any node
         result = preflight(workload, recipe, gpu, num_gpus=num_gpus, margin=margin, mode="refuse", budget_bytes=limit)
     if args.json:
         print_json(result.to_dict())

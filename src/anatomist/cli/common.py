@@ -16,6 +16,7 @@ from anatomist.recipe import Recipe
 if TYPE_CHECKING:
     from anatomist.estimate.calibration import Calibration
     from anatomist.hardware import GPU
+    from anatomist.recipe_files import RecipeFile
 
 
 def add_model_flags(parser: argparse.ArgumentParser, *, model_required: bool = True, data_flags: bool = True) -> None:
@@ -35,6 +36,40 @@ def add_model_flags(parser: argparse.ArgumentParser, *, model_required: bool = T
                       help="token count of every example: one integer per line, or a JSON list")
     data.add_argument("--prompt-len", type=int, default=None, metavar="N",
                       help="DPO: tokens of each prompt, which the loss does not score (default 0: every token)")
+
+
+def add_devices_flags(parser: argparse.ArgumentParser, gpus_help: str) -> None:
+    """--gpus, and the machines they are spread over (--nodes, --network)."""
+    from anatomist.estimate.communication import default_network, networks
+
+    parser.add_argument("--gpus", type=int, default=None, metavar="N",
+                        help=f"{gpus_help}; with --nodes, the GPUs of one node")
+    parser.add_argument("--nodes", type=int, default=None, metavar="N",
+                        help="machines the GPUs are spread over (default: the --recipe file's num_machines, else 1)")
+    parser.add_argument("--network", default=None, metavar="NAME",
+                        help=f"the network between the nodes (default {default_network()}; known: {', '.join(networks())})")
+
+
+def devices_from_args(args: argparse.Namespace, source: RecipeFile | None) -> tuple[int, int]:
+    """(GPUs in all, nodes): --gpus per node times --nodes, else the --recipe file's (a RecipeFile's num_gpus
+    counts every node's devices, as accelerate's num_processes does), else one GPU on one node."""
+    from anatomist.estimate.communication import check_cluster
+
+    nodes = args.nodes if args.nodes is not None else (source.nodes if source and source.nodes else 1)
+    if nodes < 1:
+        raise InputError(f"--nodes must be at least 1, got {nodes}")
+    if args.gpus is not None:
+        if args.gpus <= 0:
+            raise InputError(f"--gpus must be greater than 0, got {args.gpus}")
+        num_gpus = args.gpus * nodes
+    elif source and source.num_gpus:
+        num_gpus = source.num_gpus
+    elif nodes > 1:
+        raise InputError("--nodes needs --gpus, the GPUs of one node")
+    else:
+        num_gpus = 1
+    check_cluster(num_gpus, nodes, args.network)
+    return num_gpus, nodes
 
 
 def warn(message: str) -> None:

@@ -12,18 +12,21 @@ from anatomist.axes.shardings import sharding_of
 from anatomist.cli.common import (
     add_cache_flag,
     add_calibration_flag,
+    add_devices_flags,
     add_margin_flag,
     add_model_flags,
     apply_cache_flag,
     calibration_from_args,
+    devices_from_args,
     note_missing_packages,
     print_json,
     tracing_progress,
     warn,
 )
 from anatomist.cli.recipe_flags import add_recipe_flags, recipe_file_from_args, recipe_from_args
-from anatomist.cli.render import console, gib
+from anatomist.cli.render import console, devices, gib
 from anatomist.errors import InputError
+from anatomist.estimate.communication import UNFITTED_TERMS
 from anatomist.hardware import GPU, get_gpu
 from anatomist.workload import Workload, load_workload
 
@@ -46,8 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_recipe_flags(p)
     p.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME", help=f"target GPU (default {DEFAULT_GPU}; 'local' = detected)")
     p.add_argument("--mode", choices=["train", "inference"], default="train")
-    p.add_argument("--gpus", type=int, default=None, metavar="N",
-                   help="devices ZeRO/FSDP shard across (default: the --recipe file's, else 1)")
+    add_devices_flags(p, "devices ZeRO/FSDP shard across (default: the --recipe file's, else 1)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout, nothing else")
     p.add_argument("--report", metavar="PATH", help="also write an HTML report")
     add_calibration_flag(p)
@@ -61,16 +63,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 def build_estimate(args: argparse.Namespace) -> Estimate:
     gpu = get_gpu(args.gpu)
     calibration = calibration_from_args(args, gpu)  # a bad calibration file is said before any heavy import
-    workload, recipe, gpu, num_gpus = estimate_inputs(args, gpu)
+    workload, recipe, gpu, (num_gpus, nodes) = estimate_inputs(args, gpu)
     from anatomist.estimate.predict import estimate  # torch only if something must be traced
 
     return estimate(workload, recipe, gpu, mode=args.mode, num_gpus=num_gpus, calibration=calibration,
-                    margin=args.memory_margin)
+                    margin=args.memory_margin, nodes=nodes, network=args.network)
 
 
-def estimate_inputs(args: argparse.Namespace, gpu: GPU | None = None) -> tuple[Workload, ResolvedRecipe, GPU, int]:
-    """The workload, resolved recipe, GPU (`gpu`, else --gpu) and device count the flags and the
-    --recipe file describe, checked (`anatomist check` reads the same flags)."""
+def estimate_inputs(
+    args: argparse.Namespace, gpu: GPU | None = None
+) -> tuple[Workload, ResolvedRecipe, GPU, tuple[int, int]]:
+    """The workload, resolved recipe, GPU (`gpu`, else --gpu), and devices in all and nodes, that the
+    flags and the --recipe file describe, checked (`anatomist check` reads the same flags)."""
     apply_cache_flag(args)
     gpu = gpu or get_gpu(args.gpu)
     source = recipe_file_from_args(args)
@@ -78,9 +82,7 @@ def estimate_inputs(args: argparse.Namespace, gpu: GPU | None = None) -> tuple[W
     # seeds' experiment, with the batch size the seeds name.
     model = _given(args.model, source.model if source else None)
     seq_len = _given(args.seq_len, source.seq_len if source else None)
-    num_gpus = _given(args.gpus, source.num_gpus if source else None, 1)
-    if num_gpus <= 0:
-        raise InputError(f"--gpus must be greater than 0, got {num_gpus}")
+    devices = devices_from_args(args, source)
     # The recipe, then the model: a bad value or a mistyped name is said before anything imports
     # transformers (Recipe's defaults are kept on disk per transformers version).
     recipe = recipe_from_args(args, base=SEEDS_RECIPE if model is None else None, source=source)
@@ -101,7 +103,7 @@ def estimate_inputs(args: argparse.Namespace, gpu: GPU | None = None) -> tuple[W
     if recipe.dtype == "bfloat16" and not gpu.bf16:
         warn(f"{workload.name} loads in bfloat16 (its config's dtype) but {gpu.name} has no bf16 tensor cores: "
              "it runs emulated and slowly there; --dtype float16 or float32 is the usual choice")
-    return workload, recipe, gpu, num_gpus
+    return workload, recipe, gpu, devices
 
 
 def _given(*values: Any) -> Any:
@@ -135,7 +137,8 @@ def render(result: Estimate) -> None:
         f"weights {result.recipe.dtype}{_autocast(result.recipe)}{_peft(result.recipe)}, "
         f"checkpointing {'on' if result.recipe.gradient_checkpointing else 'off'}, "
         f"sharding {_sharding(result.recipe, result.num_gpus)}, "
-        f"{result.mode} on {result.num_gpus} x [bold]{result.gpu.name}[/] ({gib(result.gpu.memory_bytes)})"
+        f"{result.mode} on {devices(result.num_gpus, result.nodes)} x [bold]{result.gpu.name}[/] "
+        f"({gib(result.gpu.memory_bytes)})"
     )
     table = Table(title="Memory anatomy at the peak", title_justify="left")
     table.add_column("component")
@@ -169,11 +172,16 @@ def render(result: Estimate) -> None:
     for note in mem.notes:
         out.print(f"  - {note}")
     if result.time is not None:
-        render_time(result.time)
+        render_time(result.time, several=result.num_gpus > 1 or result.recipe.offload != "none")
+    if result.nodes > 1:
+        from anatomist.estimate.communication import describe_network
+
+        out.print(describe_network(result.num_gpus, result.nodes, result.network))
 
 
-def render_time(t: TimeAnatomy) -> None:
-    """The predicted step time, its split by phase and by operation class."""
+def render_time(t: TimeAnatomy, *, several: bool = False) -> None:
+    """The predicted step time, its split by phase and by operation class; `several`: devices or offload
+    add terms the calibration's error does not cover."""
     out = console()
     table = Table(title="Time anatomy of one step (roofline)", title_justify="left")
     table.add_column("step time", justify="right")
@@ -188,7 +196,8 @@ def render_time(t: TimeAnatomy) -> None:
     out.print(table)
     out.print("phases:  " + ", ".join(f"{k} {v * 1e3:,.1f} ms ({v / t.step_s:.0%})" for k, v in t.phases_s.items()))
     out.print("classes: " + ", ".join(f"{k} {v / t.step_s:.0%}" for k, v in t.classes_s.items()))
-    out.print(t.calibration if t.calibrated else f"[yellow]{t.calibration}[/]")
+    said = f"{t.calibration}; {UNFITTED_TERMS}" if several else t.calibration
+    out.print(said if t.calibrated else f"[yellow]{said}[/]")
 
 
 def _autocast(recipe: Recipe) -> str:

@@ -15,18 +15,20 @@ from anatomist.axes.shardings import sharding_of
 from anatomist.cli.common import (
     add_cache_flag,
     add_calibration_flag,
+    add_devices_flags,
     add_margin_flag,
     add_model_flags,
     apply_cache_flag,
     calibration_from_args,
+    devices_from_args,
     print_json,
     tracing_progress,
 )
 from anatomist.cli.recipe_flags import recipe_file_from_args
-from anatomist.cli.render import console, gib
+from anatomist.cli.render import console, devices, gib
 from anatomist.errors import InputError
 from anatomist.hardware import get_gpu
-from anatomist.plan.emit import TARGETS, write
+from anatomist.plan.emit import TARGETS, launch_commands, write
 from anatomist.plan.emit import render as render_emit
 from anatomist.plan.space import SearchSpace, method_of
 from anatomist.recipe import TRAINERS, Recipe
@@ -47,8 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu", required=True, metavar="NAME", help="target GPU (see `anatomist gpus`)")
     p.add_argument("--global-batch-size", type=int, default=None, metavar="N",
                    help="samples per optimizer step over all GPUs (default: any batch, no accumulation)")
-    p.add_argument("--gpus", type=int, default=None, metavar="N",
-                   help="data-parallel GPUs (adds ZeRO 1/2/3 and FSDP; default: the --recipe file's, else 1)")
+    add_devices_flags(p, "data-parallel GPUs (adds ZeRO 1/2/3 and FSDP; default: the --recipe file's, else 1)")
     p.add_argument("--objective", choices=["throughput", "memory"], default="throughput")
     add_margin_flag(p)
     p.add_argument("--optims", default=",".join(DEFAULT_SEARCH), metavar="A,B",
@@ -116,12 +117,12 @@ def build_plan(args: argparse.Namespace) -> Plan:
     if model is None:
         raise InputError("plan needs a MODEL (or a --recipe file that names one)")
     seq_len = args.seq_len if args.seq_len is not None else source.seq_len if source else None
-    num_gpus = args.gpus if args.gpus is not None else (source.num_gpus if source and source.num_gpus else 1)
+    num_gpus, nodes = devices_from_args(args, source)
     workload = load_workload(model, seq_len=seq_len, task=args.task,
                              trust_remote_code=args.trust_remote_code, allow_network=args.allow_network,
                              avg_seq_len=args.avg_seq_len, lengths=args.lengths, prompt_len=args.prompt_len)
     space = SearchSpace(
-        global_batch_size=args.global_batch_size, num_gpus=num_gpus, optims=optims,
+        global_batch_size=args.global_batch_size, num_gpus=num_gpus, nodes=nodes, network=args.network, optims=optims,
         compile_options=(False,) if args.no_compile else (False, True),
         liger_options=(False,) if args.no_liger_kernel else None,
         precisions=precisions, methods=methods, base=Recipe(**lora, **trainer), fixed=fixed,
@@ -139,14 +140,18 @@ def run(args: argparse.Namespace) -> int:
     with tracing_progress():
         result = build_plan(args)
     if args.emit and args.output:
-        written = write(result.best.recipe, args.emit, args.output, result.space.num_gpus,
-                        model=result.workload.repo_id, task=result.workload.task, seq_len=result.workload.seq_len)
+        space = result.space
+        written = write(result.best.recipe, args.emit, args.output, space.num_gpus, model=result.workload.repo_id,
+                        task=result.workload.task, seq_len=result.workload.seq_len, nodes=space.nodes)
         print(f"wrote {', '.join(map(str, written))}", file=sys.stderr)
+        for rank, command in enumerate(launch_commands(args.emit, args.output, space.num_gpus, space.nodes)):
+            print(f"node {rank}: {command}", file=sys.stderr)
     if args.json:
         print_json(result.to_dict())
     elif args.emit and not args.output:
         sys.stdout.write(render_emit(result.best.recipe, args.emit, result.space.num_gpus,
-                                     model=result.workload.repo_id, seq_len=result.workload.seq_len))
+                                     model=result.workload.repo_id, seq_len=result.workload.seq_len,
+                                     nodes=result.space.nodes))
     else:
         render(result)
     return 0
@@ -172,7 +177,7 @@ def render(result: Plan) -> None:
     w, gpu = result.workload, result.gpu
     gb = result.space.global_batch_size
     out.print(
-        f"[bold]{w.name}[/] seq {w.seq_len} on {result.space.num_gpus} x [bold]{gpu.name}[/] "
+        f"[bold]{w.name}[/] seq {w.seq_len} on {devices(result.space.num_gpus, result.space.nodes)} x [bold]{gpu.name}[/] "
         f"({gib(gpu.memory_bytes)}), global batch {gb if gb else 'any'}, objective {result.objective}: "
         f"{len(result.candidates)} candidates, {len(result.feasible)} fit"
     )

@@ -23,6 +23,11 @@ class _Console(Console):
         raise BrokenPipeError
 
 
+def devices(num_gpus: int, nodes: int = 1) -> str:
+    """"8" on one node, "2 nodes x 8" across nodes (`num_gpus` counts every node's)."""
+    return f"{nodes} nodes x {num_gpus // nodes}" if nodes > 1 else str(num_gpus)
+
+
 def console(stderr: bool = False) -> Console:
     return _Console(stderr=stderr, highlight=False, soft_wrap=False)
 

@@ -16,7 +16,8 @@ with DeepSpeed or FSDP three terms change:
                                 their bytes, and all-gather every weight (a frozen base's too) in
                                 forward and backward, 2 (N-1)/N x the gathered bytes: for full
                                 fine-tuning 1.5x the all-reduce (Rajbhandari et al. 2020, sec. 7);
-                                no overlap with compute
+                                no overlap with compute; across nodes at the slower of the
+                                intra-node bus and the network (`bus_bytes_per_s`)
 
 Their constants live in data/plan_throughput.toml with their sources; none was measured.
 """
@@ -29,22 +30,79 @@ from importlib import resources
 from typing import Any, Protocol
 
 from anatomist.anatomy import TimeAnatomy
+from anatomist.errors import InputError
 from anatomist.estimate.calibration import Calibration
 from anatomist.estimate.time import estimate_time
 from anatomist.hardware import GPU
 from anatomist.recipe import ResolvedRecipe
 from anatomist.workload import Workload
 
+DEFAULT_NODES = 1
+UNFITTED_TERMS = ("the sharding, offload and communication terms are not in that error (plan_throughput.toml's "
+                  "constants, not fitted)")
+"""What a calibrated time's error leaves out once a step has more than one device or offloads."""
+
 
 class TimeModel(Protocol):
-    """Predicts the time of one optimizer step of `recipe` on `num_gpus` devices of `gpu`."""
+    """Predicts the time of one optimizer step of `recipe` on `num_gpus` devices of `gpu` on `nodes` machines."""
 
-    def __call__(self, workload: Workload, recipe: ResolvedRecipe, gpu: GPU, *, num_gpus: int = 1) -> TimeAnatomy: ...
+    def __call__(
+        self, workload: Workload, recipe: ResolvedRecipe, gpu: GPU, *, num_gpus: int = 1, nodes: int = DEFAULT_NODES,
+        network: str | None = None,
+    ) -> TimeAnatomy: ...
 
 
 @cache
 def constants() -> dict[str, Any]:
     return tomllib.loads(resources.files("anatomist.data").joinpath("plan_throughput.toml").read_text())
+
+
+def networks() -> dict[str, dict[str, Any]]:
+    """The networks between nodes that `--network` names (plan_throughput.toml's [inter_node.networks])."""
+    return constants()["inter_node"]["networks"]
+
+
+def default_network() -> str:
+    return constants()["inter_node"]["default"]
+
+
+def check_cluster(num_gpus: int, nodes: int, network: str | None) -> None:
+    """Refuse a node count that does not divide the devices, or a network the catalog lacks."""
+    if nodes < 1:
+        raise InputError(f"--nodes must be at least 1, got {nodes}")
+    if num_gpus % nodes:
+        raise InputError(f"{num_gpus} GPUs cannot be split evenly over {nodes} nodes")
+    if network is not None and network not in networks():
+        raise InputError(f"--network: unknown network {network!r}; known: {', '.join(networks())}")
+
+
+def cluster_fields(nodes: int, network: str | None) -> dict[str, Any]:
+    """What a result's JSON says of the machines: nothing on one node (the output 0.x scripts read)."""
+    if nodes <= 1:
+        return {}
+    return {"nodes": nodes, "network": network or default_network()}
+
+
+def describe_network(num_gpus: int, nodes: int, network: str | None) -> str:
+    """One line for the output: the network between the nodes and the bandwidth the time model gives it."""
+    name = network or default_network()
+    return (f"{nodes} nodes, {networks()[name]['describe']} ({name}): collectives at "
+            f"{bus_bytes_per_s(num_gpus, nodes, name) / 1e9:.0f} GB/s bus bandwidth")
+
+
+def bus_bytes_per_s(num_gpus: int, nodes: int = DEFAULT_NODES, network: str | None = None) -> float:
+    """Achieved bus bandwidth of a data-parallel collective over `num_gpus` devices on `nodes` machines.
+
+    In one node: the intra-node assumption. Across nodes NCCL runs a ring per NIC, so the ring's
+    slowest hop moves at the node's network bandwidth (all its NICs) times what NCCL achieves of it.
+    """
+    intra = constants()["interconnect"]["bus_gbps"] * 1e9
+    if nodes <= 1:
+        return intra
+    inter = constants()["inter_node"]
+    link = networks()[network or inter["default"]]
+    node_gbit = link["gbit_per_gpu"] * (num_gpus // nodes) if "gbit_per_gpu" in link else link["gbit_per_node"]
+    return min(intra, node_gbit / 8 * 1e9 * inter["achieved"])
 
 
 def parameter_count(workload: Workload, recipe: ResolvedRecipe) -> int:
@@ -66,8 +124,11 @@ def offload_s(workload: Workload, recipe: ResolvedRecipe, *, num_gpus: int = 1) 
     return params * (4 + up_bytes) / (c["pcie_gbps"] * 1e9) + params / c["cpu_adam_params_per_s"]
 
 
-def communication_s(workload: Workload, recipe: ResolvedRecipe, *, num_gpus: int = 1) -> float:
-    """Seconds per step of gradient all-reduce (and ZeRO-3 / full_shard weight all-gather)."""
+def communication_s(
+    workload: Workload, recipe: ResolvedRecipe, *, num_gpus: int = 1, nodes: int = DEFAULT_NODES, network: str | None = None
+) -> float:
+    """Seconds per step of gradient all-reduce (and ZeRO-3 / full_shard weight all-gather) over
+    `num_gpus` devices on `nodes` machines joined by `network` (a name of `networks()`; None: the default)."""
     if num_gpus <= 1:
         return 0.0
     ring = (num_gpus - 1) / num_gpus
@@ -79,7 +140,7 @@ def communication_s(workload: Workload, recipe: ResolvedRecipe, *, num_gpus: int
         volume = 2 * ring * grad_bytes  # ring all-reduce
     else:  # reduce-scatter of the gradients, all-gather of every weight (frozen base included) in forward and backward
         volume = ring * (grad_bytes + 2 * gathered_weight_bytes(workload, recipe))
-    return volume / (constants()["interconnect"]["bus_gbps"] * 1e9)
+    return volume / bus_bytes_per_s(num_gpus, nodes, network)
 
 
 def gathered_weight_bytes(workload: Workload, recipe: ResolvedRecipe) -> float:
@@ -94,9 +155,11 @@ def gathered_weight_bytes(workload: Workload, recipe: ResolvedRecipe) -> float:
 
 
 def predict_time(
-    workload: Workload, recipe: ResolvedRecipe, gpu: GPU, *, num_gpus: int = 1, calibration: Calibration | None = None
+    workload: Workload, recipe: ResolvedRecipe, gpu: GPU, *, num_gpus: int = 1, calibration: Calibration | None = None,
+    nodes: int = DEFAULT_NODES, network: str | None = None,
 ) -> TimeAnatomy:
-    """One optimizer step of `recipe` on `num_gpus` data-parallel devices (module docstring)."""
+    """One optimizer step of `recipe` on `num_gpus` data-parallel devices, spread over `nodes`
+    machines joined by `network` (module docstring)."""
     one = estimate_time(workload, recipe, gpu, calibration)
     phases = dict(one.phases_s)
     if recipe.offload != "none":
@@ -104,7 +167,7 @@ def predict_time(
     elif recipe.sharding_stage >= 1:
         phases["optimizer"] = phases.get("optimizer", 0.0) / num_gpus
     phases["offload"] = offload_s(workload, recipe, num_gpus=num_gpus)
-    phases["communication"] = communication_s(workload, recipe, num_gpus=num_gpus)
+    phases["communication"] = communication_s(workload, recipe, num_gpus=num_gpus, nodes=nodes, network=network)
     step_s = sum(phases.values())
     samples = recipe.per_device_train_batch_size * recipe.gradient_accumulation_steps * num_gpus
     return TimeAnatomy(

@@ -7,7 +7,7 @@ from typing import Any
 
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN
 from anatomist.estimate.calibration import Calibration, calibration_for
-from anatomist.estimate.communication import predict_time
+from anatomist.estimate.communication import DEFAULT_NODES, check_cluster, cluster_fields, predict_time
 from anatomist.estimate.memory import MemoryEstimate, estimate_memory
 from anatomist.estimate.moe import MoeRouting, moe_routing
 from anatomist.estimate.time import estimate_time
@@ -35,6 +35,10 @@ class Estimate:
     extra: dict[str, Any] = field(default_factory=dict)
     num_gpus: int = 1
     """Data-parallel devices the step runs on (ZeRO/FSDP shard across them); the figures are per device."""
+    nodes: int = 1
+    """Machines those devices are spread over (only the time changes: collectives cross `network`)."""
+    network: str | None = None
+    """The network between the nodes (a name of `communication.networks()`); None: one node, or the default."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -47,6 +51,7 @@ class Estimate:
             "recipe": self.recipe.to_dict(),
             "gpu": {"name": self.gpu.name, "memory_bytes": self.gpu.memory_bytes},
             "num_gpus": self.num_gpus,
+            **cluster_fields(self.nodes, self.network),
             "memory": self.memory.anatomy.to_dict(),
             "fits": self.memory.fits,
             "memory_margin": self.margin,
@@ -66,9 +71,12 @@ class Estimate:
 def estimate(
     workload: Workload, recipe: Recipe, gpu: GPU, *, mode: Mode = "train", num_gpus: int = 1,
     calibration: Calibration | None = None, margin: float = DEFAULT_MEMORY_MARGIN,
+    nodes: int = DEFAULT_NODES, network: str | None = None,
 ) -> Estimate:
     """Predict memory (and, in training, time) of one step of `recipe` on `gpu`; `calibration`:
-    the time model's factors (default: `calibration_for(gpu)`, the lookup of estimate/calibration.py)."""
+    the time model's factors (default: `calibration_for(gpu)`, the lookup of estimate/calibration.py);
+    `num_gpus` devices in all, on `nodes` machines joined by `network` (`communication.networks()`)."""
+    check_cluster(num_gpus, nodes, network)
     recipe = recipe.resolved(workload)  # the library's entry point: everything below takes it resolved
     workload = workload.for_recipe(recipe)  # padding-free: the data's sequences, not the longest (issue 23)
     memory = estimate_memory(workload, recipe, gpu, mode=mode, num_gpus=num_gpus, margin=margin)
@@ -76,8 +84,9 @@ def estimate(
     time = None
     if mode == "train":  # the plan's time model: one device's step, plus sharding, offload and communication terms
         several = num_gpus > 1 or recipe.offload != "none"  # (on one device without offload those are nothing)
-        time = (predict_time(workload, recipe, gpu, num_gpus=num_gpus, calibration=calibration) if several
+        time = (predict_time(workload, recipe, gpu, num_gpus=num_gpus, calibration=calibration, nodes=nodes,
+                             network=network) if several
                 else estimate_time(workload, recipe, gpu, calibration))
     return Estimate(workload=workload, recipe=recipe, gpu=gpu, mode=mode, margin=margin, memory=memory, time=time,
                     moe=moe_routing(workload, recipe, memory.anatomy), extra={"time_calibration": calibration.describe()},
-                    num_gpus=num_gpus)
+                    num_gpus=num_gpus, nodes=nodes, network=network)

@@ -8,7 +8,7 @@ breaks speed ties, the choice, and the smallest catalog GPU that would hold a ne
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from anatomist.anatomy import TimeAnatomy
 from anatomist.estimate.communication import TimeModel
@@ -16,6 +16,9 @@ from anatomist.estimate.memory import MemoryEstimate, estimate_memory
 from anatomist.hardware import GPU, catalog
 from anatomist.recipe import Recipe, ResolvedRecipe
 from anatomist.workload import Workload
+
+if TYPE_CHECKING:
+    from anatomist.plan.space import SearchSpace
 
 Objective = Literal["throughput", "memory"]
 
@@ -49,8 +52,9 @@ class Candidate:
 class Evaluator:
     """Predicts (and remembers) memory and time of recipes for one workload, GPU and device count."""
 
-    def __init__(self, workload: Workload, gpu: GPU, num_gpus: int, margin: float, time_model: TimeModel) -> None:
-        self.workload, self.gpu, self.num_gpus, self.margin = workload, gpu, num_gpus, margin
+    def __init__(self, workload: Workload, gpu: GPU, space: SearchSpace, margin: float, time_model: TimeModel) -> None:
+        self.workload, self.gpu, self.num_gpus, self.margin = workload, gpu, space.num_gpus, margin
+        self.nodes, self.network = space.nodes, space.network
         self.time_model = time_model
         self.seen: dict[Recipe, Candidate] = {}
 
@@ -60,7 +64,8 @@ class Evaluator:
         if recipe not in self.seen:
             workload = self.workload.for_recipe(recipe)  # padding-free: the data's sequences (issue 23)
             memory = estimate_memory(workload, recipe, self.gpu, num_gpus=self.num_gpus, margin=self.margin)
-            time = self.time_model(workload, recipe, self.gpu, num_gpus=self.num_gpus)
+            time = (self.time_model(workload, recipe, self.gpu, num_gpus=self.num_gpus, nodes=self.nodes, network=self.network)
+                    if self.nodes > 1 else self.time_model(workload, recipe, self.gpu, num_gpus=self.num_gpus))
             self.seen[recipe] = Candidate(recipe=recipe, memory=memory, time=time, fits=memory.fits)
         return self.seen[recipe]
 

@@ -172,8 +172,15 @@ def _call_args(kwargs: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
 
 
-def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = False) -> dict[str, Any]:
-    """An accelerate config as `accelerate config` writes it (ClusterConfig keys)."""
+MAIN_NODE = "MAIN_NODE_IP"
+"""Where a multi-node config and launch command name the first node: the user puts its address there."""
+MAIN_PORT = 29500
+"""torch.distributed's default rendezvous port (torchrun's --master-port)."""
+
+
+def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = False, nodes: int = 1) -> dict[str, Any]:
+    """An accelerate config as `accelerate config` writes it (ClusterConfig keys); `num_gpus` counts
+    every node's devices (accelerate's num_processes), each node launches with its own --machine_rank."""
     # MULTI_GPU selects accelerate's torchrun launcher; with use_cpu the processes then run on
     # CPU with gloo (accelerate's MULTI_CPU is the mpirun multi-node path, one process here).
     distributed = "DEEPSPEED" if recipe.zero_stage else "FSDP" if recipe.fsdp != "none" else (
@@ -183,7 +190,7 @@ def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = Fals
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": distributed,
         "mixed_precision": recipe.mixed_precision,
-        "num_machines": 1,
+        "num_machines": nodes,
         "machine_rank": 0,
         "num_processes": num_gpus,
         "gpu_ids": "all",
@@ -196,6 +203,8 @@ def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = Fals
         "tpu_use_sudo": False,
         "debug": False,
     }
+    if nodes > 1:
+        config.update(main_process_ip=MAIN_NODE, main_process_port=MAIN_PORT)
     if recipe.zero_stage:
         ds: dict[str, Any] = {
             "gradient_accumulation_steps": recipe.gradient_accumulation_steps,
@@ -226,27 +235,41 @@ def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = Fals
     return config
 
 
-def render(recipe: Recipe, target: str, num_gpus: int = 1, *, model: str = "MODEL", seq_len: int = 1024) -> str:
+def launch_commands(target: str, path: str | Path, num_gpus: int, nodes: int) -> list[str]:
+    """The command each node runs to start the training script (train.py) with what `target` wrote to
+    `path`: `accelerate launch` for an accelerate config, else torchrun; none on one node."""
+    if nodes <= 1:
+        return []
+    per_node = num_gpus // nodes
+    if target == "accelerate":
+        return [f"accelerate launch --config_file {path} --machine_rank {rank} --main_process_ip {MAIN_NODE} train.py"
+                for rank in range(nodes)]
+    return [f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --node-rank {rank} --master-addr {MAIN_NODE} "
+            f"--master-port {MAIN_PORT} train.py" for rank in range(nodes)]
+
+
+def render(recipe: Recipe, target: str, num_gpus: int = 1, *, model: str = "MODEL", seq_len: int = 1024,
+           nodes: int = 1) -> str:
     """The text of `target` for `recipe`."""
     if target == "trl":
         return yaml.safe_dump(trl_config(recipe, model=model, seq_len=seq_len), sort_keys=False)
     if target == "trainer":
         return json.dumps(trainer_kwargs(recipe), indent=2) + "\n"
     if target == "accelerate":
-        return yaml.safe_dump(accelerate_config(recipe, num_gpus), sort_keys=True)
+        return yaml.safe_dump(accelerate_config(recipe, num_gpus, nodes=nodes), sort_keys=True)
     if target == "deepspeed":
         return json.dumps(deepspeed_config(recipe, num_gpus), indent=2) + "\n"
     raise InputError(f"unknown --emit target {target!r}; known: {', '.join(TARGETS)}")
 
 
 def write(recipe: Recipe, target: str, path: str | Path, num_gpus: int = 1, *, model: str = "MODEL",
-          task: str = "sequence-classification", seq_len: int = 1024) -> list[Path]:
+          task: str = "sequence-classification", seq_len: int = 1024, nodes: int = 1) -> list[Path]:
     """Write `target` to `path`; for trainer, also the Python snippet next to it (.py) and, for
     LoRA/QLoRA, the LoraConfig (.lora.json) and BitsAndBytesConfig (.bnb.json) keyword arguments."""
     p = Path(path)
     if p.parent and not p.parent.exists():
         raise InputError(f"-o {str(p)!r}: folder {str(p.parent)!r} does not exist")
-    p.write_text(render(recipe, target, num_gpus, model=model, seq_len=seq_len))
+    p.write_text(render(recipe, target, num_gpus, model=model, seq_len=seq_len, nodes=nodes))
     written = [p]
     if target == "trainer":
         snippet = p.with_suffix(".py")

@@ -2,7 +2,7 @@
 
 Memory comes from `estimate_memory` (fake-tensor traces, cached per trace-shaping fields, so
 batch size, accumulation and sharding variations are arithmetic); time from the time model
-(`throughput.predict_time`). A recipe fits when its predicted device total (what
+(`communication.predict_time`). A recipe fits when its predicted device total (what
 nvidia-smi would show) is at most (1 - margin) x the GPU's memory.
 """
 
@@ -15,7 +15,14 @@ from typing import Any
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, GIB
 from anatomist.axes.precisions import searchable_on
 from anatomist.errors import InputError
-from anatomist.estimate.communication import TimeModel, predict_time
+from anatomist.estimate.communication import (
+    UNFITTED_TERMS,
+    TimeModel,
+    check_cluster,
+    cluster_fields,
+    describe_network,
+    predict_time,
+)
 from anatomist.estimate.memory import memory_limit_bytes
 from anatomist.estimate.traces import prefetch
 from anatomist.hardware import GPU
@@ -53,6 +60,7 @@ class Plan:
             "seq_len": self.workload.seq_len,
             "gpu": {"name": self.gpu.name, "memory_bytes": self.gpu.memory_bytes},
             "num_gpus": self.space.num_gpus,
+            **cluster_fields(self.space.nodes, self.space.network),
             "global_batch_size": self.space.global_batch_size,
             "objective": self.objective,
             "memory_margin": self.margin,
@@ -89,7 +97,8 @@ def plan(
     limit = memory_limit_bytes(gpu, margin)
     if objective not in ("throughput", "memory"):
         raise InputError(f"--objective must be throughput or memory, got {objective!r}")
-    evaluate = Evaluator(workload, gpu, space.num_gpus, margin, time_model or predict_time)
+    check_cluster(space.num_gpus, space.nodes, space.network)
+    evaluate = Evaluator(workload, gpu, space, margin, time_model or predict_time)
     recipes = list(dict.fromkeys(r.resolved(workload) for r in enumerate_recipes(space, gpu)))
     if not recipes:
         raise InputError(f"the fields the recipe file fixes ({', '.join(f'{k}={v}' for k, v in space.fixed.items())}) "
@@ -114,10 +123,11 @@ def plan(
     if len(space.methods) > 1:
         notes.append(f"fine-tuning: searched {', '.join(space.methods)}; LoRA/QLoRA train r={space.base.lora_r} adapters "
                      "on a frozen base (a different fine-tune from full), without ZeRO/FSDP")
+    if space.nodes > 1:
+        notes.append(describe_network(space.num_gpus, space.nodes, space.network))
     if space.fixed:
         notes.append("held fixed by --recipe: " + ", ".join(f"{k}={v}" for k, v in space.fixed.items()))
-    notes.append(f"{best.time.calibration}; the sharding, offload and communication terms are not in that "
-                 "error (plan_throughput.toml's constants, not fitted)" if space.num_gpus > 1 or best.recipe.offload != "none"
+    notes.append(f"{best.time.calibration}; {UNFITTED_TERMS}" if space.num_gpus > 1 or best.recipe.offload != "none"
                  else best.time.calibration)
     return Plan(
         workload=workload, gpu=gpu, space=space, objective=objective, margin=margin, limit_bytes=limit,

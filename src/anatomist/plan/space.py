@@ -56,7 +56,11 @@ class SearchSpace:
     global_batch_size: int | None = None
     """Samples per optimizer step over all devices; None: any per-device batch, no accumulation."""
     num_gpus: int = 1
-    """Data-parallel devices."""
+    """Data-parallel devices, every node's."""
+    nodes: int = 1
+    """Machines the devices are spread over: the collectives cross `network` (estimate/communication.py)."""
+    network: str | None = None
+    """The network between the nodes (a name of `communication.networks()`); None: the default."""
     optims: tuple[str, ...] = DEFAULT_SEARCH
     compile_options: tuple[bool, ...] = (False, True)
     checkpointing_options: tuple[bool, ...] = (False, True)

@@ -62,7 +62,10 @@ class RecipeFile:
     seq_len: int | None = None
     """Tokens per sample (TRL's max_length, axolotl's sequence_len, LLaMA-Factory's cutoff_len)."""
     num_gpus: int | None = None
-    """Devices it runs on (accelerate's num_processes; DeepSpeed's train_batch_size / micro-batch / accumulation)."""
+    """Devices it runs on, every node's (accelerate's num_processes; DeepSpeed's train_batch_size / micro-batch /
+    accumulation)."""
+    nodes: int | None = None
+    """Machines those devices are on (accelerate's num_machines)."""
     not_modelled: tuple[str, ...] = ()
     """Fields it sets away from their tool's default that anatomist does not model, in file order."""
     at_default: int = 0
@@ -117,6 +120,7 @@ def read_recipe_mapping(data: dict[str, Any], file: str) -> RecipeFile:
     return RecipeFile(path=file, kind=kind, recipe=_recipe(merged, reading, file), fields=merged, model=workload["model"],
                       seq_len=_positive(workload["seq_len"], reading, "seq_len"),
                       num_gpus=_positive(workload["num_gpus"], reading, "num_gpus"),
+                      nodes=_positive(workload["nodes"], reading, "nodes"),
                       not_modelled=tuple(dict.fromkeys(reading.not_modelled)), at_default=reading.at_default)
 
 

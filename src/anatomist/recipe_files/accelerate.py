@@ -39,7 +39,8 @@ PARALLEL_SIZES = {"parallelism_config_tp_size": "tensor_parallel", "parallelism_
 """parallelism_config sizes above 1 that anatomist does not model: tensor, context and sequence parallel, and
 hybrid sharding (replicas of a sharded group): refused, not predicted as plain data parallel."""
 MULTI_NODE = ("same_network", "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend")
-"""Keys that only matter across machines: at their default whatever they say when num_machines is 1."""
+"""Keys that say where the machines meet: nothing the prediction reads, whatever they say (num_machines sets
+the nodes the time model spreads the devices over)."""
 
 
 def looks_like_accelerate(data: dict[str, Any]) -> bool:
@@ -112,7 +113,12 @@ def read_accelerate(data: dict[str, Any], reading: Reading, file: str) -> None:
             _fsdp(value or {}, reading, file)
         elif key == "dynamo_config":
             _dynamo(value or {}, reading, file)
-        elif key in MULTI_NODE and data.get("num_machines", 1) == 1:
+        elif key == "num_machines":
+            if value == 1:
+                reading.skip(key, value, 1)
+            else:  # a bad value is said by RecipeFile's check of nodes
+                reading.set("nodes", value, file, key)
+        elif key in MULTI_NODE:  # where the nodes meet: nothing the prediction reads
             reading.skip(key, None)
         elif key != "distributed_type":
             reading.skip(key, value, WRITTEN_BY_DEFAULT.get(key, defaults.get(key)))

@@ -9,7 +9,7 @@ from typing import Any
 
 from anatomist.errors import InputError
 
-WORKLOAD_KEYS = ("model", "seq_len", "num_gpus")
+WORKLOAD_KEYS = ("model", "seq_len", "num_gpus", "nodes")
 """What a file can say beyond the Recipe: the model, the tokens per sample, the devices."""
 
 OPTIMIZER_ALIASES = {"adamw_8bit": "adamw_bnb_8bit"}

@@ -1,0 +1,146 @@
+"""Past one machine: `--nodes N` with `--gpus` per node, the network between the nodes in the time
+model, and the accelerate config and launch commands for every node, read back by accelerate and
+torchrun's own parsers (CPU, offline, tiny BERT)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from anatomist.errors import InputError
+from anatomist.estimate.communication import bus_bytes_per_s, constants, networks, predict_time
+from anatomist.estimate.predict import estimate
+from anatomist.hardware import get_gpu
+from anatomist.plan import SearchSpace, plan
+from anatomist.plan.emit import MAIN_NODE, launch_commands, write
+from anatomist.recipe import Recipe
+from anatomist.recipe_files import read_recipe_file
+from anatomist.workload import load_workload
+from tests.conftest import write_config
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory):
+    return load_workload(str(write_config(tmp_path_factory.mktemp("multi-node"), "bert")), seq_len=64)
+
+
+A100 = get_gpu("A100-80GB")
+ZERO3 = Recipe(per_device_train_batch_size=4, bf16=True, zero_stage=3)
+
+
+def test_every_network_says_what_it_is_and_where_its_figure_comes_from() -> None:
+    assert constants()["inter_node"]["default"] in networks()
+    for name, link in networks().items():
+        assert link["describe"] and link["source"], name
+        assert ("gbit_per_gpu" in link) != ("gbit_per_node" in link), name  # one way of counting, not two
+
+
+def test_one_node_is_the_time_it_was(tiny) -> None:
+    recipe = ZERO3.resolved(tiny)
+    before = predict_time(tiny, recipe, A100, num_gpus=8)
+    assert predict_time(tiny, recipe, A100, num_gpus=8, nodes=1, network="ethernet-100g") == before
+
+
+def test_a_slow_network_slows_only_the_collectives(tiny) -> None:
+    recipe = ZERO3.resolved(tiny)
+    one = predict_time(tiny, recipe, A100, num_gpus=8)
+    two = predict_time(tiny, recipe, A100, num_gpus=8, nodes=2, network="ethernet-100g")
+    # The same 8 devices (the same ring), split over two machines joined by 100 GbE: the collectives
+    # go at the network's pace; nothing else in the step moves.
+    slower = bus_bytes_per_s(8) / bus_bytes_per_s(8, 2, "ethernet-100g")
+    assert slower > 5
+    assert two.phases_s["communication"] == pytest.approx(one.phases_s["communication"] * slower)
+    assert {k: v for k, v in two.phases_s.items() if k != "communication"} == \
+        {k: v for k, v in one.phases_s.items() if k != "communication"}
+    # A NIC per GPU (rail-optimized InfiniBand) carries a node's ring traffic faster than the assumed
+    # intra-node bus, so the bus stays the limit.
+    assert bus_bytes_per_s(16, 2, "infiniband-ndr") == bus_bytes_per_s(16)
+
+
+def test_memory_per_device_does_not_depend_on_the_nodes(tiny) -> None:
+    across = estimate(tiny, ZERO3, A100, num_gpus=8, nodes=2, network="efa-400")
+    within = estimate(tiny, ZERO3, A100, num_gpus=8)
+    assert across.memory.anatomy.to_dict() == within.memory.anatomy.to_dict()
+    assert across.time.step_s > within.time.step_s
+    d = across.to_dict()
+    assert (d["num_gpus"], d["nodes"], d["network"]) == (8, 2, "efa-400")
+    assert "nodes" not in within.to_dict()  # one machine: the JSON 0.x scripts read
+
+
+@pytest.mark.slow
+def test_the_plan_searches_across_nodes(tiny) -> None:
+    space = SearchSpace(global_batch_size=16, num_gpus=4, nodes=2, network="ethernet-100g", optims=("adamw_torch",),
+                        compile_options=(False,), checkpointing_options=(False,), precisions=("bf16",))
+    result = plan(tiny, A100, space=space)
+    one_node = plan(tiny, A100, space=replace(space, nodes=1, network=None))
+    assert result.best.time.phases_s["communication"] > one_node.best.time.phases_s["communication"]
+    d = result.to_dict()
+    assert (d["num_gpus"], d["nodes"], d["network"]) == (4, 2, "ethernet-100g")
+    assert any("2 nodes, 100 Gb/s Ethernet per node" in note for note in result.notes)
+    with pytest.raises(InputError, match="cannot be split evenly over 3 nodes"):
+        plan(tiny, A100, space=replace(space, nodes=3))
+
+
+def test_the_accelerate_config_and_every_node_s_command_are_what_accelerate_reads(tmp_path: Path) -> None:
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import launch_command_parser
+
+    path = tmp_path / "accelerate.yaml"
+    write(ZERO3, "accelerate", path, num_gpus=16, nodes=2)
+    config = load_config_from_file(str(path))
+    assert (config.num_machines, config.num_processes, config.main_process_ip) == (2, 16, MAIN_NODE)
+    read = read_recipe_file(path)  # and read back by anatomist as a recipe file: 16 devices on 2 nodes
+    assert (read.num_gpus, read.nodes) == (16, 2)
+    assert not {"num_machines", "main_process_ip", "main_process_port", "machine_rank"} & set(read.not_modelled)
+    commands = launch_commands("accelerate", path, 16, 2)
+    assert len(commands) == 2
+    for rank, command in enumerate(commands):
+        words = shlex.split(command)
+        assert words[:2] == ["accelerate", "launch"]
+        args = launch_command_parser().parse_args(words[2:])
+        assert (args.config_file, args.machine_rank, args.main_process_ip) == (str(path), rank, MAIN_NODE)
+
+
+def test_other_targets_launch_with_torchrun() -> None:
+    from torch.distributed.run import get_args_parser
+
+    for rank, command in enumerate(launch_commands("deepspeed", "ds_config.json", 16, 2)):
+        words = shlex.split(command)
+        assert words[0] == "torchrun"
+        args = get_args_parser().parse_args(words[1:])
+        assert (args.nnodes, args.nproc_per_node, args.node_rank, args.master_addr) == ("2", "8", rank, MAIN_NODE)
+    assert launch_commands("accelerate", "a.yaml", 8, 1) == []  # one node: `accelerate launch` as usual
+
+
+def test_cli_counts_gpus_per_node(tiny_model, cli) -> None:
+    model = str(tiny_model("bert"))
+    args = ["estimate", model, "--seq-len", "64", "--zero-stage", "3", "--bf16", "--gpu", "A100-80GB"]
+    out = cli(*args, "--gpus", "4", "--nodes", "2", "--network", "infiniband-hdr", "--json")
+    d = json.loads(out.stdout)
+    assert (d["num_gpus"], d["nodes"], d["network"]) == (8, 2, "infiniband-hdr")
+    text = " ".join(cli(*args, "--gpus", "4", "--nodes", "2").stdout.split())  # unwrapped
+    assert "2 nodes x 4 x A100-80GB" in text and "InfiniBand NDR" in text
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--nodes", "2"], "--nodes needs --gpus, the GPUs of one node"),
+    (["--nodes", "0", "--gpus", "2"], "--nodes must be at least 1, got 0"),
+    (["--nodes", "2", "--gpus", "2", "--network", "token-ring"], "--network: unknown network 'token-ring'; known: "),
+    (["--gpus", "0"], "--gpus must be greater than 0, got 0"),
+])
+def test_bad_cluster_is_one_line_and_exit_2(flags, message, tiny_model, cli) -> None:
+    out = cli("estimate", str(tiny_model("bert")), "--gpu", "A100-80GB", *flags)
+    assert out.returncode == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_recipe_file_whose_processes_do_not_split_over_its_machines(tmp_path: Path, tiny_model, cli) -> None:
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(yaml.safe_dump({"distributed_type": "MULTI_GPU", "num_processes": 3, "num_machines": 2,
+                                    "mixed_precision": "bf16"}))
+    out = cli("estimate", str(tiny_model("bert")), "--gpu", "A100-80GB", "--recipe", str(path))
+    assert out.returncode == 2 and "3 GPUs cannot be split evenly over 2 nodes" in out.stderr
