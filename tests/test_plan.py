@@ -74,6 +74,11 @@ def test_sharding_terms_of_the_time_model(tiny) -> None:
     assert zero1.samples_per_second == pytest.approx(2 * 8 / zero1.step_s)
     zero3 = predict_time(tiny, (r.replace(zero_stage=3)).resolved(tiny), gpu, num_gpus=2)
     assert zero3.phases_s["communication"] == pytest.approx(1.5 * zero1.phases_s["communication"])
+    # ZeRO-3 with its parameters on the host too: each device also brings its fp32 shard of every weight up
+    # before the forward and the backward all-gathers (2 x 1/2 x 4 B per parameter).
+    stage3 = predict_time(tiny, (r.replace(zero_stage=3, offload="cpu")).resolved(tiny), gpu, num_gpus=2)
+    stage2 = predict_time(tiny, (r.replace(zero_stage=2, offload="cpu")).resolved(tiny), gpu, num_gpus=2)
+    assert stage3.phases_s["offload"] - stage2.phases_s["offload"] == pytest.approx(2 * 0.5 * n * 4 / 12e9)
 
 
 @pytest.mark.slow

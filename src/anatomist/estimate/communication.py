@@ -10,7 +10,10 @@ with DeepSpeed or FSDP three terms change:
                                 updates its 1/N of the parameters
     offload_s                   ZeRO-Offload replaces the GPU optimizer step: fp32 gradients go
                                 to the host, updated weights come back over PCIe, and DeepSpeed's
-                                CPU Adam updates 1/N of the parameters
+                                CPU Adam updates 1/N of the parameters; where the parameters live
+                                on the host too (ZeRO-3 offload_param, FSDP's CPUOffloadPolicy),
+                                each device copies its shard of every weight to the device before
+                                each all-gather, in forward and in backward
     communication_s             ring all-reduce of the gradients, 2 (N-1)/N x gradient bytes;
                                 ZeRO-3 / FSDP full_shard reduce-scatter the gradients, (N-1)/N x
                                 their bytes, and all-gather every weight (a frozen base's too) in
@@ -115,13 +118,16 @@ def parameter_count(workload: Workload, recipe: ResolvedRecipe) -> int:
 
 
 def offload_s(workload: Workload, recipe: ResolvedRecipe, *, num_gpus: int = 1) -> float:
-    """Seconds per step of ZeRO-Offload's PCIe traffic and CPU Adam (0 without offload)."""
+    """Seconds per step of ZeRO-Offload's (or FSDP's CPU offload's) PCIe traffic and CPU Adam (0 without offload)."""
     if recipe.offload == "none":
         return 0.0
     c = constants()["offload"]
     params = parameter_count(workload, recipe) / num_gpus  # offload needs ZeRO >= 2: each device owns 1/N
     up_bytes = 2 if recipe.mixed_precision != "no" else 4  # updated weights in the half precision, else fp32
-    return params * (4 + up_bytes) / (c["pcie_gbps"] * 1e9) + params / c["cpu_adam_params_per_s"]
+    moved = params * (4 + up_bytes)
+    if recipe.sharding_stage >= 3:  # the weights' shards are on the host: up before the forward and backward all-gathers
+        moved += 2 * gathered_weight_bytes(workload, recipe) / num_gpus
+    return moved / (c["pcie_gbps"] * 1e9) + params / c["cpu_adam_params_per_s"]
 
 
 def communication_s(
