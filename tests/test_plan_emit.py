@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,7 @@ def test_accelerate_config_loads_with_accelerate(name: str, tmp_path: Path) -> N
         assert config.deepspeed_config["zero_stage"] == recipe.zero_stage
         assert config.deepspeed_config["offload_optimizer_device"] == recipe.offload
     if recipe.fsdp != "none":
-        assert config.fsdp_config["fsdp_sharding_strategy"] == "FULL_SHARD"
+        assert config.fsdp_config["fsdp_version"] == 2
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
@@ -117,3 +118,29 @@ def test_the_snippet_loads_the_model_in_the_planned_dtype(tmp_path: Path) -> Non
         assert kwargs == {"dtype": dtype, "attn_implementation": "sdpa"}
         assert ast.literal_eval(calls[0].args[0]) == "meta-llama/Llama-3.1-8B"
         assert "AutoModelForCausalLM" in text
+
+
+@pytest.mark.parametrize("recipe", [Recipe(fsdp="full_shard", bf16=True, gradient_checkpointing=True),
+                                    Recipe(fsdp="shard_grad_op", bf16=True),
+                                    Recipe(fsdp="full_shard", bf16=True, offload="cpu")],
+                         ids=["full_shard+checkpointing", "shard_grad_op", "full_shard+offload"])
+def test_an_fsdp_config_launches_the_fsdp2_anatomist_traces(recipe: Recipe, tmp_path: Path) -> None:
+    """`accelerate launch --config_file` turns the config into FSDP_* variables (prepare_multi_gpu_env) from which
+    the script's FullyShardedDataParallelPlugin is built: FSDP2 (accelerate's own default is FSDP1), resharding
+    after forward for full_shard and not for shard_grad_op, CPUOffloadPolicy with offload."""
+    from unittest import mock
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    path = tmp_path / "accelerate.yaml"
+    write(recipe, "accelerate", path, num_gpus=2)
+    args, *_ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "train.py"]))
+    with mock.patch.dict(os.environ, prepare_multi_gpu_env(args)):
+        plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2
+    assert plugin.reshard_after_forward is (recipe.fsdp == "full_shard")
+    assert isinstance(plugin.cpu_offload, CPUOffloadPolicy) == (recipe.offload == "cpu")
+    assert plugin.activation_checkpointing == recipe.gradient_checkpointing

@@ -218,16 +218,18 @@ def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = Fals
             ds["zero3_save_16bit_model"] = True
         config["deepspeed_config"] = ds
     if recipe.fsdp != "none":
+        # FSDP2, what anatomist traces (trace/sharded.py) and the Trainer's default; accelerate's own default is
+        # still FSDP1, so the version is written. FSDP1's sharding_strategy, backward_prefetch, use_orig_params and
+        # sync_module_states are obsolete there (accelerate warns): reshard_after_forward says full_shard (True)
+        # or shard_grad_op (False).
         config["fsdp_config"] = {
-            "fsdp_sharding_strategy": recipe.fsdp.upper(),
+            "fsdp_version": 2,
+            "fsdp_reshard_after_forward": recipe.fsdp == "full_shard",
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_backward_prefetch": "BACKWARD_PRE",
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
             "fsdp_offload_params": recipe.offload == "cpu",
-            # adapters: PEFT's FSDP-QLoRA config (examples/sft/configs/fsdp_config_qlora.yaml)
-            "fsdp_use_orig_params": recipe.peft == "none",
+            # adapters: the base loaded on rank 0 only and broadcast (PEFT's FSDP-QLoRA config)
             "fsdp_cpu_ram_efficient_loading": recipe.peft != "none",
-            "fsdp_sync_module_states": True,
             "fsdp_activation_checkpointing": recipe.gradient_checkpointing,
         }
     if recipe.torch_compile:
