@@ -51,13 +51,9 @@ def test_axolotl_lora_with_a_deepspeed_reference(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["qlora-fsdp-70b.yaml", "fft-8b-liger-fsdp.yaml"])
-def test_axolotl_fsdp_with_cpu_offload_is_refused_until_modelled(cli, name: str) -> None:
-    path = DATA / "axolotl" / name
-    result = cli("estimate", "--recipe", str(path))
-    assert result.returncode == 2
-    assert result.stderr.strip() == (f"anatomist: error: {path}: fsdp_config.fsdp_offload_params=True is not modelled "
-                                     "yet (FSDP parameter (and gradient/optimizer-state) CPU offload: it would be "
-                                     "predicted with everything on the GPU); remove it to estimate without it")
+def test_axolotl_fsdp_with_cpu_offload_is_fsdp_s_cpu_offload(name: str) -> None:
+    r = read_recipe_file(DATA / "axolotl" / name).recipe
+    assert (r.fsdp, r.offload) == ("full_shard", "cpu")  # fsdp_offload_params: CPUOffloadPolicy, traced
 
 
 def test_axolotl_fsdp_without_offload(tmp_path: Path) -> None:

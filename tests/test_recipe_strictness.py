@@ -151,10 +151,8 @@ def _with(path: Path, target: Path, change: dict) -> Path:
 def test_memory_settings_not_modelled_yet_are_refused_never_predicted_as_something_else(cli, tmp_path: Path) -> None:
     from accelerate.commands.config.config_args import ClusterConfig
 
-    # PEFT's FSDP + QLoRA example offloads parameters to the CPU
-    qlora = DATA / "peft/fsdp_config_qlora.yaml"
-    assert _error(cli, qlora).startswith(f"{qlora}: fsdp_config.fsdp_offload_params=True is not modelled yet (FSDP "
-                                         "parameter (and gradient/optimizer-state) CPU offload")
+    # PEFT's FSDP + QLoRA example offloads parameters to the CPU: FSDP's CPUOffloadPolicy, which is modelled
+    assert read_recipe_file(DATA / "peft/fsdp_config_qlora.yaml").recipe.offload == "cpu"
     # LLaMA-Factory's DeepSpeed AutoTP config: tensor parallel over 2 ranks
     autotp = DATA / "llamafactory/examples/deepspeed/ds_z2_autotp_config.json"
     assert _error(cli, autotp).startswith(f"{autotp}: tensor_parallel.autotp_size=2 is not modelled yet (tensor "
@@ -175,9 +173,6 @@ def test_memory_settings_not_modelled_yet_are_refused_never_predicted_as_somethi
     # TrainingArguments 4.50's tp_size and 4.57+'s parallelism_config (accelerate's ParallelismConfig sizes)
     ("args.yaml", "tp_size: 2\n", "tp_size=2 is not modelled yet (tensor parallel"),
     ("args.yaml", "parallelism_config:\n  cp_size: 2\n", "parallelism_config.cp_size=2 is not modelled yet (context"),
-    # TrainingArguments.fsdp's "offload" option and fsdp_config.offload_params
-    ("args.yaml", "fsdp: full_shard offload auto_wrap\n", "fsdp='offload' is not modelled yet (FSDP parameter"),
-    ("args.yaml", "fsdp: full_shard\nfsdp_config:\n  offload_params: true\n", "fsdp_config.offload_params=True is not"),
     # TRL's activation offloading, axolotl's checkpoint offload
     ("sft.yaml", "max_length: 512\nactivation_offloading: true\n", "activation_offloading=True is not modelled yet"),
     ("ax.yml", "base_model: x\ngradient_checkpointing: offload\n", "gradient_checkpointing='offload' is not modelled"),
@@ -191,3 +186,15 @@ def test_each_unmodelled_setting_is_one_line(tmp_path: Path, name: str, text: st
     with pytest.raises(InputError) as error:
         read_recipe_file(path)
     assert str(error.value).startswith(f"{path}: {message}")
+
+
+@pytest.mark.parametrize("text", ["fsdp: full_shard offload auto_wrap\n",
+                                  "fsdp: full_shard\nfsdp_config:\n  offload_params: true\n",
+                                  "fsdp: full_shard\nfsdp_config:\n  cpu_offload: true\n"])
+def test_fsdp_offload_in_training_arguments_is_fsdp_s_cpu_offload(text: str, tmp_path: Path) -> None:
+    """TrainingArguments' "offload" option and fsdp_config's offload_params / cpu_offload (transformers 5 maps the
+    option onto cpu_offload) turn on CPUOffloadPolicy, which trace/sharded.py traces: offload="cpu"."""
+    path = tmp_path / "args.yaml"
+    path.write_text(text)
+    r = read_recipe_file(path).recipe
+    assert (r.fsdp, r.offload) == ("full_shard", "cpu")

@@ -11,7 +11,8 @@ Read as strictly as accelerate reads it: a top-level key ClusterConfig lacks is 
 fsdp_config.x -> --fsdp_x): accelerate would set it and nothing would read it. Settings that
 change memory but are not modelled yet are refused, never predicted as something else:
 tensor, context and sequence parallel and hybrid (replicated) sharding in `parallelism_config`,
-FSDP parameter offload (`fsdp_offload_params`).
+activation offload (`fsdp_activation_checkpointing_offload`). FSDP's CPU offload (`fsdp_offload_params`)
+is the recipe's offload="cpu".
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 from anatomist.errors import InputError
 from anatomist.recipe_files.deepspeed import read_deepspeed
 from anatomist.recipe_files.known import refuse_unknown
-from anatomist.recipe_files.reading import Reading, fsdp_mode, load_mapping, referenced_file, zero_offload
+from anatomist.recipe_files.reading import Reading, fsdp_mode, fsdp_offload, load_mapping, referenced_file, zero_offload
 from anatomist.recipe_files.unmodelled import refuse_unmodelled
 
 MARKERS = ("compute_environment", "distributed_type")
@@ -172,7 +173,7 @@ def _fsdp(section: dict[str, Any], reading: Reading, file: str) -> None:
         reading.set("fsdp", "full_shard", file, f"{prefix}.fsdp_version")  # both versions' default
     if version not in (1, 2):
         raise InputError(f"{file}: {prefix}.fsdp_version must be 1 or 2, got {version!r}")
-    refuse_unmodelled("fsdp_offload_params", file, f"{prefix}.fsdp_offload_params", section.get("fsdp_offload_params"))
+    fsdp_offload(reading, section.get("fsdp_offload_params"), file, f"{prefix}.fsdp_offload_params")
     refuse_unmodelled("activation_offload", file, f"{prefix}.fsdp_activation_checkpointing_offload",
                       section.get("fsdp_activation_checkpointing_offload"))
     if section.get("fsdp_activation_checkpointing"):

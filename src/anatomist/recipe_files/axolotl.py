@@ -26,7 +26,7 @@ from typing import Any
 
 from anatomist.errors import InputError
 from anatomist.recipe_files.known import closest, framework_fields
-from anatomist.recipe_files.reading import Reading, fsdp_mode, load_mapping, referenced_file
+from anatomist.recipe_files.reading import Reading, fsdp_mode, fsdp_offload, load_mapping, referenced_file
 from anatomist.recipe_files.unmodelled import refuse_unmodelled
 
 MARKERS = ("base_model", "micro_batch_size", "sequence_len", "adapter")
@@ -139,8 +139,8 @@ def _sharding(data: dict[str, Any], reading: Reading, file: str) -> None:
     strategies = [s for s in (data.get("fsdp") or []) if s not in ("auto_wrap", "offload")]
     if not strategies and not config:
         return
-    refuse_unmodelled("fsdp_offload_params", file, "fsdp_config.fsdp_offload_params", config.get("offload_params"))
-    refuse_unmodelled("fsdp_offload_params", file, "fsdp", "offload" if "offload" in (data.get("fsdp") or []) else None)
+    fsdp_offload(reading, config.get("offload_params"), file, "fsdp_config.fsdp_offload_params")
+    fsdp_offload(reading, "offload" in (data.get("fsdp") or []), file, "fsdp")
     if strategies:
         mode, key = fsdp_mode(strategies[0], file, "fsdp"), "fsdp"
     elif "sharding_strategy" in config:

@@ -200,6 +200,13 @@ def fsdp_mode(strategy: Any, file: str, key: str) -> str:
     return FSDP_STRATEGIES[name]
 
 
+def fsdp_offload(reading: Reading, value: Any, file: str, key: str) -> None:
+    """FSDP's CPU offload (parameters, gradients and optimizer state on the host: `CPUOffloadPolicy`, traced by
+    trace/sharded.py) where `value` turns it on."""
+    if not is_off(value):
+        reading.set("offload", "cpu", file, key)
+
+
 def zero_offload(stage: int, optimizer_device: str | None, param_device: str | None, file: str,
                  keys: tuple[str, str]) -> str:
     """Recipe.offload for DeepSpeed's two offload devices: the optimizer's, and at stage 3 the parameters' too.

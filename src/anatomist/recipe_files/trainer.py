@@ -26,7 +26,7 @@ from anatomist.recipe import Recipe
 from anatomist.recipe_files.deepspeed import read_deepspeed
 from anatomist.recipe_files.known import TRAINER_CLASSES, historical_fields, refuse_unknown
 from anatomist.recipe_files.known import TRL_CLASSES as TRL_HISTORY
-from anatomist.recipe_files.reading import Reading, fsdp_mode, load_mapping, referenced_file
+from anatomist.recipe_files.reading import Reading, fsdp_mode, fsdp_offload, load_mapping, referenced_file
 from anatomist.recipe_files.unmodelled import refuse_unmodelled
 
 RECIPE_FIELDS = frozenset(f.name for f in dataclasses.fields(Recipe))
@@ -190,9 +190,9 @@ def _fsdp(data: dict[str, Any], reading: Reading, file: str) -> None:
         return
     items = value.split() if isinstance(value, str) else list(value) if isinstance(value, list) else []
     strategies = [i for i in items if i not in ("auto_wrap", "offload")]
-    refuse_unmodelled("fsdp_offload_params", file, "fsdp", "offload" if "offload" in items else None)
+    fsdp_offload(reading, "offload" in items, file, "fsdp")
     for key in ("offload_params", "cpu_offload"):
-        refuse_unmodelled("fsdp_offload_params", file, f"fsdp_config.{key}", config.get(key))
+        fsdp_offload(reading, config.get(key), file, f"fsdp_config.{key}")
     if len(strategies) > 1:
         raise InputError(f"{file}: fsdp={value!r} names more than one sharding strategy")
     if strategies:

@@ -14,8 +14,6 @@ from anatomist.errors import InputError
 from anatomist.recipe_files.reading import is_off
 
 UNMODELLED: dict[str, str] = {
-    "fsdp_offload_params": "FSDP parameter (and gradient/optimizer-state) CPU offload: it would be predicted with "
-                           "everything on the GPU",
     "bf16_master_weights_and_grads": "DeepSpeed's bf16 master weights and gradients (no fp32 copy): it would be "
                                      "predicted with fp32 master weights",
     "bf16_optimizer_states": "DeepSpeed's bf16 optimizer states: they would be predicted in fp32",
