@@ -104,7 +104,7 @@ def test_top_pick_fits_and_is_fastest_for_real(workload: Workload) -> None:
                            for r, s in zip(calibration_recipes, best_step_s(workload, calibration_recipes), strict=True)],
                           source="this CPU, 3 real steps")
 
-    def cpu_time(w: Workload, r: Recipe, g: GPU, *, num_gpus: int = 1) -> TimeAnatomy:
+    def cpu_time(w: Workload, r: Recipe, g: GPU, *, num_gpus: int = 1, **cluster: object) -> TimeAnatomy:
         return time_from_ops(step_ops(w, r.resolved(w)), w, r.resolved(w), g, cal)
 
     # One optimizer: the model ties AdamW and Adafactor here, and their measured speeds on this

@@ -64,8 +64,8 @@ class Evaluator:
         if recipe not in self.seen:
             workload = self.workload.for_recipe(recipe)  # padding-free: the data's sequences (issue 23)
             memory = estimate_memory(workload, recipe, self.gpu, num_gpus=self.num_gpus, margin=self.margin)
-            time = (self.time_model(workload, recipe, self.gpu, num_gpus=self.num_gpus, nodes=self.nodes, network=self.network)
-                    if self.nodes > 1 else self.time_model(workload, recipe, self.gpu, num_gpus=self.num_gpus))
+            time = self.time_model(workload, recipe, self.gpu, num_gpus=self.num_gpus, nodes=self.nodes,
+                                   network=self.network)
             self.seen[recipe] = Candidate(recipe=recipe, memory=memory, time=time, fits=memory.fits)
         return self.seen[recipe]
 
