@@ -56,8 +56,6 @@ def devices_from_args(args: argparse.Namespace, source: RecipeFile | None) -> tu
     from anatomist.estimate.communication import check_cluster
 
     nodes = args.nodes if args.nodes is not None else (source.nodes if source and source.nodes else 1)
-    if nodes < 1:
-        raise InputError(f"--nodes must be at least 1, got {nodes}")
     if args.gpus is not None:
         if args.gpus <= 0:
             raise InputError(f"--gpus must be greater than 0, got {args.gpus}")

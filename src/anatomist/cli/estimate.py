@@ -26,7 +26,7 @@ from anatomist.cli.common import (
 from anatomist.cli.recipe_flags import add_recipe_flags, recipe_file_from_args, recipe_from_args
 from anatomist.cli.render import console, devices, gib
 from anatomist.errors import InputError
-from anatomist.estimate.communication import UNFITTED_TERMS
+from anatomist.estimate.communication import UNFITTED_TERMS, adds_device_terms, describe_network
 from anatomist.hardware import GPU, get_gpu
 from anatomist.workload import Workload, load_workload
 
@@ -172,10 +172,8 @@ def render(result: Estimate) -> None:
     for note in mem.notes:
         out.print(f"  - {note}")
     if result.time is not None:
-        render_time(result.time, several=result.num_gpus > 1 or result.recipe.offload != "none")
+        render_time(result.time, several=adds_device_terms(result.recipe, result.num_gpus))
     if result.nodes > 1:
-        from anatomist.estimate.communication import describe_network
-
         out.print(describe_network(result.num_gpus, result.nodes, result.network))
 
 

@@ -37,7 +37,7 @@ from anatomist.errors import InputError
 from anatomist.estimate.calibration import Calibration
 from anatomist.estimate.time import estimate_time
 from anatomist.hardware import GPU
-from anatomist.recipe import ResolvedRecipe
+from anatomist.recipe import Recipe, ResolvedRecipe
 from anatomist.workload import Workload
 
 DEFAULT_NODES = 1
@@ -58,6 +58,12 @@ class TimeModel(Protocol):
 @cache
 def constants() -> dict[str, Any]:
     return tomllib.loads(resources.files("anatomist.data").joinpath("plan_throughput.toml").read_text())
+
+
+def adds_device_terms(recipe: Recipe, num_gpus: int) -> bool:
+    """Whether `predict_time` adds anything to one device's step: sharding, offload or communication terms,
+    which the calibration's error does not cover (UNFITTED_TERMS)."""
+    return num_gpus > 1 or recipe.offload != "none"
 
 
 def networks() -> dict[str, dict[str, Any]]:
@@ -102,10 +108,9 @@ def bus_bytes_per_s(num_gpus: int, nodes: int = DEFAULT_NODES, network: str | No
     intra = constants()["interconnect"]["bus_gbps"] * 1e9
     if nodes <= 1:
         return intra
-    inter = constants()["inter_node"]
-    link = networks()[network or inter["default"]]
+    link = networks()[network or default_network()]
     node_gbit = link["gbit_per_gpu"] * (num_gpus // nodes) if "gbit_per_gpu" in link else link["gbit_per_node"]
-    return min(intra, node_gbit / 8 * 1e9 * inter["achieved"])
+    return min(intra, node_gbit / 8 * 1e9 * constants()["inter_node"]["achieved"])
 
 
 def parameter_count(workload: Workload, recipe: ResolvedRecipe) -> int:

@@ -7,7 +7,13 @@ from typing import Any
 
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN
 from anatomist.estimate.calibration import Calibration, calibration_for
-from anatomist.estimate.communication import DEFAULT_NODES, check_cluster, cluster_fields, predict_time
+from anatomist.estimate.communication import (
+    DEFAULT_NODES,
+    adds_device_terms,
+    check_cluster,
+    cluster_fields,
+    predict_time,
+)
 from anatomist.estimate.memory import MemoryEstimate, estimate_memory
 from anatomist.estimate.moe import MoeRouting, moe_routing
 from anatomist.estimate.time import estimate_time
@@ -83,9 +89,8 @@ def estimate(
     calibration = calibration or calibration_for(gpu)
     time = None
     if mode == "train":  # the plan's time model: one device's step, plus sharding, offload and communication terms
-        several = num_gpus > 1 or recipe.offload != "none"  # (on one device without offload those are nothing)
         time = (predict_time(workload, recipe, gpu, num_gpus=num_gpus, calibration=calibration, nodes=nodes,
-                             network=network) if several
+                             network=network) if adds_device_terms(recipe, num_gpus)
                 else estimate_time(workload, recipe, gpu, calibration))
     return Estimate(workload=workload, recipe=recipe, gpu=gpu, mode=mode, margin=margin, memory=memory, time=time,
                     moe=moe_routing(workload, recipe, memory.anatomy), extra={"time_calibration": calibration.describe()},

@@ -18,6 +18,7 @@ from anatomist.errors import InputError
 from anatomist.estimate.communication import (
     UNFITTED_TERMS,
     TimeModel,
+    adds_device_terms,
     check_cluster,
     cluster_fields,
     describe_network,
@@ -127,7 +128,7 @@ def plan(
         notes.append(describe_network(space.num_gpus, space.nodes, space.network))
     if space.fixed:
         notes.append("held fixed by --recipe: " + ", ".join(f"{k}={v}" for k, v in space.fixed.items()))
-    notes.append(f"{best.time.calibration}; {UNFITTED_TERMS}" if space.num_gpus > 1 or best.recipe.offload != "none"
+    notes.append(f"{best.time.calibration}; {UNFITTED_TERMS}" if adds_device_terms(best.recipe, space.num_gpus)
                  else best.time.calibration)
     return Plan(
         workload=workload, gpu=gpu, space=space, objective=objective, margin=margin, limit_bytes=limit,
