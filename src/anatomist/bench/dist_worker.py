@@ -1,7 +1,8 @@
 """One process of a distributed bench run, started by `accelerate launch` (see distributed.py).
 
-Trains the workload's model for a few steps with the real `accelerate.Accelerator` (which
-wraps it in DDP, FSDP or DeepSpeed as the accelerate config says) and writes, per process,
+Trains the workload's model (built as bench/worker.py builds it: adapters, checkpointing and the
+recipe's optimizer as the Trainer makes them) for a few steps with the real `accelerate.Accelerator`
+(which wraps it in DDP or DeepSpeed as the accelerate config says) and writes, per process,
 the bytes of the real tensors it holds by category, counted from the objects themselves:
 weights = the local parameters and buffers (sharded ones count their local shard),
 gradients = the local `.grad` tensors after backward, optimizer_states = the tensors in
@@ -13,13 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 
-def _nbytes(tensors) -> int:  # noqa: ANN001
+def local_nbytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the storages of `tensors` as this process holds them: a DTensor by its local shard, a shared
+    storage once."""
     seen, total = set(), 0
     for t in tensors:
         local = t.to_local() if hasattr(t, "to_local") else t  # DTensor (FSDP2) -> local shard
@@ -34,6 +38,7 @@ def _nbytes(tensors) -> int:  # noqa: ANN001
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
+    parser.add_argument("--task", default="sequence-classification")
     parser.add_argument("--seq-len", type=int, required=True)
     parser.add_argument("--recipe", required=True, help="recipe JSON")
     parser.add_argument("--steps", type=int, default=3)
@@ -42,17 +47,23 @@ def main() -> None:
 
     from accelerate import Accelerator
 
+    from anatomist.bench.worker import enable_checkpointing, optimizer_class, training_model
     from anatomist.recipe import Recipe
     from anatomist.trace.inputs import make_batch
     from anatomist.workload import load_workload
 
-    recipe = Recipe.from_dict(json.loads(args.recipe))
-    workload = load_workload(args.model, seq_len=args.seq_len)
+    workload = load_workload(args.model, seq_len=args.seq_len, task=args.task)
+    recipe = Recipe.from_dict(json.loads(args.recipe)).resolved(workload)
+    cls, kwargs = optimizer_class(recipe)  # TrainingArguments reset accelerate's state: before the Accelerator
     # Without CUDA the processes must ask for CPU explicitly to form a gloo group (MULTI_CPU).
-    accelerator = Accelerator(gradient_accumulation_steps=recipe.gradient_accumulation_steps, cpu=not torch.cuda.is_available())
+    accelerator = Accelerator(mixed_precision=recipe.mixed_precision,
+                              gradient_accumulation_steps=recipe.gradient_accumulation_steps,
+                              cpu=not torch.cuda.is_available())
     torch.manual_seed(0)
-    model = workload.build_model(recipe.attn_implementation, recipe.dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with tempfile.TemporaryDirectory(prefix="anatomist-ddp-") as folder:
+        model = training_model(workload, recipe, folder)
+    enable_checkpointing(model, recipe)
+    optimizer = cls([p for p in model.parameters() if p.requires_grad], **kwargs)
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
     grads_bytes = 0
@@ -61,7 +72,9 @@ def main() -> None:
         with accelerator.accumulate(model):
             loss = model(**make_batch(workload, recipe.per_device_train_batch_size)).loss
             accelerator.backward(loss)
-            grads_bytes = _nbytes([p.grad for p in model.parameters() if p.grad is not None])
+            if accelerator.sync_gradients and recipe.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
+            grads_bytes = local_nbytes([p.grad for p in model.parameters() if p.grad is not None])
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     elapsed = time.perf_counter() - start
@@ -70,11 +83,12 @@ def main() -> None:
     row = {
         "rank": accelerator.process_index,
         "num_processes": accelerator.num_processes,
+        "engine": "ddp" if "DEEPSPEED" not in str(accelerator.distributed_type) else "deepspeed",
         "distributed_type": str(accelerator.distributed_type),
         "memory": {
-            "weights": _nbytes(list(model.parameters()) + list(model.buffers())),
+            "weights": local_nbytes(list(model.parameters()) + list(model.buffers())),
             "gradients": grads_bytes,
-            "optimizer_states": _nbytes(states),
+            "optimizer_states": local_nbytes(states),
         },
         "tensor_counts": {
             "weights": len(list(model.parameters())) + len(list(model.buffers())),

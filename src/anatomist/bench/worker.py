@@ -77,6 +77,24 @@ def training_model(workload: Workload, recipe: ResolvedRecipe, folder: str | Non
     return model
 
 
+def enable_checkpointing(model: Any, recipe: ResolvedRecipe) -> None:
+    """Gradient checkpointing as the Trainer turns it on before `accelerator.prepare` (a quantized base
+    has it from `prepare_model_for_kbit_training` already)."""
+    if recipe.gradient_checkpointing and not recipe.quantized:
+        model.gradient_checkpointing_enable()
+        if recipe.peft != "none":
+            model.enable_input_require_grads()  # as the Trainer does for adapters over a frozen embedding
+
+
+def optimizer_class(recipe: ResolvedRecipe) -> tuple[type, dict[str, Any]]:
+    """The optimizer class and keyword arguments the Trainer builds for the recipe's `optim`."""
+    from transformers import Trainer
+
+    with tempfile.TemporaryDirectory(prefix="anatomist-args-") as out_dir:  # nothing is written there
+        args = recipe.to_training_arguments(out_dir, report_to="none", use_cpu=not cuda_available())
+        return Trainer.get_optimizer_cls_and_kwargs(args)
+
+
 def run_trainer(workload: Workload, recipe: ResolvedRecipe, ds: Any, epochs: float, out_dir: str) -> tuple[RunSummary, dict[str, Any]]:
     from transformers import Trainer
 
@@ -100,19 +118,15 @@ def run_accelerate(workload: Workload, recipe: ResolvedRecipe, ds: Any, epochs: 
 
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
-    from transformers import Trainer
 
     from anatomist.measure.track import track
 
     # TrainingArguments resets accelerate's shared state: build them before the Accelerator.
-    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(recipe.to_training_arguments(out_dir, report_to="none"))
+    cls, kwargs = optimizer_class(recipe)
     accelerator = Accelerator(mixed_precision=recipe.mixed_precision,
                               gradient_accumulation_steps=recipe.gradient_accumulation_steps, cpu=not cuda_available())
     model = training_model(workload, recipe, str(Path(out_dir) / "base"))
-    if recipe.gradient_checkpointing and not recipe.quantized:  # prepare_model_for_kbit_training enabled it
-        model.gradient_checkpointing_enable()
-        if recipe.peft != "none":
-            model.enable_input_require_grads()  # as the Trainer does for adapters over a frozen embedding
+    enable_checkpointing(model, recipe)
     optimizer = cls([p for p in model.parameters() if p.requires_grad], **kwargs)
     loader = DataLoader(ds, batch_size=recipe.per_device_train_batch_size, shuffle=True,
                         num_workers=recipe.dataloader_num_workers, pin_memory=recipe.dataloader_pin_memory and cuda_available())
@@ -144,8 +158,9 @@ def run_accelerate(workload: Workload, recipe: ResolvedRecipe, ds: Any, epochs: 
     return t.summary, {"train_runtime": runtime, "train_samples_per_second": len(ds) * epochs / runtime}
 
 
-def predict(workload: Workload, recipe: ResolvedRecipe) -> tuple[dict[str, Any], list[str]]:
-    """The estimator's prediction for this row on this device, and notes on how it was made."""
+def predict(workload: Workload, recipe: ResolvedRecipe, *, num_gpus: int = 1) -> tuple[dict[str, Any], list[str]]:
+    """The estimator's prediction for this row on this device (per device of `num_gpus`), and notes on how
+    it was made."""
     from anatomist.estimate.memory import estimate_memory
     from anatomist.estimate.time import estimate_time
     from anatomist.hardware import cublas_workspace_bytes, detect_local_gpu, get_gpu
@@ -157,7 +172,7 @@ def predict(workload: Workload, recipe: ResolvedRecipe) -> tuple[dict[str, Any],
     on_cpu = gpu is None
     if gpu is None:
         gpu = get_gpu(CPU_REFERENCE_GPU)
-    anatomy = estimate_memory(workload, recipe, gpu).anatomy
+    anatomy = estimate_memory(workload, recipe, gpu, num_gpus=num_gpus).anatomy
     if on_cpu:
         # The tensor categories only: CPU has no cuBLAS workspace, no reserve, no context.
         workspace = cublas_workspace_bytes(gpu.compute_capability)
@@ -170,7 +185,10 @@ def predict(workload: Workload, recipe: ResolvedRecipe) -> tuple[dict[str, Any],
         notes.append(f"CPU: predicted with {CPU_REFERENCE_GPU}'s code paths, tensor categories only "
                      "(cuBLAS workspaces removed; reserved/device total have no CPU analogue)")
     memory = anatomy.to_dict()
-    time_pred = estimate_time(workload, recipe, gpu).to_dict() if not on_cpu else {}
+    time_pred = estimate_time(workload, recipe, gpu).to_dict() if not on_cpu and num_gpus == 1 else {}
+    if num_gpus > 1:
+        notes.append(f"predicted per process of {num_gpus} (estimate_memory num_gpus={num_gpus}); no time prediction "
+                     "for several processes")
     return {"memory": memory, "time": time_pred}, notes
 
 

@@ -1,0 +1,226 @@
+"""One rank of an FSDP2 bench run, started by `torchrun` (see distributed.py).
+
+    python -m torch.distributed.run --nproc_per_node N -m anatomist.bench.fsdp_worker --model M ...
+
+Why torchrun and not `accelerate launch`: without CUDA, accelerate (1.15) forms a MULTI_CPU group and
+ignores an FSDP config (every rank kept every weight, checked), so a sharded step never runs on a CPU
+machine through it. Here each rank forms the process group itself (gloo without CUDA, nccl with it)
+and wraps the model with accelerate's own `fsdp2_prepare_model`, given the `FullyShardedDataParallelPlugin`
+the Trainer builds for `fsdp_version: 2` (reshard_after_forward from the strategy, the recipe's mixed
+precision through the plugin's `set_mixed_precision`, `CPUOffloadPolicy` for `offload: cpu`, the
+repeated blocks as `transformer_layer_cls_to_wrap`, as `plan --emit` writes them). An accelerate
+without FSDP2 (< 1.6) has no `fsdp2_prepare_model`: there `anatomist.trace.sharded.wrap`, which
+follows accelerate 1.15's, wraps the model, and the rank's result says so (`wrapped_by`).
+
+The step is the Trainer's: micro-batches under `set_requires_gradient_sync(False)` but the last, the
+forward under autocast with mixed precision, backward of loss / accumulation, gradient clipping, the
+recipe's optimizer (`Trainer.get_optimizer_cls_and_kwargs`), zero_grad(set_to_none=True).
+
+Each rank writes `rank{R}.json`:
+- `memory` (`peak_allocated` and anatomist's categories at it, as `predicted.memory` has them) and
+  `fsdp_mem_tracker_peak` (PyTorch's own categories, `_FSDPRefType`): the peak of one more,
+  steady-state step under PyTorch's `torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker`.
+  Without CUDA the steps take CUDA's code paths (`cuda_code_paths`, `cuda_autocast_policy`: which
+  kernels run and what they save) and the tracker counts each storage in the CUDA allocator's 512-byte
+  blocks, as it does on CUDA (`_PYTORCH_MIN_ALLOCATE`), so the CPU figure is sized as the prediction
+  for a GPU is.
+- `local_shards.weights / gradients / optimizer_states`: bytes of the shards the rank holds, counted
+  from the tensors (`DTensor.to_local()`): parameters and buffers after the steps, the `.grad` tensors
+  just before the last optimizer step, the tensors in `optimizer.state`.
+- `train_runtime_s`, `median_step_s`: the timed steps, the first (which makes the optimizer state)
+  included, the tracked step left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from anatomist.bench.dist_worker import local_nbytes
+
+TRACKER_CATEGORIES: dict[str, tuple[str, ...]] = {
+    "weights": ("SHARDED_PARAM", "UNSHARDED_PARAM", "BUFFER"),
+    "gradients": ("SHARDED_GRAD", "UNSHARDED_GRAD"),
+    "optimizer_states": ("OPT",),
+    "activations": ("ACT",),
+    "temporary": ("TEMP",),
+    "functionality": ("ALL_GATHER", "REDUCE_SCATTER"),
+}
+"""FSDPMemTracker's categories (`_FSDPRefType`) under anatomist's (`MemoryCategory`), as
+tests/test_fsdp_accuracy.py compares them."""
+
+
+@contextlib.contextmanager
+def cuda_block_sizes() -> Iterator[None]:
+    """Within it, PyTorch's mem_tracker counts a CPU storage as the CUDA allocator would: in 512-byte
+    blocks (its own rule for CUDA storages, `_WeakRefInfo._calculate_mem_consumed`)."""
+    from torch.distributed._tools import mem_tracker
+
+    info: Any = mem_tracker._WeakRefInfo
+    block = mem_tracker._PYTORCH_MIN_ALLOCATE
+    original = info._calculate_mem_consumed
+    info._calculate_mem_consumed = lambda self: math.ceil(self.size * self.element_size / block) * block
+    try:
+        yield
+    finally:
+        info._calculate_mem_consumed = original
+
+
+def _shard(model: torch.nn.Module, recipe: Any, device: torch.device) -> str:
+    """Wrap `model` with FSDP2 in place, as the Trainer does; the name of what wrapped it."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    from anatomist.axes.shardings import RESHARD_AFTER_FORWARD
+    from anatomist.trace.sharded import block_classes
+
+    try:
+        from accelerate.utils import FullyShardedDataParallelPlugin, fsdp2_prepare_model
+    except ImportError:  # accelerate < 1.6: no FSDP2
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from anatomist.trace.sharded import wrap
+
+        wrap(model, recipe, init_device_mesh(device.type, (dist.get_world_size(),)))
+        return "anatomist.trace.sharded.wrap (this accelerate has no fsdp2_prepare_model)"
+    # Pinned host memory needs CUDA; accelerate's default CPUOffloadPolicy() pins.
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if recipe.offload == "cpu" else OffloadPolicy()
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, reshard_after_forward=RESHARD_AFTER_FORWARD[recipe.fsdp], cpu_offload=offload,
+        auto_wrap_policy="transformer_based_wrap", cpu_ram_efficient_loading=False,
+        transformer_cls_names_to_wrap=[c.__name__ for c in block_classes(model)],
+    )
+    if recipe.mixed_precision != "no":
+        plugin.set_mixed_precision(recipe.mixed_precision)
+    # fsdp2_prepare_model reads these attributes of the Accelerator; a real Accelerator without CUDA
+    # would not shard (module docstring).
+    accelerator = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin),
+                                        mixed_precision=recipe.mixed_precision, is_main_process=dist.get_rank() == 0,
+                                        device=device)
+    fsdp2_prepare_model(accelerator, model)
+    return f"accelerate.utils.fsdp2_prepare_model (accelerate {_version('accelerate')})"
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--task", required=True)
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--recipe", required=True, help="recipe JSON")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    from anatomist.axes.precisions import autocast_dtype
+    from anatomist.bench.worker import enable_checkpointing, optimizer_class, training_model
+    from anatomist.recipe import Recipe
+    from anatomist.trace.autocast import cuda_autocast_policy
+    from anatomist.trace.cuda_model import cuda_code_paths
+    from anatomist.trace.inputs import make_batch
+    from anatomist.workload import load_workload
+
+    on_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if on_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if on_cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks side by side on the same cores
+    workload = load_workload(args.model, seq_len=args.seq_len, task=args.task)
+    recipe = Recipe.from_dict(json.loads(args.recipe)).resolved(workload)
+    accumulation = recipe.gradient_accumulation_steps
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory(prefix="anatomist-fsdp-") as folder:
+        model = training_model(workload, recipe, folder).to(device)
+    enable_checkpointing(model, recipe)
+    wrapped_by = _shard(model, recipe, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    cls, kwargs = optimizer_class(recipe)
+    optimizer = cls(params, **kwargs)
+    fsdp: Any = model  # an FSDPModule: its methods are not nn.Module's
+    name = autocast_dtype(recipe)
+    half = getattr(torch, name) if name is not None else None
+    torch.manual_seed(rank)  # each rank its own data, as a distributed sampler gives it
+    batches = [{k: v.to(device) for k, v in make_batch(workload, recipe.per_device_train_batch_size).items()}
+               for _ in range(accumulation)]
+    grads_bytes = 0
+
+    def step() -> None:
+        nonlocal grads_bytes
+        for micro, inputs in enumerate(batches):
+            fsdp.set_requires_gradient_sync(micro == accumulation - 1)
+            autocast = torch.autocast(device.type, dtype=half) if half is not None else contextlib.nullcontext()
+            with autocast:
+                loss = model(**inputs).loss
+            (loss / accumulation).backward()
+        if recipe.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, recipe.max_grad_norm)
+        grads_bytes = local_nbytes([p.grad for p in params if p.grad is not None])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    code_paths = contextlib.nullcontext() if on_cuda else cuda_code_paths()
+    policy = cuda_autocast_policy() if half is not None and not on_cuda else contextlib.nullcontext()
+    times: list[float] = []
+    model.train()
+    with code_paths, policy:
+        for _ in range(args.steps):
+            if on_cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            step()
+            if on_cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        tracker = FSDPMemTracker(model, optimizer)
+        with (contextlib.nullcontext() if on_cuda else cuda_block_sizes()), tracker:
+            step()
+    snapshot = tracker.get_tracker_snapshot("peak")
+    raw = {str(k).rsplit(".", 1)[-1]: int(v) for k, v in snapshot.get(device, {}).items()}
+    states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    row = {
+        "rank": rank,
+        "num_processes": world,
+        "engine": "fsdp2",
+        "backend": dist.get_backend(),
+        "wrapped_by": wrapped_by,
+        "memory": {"peak_allocated": raw.get("Total"),
+                   **{c: sum(raw.get(k, 0) for k in kinds) for c, kinds in TRACKER_CATEGORIES.items()}},
+        "fsdp_mem_tracker_peak": raw,
+        "local_shards": {
+            "weights": local_nbytes(list(model.parameters()) + list(model.buffers())),
+            "gradients": grads_bytes,
+            "optimizer_states": local_nbytes(states),
+        },
+        "train_runtime_s": sum(times),
+        "median_step_s": statistics.median(times),
+        "steps": args.steps,
+    }
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(row))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
