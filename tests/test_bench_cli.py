@@ -22,7 +22,7 @@ def test_unknown_suite_row_model_exit_2(tmp_path, capsys):
     assert "unknown row(s) bogus" in capsys.readouterr().err
     assert main(["bench", "--model", "no-such-model", "--results", str(results)]) == 2
     assert "unknown model 'no-such-model'" in capsys.readouterr().err
-    assert main(["bench", "--num-processes", "2", "--results", str(results)]) == 2
+    assert main(["bench", "--num-processes", "0", "--results", str(results)]) == 2
     assert not results.exists()
 
 

@@ -1,4 +1,5 @@
-"""A 2-process CPU run (gloo) through `accelerate launch`, measured bytes vs the per-device prediction."""
+"""Several processes on this CPU machine: DDP through `accelerate launch`, FSDP2 through `torchrun` (gloo),
+measured per rank, stored as bench rows and resumed; and what cannot run, refused in one line."""
 
 from __future__ import annotations
 
@@ -12,14 +13,44 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from anatomist.bench.distributed import CATEGORIES, run_distributed
+from anatomist.cli import main
 from anatomist.errors import InputError
 from anatomist.recipe import Recipe
+from tests.conftest import TINY_CONFIGS
 
 TINY_BERT = {
     "model_type": "bert", "architectures": ["BertForMaskedLM"], "hidden_size": 64, "num_hidden_layers": 2,
     "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 1000, "max_position_embeddings": 128,
     "type_vocab_size": 2, "pad_token_id": 0,
 }
+
+SUITE = f"""
+name: dist-tiny
+model: llama-tiny
+task: causal-lm
+seq_len: 32
+num_processes: 2
+cpu:
+  model_config: {json.dumps(TINY_CONFIGS["llama"])}
+  seq_len: 32
+rows:
+  - name: ddp
+    recipe: {{per_device_train_batch_size: 2, optim: adamw_torch}}
+  - name: fsdp
+    recipe: {{per_device_train_batch_size: 2, optim: adamw_torch, fsdp: full_shard}}
+  - name: zero2
+    recipe: {{per_device_train_batch_size: 2, optim: adamw_torch, zero_stage: 2}}
+"""
+
+
+def _suite(folder: Path) -> Path:
+    path = folder / "dist.yaml"
+    path.write_text(SUITE)
+    return path
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()[1:]]
 
 
 @pytest.mark.slow  # real training steps in subprocesses: minutes on 2 cores
@@ -41,6 +72,96 @@ def test_two_process_ddp_matches_prediction(tmp_path: Path) -> None:
             bound = 512 * rank["tensor_counts"][category]
             assert abs(rank["memory"][category] - predicted[category]) <= bound, category
             assert rank["memory"][category] <= predicted[category] * 1.001, category
+
+
+@pytest.mark.slow  # two launches of two processes each: about a minute on 2 cores
+def test_fsdp_row_runs_on_two_cpu_processes_is_stored_and_resumed(tmp_path: Path, capsys) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the suite would run its full-size model")
+    results = tmp_path / "r.jsonl"
+    argv = ["bench", "--suite", str(_suite(tmp_path)), "--rows", "fsdp", "--results", str(results)]
+    assert main(argv) == 0, capsys.readouterr().err
+    (row,) = _rows(results)
+    assert row["status"] == "ok", row["reason"]
+    assert row["num_processes"] == 2 and row["measured"]["launcher"] == "torchrun"
+    ranks = row["measured"]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    # Independent truth: the model's own parameters, built from the same config by transformers.
+    # Llama hidden 64, 4 layers, vocabulary 1,000, untied: 276,032 fp32 parameters, 1,104,128 B.
+    config = AutoConfig.for_model(**TINY_CONFIGS["llama"])
+    full = sum(p.numel() * p.element_size() for p in AutoModelForCausalLM.from_config(config).parameters())
+    for rank in ranks:
+        assert rank["backend"] == "gloo" and rank["wrapped_by"].startswith("accelerate.utils.fsdp2_prepare_model")
+        shards = rank["local_shards"]
+        # each rank holds half of every parameter (plus the rotary buffer's 64 B, not sharded)
+        assert shards["weights"] == pytest.approx(full / 2, rel=0.01)
+        assert shards["gradients"] == pytest.approx(full / 2, rel=0.01)
+        assert shards["optimizer_states"] == pytest.approx(full, rel=0.01)  # AdamW: two moments of the shard
+        # FSDPMemTracker's peak, by PyTorch's categories, beside the per-process prediction
+        tracker = rank["fsdp_mem_tracker_peak"]
+        assert tracker["Total"] == rank["memory"]["peak_allocated"] > 0
+        assert tracker["SHARDED_PARAM"] >= shards["weights"] - 64 and tracker["OPT"] >= shards["optimizer_states"]
+        assert abs(rank["error_pct"]["peak_allocated"]) < 3
+    assert row["predicted"]["memory"]["peak_allocated"] > 0
+    assert row["measured"]["memory"]["peak_allocated"] == max(r["memory"]["peak_allocated"] for r in ranks)
+
+    # --resume: the stored row is reused, nothing launched, nothing appended
+    before = results.read_bytes()
+    start = time.perf_counter()
+    assert main([*argv, "--resume", "--json"]) == 0
+    assert time.perf_counter() - start < 10  # a launch alone takes longer than this on 2 cores
+    assert json.loads(capsys.readouterr().out)["rows"] == [row]
+    assert results.read_bytes() == before
+
+
+def test_resume_key_includes_the_number_of_processes(tmp_path: Path, capsys) -> None:
+    """A stored 2-process row is reused for 2 processes, and does not stand for a 1-process run."""
+    from anatomist.bench.store import open_results, row_key
+
+    results = tmp_path / "r.jsonl"
+    store = open_results(results)
+    stored = {"suite": "dist-tiny", "name": "ddp", "num_processes": 2, "model": "m", "recipe": {}, "device": {},
+              "versions": {}, "status": "error", "reason": "stored", "measured": {}, "predicted": {}, "error_pct": {}}
+    store.append(stored)
+    assert row_key(stored) == ("dist-tiny", "ddp", 2)
+    assert row_key({"name": "ddp", "suite": "dist-tiny"}) == ("dist-tiny", "ddp", 1)  # rows written before
+    argv = ["bench", "--suite", str(_suite(tmp_path)), "--rows", "ddp", "--results", str(results), "--resume",
+            "--json"]
+    assert main(argv) == 0  # the suite's num_processes: 2
+    assert json.loads(capsys.readouterr().out)["rows"] == [stored]
+    assert len(_rows(results)) == 1
+
+
+def test_bad_distributed_input_exits_2_with_one_line(tmp_path: Path, capsys) -> None:
+    results = tmp_path / "r.jsonl"
+    suite = str(_suite(tmp_path))
+    cases = [
+        (["--rows", "fsdp", "--num-processes", "1"], "row 'fsdp' shards the model with FSDP (full_shard), which on one "
+                                                     "process shards nothing: run it with --num-processes 2 or more"),
+        (["--rows", "zero2"], "needs Intel's oneCCL"),
+        (["--rows", "ddp", "--num-processes", "0"], "--num-processes must be at least 1, got 0"),
+    ]
+    import torch
+
+    if torch.cuda.is_available():
+        cases = [c for c in cases if "zero2" not in c[0]]
+    for extra, message in cases:
+        assert main(["bench", "--suite", suite, "--results", str(results), *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err and "Traceback" not in err, err
+    assert not results.exists()  # refused before anything ran or was written
+
+
+def test_suite_num_processes_must_be_positive(tmp_path: Path) -> None:
+    from anatomist.bench.suites import load_suite
+
+    path = tmp_path / "s.yaml"
+    path.write_text("model: bert-base-uncased\nnum_processes: 0\nrows:\n  - name: a\n")
+    with pytest.raises(InputError, match="num_processes must be a positive integer, got 0"):
+        load_suite(str(path))
 
 
 def test_needs_two_processes() -> None:

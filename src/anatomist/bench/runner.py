@@ -1,7 +1,9 @@
-"""Run a suite: one fresh subprocess per row, each finished row appended durably at once.
+"""Run a suite: one fresh subprocess per row (or, on several processes, one launch per row), each
+finished row appended durably at once.
 
 A row that OOMs or crashes (even a worker killed by a signal) is recorded with its reason
-and the suite goes on. With `resume`, rows already in the results file are not run again.
+and the suite goes on. With `resume`, rows already in the results file are not run again: a row
+is the suite, the row's name and the number of processes it ran on.
 """
 
 from __future__ import annotations
@@ -16,10 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from anatomist.bench.store import ResultsFile
+from anatomist.bench.store import ResultsFile, row_key
 from anatomist.bench.suites import Row, Suite
+from anatomist.errors import InputError
 from anatomist.measure.monitor import cuda_available, device_info, device_snapshot, versions
 from anatomist.workload import Task, load_workload
+
+DISTRIBUTED_STEPS = 3
+"""Optimizer steps of a row on several processes (the first makes the optimizer state); FSDP rows run
+one more under FSDPMemTracker (bench/fsdp_worker.py)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,13 +72,36 @@ def _parent_device() -> dict[str, Any]:
     return {"name": snap.name, "kind": "cuda", "memory_bytes": snap.total_bytes}
 
 
-def base_row(run: SuiteRun, row: Row) -> dict[str, Any]:
+def base_row(run: SuiteRun, row: Row, num_processes: int = 1) -> dict[str, Any]:
     """The fields every row has, whatever happens to the run."""
     return {
-        "suite": run.suite.name, "name": row.name, "model": run.model_label, "recipe": row.recipe.to_dict(),
-        "loop": row.loop, "device": _parent_device(), "versions": versions(), "status": "skipped", "reason": None,
-        "measured": {}, "predicted": {}, "error_pct": {}, "notes": [],
+        "suite": run.suite.name, "name": row.name, "num_processes": num_processes, "model": run.model_label,
+        "recipe": row.recipe.to_dict(), "loop": row.loop, "device": _parent_device(), "versions": versions(),
+        "status": "skipped", "reason": None, "measured": {}, "predicted": {}, "error_pct": {}, "notes": [],
     }
+
+
+def check_rows(run: SuiteRun, rows: list[Row], num_processes: int) -> None:
+    """Refuse, before any row runs, a row that cannot run on `num_processes` processes here (a row that
+    says it needs CUDA, on a machine without it, is not refused: it is recorded as skipped).
+
+    Raises:
+        InputError: an FSDP row on one process (it would shard nothing); on several, what
+            `distributed.check_launchable` refuses (DeepSpeed ZeRO without CUDA).
+    """
+    from anatomist.bench.distributed import check_launchable
+
+    for row in rows:
+        if "cuda" in row.needs and run.on_cpu:
+            continue
+        if num_processes == 1 and row.recipe.fsdp != "none":
+            raise InputError(f"row {row.name!r} shards the model with FSDP ({row.recipe.fsdp}), which on one process "
+                             "shards nothing: run it with --num-processes 2 or more")
+        if num_processes > 1:
+            try:
+                check_launchable(row.recipe, num_processes)
+            except InputError as exc:
+                raise InputError(f"row {row.name!r}: {exc}") from None
 
 
 def run_row_isolated(run: SuiteRun, row: Row, *, timeout_s: float | None = None) -> dict[str, Any]:
@@ -101,30 +131,85 @@ def run_row_isolated(run: SuiteRun, row: Row, *, timeout_s: float | None = None)
     return result
 
 
+def run_row_distributed(run: SuiteRun, row: Row, num_processes: int, *, steps: int = DISTRIBUTED_STEPS,
+                        timeout_s: float = 900) -> dict[str, Any]:
+    """Run `row` on `num_processes` processes (bench/distributed.py: torchrun for FSDP, accelerate launch
+    otherwise) for `steps` optimizer steps; never raises for a failed run.
+
+    `measured.ranks` is what each process measured; `measured.memory` the largest of the ranks' figures,
+    category by category, which `error_pct` compares with the per-process prediction; each rank has
+    its own `error_pct` too.
+    """
+    from anatomist.bench.distributed import launch, launcher_for
+    from anatomist.bench.worker import error_pct, predict
+
+    result = base_row(run, row, num_processes)
+    result["workload"] = {"model": run.model, "model_config": run.model_config, "seq_len": run.seq_len,
+                          "task": run.task}
+    with tempfile.TemporaryDirectory(prefix="anatomist-row-") as tmp:
+        model = run.model
+        if run.model_config:
+            (Path(tmp) / "config.json").write_text(json.dumps(run.model_config))
+            model = tmp
+        workload = load_workload(model, seq_len=run.seq_len, task=run.task)
+        try:
+            ranks = launch(model, row.recipe, num_processes, task=run.task, seq_len=run.seq_len, steps=steps,
+                           timeout_s=timeout_s)
+        except subprocess.TimeoutExpired:
+            result.update(status="error", reason=f"timed out after {timeout_s} s")
+            return result
+        except RuntimeError as exc:
+            oom = "out of memory" in str(exc).lower()
+            result.update(status="oom" if oom else "error", reason=str(exc).splitlines()[0])
+            return result
+        try:
+            result["predicted"], result["notes"] = predict(workload, row.recipe.resolved(workload),
+                                                           num_gpus=num_processes)
+        except InputError as exc:  # a setting the estimator does not model: the measurement stands alone
+            result["predicted"], result["notes"] = {"memory": {}, "time": {}}, [f"no prediction: {exc}"]
+    samples = steps * row.recipe.per_device_train_batch_size * row.recipe.gradient_accumulation_steps * num_processes
+    runtime_s = max(r["train_runtime_s"] for r in ranks)
+    memory: dict[str, int] = {}
+    for rank in ranks:
+        rank["error_pct"] = error_pct(rank, result["predicted"])
+        for category, value in rank["memory"].items():
+            if value is not None:
+                memory[category] = max(memory.get(category, 0), value)
+    result["measured"] = {"launcher": launcher_for(row.recipe), "steps": steps, "train_runtime_s": runtime_s,
+                          "samples_per_second": samples / runtime_s, "memory": memory, "ranks": ranks}
+    result.update(status="ok", error_pct=error_pct(result["measured"], result["predicted"]))
+    return result
+
+
 def run_suite(
     run: SuiteRun,
     rows: list[Row],
     store: ResultsFile,
     *,
     resume: bool = False,
+    num_processes: int = 1,
     on_row: Callable[[dict[str, Any], bool], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run `rows` one by one and append each result to `store` the moment it exists.
+    """Run `rows` one by one, each on `num_processes` processes, and append each result to `store` the
+    moment it exists.
 
     `on_row(row, reused)` is called after each row (reused: taken from the file by --resume).
     """
-    done = {r["name"]: r for r in store.rows if r.get("suite") == run.suite.name} if resume else {}
+    done = {row_key(r): r for r in store.rows} if resume else {}
     out = []
     for row in rows:
-        if row.name in done:
-            out.append(done[row.name])
+        key = (run.suite.name, row.name, num_processes)
+        if key in done:
+            out.append(done[key])
             if on_row:
-                on_row(done[row.name], True)
+                on_row(done[key], True)
             continue
         reason = row.skip_reason(has_cuda=not run.on_cpu)
         if reason is not None:
-            result = base_row(run, row)
+            result = base_row(run, row, num_processes)
             result["reason"] = reason
+        elif num_processes > 1:
+            result = run_row_distributed(run, row, num_processes)
         else:
             result = run_row_isolated(run, row)
         store.append(result)

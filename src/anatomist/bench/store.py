@@ -35,9 +35,9 @@ class ResultsFile:
     header: dict[str, Any]
     rows: list[dict[str, Any]] = field(default_factory=list)
 
-    def finished(self) -> set[tuple[str, str]]:
-        """(suite, row name) of every row already recorded, whatever its status."""
-        return {(r.get("suite", ""), r["name"]) for r in self.rows}
+    def finished(self) -> set[tuple[str, str, int]]:
+        """`row_key` of every row already recorded, whatever its status."""
+        return {row_key(r) for r in self.rows}
 
     def append(self, row: dict[str, Any]) -> None:
         """Write one row durably: one line, flushed and fsynced before returning."""
@@ -47,6 +47,12 @@ class ResultsFile:
             fh.flush()
             os.fsync(fh.fileno())
         self.rows.append(row)
+
+
+def row_key(row: dict[str, Any]) -> tuple[str, str, int]:
+    """What makes a row the same row for --resume: its suite, its name and how many processes ran it
+    (a row written before distributed rows were stored ran on one)."""
+    return row.get("suite", ""), row["name"], int(row.get("num_processes", 1))
 
 
 def validate_row(row: Any, where: str) -> dict[str, Any]:

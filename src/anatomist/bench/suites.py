@@ -20,7 +20,8 @@ from anatomist.recipe import Recipe
 from anatomist.workload import TASKS, Task
 
 Loop = Literal["trainer", "accelerate"]
-_SUITE_KEYS = {"name", "description", "model", "task", "seq_len", "num_samples", "num_train_epochs", "cpu", "rows"}
+_SUITE_KEYS = {"name", "description", "model", "task", "seq_len", "num_samples", "num_train_epochs", "num_processes",
+               "cpu", "rows"}
 _ROW_KEYS = {"name", "recipe", "loop", "needs", "cpu_reason"}
 _CPU_KEYS = {"model_config", "model", "seq_len", "num_samples"}
 
@@ -59,6 +60,8 @@ class Suite:
     task: Task = "sequence-classification"
     """Which head is trained (the seeds' experiment classifies; a language model suite is causal-lm)."""
     num_train_epochs: float = 1
+    num_processes: int = 1
+    """Processes each row runs on unless `--num-processes` says otherwise (>1: bench/distributed.py)."""
     description: str = ""
     cpu: dict[str, Any] = field(default_factory=dict)
     rows: list[Row] = field(default_factory=list)
@@ -122,9 +125,9 @@ def _suite_from_dict(data: Any, where: str) -> Suite:
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise InputError(f"{where}: duplicate row name(s) {', '.join(duplicates)}")
-    for key in ("seq_len", "num_samples"):
-        value = data.get(key, 512)
-        if not isinstance(value, int) or value <= 0:
+    for key, default in (("seq_len", 512), ("num_samples", 512), ("num_processes", 1)):
+        value = data.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise InputError(f"{where}: {key} must be a positive integer, got {value!r}")
     task: Task = data.get("task", "sequence-classification")
     if task not in TASKS:
@@ -132,6 +135,7 @@ def _suite_from_dict(data: Any, where: str) -> Suite:
     return Suite(
         name=str(data.get("name", where)), model=str(data["model"]), task=task, seq_len=data.get("seq_len", 512),
         num_samples=data.get("num_samples", 512), num_train_epochs=float(data.get("num_train_epochs", 1)),
+        num_processes=data.get("num_processes", 1),
         description=str(data.get("description", "")), cpu=cpu, rows=rows,
     )
 

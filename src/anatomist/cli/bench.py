@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from typing import Any
 
 from rich.live import Live
@@ -25,7 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="JSONL results file, appended row by row (default anatomist-results.jsonl)")
     p.add_argument("--resume", action="store_true", help="skip rows already in the results file")
     p.add_argument("--rows", default=None, metavar="NAMES", help="comma-separated row names to run (default all)")
-    p.add_argument("--num-processes", type=int, default=1, metavar="N", help="processes per row (>1: distributed)")
+    p.add_argument("--num-processes", type=int, default=None, metavar="N",
+                   help="processes per row (>1: distributed: torchrun for FSDP rows, accelerate launch otherwise); "
+                        "default: the suite's num_processes, else 1")
     p.add_argument("--json", action="store_true", help='print {"rows": [...]} on stdout, nothing else')
     p.set_defaults(handler=run)
 
@@ -38,43 +38,60 @@ def _fmt_pct(value: Any) -> str:
     return "-" if value is None else f"{value:+.1f}%"
 
 
+def _measured_peak(row: dict[str, Any]) -> str:
+    """The measured peak allocated: one figure, or on several processes each rank's (r0 / r1 / ...)."""
+    measured = row.get("measured") or {}
+    ranks = measured.get("ranks")
+    if ranks:
+        return " / ".join(_fmt_mib((r.get("memory") or {}).get("peak_allocated")) for r in ranks)
+    return _fmt_mib((measured.get("memory") or {}).get("peak_allocated"))
+
+
+def _row_label(row: dict[str, Any]) -> str:
+    processes = row.get("num_processes", 1)
+    return row["name"] if processes == 1 else f"{row['name']} x{processes}"
+
+
 def results_table(rows: list[dict[str, Any]], title: str) -> Table:
     table = Table(title=title)
     for col in ("row", "status", "samples/s", "peak alloc MiB", "predicted MiB", "error"):
         table.add_column(col, justify="left" if col in ("row", "status") else "right", no_wrap=True)
     table.add_column("reason", overflow="fold", min_width=16)
     for r in rows:
-        measured = (r.get("measured") or {}).get("memory") or {}
         predicted = (r.get("predicted") or {}).get("memory") or {}
         sps = (r.get("measured") or {}).get("samples_per_second")
         table.add_row(
-            r["name"], r["status"], "-" if sps is None else f"{sps:.2f}", _fmt_mib(measured.get("peak_allocated")),
+            _row_label(r), r["status"], "-" if sps is None else f"{sps:.2f}", _measured_peak(r),
             _fmt_mib(predicted.get("peak_allocated")), _fmt_pct((r.get("error_pct") or {}).get("peak_allocated")),
             (r.get("reason") or "")[:48],
         )
+    if any(r.get("num_processes", 1) > 1 for r in rows):
+        table.caption = ("NAME xN: N processes; peak alloc per rank (r0 / r1 / ...), predicted per process, "
+                         "error of the largest rank")
     return table
 
 
 def run(args: argparse.Namespace) -> int:
     # Imported here, not at the top: every subcommand's module is imported to build the parser.
-    from anatomist.bench.runner import prepare_suite, run_suite
+    from anatomist.bench.runner import DISTRIBUTED_STEPS, check_rows, prepare_suite, run_suite
     from anatomist.bench.store import open_results
     from anatomist.bench.suites import load_suite
 
-    if args.num_processes < 1:
+    if args.num_processes is not None and args.num_processes < 1:
         raise InputError(f"--num-processes must be at least 1, got {args.num_processes}")
-    if args.num_processes > 1:
-        return _run_distributed(args)
     suite = load_suite(args.suite)
+    num_processes = args.num_processes or suite.num_processes
     names = [n.strip() for n in args.rows.split(",") if n.strip()] if args.rows else None
     rows = suite.select(names)
     run = prepare_suite(suite, args.model)
+    check_rows(run, rows, num_processes)
     store = open_results(args.results)  # validates an existing file before anything runs
     err = console(stderr=True)
     if run.on_cpu:
+        shape = (f"{run.seq_len} tokens per sample, {DISTRIBUTED_STEPS} optimizer steps on each of {num_processes} processes"
+                 if num_processes > 1 else f"{run.num_samples} samples of {run.seq_len} tokens")
         err.print(f"[bold]No GPU here:[/] running suite {suite.name!r} on its small CPU configuration "
-                  f"({run.model_label}, {run.num_samples} samples of {run.seq_len} tokens); "
-                  "no GPU figure is measured.")
+                  f"({run.model_label}, {shape}); no GPU figure is measured.")
     finished: list[dict[str, Any]] = []
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     task = progress.add_task(f"bench {suite.name}", total=len(rows))
@@ -92,22 +109,8 @@ def run(args: argparse.Namespace) -> int:
             progress.advance(task)
             live.update(view())
 
-        results = run_suite(run, rows, store, resume=args.resume, on_row=on_row)
+        results = run_suite(run, rows, store, resume=args.resume, num_processes=num_processes, on_row=on_row)
     if args.json:
         print_json({"rows": results})
     return 0
 
-
-def _run_distributed(args: argparse.Namespace) -> int:
-    """--num-processes N: one recipe (--rows NAME) of --model MODEL through `accelerate launch`."""
-    from anatomist.bench.distributed import run_distributed
-    from anatomist.bench.suites import load_suite
-
-    names = [n.strip() for n in args.rows.split(",") if n.strip()] if args.rows else []
-    if args.model is None or len(names) != 1:
-        raise InputError("--num-processes > 1 runs one recipe on one model: give --model MODEL and --rows NAME")
-    (row,) = load_suite(args.suite).select(names)
-    result = run_distributed(args.model, row.recipe, args.num_processes)
-    json.dump(result, sys.stdout, indent=2, default=str)
-    sys.stdout.write("\n")
-    return 0

@@ -321,8 +321,10 @@ def _from_bench_row(row: dict[str, Any], index: int, notices: list[str]) -> Reci
     device = row.get("device") or {}
     status = str(row.get("status", "unknown"))
     ok = status == "ok"
+    label = str(row.get("name") or recipe_label(recipe) or f"row {index + 1}")
+    processes = _int(row.get("num_processes")) or 1
     return RecipeResult(
-        label=str(row.get("name") or recipe_label(recipe) or f"row {index + 1}"),
+        label=label if processes == 1 else f"{label} x{processes}",  # measured and predicted per process
         model=str(row.get("model", "?")),
         recipe=recipe,
         status=status,
