@@ -110,11 +110,9 @@ def test_fsdp_row_runs_on_two_cpu_processes_is_stored_and_resumed(tmp_path: Path
 
     # --resume: the stored row is reused, nothing launched, nothing appended
     before = results.read_bytes()
-    start = time.perf_counter()
     assert main([*argv, "--resume", "--json"]) == 0
-    assert time.perf_counter() - start < 10  # a launch alone takes longer than this on 2 cores
     assert json.loads(capsys.readouterr().out)["rows"] == [row]
-    assert results.read_bytes() == before
+    assert results.read_bytes() == before  # a launched row is appended, whatever its status
 
 
 def test_resume_key_includes_the_number_of_processes(tmp_path: Path, capsys) -> None:
