@@ -46,3 +46,14 @@ def test_bad_suite_file_names_the_row(tmp_path):
     path.write_text("model: bert-base-uncased\nrows:\n  - name: a\n    recipe: {batch: 2}\n")
     with pytest.raises(InputError, match="row 1: unknown recipe field"):
         load_suite(str(path))
+
+
+def test_distributed_suite_runs_on_two_processes_by_default():
+    suite = load_suite("distributed")
+    assert suite.num_processes == 2 and suite.task == "causal-lm"
+    engines = {r.name: (r.recipe.fsdp, r.recipe.zero_stage) for r in suite.rows}
+    assert engines["ddp"] == ("none", 0) and engines["fsdp-full-shard"] == ("full_shard", 0)
+    assert engines["fsdp-shard-grad-op"] == ("shard_grad_op", 0)
+    zero2 = next(r for r in suite.rows if r.name == "zero2")
+    assert "oneCCL" in zero2.skip_reason(has_cuda=False)
+    assert load_suite("seeds").num_processes == 1  # a suite without the key
