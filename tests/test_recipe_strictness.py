@@ -175,7 +175,11 @@ def test_memory_settings_not_modelled_yet_are_refused_never_predicted_as_somethi
     ("args.yaml", "parallelism_config:\n  cp_size: 2\n", "parallelism_config.cp_size=2 is not modelled yet (context"),
     # TRL's activation offloading, axolotl's checkpoint offload
     ("sft.yaml", "max_length: 512\nactivation_offloading: true\n", "activation_offloading=True is not modelled yet"),
-    ("ax.yml", "base_model: x\ngradient_checkpointing: offload\n", "gradient_checkpointing='offload' is not modelled"),
+    ("ax.yml", "base_model: x\ngradient_checkpointing: offload_disk\n",
+     "gradient_checkpointing='offload_disk' is not modelled"),
+    # TRL's selective checkpointing (SFTTrainer: the attention outputs kept)
+    ("sft.yaml", "max_length: 512\ngradient_checkpointing: true\ngradient_checkpointing_kwargs:\n  selective: true\n",
+     "gradient_checkpointing_kwargs.selective=True is not modelled yet"),
     ("ds.json", '{"zero_optimization": {"stage": 2}, "sequence_parallel_size": 4}', "sequence_parallel_size=4 is not"),
     ("ds.json", '{"zero_optimization": {"stage": 2}, "fp16": {"enabled": true, "fp16_master_weights_and_grads": true}}',
      "fp16.fp16_master_weights_and_grads=True is not modelled yet"),
@@ -186,6 +190,24 @@ def test_each_unmodelled_setting_is_one_line(tmp_path: Path, name: str, text: st
     with pytest.raises(InputError) as error:
         read_recipe_file(path)
     assert str(error.value).startswith(f"{path}: {message}")
+
+
+@pytest.mark.parametrize(("name", "text", "every", "offload"), [
+    # transformers 5.23's activation_checkpointing_kwargs (and the deprecated gradient_checkpointing_kwargs alias)
+    ("args.yaml", "activation_checkpointing: true\nactivation_checkpointing_kwargs:\n  every_n_layers: 2\n", 2, False),
+    ("args.yaml", "gradient_checkpointing: true\ngradient_checkpointing_kwargs: '{\"offload\": true}'\n", 1, True),
+    ("args.yaml", "gradient_checkpointing: false\ngradient_checkpointing_kwargs:\n  every_n_layers: 2\n", 1, False),
+    # axolotl's and LLaMA-Factory's Unsloth checkpointing: the checkpoints' inputs on the host
+    ("ax.yml", "base_model: x\ngradient_checkpointing: offload\n", 1, True),
+    ("lf.yaml", "stage: sft\nfinetuning_type: lora\nuse_unsloth_gc: true\n", 1, True),
+])
+def test_partial_and_offloaded_checkpointing_are_read(tmp_path: Path, name: str, text: str, every: int,
+                                                      offload: bool) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    r = read_recipe_file(path).recipe
+    assert (r.checkpoint_every, r.checkpoint_offload) == (every, offload)
+    assert r.gradient_checkpointing == ("false" not in text)
 
 
 @pytest.mark.parametrize("text", ["fsdp: full_shard offload auto_wrap\n",

@@ -91,6 +91,15 @@ class Recipe:
     gradient_checkpointing: bool = _trainer_default(
         "gradient_checkpointing", "Recompute each layer's activations in backward instead of keeping them.",
         when_none=False)
+    checkpoint_every: int = _field(
+        1, "With gradient checkpointing, checkpoint every N-th repeated layer only (transformers' "
+        "activation_checkpointing_kwargs every_n_layers): layers 0, N, 2N, ... recompute, the others keep their "
+        "activations; 1: every layer. Above 1 it turns gradient_checkpointing on.", metavar="N")
+    checkpoint_offload: bool = _field(
+        False, "With gradient checkpointing, hold what the checkpointed layers save (their inputs) in pinned host "
+        "memory (transformers' activation_checkpointing_kwargs offload; axolotl's gradient_checkpointing: offload, "
+        "LLaMA-Factory's use_unsloth_gc): frees about layers x tokens x hidden x dtype bytes, and copies them to the "
+        "host in forward and back in backward, on the compute stream. It turns gradient_checkpointing on.")
     dtype: LoadDtype = _field(
         "auto", "The dtype the weights are loaded in, as from_pretrained(dtype=...): auto is the config's dtype "
         "(float32 where it names none). Half-precision weights train in pure half precision: gradients and "
@@ -211,6 +220,11 @@ class Recipe:
                 "gradients; load in float32 for fp16 mixed precision (--dtype float32 --fp16), or use "
                 "--dtype bfloat16 [--bf16]"
             )
+        if self.checkpoint_every < 1:
+            raise InputError(f"checkpoint_every must be at least 1, got {self.checkpoint_every}")
+        if (self.checkpoint_every > 1 or self.checkpoint_offload) and not self.gradient_checkpointing:
+            what = f"checkpoint_every={self.checkpoint_every}" if self.checkpoint_every > 1 else "checkpoint_offload"
+            raise InputError(f"{what} is a setting of gradient checkpointing: it needs gradient_checkpointing=True")
         optimizer(self.optim)  # raises for one anatomist does not model
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise InputError(
@@ -283,6 +297,19 @@ class Recipe:
         return FSDP_STAGES.get(self.fsdp, self.zero_stage)
 
     @property
+    def checkpointing(self) -> str:
+        """How the layers checkpoint, as the tables say it: off, on (every layer) or "1 in N", "+offload"."""
+        if not self.gradient_checkpointing:
+            return "off"
+        return ("on" if self.checkpoint_every == 1 else f"1 in {self.checkpoint_every}") + (
+            "+offload" if self.checkpoint_offload else "")
+
+    def checkpointed(self, layer: int) -> bool:
+        """Whether gradient checkpointing recomputes repeated layer `layer` (its index among the model's repeated
+        layers, in the model's order: transformers counts them so, `_set_gradient_checkpointing`)."""
+        return self.gradient_checkpointing and layer % self.checkpoint_every == 0
+
+    @property
     def mixed_precision(self) -> Literal["no", "fp16", "bf16"]:
         """The autocast the Trainer runs (`--fp16`/`--bf16`), whatever the weights' dtype."""
         return "fp16" if self.fp16 else "bf16" if self.bf16 else "no"
@@ -321,7 +348,9 @@ class Recipe:
         """
         preset = dict(QLORA_PRESET) if given.get("peft") == "qlora" else {}
         if given.get("packing"):
-            preset["padding_free"] = True  # TRL: padding_free = padding_free or (packing and strategy "bfd")
+            preset["padding_free"] = True
+        if given.get("checkpoint_every", 1) > 1 or given.get("checkpoint_offload"):
+            preset["gradient_checkpointing"] = True  # TRL: padding_free = padding_free or (packing and strategy "bfd")
         return cls(**{**preset, **given})
 
     def resolved(self, workload: Workload) -> ResolvedRecipe:
@@ -390,6 +419,11 @@ class Recipe:
             "dataloader_pin_memory": self.dataloader_pin_memory,
             "max_grad_norm": self.max_grad_norm,
         }
+        checkpointing = {"every_n_layers": self.checkpoint_every} if self.checkpoint_every > 1 else {}
+        if self.checkpoint_offload:
+            checkpointing["offload"] = True
+        if self.gradient_checkpointing and checkpointing:  # activation_checkpointing_kwargs' alias (transformers 5.23)
+            kwargs["gradient_checkpointing_kwargs"] = checkpointing
         if self.tf32:
             kwargs["tf32"] = True
         if self.fsdp != "none":

@@ -81,7 +81,9 @@ def enable_checkpointing(model: Any, recipe: ResolvedRecipe) -> None:
     """Gradient checkpointing as the Trainer turns it on before `accelerator.prepare` (a quantized base
     has it from `prepare_model_for_kbit_training` already)."""
     if recipe.gradient_checkpointing and not recipe.quantized:
-        model.gradient_checkpointing_enable()
+        # every_n_layers / offload where the recipe sets them (Recipe.to_training_arguments_kwargs)
+        settings = recipe.to_training_arguments_kwargs().get("gradient_checkpointing_kwargs", {})
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)(**settings)
         if recipe.peft != "none":
             model.enable_input_require_grads()  # as the Trainer does for adapters over a frozen embedding
 

@@ -135,7 +135,7 @@ def render(result: Estimate) -> None:
         f"[bold]{w.name}[/] ({w.task}, {mem.parameters / 1e6:,.1f} M parameters), seq {w.seq_len}, "
         f"batch {result.recipe.per_device_train_batch_size} x {result.recipe.gradient_accumulation_steps} accumulation, "
         f"weights {result.recipe.dtype}{_autocast(result.recipe)}{_peft(result.recipe)}, "
-        f"checkpointing {'on' if result.recipe.gradient_checkpointing else 'off'}, "
+        f"checkpointing {result.recipe.checkpointing}, "
         f"sharding {_sharding(result.recipe, result.num_gpus)}, "
         f"{result.mode} on {devices(result.num_gpus, result.nodes)} x [bold]{result.gpu.name}[/] "
         f"({gib(result.gpu.memory_bytes)})"

@@ -162,7 +162,7 @@ def _describe(recipe: Recipe, num_gpus: int, liger: bool = False) -> list[str]:
     return [
         method_of(recipe),
         f"{recipe.per_device_train_batch_size} x {recipe.gradient_accumulation_steps}",
-        "on" if recipe.gradient_checkpointing else "off",
+        recipe.checkpointing,
         precision_of(recipe),
         recipe.optim,
         "on" if recipe.torch_compile else "off",

@@ -13,7 +13,8 @@ with DeepSpeed or FSDP three terms change:
                                 CPU Adam updates 1/N of the parameters; where the parameters live
                                 on the host too (ZeRO-3 offload_param, FSDP's CPUOffloadPolicy),
                                 each device copies its shard of every weight to the device before
-                                each all-gather, in forward and in backward
+                                each all-gather, in forward and in backward; offloaded checkpoints
+                                copy each checkpointed layer's input to the host and back
     communication_s             ring all-reduce of the gradients, 2 (N-1)/N x gradient bytes;
                                 ZeRO-3 / FSDP full_shard reduce-scatter the gradients, (N-1)/N x
                                 their bytes, and all-gather every weight (a frozen base's too) in
@@ -27,6 +28,7 @@ Their constants live in data/plan_throughput.toml with their sources; none was m
 
 from __future__ import annotations
 
+import math
 import tomllib
 from functools import cache
 from importlib import resources
@@ -63,7 +65,7 @@ def constants() -> dict[str, Any]:
 def adds_device_terms(recipe: Recipe, num_gpus: int) -> bool:
     """Whether `predict_time` adds anything to one device's step: sharding, offload or communication terms,
     which the calibration's error does not cover (UNFITTED_TERMS)."""
-    return num_gpus > 1 or recipe.offload != "none"
+    return num_gpus > 1 or recipe.offload != "none" or recipe.checkpoint_offload
 
 
 def networks() -> dict[str, dict[str, Any]]:
@@ -135,6 +137,20 @@ def offload_s(workload: Workload, recipe: ResolvedRecipe, *, num_gpus: int = 1) 
     return moved / (c["pcie_gbps"] * 1e9) + params / c["cpu_adam_params_per_s"]
 
 
+def checkpoint_offload_s(workload: Workload, recipe: ResolvedRecipe) -> float:
+    """Seconds per step of offloaded checkpoints (`Recipe.checkpoint_offload`): each checkpointed layer's input,
+    tokens x hidden in the weights' dtype (transformers: "layers x sequence x hidden bytes"), goes to the host in
+    forward and back in backward, over PCIe on the compute stream (so not hidden behind compute)."""
+    if not (recipe.gradient_checkpointing and recipe.checkpoint_offload):
+        return 0.0
+    from anatomist.trace.cuts import model_plan
+
+    layers = math.ceil(model_plan(workload, recipe).blocks / recipe.checkpoint_every)
+    element = 2 if recipe.half_weights else 4  # the residual stream: fp32 under autocast of fp32 weights
+    tokens = recipe.per_device_train_batch_size * workload.seq_len * recipe.gradient_accumulation_steps
+    return 2 * layers * tokens * workload.hidden_size() * element / (constants()["offload"]["pcie_gbps"] * 1e9)
+
+
 def communication_s(
     workload: Workload, recipe: ResolvedRecipe, *, num_gpus: int = 1, nodes: int = DEFAULT_NODES, network: str | None = None
 ) -> float:
@@ -177,7 +193,7 @@ def predict_time(
         phases["optimizer"] = 0.0
     elif recipe.sharding_stage >= 1:
         phases["optimizer"] = phases.get("optimizer", 0.0) / num_gpus
-    phases["offload"] = offload_s(workload, recipe, num_gpus=num_gpus)
+    phases["offload"] = offload_s(workload, recipe, num_gpus=num_gpus) + checkpoint_offload_s(workload, recipe)
     phases["communication"] = communication_s(workload, recipe, num_gpus=num_gpus, nodes=nodes, network=network)
     step_s = sum(phases.values())
     samples = recipe.per_device_train_batch_size * recipe.gradient_accumulation_steps * num_gpus

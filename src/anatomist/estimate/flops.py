@@ -217,5 +217,5 @@ def step_flops(workload: Workload, recipe: ResolvedRecipe, compute_capability: s
     hardware = (ops or step_ops(workload, recipe, compute_capability)).flops_per_step(accumulation)
     if not recipe.gradient_checkpointing:
         return StepFlops(model=hardware, hardware=hardware)
-    plain = dataclasses.replace(recipe, gradient_checkpointing=False)
+    plain = dataclasses.replace(recipe, gradient_checkpointing=False, checkpoint_every=1, checkpoint_offload=False)
     return StepFlops(model=step_ops(workload, plain, compute_capability).flops_per_step(accumulation), hardware=hardware)

@@ -138,7 +138,7 @@ class Preflight:
             ("model", f"{e.workload.name} ({e.memory.parameters / 1e6:,.1f} M parameters), seq {e.workload.seq_len}"),
             ("recipe", f"batch {r.per_device_train_batch_size} x {r.gradient_accumulation_steps} accumulation x "
                        f"{self.num_gpus} device(s) = {self.effective_batch}, weights {r.dtype}, "
-                       f"{r.mixed_precision} autocast, {r.optim}, checkpointing {'on' if r.gradient_checkpointing else 'off'}"
+                       f"{r.mixed_precision} autocast, {r.optim}, checkpointing {r.checkpointing}"
                        + (f", {r.peft}" if r.peft != "none" else "")),
             ("predicted peak", f"{_size(self.device_total_bytes)} device total "
                                f"({_size(e.memory.anatomy.peak_allocated)} allocated)"),
@@ -249,6 +249,7 @@ def search_space(recipe: Recipe, num_gpus: int, free: set[str], gpu: GPU) -> Sea
             checkpointing_options=tuple(dict.fromkeys(checkpointing or (recipe.gradient_checkpointing,))),
             shardings=(sharding_of(recipe, num_gpus),), precisions=(name,), methods=(method,), base=recipe,
             liger_options=(recipe.use_liger_kernel,),  # held: the plan would otherwise search Liger for causal LMs
+            partial_checkpointing=(), offload_checkpoints=False,  # held: not what the callback can change
         )
     except InputError:  # a sharding the plan does not search on this many devices
         return None

@@ -81,7 +81,7 @@ def pareto_front(candidates: list[Candidate]) -> list[Candidate]:
 
 def _simplicity(recipe: Recipe) -> tuple[int, ...]:
     """Tie-break among equally fast recipes: fewer moving parts first (every weight trained, no
-    compile, no Liger, no sharding, no checkpointing, AdamW), then a per-device batch that is a multiple of 8."""
+    compile, no Liger, no sharding, no checkpointing, every block's rather than some, AdamW), then a per-device batch that is a multiple of 8."""
     return (
         int(recipe.peft != "none") + int(recipe.quantized),
         int(recipe.torch_compile),
@@ -89,6 +89,7 @@ def _simplicity(recipe: Recipe) -> tuple[int, ...]:
         recipe.sharding_stage,
         int(recipe.offload != "none"),
         int(recipe.gradient_checkpointing),
+        int(recipe.checkpoint_every > 1),
         int(recipe.optim != "adamw_torch_fused"),
         int(recipe.per_device_train_batch_size % 8 != 0),
         recipe.gradient_accumulation_steps,

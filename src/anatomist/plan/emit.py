@@ -230,7 +230,8 @@ def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = Fals
             "fsdp_offload_params": recipe.offload == "cpu",
             # adapters: the base loaded on rank 0 only and broadcast (PEFT's FSDP-QLoRA config)
             "fsdp_cpu_ram_efficient_loading": recipe.peft != "none",
-            "fsdp_activation_checkpointing": recipe.gradient_checkpointing,
+            # FSDP's own checkpointing is every layer's, on the device; partial or offloaded: TrainingArguments'
+            "fsdp_activation_checkpointing": recipe.checkpointing == "on",
         }
     if recipe.torch_compile:
         config["dynamo_config"] = {"dynamo_backend": "INDUCTOR"}

@@ -21,6 +21,7 @@ from anatomist.plan.space import (
     METHODS,
     PEFT_TRADE_OFF,
     SearchSpace,
+    checkpointing_alternatives,
     method_of,
     searched_precisions,
 )
@@ -81,10 +82,7 @@ def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[ResolvedRec
         ("fine-tuning", method_of, method_alts),
         ("per-device batch x accumulation",
          lambda r: f"{r.per_device_train_batch_size} x {r.gradient_accumulation_steps}", batch_alts),
-        ("gradient checkpointing", lambda r: "on" if r.gradient_checkpointing else "off",
-         lambda r: [("on" if not r.gradient_checkpointing else "off",
-                     r.replace(gradient_checkpointing=not r.gradient_checkpointing))]
-         if len(space.checkpointing_options) > 1 else []),
+        ("gradient checkpointing", lambda r: r.checkpointing, lambda r: checkpointing_alternatives(r, space)),
         ("precision", precision_of,
          lambda r: [(p, r.replace(**precision(p).fields)) for p in searched_precisions(space, gpu, method_of(r))
                     if p != precision_of(r)]),

@@ -27,9 +27,10 @@ from anatomist.estimate.communication import (
 from anatomist.estimate.memory import memory_limit_bytes
 from anatomist.estimate.traces import prefetch
 from anatomist.hardware import GPU
-from anatomist.plan.candidates import Candidate, Evaluator, Objective, choose, pareto_front
+from anatomist.plan.candidates import SPEED_TIE, Candidate, Evaluator, Objective, choose, pareto_front
 from anatomist.plan.reasons import explain, explain_infeasible
-from anatomist.plan.space import SearchSpace, enumerate_recipes
+from anatomist.plan.space import SearchSpace, enumerate_recipes, partial_variants
+from anatomist.recipe import ResolvedRecipe
 from anatomist.trace import pool
 from anatomist.workload import Workload
 
@@ -75,6 +76,34 @@ class Plan:
         }
 
 
+def checkpointing_variants(candidates: list[Candidate], objective: Objective, space: SearchSpace) -> list[ResolvedRecipe]:
+    """The searched recipes' checkpointing refined where it can pay (each needs traces of its own, so only there):
+
+    - checkpointing one layer in N (`space.partial_checkpointing`) of the recipes that fit by checkpointing every
+      layer where the same recipe without checkpointing does not fit but would beat the best that fits;
+    - offloading the checkpoints (`space.offload_checkpoints`) of the recipes that checkpoint every layer and do not
+      fit, where they would beat the best that fits, or nothing fits, or the objective is memory.
+    """
+    if "gradient_checkpointing" in space.fixed or "checkpoint_every" in space.fixed or "checkpoint_offload" in space.fixed:
+        return []
+    feasible = [c for c in candidates if c.fits]
+    best = choose(feasible, objective) if feasible else None
+    by_recipe = {c.recipe: c for c in candidates}
+
+    def beats_best(c: Candidate) -> bool:
+        return best is None or objective == "memory" or c.samples_per_second > best.samples_per_second * (1 + SPEED_TIE)
+
+    every_layer = [c for c in candidates if c.recipe.checkpointing == "on"]
+    between = [c.recipe for c in every_layer if c.fits and objective == "throughput"
+               and (plain := by_recipe.get(c.recipe.replace(gradient_checkpointing=False))) is not None
+               and not plain.fits and beats_best(plain)]
+    variants = partial_variants(between, space)
+    if space.offload_checkpoints:
+        variants += [c.recipe.replace(checkpoint_offload=True) for c in every_layer
+                     if (not c.fits or objective == "memory") and beats_best(c)]
+    return list(dict.fromkeys(variants))
+
+
 def plan(
     workload: Workload,
     gpu: GPU,
@@ -109,6 +138,11 @@ def plan(
         prefetch(workload, recipes, gpu.compute_capability, num_gpus=space.num_gpus)  # every trace, side by side
         candidates = [evaluate(r) for r in recipes]
         feasible = [c for c in candidates if c.fits]
+        variants = checkpointing_variants(candidates, objective, space)
+        if variants:
+            prefetch(workload, variants, gpu.compute_capability, num_gpus=space.num_gpus)
+            candidates += [evaluate(r) for r in variants]
+            feasible = [c for c in candidates if c.fits]
         if not feasible:
             raise InputError(explain_infeasible(workload, gpu, space, candidates, limit, margin))
         best = choose(feasible, objective)

@@ -16,7 +16,7 @@ import dataclasses
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from anatomist.axes.liger import liger_modelled
 from anatomist.axes.optimizers import DEFAULT_SEARCH
@@ -64,6 +64,12 @@ class SearchSpace:
     optims: tuple[str, ...] = DEFAULT_SEARCH
     compile_options: tuple[bool, ...] = (False, True)
     checkpointing_options: tuple[bool, ...] = (False, True)
+    partial_checkpointing: tuple[int, ...] = (2, 4)
+    """`checkpoint_every` values tried where checkpointing every layer fits and none does not (`search.
+    checkpointing_variants`): one layer in N recomputes, the others keep their activations."""
+    offload_checkpoints: bool = True
+    """Try offloading the checkpoints to the host where checkpointing every layer does not fit (`search.
+    checkpointing_variants`): less device memory for PCIe copies."""
     shardings: tuple[str, ...] | None = None
     """Names from `axes.shardings.shardings_for(num_gpus)`; None: all of those."""
     precisions: tuple[str, ...] | None = None
@@ -182,6 +188,35 @@ def _recipes(space: SearchSpace, method: str, ckpt: bool, precision_name: str, o
         }
         yield space.base.replace(**{**fields, **METHODS[method], **precision(precision_name).fields,
                                     **sharding.fields})
+
+
+R = TypeVar("R", bound=Recipe)
+
+
+def partial_variants(recipes: list[R], space: SearchSpace) -> list[R]:
+    """The recipes among `recipes` that checkpoint every layer, checkpointing one layer in N instead (N from
+    `space.partial_checkpointing`)."""
+    return list(dict.fromkeys(r.replace(checkpoint_every=n) for r in recipes
+                              if r.gradient_checkpointing and r.checkpoint_every == 1
+                              for n in space.partial_checkpointing))
+
+
+def checkpointing_alternatives(recipe: R, space: SearchSpace) -> list[tuple[str, R]]:
+    """What the plan's reasons compare `recipe`'s checkpointing with: on/off where both are searched, and a
+    checkpointed recipe's other fractions of layers (`partial_variants`) and offload."""
+    alternatives = []
+    if len(space.checkpointing_options) > 1:
+        toggled = recipe.replace(gradient_checkpointing=not recipe.gradient_checkpointing, checkpoint_every=1)
+        alternatives.append((toggled.checkpointing, toggled))
+    if recipe.gradient_checkpointing:
+        every_layer = recipe.replace(checkpoint_every=1)
+        for other in [every_layer, *partial_variants([every_layer], space)]:
+            if other.checkpoint_every != recipe.checkpoint_every:
+                alternatives.append((other.checkpointing, other))
+        if space.offload_checkpoints:
+            toggled = recipe.replace(checkpoint_offload=not recipe.checkpoint_offload)
+            alternatives.append((toggled.checkpointing, toggled))
+    return alternatives
 
 
 def method_of(recipe: Recipe) -> str:

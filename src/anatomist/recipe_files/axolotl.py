@@ -12,7 +12,8 @@ data/framework_fields.json names) and what its loader does with them:
   bfloat16 (also with bfloat16: true, without autocast); fp16 / float16 / load_in_8bit load float16;
   else float32;
 - attention: attn_implementation, or the older flash_attention / sdp_attention / eager_attention;
-- gradient_checkpointing true ("offload" moves activations to the CPU: not modelled, refused);
+- gradient_checkpointing true, or "offload" (Unsloth's: the checkpoints' inputs on the host, `checkpoint_offload`;
+  "offload_disk" refused);
 - deepspeed (a ds_config path or mapping, read as the Trainer reads it), fsdp (a strategy list) with
   fsdp_config (keys with or without "fsdp_"), fsdp_version;
 - tensor_parallel_size, context_parallel_size, dp_replicate_size above 1: not modelled, refused.
@@ -69,7 +70,9 @@ def read_axolotl(data: dict[str, Any], reading: Reading, file: str) -> None:
     _precision(data, reading, file)
     _attention(data, reading, file)
     checkpointing = data.get("gradient_checkpointing")
-    if isinstance(checkpointing, str):
+    if checkpointing == "offload":  # Unsloth's offloaded checkpoints: their inputs on the host, as transformers' offload
+        reading.set("checkpoint_offload", True, file, "gradient_checkpointing")
+    elif isinstance(checkpointing, str):
         refuse_unmodelled("activation_offload", file, "gradient_checkpointing", checkpointing)
     if checkpointing is not None:
         reading.set("gradient_checkpointing", bool(checkpointing), file, "gradient_checkpointing")

@@ -24,7 +24,6 @@ from typing import Any
 from anatomist.errors import InputError
 from anatomist.recipe_files.known import TRAINER_CLASSES, framework_fields, historical_fields, refuse_unknown
 from anatomist.recipe_files.reading import Reading
-from anatomist.recipe_files.unmodelled import refuse_unmodelled
 
 MARKERS = ("finetuning_type", "stage", "template", "cutoff_len", "lora_target", "quantization_bit")
 """Keys only a LLaMA-Factory file has (neither TrainingArguments nor TRL nor axolotl names them)."""
@@ -56,7 +55,6 @@ def read_llamafactory(data: dict[str, Any], reading: Reading, file: str) -> None
     method = data.get("finetuning_type", "lora")
     if method not in ("lora", "full"):
         raise InputError(f"{file}: finetuning_type={method!r} is not modelled; modelled: lora, full")
-    refuse_unmodelled("activation_offload", file, "use_unsloth_gc", data.get("use_unsloth_gc"))
     read_trainer({k: v for k, v in data.items() if k in training and k not in OWN}, reading, file)
     if data.get("model_name_or_path"):
         reading.set("model", data["model_name_or_path"], file, "model_name_or_path")
@@ -64,6 +62,9 @@ def read_llamafactory(data: dict[str, Any], reading: Reading, file: str) -> None
     if "gradient_checkpointing" not in reading.values:
         reading.set("gradient_checkpointing", not data.get("disable_gradient_checkpointing", False), file,
                     "disable_gradient_checkpointing")
+    if data.get("use_unsloth_gc") and reading.get("gradient_checkpointing"):
+        # Unsloth's checkpointing: each checkpointed layer's input hidden states on the host (model_utils/checkpointing.py)
+        reading.set("checkpoint_offload", True, file, "use_unsloth_gc")
     attention = data.get("flash_attn", "auto")
     if attention not in ATTENTION:
         raise InputError(f"{file}: flash_attn={attention!r} is not modelled; modelled: {', '.join(ATTENTION)}")

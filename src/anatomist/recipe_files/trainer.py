@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from functools import cache
 from typing import Any
 
@@ -43,7 +44,8 @@ DIRECT = RECIPE_FIELDS - {"gradient_checkpointing", "tf32", "fsdp", "lora_target
 fp16, optim, ...), TRL ModelConfig's (dtype, attn_implementation, lora_r, load_in_4bit, ...) and anatomist's."""
 DEEPSPEED_CHECKED = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "fp16", "bf16")
 """The TrainingArguments values the Trainer fills DeepSpeed's "auto" with and checks the rest against."""
-HANDLED = frozenset({"gradient_checkpointing", "activation_checkpointing", "tf32", "fsdp", "fsdp_config",
+HANDLED = frozenset({"gradient_checkpointing", "activation_checkpointing", "gradient_checkpointing_kwargs",
+                     "activation_checkpointing_kwargs", "tf32", "fsdp", "fsdp_config",
                      "deepspeed", "lora_target_modules", "use_peft", "use_bnb_nested_quant", "model_name_or_path",
                      "max_length", "model_init_kwargs", *TRL_LEGACY})
 
@@ -169,12 +171,35 @@ def _unmodelled(data: dict[str, Any], file: str) -> None:
             refuse_unmodelled(setting, file, f"parallelism_config.{key}", config.get(key))
 
 
+CHECKPOINTING_KWARGS = {"every_n_layers": "checkpoint_every", "offload": "checkpoint_offload"}
+"""The keys of TrainingArguments' activation_checkpointing_kwargs that transformers takes for itself (5.23:
+`activation_checkpointing_enable`); the others go to torch.utils.checkpoint (use_reentrant: no memory change)."""
+
+
 def _checkpointing(data: dict[str, Any], reading: Reading, file: str) -> None:
-    """activation_checkpointing is TrainingArguments' new name (5.x); gradient_checkpointing the old one, used
-    when the new one is unset (training_args.py)."""
+    """activation_checkpointing(_kwargs) are TrainingArguments' new names (5.x); gradient_checkpointing(_kwargs) the
+    old ones, used when the new one is unset (training_args.py). The kwargs count only with checkpointing on, as
+    in transformers; TRL's `selective` key is refused: the attention outputs it saves are not modelled."""
     for key in ("activation_checkpointing", "gradient_checkpointing"):
         if data.get(key) is not None:
             reading.set("gradient_checkpointing", bool(data[key]), file, key)
+            break
+    if not reading.get("gradient_checkpointing"):
+        return
+    for key in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
+        kwargs = data.get(key)
+        if isinstance(kwargs, str):  # TrainingArguments takes the dict as a JSON string too (command lines)
+            try:
+                kwargs = json.loads(kwargs)
+            except json.JSONDecodeError as exc:
+                raise InputError(f"{file}: {key} is not a JSON mapping: {exc.msg}") from None
+        if kwargs and not isinstance(kwargs, dict):
+            raise InputError(f"{file}: {key} must be a mapping, got {kwargs!r}")
+        if kwargs:
+            refuse_unmodelled("selective_checkpointing", file, f"{key}.selective", kwargs.get("selective"))
+            for name, field_name in CHECKPOINTING_KWARGS.items():
+                if kwargs.get(name) is not None:
+                    reading.set(field_name, kwargs[name], file, f"{key}.{name}")
             return
 
 

@@ -24,6 +24,8 @@ UNMODELLED: dict[str, str] = {
     "pipeline_parallel": "pipeline parallel: it would be predicted as plain data parallel",
     "hybrid_shard": "hybrid sharding (replicated groups of sharded ranks): it would be predicted as one sharded group",
     "activation_offload": "activation offload to the CPU: it would be predicted with activations on the GPU",
+    "selective_checkpointing": "selective activation checkpointing (the attention outputs kept): it would be "
+                               "predicted as full recomputation",
 }
 """Setting -> what it changes and how a prediction that ignored it would be wrong."""
 

@@ -366,6 +366,8 @@ _SHORT = {
     "per_device_train_batch_size": "bs{}",
     "gradient_accumulation_steps": "ga{}",
     "gradient_checkpointing": "gc",
+    "checkpoint_every": "gc1in{}",
+    "checkpoint_offload": "gc-offload",
     "fp16": "fp16",
     "bf16": "bf16",
     "tf32": "tf32",

@@ -15,6 +15,9 @@ the trace is steered onto the path whose saved tensors match CUDA's:
 - optimizers: `foreach` is the default on CUDA only; the estimator passes it explicitly.
 - cuBLAS: its workspace comes from the caching allocator at the first matrix product
   (see `hardware.cublas_workspace_bytes`).
+- checkpoints offloaded to the host (transformers' activation_checkpointing_kwargs offload):
+  `save_on_cpu` moves nothing where the tensors already are on the CPU; `saved_on_host` moves
+  them out of the trace's (the device's) memory and back, as it does on a GPU.
 
 Known limitations: CPU autocast's op lists differ slightly from CUDA's (a few ops run in a
 different precision); kernels that pick an algorithm at run time (cuDNN, cuBLASLt) may
@@ -91,6 +94,37 @@ def _cuda_sdpa(
         query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale
     )
     return out
+
+
+class _SavedOnHost(torch.autograd.graph.saved_tensors_hooks):
+    """torch's save_on_cpu as it runs on a GPU, for `tracer`: what autograd saves is copied to the host (made
+    while the tracer is paused: no device memory), the device's copy freed once nothing else holds it; backward
+    copies it back (a device allocation)."""
+
+    def __init__(self, tracer: Any, pin_memory: bool = True, device_type: str = "cuda") -> None:
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            with tracer.paused():
+                host = torch.empty_like(tensor)
+                host.copy_(tensor)
+            return host
+
+        def unpack(host: torch.Tensor) -> torch.Tensor:
+            return host.clone()
+
+        super().__init__(pack, unpack)
+
+
+@contextlib.contextmanager
+def saved_on_host(tracer: Any) -> Iterator[None]:
+    """Within: transformers' checkpoints offloaded with save_on_cpu (its `offload`) leave the traced device."""
+    from transformers import modeling_utils
+
+    original = modeling_utils.save_on_cpu
+    modeling_utils.save_on_cpu = lambda **kwargs: _SavedOnHost(tracer, **kwargs)  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        modeling_utils.save_on_cpu = original  # type: ignore[misc]
 
 
 @contextlib.contextmanager

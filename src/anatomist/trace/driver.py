@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import inspect
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,14 +33,14 @@ from anatomist.recipe import ResolvedRecipe
 from anatomist.trace import sharded, trainers
 from anatomist.trace.autocast import cuda_autocast_policy
 from anatomist.trace.compiled import compile_blocks
-from anatomist.trace.cuda_model import cuda_code_paths, fake_parameters
+from anatomist.trace.cuda_model import cuda_code_paths, fake_parameters, saved_on_host
 from anatomist.trace.cutting import traced_config
 from anatomist.trace.experts import build_kwargs, check_traceable
-from anatomist.trace.inputs import make_batch
+from anatomist.trace.inputs import make_batch, rows_not_packed
 from anatomist.trace.keys import Depth, Part, traced_attention, traced_micro_batches, traced_world
 from anatomist.trace.peft import apply_peft, counted_parameters
 from anatomist.trace.records import StepTrace, Trace, curves_of
-from anatomist.trace.stack import block_lists
+from anatomist.trace.stack import block_lists, checkpoint_partially
 from anatomist.trace.tracer import StepTracer
 from anatomist.workload import Workload
 
@@ -110,7 +111,7 @@ def trace_step(
             tracer.phase = Phase.SETUP
             for _ in range(1 if part == "inference" else 2):
                 tracer.allocate_extra(cublas_workspace_bytes(compute_capability), MemoryCategory.FUNCTIONALITY)
-            phases, static = _run_part(part, model, params, workload, recipe, batch_size, tracer, reference)
+            phases, static = _run_part(part, model, params, workload, recipe, batch_size, tracer, reference, depth)
         return _step_trace(tracer, model, params, phases, static, part)
 
 
@@ -176,6 +177,10 @@ def _tracing(workload: Workload, recipe: ResolvedRecipe, tracer: StepTracer, fak
     policy, fake tensors, the observers, the tracer, CUDA's code paths."""
     with contextlib.ExitStack() as modes:
         modes.enter_context(data_dependent_code_is_input_error(workload, recipe))
+        if isinstance(fake_mode, FakeTensorMode):
+            modes.enter_context(rows_not_packed(recipe))
+            if recipe.checkpoint_offload:
+                modes.enter_context(saved_on_host(tracer))
         if lower_dtype(recipe) is not None:
             modes.enter_context(cuda_autocast_policy())  # autocast casts as on CUDA, not as on CPU
         for mode in (fake_mode, *observers, tracer, cuda_code_paths()):
@@ -185,7 +190,7 @@ def _tracing(workload: Workload, recipe: ResolvedRecipe, tracer: StepTracer, fak
 
 def _run_part(part: Part, model: torch.nn.Module, params: list[torch.nn.Parameter], workload: Workload,
               recipe: ResolvedRecipe, batch_size: int, tracer: StepTracer, reference: torch.nn.Module | None = None,
-              ) -> tuple[list[Phase], dict[MemoryCategory, int]]:
+              depth: Depth = None) -> tuple[list[Phase], dict[MemoryCategory, int]]:
     """Run `part` of the step; (the phases it ran, the static bytes it made: the optimizer state)."""
     lower = lower_dtype(recipe)
     autocast = torch.autocast("cpu", dtype=lower) if lower is not None else contextlib.nullcontext()
@@ -193,11 +198,11 @@ def _run_part(part: Part, model: torch.nn.Module, params: list[torch.nn.Paramete
         _inference_step(model, workload, batch_size, tracer, autocast)
         return [Phase.FORWARD], {}
     if part == "forward-backward":
-        forward_backward(model, params, workload, recipe, batch_size, tracer, autocast, reference)
+        forward_backward(model, params, workload, recipe, batch_size, tracer, autocast, reference, depth)
         return [Phase.FORWARD, Phase.BACKWARD], {}
     optimizer, state_bytes = create_state(params, recipe, tracer)
     if part == "train-step":
-        forward_backward(model, params, workload, recipe, batch_size, tracer, autocast, reference)
+        forward_backward(model, params, workload, recipe, batch_size, tracer, autocast, reference, depth)
         phases = [Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER]
     else:
         for p in params:
@@ -286,6 +291,27 @@ def optimizer_phase(
     optimizer.zero_grad(set_to_none=True)
 
 
+def enable_checkpointing(model: torch.nn.Module, depth: Depth, recipe: ResolvedRecipe) -> None:
+    """transformers' own activation_checkpointing_enable (offloading when the recipe does), then only the layers
+    the recipe checkpoints (`stack.checkpoint_partially`: numbered as in the full model, not the cut).
+
+    Raises:
+        InputError: offload asked of a transformers whose checkpointing has none.
+    """
+    # transformers' methods (the newer name first): not nn.Module's, so typed Any
+    enable: Any = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    if not recipe.checkpoint_offload:
+        enable()
+    elif "offload" in inspect.signature(enable).parameters:
+        enable(offload=True)
+    else:
+        import transformers
+
+        raise InputError(f"checkpoint_offload: transformers {transformers.__version__} cannot offload checkpoints "
+                         "(activation_checkpointing_enable(offload=...)); upgrade transformers or leave it off")
+    checkpoint_partially(model, depth, recipe)
+
+
 def forward_backward(
     model: torch.nn.Module,
     params: list[torch.nn.Parameter],
@@ -295,12 +321,12 @@ def forward_backward(
     tracer: StepTracer,
     autocast: Any,
     reference: torch.nn.Module | None = None,
+    depth: Depth = None,
 ) -> None:
+    """The micro-batches' forward and backward passes of `model` (cut to `depth`)."""
     model.train()
     if recipe.gradient_checkpointing:
-        # transformers' methods (the newer name first): not nn.Module's, so typed Any
-        enable: Any = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable()
+        enable_checkpointing(model, depth, recipe)
     if recipe.torch_compile and not recipe.gradient_checkpointing:  # trace/compiled.py (under checkpointing:
         compile_blocks(model, tracer)  # blocks stay eager, see its docstring)
     scale: torch.Tensor | None = None

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
+    from anatomist.recipe import ResolvedRecipe
     from anatomist.workload import Workload
 
 
@@ -20,3 +23,26 @@ def make_batch(workload: Workload, batch_size: int) -> dict[str, torch.Tensor]:
     if workload.task == "sequence-classification":
         return {"input_ids": ids, "labels": torch.zeros(batch_size, dtype=torch.long)}
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+@contextlib.contextmanager
+def rows_not_packed(recipe: ResolvedRecipe) -> Iterator[None]:
+    """Within: transformers' test of whether a batch's rows are packed sequences answers "no" on fake tensors as it
+    does on the real batch (`make_batch`'s rows are one sequence each).
+
+    Without a cache (training under gradient checkpointing, which turns the cache off) transformers reads the
+    position ids for restarts (`masking_utils.find_packed_sequence_indices`); fake tensors have no values to read, so it
+    would keep a packed-sequence mask and build a full [batch, 1, seq, seq] attention mask where the real step
+    passes none (SDPA's is_causal). A padding-free recipe's rows are packed: left to transformers.
+    """
+    from transformers import masking_utils
+
+    if recipe.padding_free:
+        yield
+        return
+    original = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original

@@ -64,7 +64,7 @@ LLM_FIELDS = ("use_liger_kernel", "trainer", "precompute_ref_log_probs")
 trainer's loss (TRL's fused LM head, DPO's pairs and reference model). Padding-free training changes the traced
 sequence length (`Workload.for_recipe`), packing nothing traced."""
 PART_FIELDS: dict[str, tuple[str, ...]] = {
-    "forward-backward": ("dtype", "gradient_checkpointing", "fp16", "bf16", "attn_implementation",
+    "forward-backward": ("dtype", "gradient_checkpointing", "checkpoint_every", "checkpoint_offload", "fp16", "bf16", "attn_implementation",
                          "experts_implementation", "torch_compile", *PEFT_FIELDS, *LLM_FIELDS),
     "inference": ("dtype", "fp16", "bf16", "attn_implementation", "experts_implementation", *PEFT_FIELDS),
     "optimizer": ("dtype", "optim", "fp16", "max_grad_norm", *PEFT_FIELDS),
@@ -132,8 +132,10 @@ def _kernel_paths(recipe: ResolvedRecipe, part: Part, compute_capability: str) -
 
 
 def plan_key(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ...]:
-    """The key of a model's trace plan and exact size (`cuts.model_plan`): the model as PEFT makes it."""
-    return ("plan", *workload.trace_key(), tuple(getattr(recipe, f) for f in PEFT_FIELDS))
+    """The key of a model's trace plan and exact size (`cuts.model_plan`): the model as PEFT makes it, and which
+    of its blocks checkpoint (partial checkpointing makes kinds of blocks: `stack.CHECKPOINTED`)."""
+    return ("plan", *workload.trace_key(), tuple(getattr(recipe, f) for f in PEFT_FIELDS),
+            recipe.checkpoint_every if recipe.gradient_checkpointing else 1)
 
 
 TRACE_SOURCES: tuple[str, ...] = (

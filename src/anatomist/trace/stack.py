@@ -29,7 +29,7 @@ import torch
 
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.cutting import INDEX_LIST_FIELDS, cut_config, depth_fields, is_scalar, per_layer_fields
-from anatomist.trace.keys import Cut, traced_attention
+from anatomist.trace.keys import Cut, Depth, traced_attention
 from anatomist.workload import Workload
 
 _INDEX_NAMES = ("idx", "index", "layer_id", "layer_num", "layer_number")
@@ -145,6 +145,58 @@ def _signatures(config: Any, stacks: list[tuple[tuple[str, ...], list[tuple[str,
     return signatures
 
 
+CHECKPOINTED = ("recipe", "checkpointed")
+"""The signature item of a layer that gradient checkpointing recomputes while others keep their activations
+(`Recipe.checkpoint_every`): layers alike but checkpointed or not are kinds of their own."""
+
+
+def repeated_layers(model: torch.nn.Module, depth: Depth) -> list[tuple[torch.nn.Module, int]]:
+    """Each repeated layer of `model` (the model cut to `depth`) with its index among the full model's repeated
+    layers, counted in the model's order over every stack (as transformers numbers them for every_n_layers)."""
+    order = [p for p, _ in block_lists(model, model.config)]
+    lists = []
+    for fields, members in _stacks_of(model, model.config) or []:
+        cut = next((c for c in depth.stacks if c.fields == fields), None) if isinstance(depth, Cut) else None
+        for path, modules in members:
+            kept = cut.kept if cut is not None else range(len(modules))
+            lists.append((order.index(path), modules, kept, cut.depth if cut is not None else len(modules)))
+    layers, offset = [], 0
+    for _, modules, kept, full_depth in sorted(lists, key=lambda entry: entry[0]):
+        layers += [(module, offset + k) for module, k in zip(modules, kept, strict=True)]
+        offset += full_depth
+    return layers
+
+
+def _mark_checkpointed(model: torch.nn.Module, depth: Depth, stacks: list[tuple[tuple[str, ...], list[tuple[str, Any]]]],
+                       signatures: list[list[dict[tuple[str, str], Any]]], recipe: ResolvedRecipe) -> None:
+    """Add to each layer's signature whether it checkpoints (in each of its stack's ModuleLists)."""
+    if recipe.checkpoint_every == 1:
+        return
+    number = {id(module): layer for module, layer in repeated_layers(model, depth)}
+    for (_fields, members), rows in zip(stacks, signatures, strict=True):
+        for i, row in enumerate(rows):
+            row[CHECKPOINTED] = tuple(recipe.checkpointed(number[id(modules[i])]) for _, modules in members)
+
+
+def checkpoint_partially(model: torch.nn.Module, depth: Depth, recipe: ResolvedRecipe) -> None:
+    """After the model's activation_checkpointing_enable: checkpoint only the layers `recipe` checkpoints, numbered
+    as in the full model (transformers' every_n_layers numbers the layers of the model it is given: a cut's).
+
+    Raises:
+        InputError: a model whose layers do not checkpoint one by one (transformers' GradientCheckpointingLayer).
+    """
+    from anatomist.errors import InputError
+
+    if recipe.checkpoint_every == 1:
+        return
+    layers = repeated_layers(model, depth)
+    if not layers or not all(hasattr(type(m), "gradient_checkpointing") for m, _ in layers):
+        raise InputError(f"checkpoint_every={recipe.checkpoint_every}: {type(model).__name__} does not checkpoint "
+                         "layer by layer (transformers' GradientCheckpointingLayer); use checkpoint_every=1")
+    for module, layer in layers:
+        setattr(module, "gradient_checkpointing", recipe.checkpointed(layer))  # noqa: B010 (nn.Module types it Tensor | Module)
+
+
 def _varying(rows: list[dict[tuple[str, str], Any]]) -> list[tuple[str, str]]:
     """The signature items that differ between some blocks of a stack: what tells kinds apart."""
     keys = sorted({k for row in rows for k in row}, key=repr)
@@ -188,6 +240,7 @@ def layout_of(workload: Workload, recipe: ResolvedRecipe) -> Layout:
                       parameter_numels=numels, quantized_codes=codes)
     block = max((sum(p.numel() for p in b.parameters()) for _, lists in found for _, blocks in lists for b in blocks),
                 default=0)
+    _mark_checkpointed(model, None, found, signatures, recipe)
     stacks = tuple(
         Stack(fields=fields, paths=tuple(p for p, _ in members), kinds=_kinds(rows, _varying(rows)))
         for (fields, members), rows in zip(found, signatures, strict=True)
@@ -209,7 +262,9 @@ def cut_matches(workload: Workload, recipe: ResolvedRecipe, layout: Layout, cut:
         found = [(s.fields, [(p, model.get_submodule(p)) for p in s.paths]) for s in layout.stacks]
     except (InputError, ValueError, TypeError, AttributeError, IndexError, KeyError, RuntimeError):
         return False  # a config the cut left inconsistent (layer indices past the new depth, ...)
-    for stack, rows, got in zip(cut.stacks, layout.signatures, _signatures(model.config, found), strict=True):
+    signatures = _signatures(model.config, found)
+    _mark_checkpointed(model, cut, found, signatures, recipe)
+    for stack, rows, got in zip(cut.stacks, layout.signatures, signatures, strict=True):
         if len(got) != len(stack.kept):
             return False
         varying = _varying(list(rows))

@@ -1,0 +1,127 @@
+"""Partial and offloaded activation checkpointing: transformers' activation_checkpointing_kwargs every_n_layers
+(`Recipe.checkpoint_every`) and offload (`Recipe.checkpoint_offload`).
+
+Partial: the measured side is PyTorch's MemTracker over a real steady-state step of the full-depth model on the
+CPU (memtracker_step.py), checkpointed by transformers itself: `activation_checkpointing_enable(every_n_layers=N)`
+picks the layers. The prediction traces cuts of the model with a checkpointed and a plain layer (a kind each) and
+extrapolates them to 16 layers at batch 5: it never traced that depth nor that batch.
+
+Offload: transformers wraps each checkpoint in torch's save_on_cpu, which on a CPU moves nothing, so MemTracker
+cannot see it here. The measured side is what transformers offloads in a real step: every storage its
+save_on_cpu is handed (recorded by a pass-through hook in its place). At the end of forward none of those is
+needed on the device, so the predicted forward peak must drop by their bytes; the two differ by the rotary
+cos/sin tables (2 x 4 KiB here), which the prediction keeps on the device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from memtracker_step import count_as_on_cuda, measure_step, round_to_block
+from transformers import modeling_utils
+
+from anatomist.estimate.memory import estimate_memory
+from anatomist.hardware import get_gpu
+from anatomist.recipe import Recipe
+from anatomist.trace.cuts import model_plan
+from anatomist.trace.inputs import make_batch
+from anatomist.workload import load_workload
+
+GPU = get_gpu("A100-80GB")
+BATCH = 5
+LAYERS = 16  # deep enough that cuts by kind cost less than the full model: extrapolated, not traced whole
+
+
+@pytest.fixture
+def workload(tiny_model):
+    return load_workload(str(tiny_model("llama", num_hidden_layers=LAYERS)), seq_len=64)
+
+
+@pytest.mark.parametrize("every", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_partial_checkpointing_matches_pytorchs_accounting(workload, monkeypatch, every):
+    count_as_on_cuda(monkeypatch)
+    recipe = Recipe.with_presets(per_device_train_batch_size=BATCH, dtype="float32", checkpoint_every=every)
+    recipe = recipe.resolved(workload)
+    assert recipe.gradient_checkpointing  # implied by checkpoint_every > 1
+    assert model_plan(workload, recipe).plan.how == "by-kind"
+    predicted = estimate_memory(workload, recipe, GPU).anatomy
+
+    torch.manual_seed(0)
+    model = workload.build_model(recipe.attn_implementation, recipe.dtype)
+    model.activation_checkpointing_enable(every_n_layers=every)
+    assert [layer.gradient_checkpointing for layer in model.model.layers].count(True) == len(range(0, LAYERS, every))
+    measured, _after = measure_step(workload, recipe, model, BATCH)
+    assert predicted.peak_allocated - predicted.functionality == pytest.approx(measured["Total"], rel=0.03)
+
+
+@pytest.mark.slow
+def test_partial_checkpointing_lies_between_none_and_every_layer(workload):
+    activations = {}
+    for name, recipe in {"none": Recipe(), "1 in 4": Recipe.with_presets(checkpoint_every=4),
+                         "1 in 2": Recipe.with_presets(checkpoint_every=2),
+                         "every": Recipe(gradient_checkpointing=True)}.items():
+        recipe = recipe.replace(per_device_train_batch_size=BATCH, dtype="float32")
+        activations[name] = estimate_memory(workload, recipe.resolved(workload), GPU).anatomy.activations
+    assert activations["none"] > activations["1 in 4"] > activations["1 in 2"] > activations["every"], activations
+
+
+def _offloaded_by_transformers(workload, monkeypatch) -> int:
+    """Bytes (as the CUDA allocator rounds them) of the distinct storages transformers' offloading checkpoints hand
+    to save_on_cpu in one real forward and backward."""
+    storages: dict[int, int] = {}
+
+    class Recording(torch.autograd.graph.saved_tensors_hooks):
+        def __init__(self, **_kwargs) -> None:
+            def pack(tensor: torch.Tensor) -> torch.Tensor:
+                storages[tensor.untyped_storage().data_ptr()] = round_to_block(tensor.untyped_storage().nbytes())
+                return tensor
+
+            super().__init__(pack, lambda tensor: tensor)
+
+    monkeypatch.setattr(modeling_utils, "save_on_cpu", Recording)
+    torch.manual_seed(0)
+    model = workload.build_model("sdpa", "float32")
+    model.train()
+    model.activation_checkpointing_enable(offload=True)
+    model(**make_batch(workload, BATCH)).loss.backward()
+    return sum(storages.values())
+
+
+def test_offloaded_checkpoints_leave_the_device(workload, monkeypatch):
+    offloaded = _offloaded_by_transformers(workload, monkeypatch)
+    hidden_states = LAYERS * round_to_block(BATCH * workload.seq_len * workload.config.hidden_size * 4)
+    assert offloaded >= hidden_states  # every layer's input, at least
+    peaks = {}
+    for offload in (False, True):
+        recipe = Recipe.with_presets(per_device_train_batch_size=BATCH, dtype="float32", gradient_checkpointing=True,
+                                     checkpoint_offload=offload)
+        peaks[offload] = estimate_memory(workload, recipe.resolved(workload), GPU).phase_peaks["forward"]
+    assert peaks[False] - peaks[True] == pytest.approx(offloaded, rel=0.02)
+
+
+def test_partial_checkpointing_needs_checkpointing():
+    with pytest.raises(Exception, match="needs gradient_checkpointing=True"):
+        Recipe(checkpoint_every=2)
+    with pytest.raises(Exception, match="at least 1"):
+        Recipe(checkpoint_every=0, gradient_checkpointing=True)
+
+
+def test_emitted_training_arguments_checkpoint_the_predicted_layers(workload, tmp_path):
+    """The TrainingArguments `plan --emit trainer` writes, given to a real Trainer for one step: transformers picks
+    the layers that checkpoint, and they are the ones the prediction checkpointed. (Its offload pins host memory,
+    which a machine without an accelerator refuses: emitted, not run here.)"""
+    from transformers import Trainer, TrainingArguments
+
+    from anatomist.plan.emit import trainer_kwargs
+
+    recipe = Recipe.with_presets(per_device_train_batch_size=2, checkpoint_every=3, checkpoint_offload=True)
+    kwargs = trainer_kwargs(recipe) | {"optim": "adamw_torch"}
+    assert kwargs["gradient_checkpointing_kwargs"] == {"every_n_layers": 3, "offload": True}
+    kwargs["gradient_checkpointing_kwargs"] = {"every_n_layers": 3}
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to="none", use_cpu=True, **kwargs)
+    torch.manual_seed(0)
+    model = workload.build_model("sdpa", "float32")
+    batch = make_batch(workload, 2)
+    rows = [{k: v[i] for k, v in batch.items()} for i in range(2)]
+    Trainer(model=model, args=args, train_dataset=rows).train()
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [recipe.checkpointed(i) for i in range(LAYERS)]
