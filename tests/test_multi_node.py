@@ -144,3 +144,37 @@ def test_a_recipe_file_whose_processes_do_not_split_over_its_machines(tmp_path: 
                                     "mixed_precision": "bf16"}))
     out = cli("estimate", str(tiny_model("bert")), "--gpu", "A100-80GB", "--recipe", str(path))
     assert out.returncode == 2 and "3 GPUs cannot be split evenly over 2 nodes" in out.stderr
+
+
+def test_cluster_sizes_are_powers_of_two_on_a_node_then_whole_nodes() -> None:
+    from anatomist.plan.clusters import cluster_sizes
+
+    assert cluster_sizes(8, 3) == [(1, 1), (2, 1), (4, 1), (8, 1), (16, 2), (24, 3)]
+    assert cluster_sizes(6, 1) == [(1, 1), (2, 1), (4, 1), (6, 1)]
+    with pytest.raises(InputError, match="at least 1"):
+        cluster_sizes(8, 0)
+
+
+@pytest.mark.slow
+def test_the_plan_chooses_the_cluster_with_the_most_samples_per_gpu(tiny) -> None:
+    """Each size is a real plan; a size the global batch does not split over is kept with its reason; the choice
+    is the most samples/s per GPU, compared here with the plans' own figures."""
+    from anatomist.plan.clusters import plan_clusters
+
+    space = SearchSpace(global_batch_size=12, optims=("adamw_torch",), compile_options=(False,),
+                        checkpointing_options=(False,), precisions=("bf16",))
+    clusters, chosen = plan_clusters(space, [(1, 1), (2, 1), (4, 1), (8, 2)], lambda sized: plan(tiny, A100, space=sized))
+    assert [(c.num_gpus, c.nodes, c.plan is not None) for c in clusters] == [(1, 1, True), (2, 1, True), (4, 1, True),
+                                                                             (8, 2, False)]
+    assert "cannot be split evenly over 8 GPUs" in clusters[-1].why_not
+    per_gpu = {c.num_gpus: c.plan.best.samples_per_second / c.num_gpus for c in clusters if c.plan}
+    assert chosen.samples_per_gpu == pytest.approx(max(per_gpu.values()), rel=0.01)
+    assert chosen.to_dict()["fits"] and clusters[-1].to_dict()["recipe"] is None
+    with pytest.raises(InputError, match="no cluster size has a recipe that fits"):
+        plan_clusters(space, [(8, 2)], lambda sized: plan(tiny, A100, space=sized))
+
+
+def test_max_nodes_takes_no_nodes(cli) -> None:
+    result = cli("plan", "gpt2", "--gpu", "A100-80GB", "--gpus", "8", "--nodes", "2", "--max-nodes", "2")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["anatomist: error: --max-nodes chooses the number of nodes: leave --nodes out"]

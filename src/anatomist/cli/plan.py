@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
@@ -35,6 +35,7 @@ from anatomist.recipe import TRAINERS, Recipe
 from anatomist.workload import load_workload
 
 if TYPE_CHECKING:
+    from anatomist.plan.clusters import Cluster
     from anatomist.plan.search import Plan
 
 
@@ -50,6 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--global-batch-size", type=int, default=None, metavar="N",
                    help="samples per optimizer step over all GPUs (default: any batch, no accumulation)")
     add_devices_flags(p, "data-parallel GPUs (adds ZeRO 1/2/3 and FSDP; default: the --recipe file's, else 1)")
+    p.add_argument("--max-nodes", type=int, default=None, metavar="N",
+                   help="choose the cluster: plan 1, 2, 4 ... --gpus GPUs on one node (default 8), then 2 ... N whole "
+                        "nodes, and pick the size with the most samples/s per GPU")
     p.add_argument("--objective", choices=["throughput", "memory"], default="throughput")
     add_margin_flag(p)
     p.add_argument("--optims", default=",".join(DEFAULT_SEARCH), metavar="A,B",
@@ -92,6 +96,37 @@ def _names(flag: str, what: str, text: str, known: tuple[str, ...], *, allow_non
 
 
 def build_plan(args: argparse.Namespace) -> Plan:
+    """The plan the flags ask for (with --max-nodes: the chosen cluster size's, `build_clusters`)."""
+    if args.max_nodes is None:
+        return _plan(*_search(args))
+    chosen = build_clusters(args)[1].plan
+    assert chosen is not None  # plan_clusters chooses among the sizes with a plan
+    return chosen
+
+
+def build_clusters(args: argparse.Namespace) -> tuple[list[Cluster], Cluster]:
+    """--max-nodes: every cluster size planned (`plan.clusters`), and the chosen one."""
+    from anatomist.plan.clusters import cluster_sizes, plan_clusters
+
+    if args.nodes is not None:
+        raise InputError("--max-nodes chooses the number of nodes: leave --nodes out")
+    sizes = cluster_sizes(args.gpus if args.gpus is not None else 8, args.max_nodes)
+    workload, gpu, space, objective, margin, time_model = _search(args, one_size=True)
+    progress = console(stderr=True)
+    return plan_clusters(space, sizes, lambda sized: _plan(workload, gpu, sized, objective, margin, time_model),
+                         on_size=lambda g, n: progress.print(f"planning {devices(g, n)} x {gpu.name}"))
+
+
+def _plan(workload: Any, gpu: Any, space: SearchSpace, objective: str, margin: float, time_model: Any) -> Plan:
+    from anatomist.plan.search import plan  # imports torch
+
+    return plan(workload, gpu, space=space, objective=objective, margin=margin,  # type: ignore[arg-type]
+                time_model=time_model)
+
+
+def _search(args: argparse.Namespace, *, one_size: bool = False) -> tuple[Any, Any, SearchSpace, str, float, Any]:
+    """What `plan` is given: the workload, the GPU, the search space (`one_size`: one GPU, its size set later), the
+    objective, the margin and the time model."""
     apply_cache_flag(args)
     gpu = get_gpu(args.gpu)
     calibration = calibration_from_args(args, gpu)
@@ -117,7 +152,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
     if model is None:
         raise InputError("plan needs a MODEL (or a --recipe file that names one)")
     seq_len = args.seq_len if args.seq_len is not None else source.seq_len if source else None
-    num_gpus, nodes = devices_from_args(args, source)
+    num_gpus, nodes = (1, 1) if one_size else devices_from_args(args, source)
     workload = load_workload(model, seq_len=seq_len, task=args.task,
                              trust_remote_code=args.trust_remote_code, allow_network=args.allow_network,
                              avg_seq_len=args.avg_seq_len, lengths=args.lengths, prompt_len=args.prompt_len)
@@ -128,17 +163,22 @@ def build_plan(args: argparse.Namespace) -> Plan:
         precisions=precisions, methods=methods, base=Recipe(**lora, **trainer), fixed=fixed,
     )
     from anatomist.estimate.communication import predict_time
-    from anatomist.plan.search import plan  # imports torch
 
     time_model = functools.partial(predict_time, calibration=calibration)
-    return plan(workload, gpu, space=space, objective=args.objective, margin=args.memory_margin, time_model=time_model)
+    return workload, gpu, space, args.objective, args.memory_margin, time_model
 
 
 def run(args: argparse.Namespace) -> int:
     if args.output and not args.emit:
         raise InputError(f"-o/--output needs --emit {'|'.join(TARGETS)}")
+    clusters: list[Cluster] = []
     with tracing_progress():
-        result = build_plan(args)
+        if args.max_nodes is not None:
+            clusters, chosen = build_clusters(args)
+            result = chosen.plan
+            assert result is not None  # the chosen size has a plan
+        else:
+            result = build_plan(args)
     if args.emit and args.output:
         space = result.space
         written = write(result.best.recipe, args.emit, args.output, space.num_gpus, model=result.workload.repo_id,
@@ -147,12 +187,14 @@ def run(args: argparse.Namespace) -> int:
         for rank, command in enumerate(launch_commands(args.emit, args.output, space.num_gpus, space.nodes)):
             print(f"node {rank}: {command}", file=sys.stderr)
     if args.json:
-        print_json(result.to_dict())
+        print_json(result.to_dict() | ({"clusters": [c.to_dict() for c in clusters]} if clusters else {}))
     elif args.emit and not args.output:
         sys.stdout.write(render_emit(result.best.recipe, args.emit, result.space.num_gpus,
                                      model=result.workload.repo_id, seq_len=result.workload.seq_len,
                                      nodes=result.space.nodes))
     else:
+        if clusters:
+            render_clusters(clusters, result)
         render(result)
     return 0
 
@@ -168,6 +210,27 @@ def _describe(recipe: Recipe, num_gpus: int, liger: bool = False) -> list[str]:
         "on" if recipe.torch_compile else "off",
         sharding_of(recipe, num_gpus),
     ] + (["on" if recipe.use_liger_kernel else "off"] if liger else [])
+
+
+def render_clusters(clusters: list[Cluster], chosen: Plan) -> None:
+    """The cluster sizes planned (--max-nodes), the chosen one marked."""
+    out = console()
+    if not out.is_terminal:
+        out.width = 150
+    table = Table(title="cluster sizes (the most samples/s per GPU is chosen; its plan follows)", title_justify="left")
+    for col in ("GPUs", "nodes", "samples/s", "per GPU", "device memory", "pick"):
+        table.add_column(col, justify="left" if col == "pick" else "right")
+    for c in clusters:
+        if c.plan is None:
+            table.add_row(str(c.num_gpus), str(c.nodes), "-", "-", "-", f"[dim]{c.why_not}[/]")
+            continue
+        mark = "[bold green]" if c.plan is chosen else ""
+        method, batch, ckpt, precision, optim, compiled, sharding = _describe(c.plan.best.recipe, c.num_gpus)
+        pick = f"{method}, {batch}, ckpt {ckpt}, {precision}, {optim}, compile {compiled}, {sharding}"
+        cells = [str(c.num_gpus), str(c.nodes), f"{c.plan.best.samples_per_second:.1f}", f"{c.samples_per_gpu:.2f}",
+                 gib(c.plan.best.device_total), pick]
+        table.add_row(*[f"{mark}{x}" for x in cells])
+    out.print(table)
 
 
 def render(result: Plan) -> None:
