@@ -125,3 +125,11 @@ def test_emitted_training_arguments_checkpoint_the_predicted_layers(workload, tm
     rows = [{k: v[i] for k, v in batch.items()} for i in range(2)]
     Trainer(model=model, args=args, train_dataset=rows).train()
     assert [layer.gradient_checkpointing for layer in model.model.layers] == [recipe.checkpointed(i) for i in range(LAYERS)]
+
+
+def test_the_reasons_compare_every_setting_of_checkpointing():
+    from anatomist.plan.space import SearchSpace, checkpointing_alternatives
+
+    offloaded = Recipe.with_presets(checkpoint_every=2, checkpoint_offload=True)
+    labels = [label for label, _ in checkpointing_alternatives(offloaded, SearchSpace())]
+    assert labels == ["off", "on+offload", "1 in 4+offload", "1 in 2"]

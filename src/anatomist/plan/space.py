@@ -206,7 +206,8 @@ def checkpointing_alternatives(recipe: R, space: SearchSpace) -> list[tuple[str,
     checkpointed recipe's other fractions of layers (`partial_variants`) and offload."""
     alternatives = []
     if len(space.checkpointing_options) > 1:
-        toggled = recipe.replace(gradient_checkpointing=not recipe.gradient_checkpointing, checkpoint_every=1)
+        toggled = recipe.replace(gradient_checkpointing=not recipe.gradient_checkpointing, checkpoint_every=1,
+                                 checkpoint_offload=False)
         alternatives.append((toggled.checkpointing, toggled))
     if recipe.gradient_checkpointing:
         every_layer = recipe.replace(checkpoint_every=1)
