@@ -119,7 +119,10 @@ def saved_on_host(tracer: Any) -> Iterator[None]:
     """Within: transformers' checkpoints offloaded with save_on_cpu (its `offload`) leave the traced device."""
     from transformers import modeling_utils
 
-    original = modeling_utils.save_on_cpu
+    original = getattr(modeling_utils, "save_on_cpu", None)
+    if original is None:  # a transformers that cannot offload checkpoints (driver.enable_checkpointing says so)
+        yield
+        return
     modeling_utils.save_on_cpu = lambda **kwargs: _SavedOnHost(tracer, **kwargs)  # type: ignore[assignment,misc]
     try:
         yield
