@@ -197,8 +197,8 @@ def test_each_unmodelled_setting_is_one_line(tmp_path: Path, name: str, text: st
     ("args.yaml", "activation_checkpointing: true\nactivation_checkpointing_kwargs:\n  every_n_layers: 2\n", 2, False),
     ("args.yaml", "gradient_checkpointing: true\ngradient_checkpointing_kwargs: '{\"offload\": true}'\n", 1, True),
     ("args.yaml", "gradient_checkpointing: false\ngradient_checkpointing_kwargs:\n  every_n_layers: 2\n", 1, False),
-    # axolotl's and LLaMA-Factory's Unsloth checkpointing: the checkpoints' inputs on the host
-    ("ax.yml", "base_model: x\ngradient_checkpointing: offload\n", 1, True),
+    # axolotl's hidden_states offload and LLaMA-Factory's Unsloth checkpointing: the checkpoints' inputs on the host
+    ("ax.yml", "base_model: x\ngradient_checkpointing: true\nactivation_offloading: hidden_states\n", 1, True),
     ("lf.yaml", "stage: sft\nfinetuning_type: lora\nuse_unsloth_gc: true\n", 1, True),
 ])
 def test_partial_and_offloaded_checkpointing_are_read(tmp_path: Path, name: str, text: str, every: int,

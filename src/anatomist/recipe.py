@@ -97,7 +97,7 @@ class Recipe:
         "activations; 1: every layer. Above 1 it turns gradient_checkpointing on.", metavar="N")
     checkpoint_offload: bool = _field(
         False, "With gradient checkpointing, hold what the checkpointed layers save (their inputs) in pinned host "
-        "memory (transformers' activation_checkpointing_kwargs offload; axolotl's gradient_checkpointing: offload, "
+        "memory (transformers' activation_checkpointing_kwargs offload; axolotl's activation_offloading: hidden_states, "
         "LLaMA-Factory's use_unsloth_gc): frees about layers x tokens x hidden x dtype bytes, and copies them to the "
         "host in forward and back in backward, on the compute stream. It turns gradient_checkpointing on.")
     dtype: LoadDtype = _field(

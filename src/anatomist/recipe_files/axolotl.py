@@ -12,8 +12,13 @@ data/framework_fields.json names) and what its loader does with them:
   bfloat16 (also with bfloat16: true, without autocast); fp16 / float16 / load_in_8bit load float16;
   else float32;
 - attention: attn_implementation, or the older flash_attention / sdp_attention / eager_attention;
-- gradient_checkpointing true, or "offload" (Unsloth's: the checkpoints' inputs on the host, `checkpoint_offload`;
-  "offload_disk" refused);
+- gradient_checkpointing, with gradient_checkpointing_kwargs passed to TrainingArguments (read as it reads them);
+  activation_offloading "hidden_states" keeps each checkpointed layer's input on the host (`checkpoint_offload`,
+  monkeypatch/activation_offload_checkpoint.py); true, "legacy" and "disk" run TRL's activation offloader
+  (core/trainers/mixins/activation_checkpointing.py: every saved activation to the host, in place of recomputation
+  with an adapter) and are refused, as are gradient_checkpointing "offload" and "offload_disk", which axolotl
+  turns into activation_offloading true and "disk" (utils/schemas/validation.py; before 0.12 "offload" was
+  Unsloth's checkpointing);
 - deepspeed (a ds_config path or mapping, read as the Trainer reads it), fsdp (a strategy list) with
   fsdp_config (keys with or without "fsdp_"), fsdp_version;
 - tensor_parallel_size, context_parallel_size, dp_replicate_size above 1: not modelled, refused.
@@ -40,9 +45,11 @@ DIRECT = {"micro_batch_size": "per_device_train_batch_size", "gradient_accumulat
 ATTENTION_FLAGS = {"flash_attention": "flash_attention_2", "sdp_attention": "sdpa", "eager_attention": "eager"}
 PARALLEL = {"tensor_parallel_size": "tensor_parallel", "context_parallel_size": "context_parallel",
             "sequence_parallel_degree": "context_parallel", "dp_replicate_size": "hybrid_shard"}
+OFFLOADING = {"offload": True, "offload_disk": "disk"}
+"""gradient_checkpointing's deprecated values -> the activation_offloading axolotl runs for them (validation.py)."""
 READ = {"base_model", "sequence_len", "adapter", "bf16", "fp16", "bfloat16", "float16", "attn_implementation",
-        "gradient_checkpointing", "lora_target_modules", "lora_target_linear", "deepspeed", "fsdp", "fsdp_config",
-        "fsdp_version", "torch_compile", *DIRECT, *ATTENTION_FLAGS, *PARALLEL}
+        "gradient_checkpointing", "gradient_checkpointing_kwargs", "activation_offloading", "lora_target_modules",
+        "lora_target_linear", "deepspeed", "fsdp", "fsdp_config", "fsdp_version", "torch_compile", *DIRECT, *ATTENTION_FLAGS, *PARALLEL}
 
 
 def looks_like_axolotl(data: dict[str, Any]) -> bool:
@@ -69,17 +76,33 @@ def read_axolotl(data: dict[str, Any], reading: Reading, file: str) -> None:
         reading.set("seq_len", data["sequence_len"], file, "sequence_len")
     _precision(data, reading, file)
     _attention(data, reading, file)
-    checkpointing = data.get("gradient_checkpointing")
-    if checkpointing == "offload":  # Unsloth's offloaded checkpoints: their inputs on the host, as transformers' offload
-        reading.set("checkpoint_offload", True, file, "gradient_checkpointing")
-    elif isinstance(checkpointing, str):
-        refuse_unmodelled("activation_offload", file, "gradient_checkpointing", checkpointing)
-    if checkpointing is not None:
-        reading.set("gradient_checkpointing", bool(checkpointing), file, "gradient_checkpointing")
+    _checkpointing(data, reading, file)
     if data.get("torch_compile") is True:  # "auto": axolotl decides by the torch version; read as off
         reading.set("torch_compile", True, file, "torch_compile")
     _adapter(data, reading, file)
     _sharding(data, reading, file)
+
+
+def _checkpointing(data: dict[str, Any], reading: Reading, file: str) -> None:
+    checkpointing = data.get("gradient_checkpointing")
+    if isinstance(checkpointing, str):
+        if checkpointing not in OFFLOADING:
+            raise InputError(f"{file}: gradient_checkpointing={checkpointing!r} is not one of axolotl's values: true, "
+                             f"false, {', '.join(OFFLOADING)}")
+        offloading, key = OFFLOADING[checkpointing], "gradient_checkpointing"
+    else:
+        offloading, key = data.get("activation_offloading"), "activation_offloading"
+    if offloading == "hidden_states":
+        reading.set("checkpoint_offload", True, file, key)
+    else:
+        refuse_unmodelled("activation_offload", file, key, data.get(key), instead="activation_offloading: "
+                          "hidden_states (only each checkpointed layer's input on the host)")
+    if checkpointing is not None:
+        reading.set("gradient_checkpointing", bool(checkpointing), file, "gradient_checkpointing")
+    if reading.get("gradient_checkpointing") and data.get("gradient_checkpointing_kwargs"):
+        from anatomist.recipe_files.trainer import read_checkpointing_kwargs
+
+        read_checkpointing_kwargs(data["gradient_checkpointing_kwargs"], reading, file, "gradient_checkpointing_kwargs")
 
 
 def _precision(data: dict[str, Any], reading: Reading, file: str) -> None:

@@ -187,20 +187,26 @@ def _checkpointing(data: dict[str, Any], reading: Reading, file: str) -> None:
     if not reading.get("gradient_checkpointing"):
         return
     for key in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
-        kwargs = data.get(key)
-        if isinstance(kwargs, str):  # TrainingArguments takes the dict as a JSON string too (command lines)
-            try:
-                kwargs = json.loads(kwargs)
-            except json.JSONDecodeError as exc:
-                raise InputError(f"{file}: {key} is not a JSON mapping: {exc.msg}") from None
-        if kwargs and not isinstance(kwargs, dict):
-            raise InputError(f"{file}: {key} must be a mapping, got {kwargs!r}")
-        if kwargs:
-            refuse_unmodelled("selective_checkpointing", file, f"{key}.selective", kwargs.get("selective"))
-            for name, field_name in CHECKPOINTING_KWARGS.items():
-                if kwargs.get(name) is not None:
-                    reading.set(field_name, kwargs[name], file, f"{key}.{name}")
+        if data.get(key):
+            read_checkpointing_kwargs(data[key], reading, file, key)
             return
+
+
+def read_checkpointing_kwargs(kwargs: Any, reading: Reading, file: str, key: str) -> None:
+    """TrainingArguments' (activation|gradient)_checkpointing_kwargs, a mapping or its JSON string, with
+    checkpointing on: `every_n_layers` and `offload` set their Recipe fields, TRL's `selective` is refused, the
+    rest (use_reentrant) is torch.utils.checkpoint's and changes no memory. axolotl passes its own through."""
+    if isinstance(kwargs, str):  # TrainingArguments takes the dict as a JSON string too (command lines)
+        try:
+            kwargs = json.loads(kwargs)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{file}: {key} is not a JSON mapping: {exc.msg}") from None
+    if not isinstance(kwargs, dict):
+        raise InputError(f"{file}: {key} must be a mapping, got {kwargs!r}")
+    refuse_unmodelled("selective_checkpointing", file, f"{key}.selective", kwargs.get("selective"))
+    for name, field_name in CHECKPOINTING_KWARGS.items():
+        if kwargs.get(name) is not None:
+            reading.set(field_name, kwargs[name], file, f"{key}.{name}")
 
 
 def _fsdp(data: dict[str, Any], reading: Reading, file: str) -> None:

@@ -30,9 +30,10 @@ UNMODELLED: dict[str, str] = {
 """Setting -> what it changes and how a prediction that ignored it would be wrong."""
 
 
-def refuse_unmodelled(setting: str, file: str, key: str, value: Any) -> None:
-    """InputError naming `file`'s `key` when `value` turns `setting` on (a size of 1 or an off value does not)."""
+def refuse_unmodelled(setting: str, file: str, key: str, value: Any, instead: str = "") -> None:
+    """InputError naming `file`'s `key` when `value` turns `setting` on (a size of 1 or an off value does not);
+    `instead`: a modelled setting of the same tool that does nearly the same, offered before removing it."""
     if is_off(value) or (isinstance(value, int) and not isinstance(value, bool) and value <= 1):
         return
-    raise InputError(f"{file}: {key}={value!r} is not modelled yet ({UNMODELLED[setting]}); remove it to estimate "
-                     "without it")
+    raise InputError(f"{file}: {key}={value!r} is not modelled yet ({UNMODELLED[setting]}); "
+                     f"{f'use {instead} or ' if instead else ''}remove it to estimate without it")
