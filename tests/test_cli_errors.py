@@ -23,6 +23,7 @@ import pytest
         (["estimate", "--fsdp", "hybrid_shard"], r"argument --fsdp: invalid choice: 'hybrid_shard'"),
         (["estimate", "--zero-stage", "4"], r"argument --zero-stage: invalid choice: 4 \(choose from 0, 1, 2, 3\)"),
         (["estimate", "--fsdp", "full_shard", "--zero-stage", "2"], "fsdp and DeepSpeed ZeRO .zero_stage. are exclusive"),
+        (["estimate", "--fsdp", "full_shard", "--gpus", "2", "--optim", "adafactor"], "optim=adafactor does not run under FSDP2"),
         (["estimate", "--dtype", "float16", "--fp16"], "PyTorch refuses to unscale fp16 gradients"),
         (["estimate", "--dtype", "bfloat16", "--gpu", "T4"], "--dtype bfloat16 needs an Ampere or newer GPU"),
         (["estimate", "--offload", "cpu"], "offload=cpu needs DeepSpeed ZeRO"),

@@ -167,6 +167,8 @@ class TimeAnatomy:
     """Hardware FLOPs utilisation: the same with gradient checkpointing's recomputation counted."""
     phases_s: dict[str, float] = field(default_factory=dict)
     """Seconds per phase: forward, backward, optimizer."""
+    hidden_communication_s: float = 0.0
+    """Seconds of collectives that run while the device computes: not in `step_s` (estimate/communication.py)."""
     classes_s: dict[str, float] = field(default_factory=dict)
     """Seconds per operation class: contraction, normalization, elementwise, other."""
     calibrated: bool = False

@@ -22,7 +22,7 @@ from functools import cache
 from typing import TYPE_CHECKING, Any, Literal, Self, get_args, get_origin, get_type_hints
 
 from anatomist.axes.liger import check_liger
-from anatomist.axes.optimizers import OPTIMIZERS, optimizer
+from anatomist.axes.optimizers import OPTIMIZERS, optimizer, runs_with
 from anatomist.axes.precisions import HALF_DTYPES
 from anatomist.axes.shardings import DEEPSPEED_SETTINGS, FSDP_STAGES, deepspeed_values
 from anatomist.errors import InputError
@@ -250,6 +250,10 @@ class Recipe:
             raise InputError(f"unknown fsdp {self.fsdp!r}; known: {', '.join(FSDP_MODES)}")
         if self.fsdp != "none" and self.zero_stage != 0:
             raise InputError("fsdp and DeepSpeed ZeRO (zero_stage) are exclusive: choose one sharding engine")
+        if not runs_with(self.optim, self.fsdp):
+            raise InputError(f"optim={self.optim} does not run under FSDP2 (its state is plain tensors beside the "
+                             "sharded DTensor gradients, which PyTorch refuses to mix): choose another optimizer, or "
+                             "DeepSpeed ZeRO (zero_stage)")
         if self.peft not in PEFT_METHODS:
             raise InputError(f"unknown peft {self.peft!r}; known: {', '.join(PEFT_METHODS)}")
         if self.peft == "qlora" and not self.load_in_4bit:

@@ -79,6 +79,10 @@ class OptimizerSpec:
     """TrainingArguments fields beyond `optim` that make the Trainer build this optimizer."""
     quantized_state: QuantizedState | None = None
     """The low-bit layout of its moments, where it has one."""
+    runs_on_fsdp2: bool = True
+    """Whether its step runs on FSDP2's sharded parameters (DTensors). transformers' Adafactor does not: its
+    factored moments are plain tensors, and its step mixes them with the DTensor gradients, which PyTorch refuses
+    (seen tracing its real step under `fully_shard`)."""
     imports: tuple[str, ...] = ()
     """Modules `build` imports, which the tracer imports before the step (`driver.trace_step`): a module's
     first import runs its top-level code, and tensors made there under the tracer (transformers.optimization
@@ -140,7 +144,7 @@ _SPECS = (
                   searched=True),
     OptimizerSpec(name="adafactor", description="transformers' Adafactor: factored second moment",
                   build=_adafactor, state_bytes_per_param=None, half_state_bytes_per_param=None, searched=True,
-                  imports=("transformers.optimization",)),
+                  runs_on_fsdp2=False, imports=("transformers.optimization",)),
     OptimizerSpec(name="adamw_bnb_8bit", description="bitsandbytes AdamW8bit: blockwise 8-bit moments",
                   build=_quantized_adam(BNB_8BIT), state_bytes_per_param=2, half_state_bytes_per_param=2,
                   package="bitsandbytes", searched=True, quantized_state=BNB_8BIT),
@@ -161,6 +165,11 @@ _SPECS = (
 )
 OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in _SPECS}
 """Every optimizer anatomist models, by TrainingArguments name, in the order `--help` lists them."""
+
+def runs_with(optim: str, fsdp: str) -> bool:
+    """Whether `optim` runs with `TrainingArguments.fsdp` = `fsdp` (`OptimizerSpec.runs_on_fsdp2`)."""
+    return fsdp == "none" or optimizer(optim).runs_on_fsdp2
+
 
 DEFAULT_SEARCH: tuple[str, ...] = tuple(name for name, spec in OPTIMIZERS.items() if spec.searched)
 """What `anatomist plan` searches by default: fused AdamW and the seeds' two memory-saving optimizers

@@ -192,7 +192,10 @@ def render_time(t: TimeAnatomy, *, several: bool = False) -> None:
     table.add_row(f"{t.step_s * 1e3:,.1f} ms{interval}", f"{t.samples_per_second:,.1f}", f"{t.tokens_per_second:,.0f}",
                   f"{t.flops_per_step / t.step_s / 1e12:,.1f}", f"{t.mfu:.0%}", f"{t.hfu:.0%}")
     out.print(table)
-    out.print("phases:  " + ", ".join(f"{k} {v * 1e3:,.1f} ms ({v / t.step_s:.0%})" for k, v in t.phases_s.items()))
+    phases = [f"{k} {v * 1e3:,.1f} ms ({v / t.step_s:.0%})" for k, v in t.phases_s.items()]
+    if t.hidden_communication_s:
+        phases.append(f"and {t.hidden_communication_s * 1e3:,.1f} ms of collectives hidden behind compute")
+    out.print("phases:  " + ", ".join(phases))
     out.print("classes: " + ", ".join(f"{k} {v / t.step_s:.0%}" for k, v in t.classes_s.items()))
     said = f"{t.calibration}; {UNFITTED_TERMS}" if several else t.calibration
     out.print(said if t.calibrated else f"[yellow]{said}[/]")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from anatomist.anatomy import GIB, MIB
+from anatomist.axes.optimizers import runs_with
 from anatomist.axes.precisions import precision, precision_of
 from anatomist.axes.shardings import sharding_of
 from anatomist.estimate.traces import prefetch
@@ -74,7 +75,7 @@ def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[ResolvedRec
         return [
             (spec.name, r.replace(**{**base, **spec.fields}))  # type: ignore[arg-type]
             for spec in space.sharding_options(method_of(r))
-            if spec.name != sharding_of(r, space.num_gpus)
+            if spec.name != sharding_of(r, space.num_gpus) and runs_with(r.optim, spec.fields.get("fsdp", "none"))
         ]
 
     attn = ["eager", "sdpa"] + (["flash_attention_2"] if float(gpu.compute_capability) >= 8.0 else [])
@@ -87,7 +88,8 @@ def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[ResolvedRec
          lambda r: [(p, r.replace(**precision(p).fields)) for p in searched_precisions(space, gpu, method_of(r))
                     if p != precision_of(r)]),
         ("optimizer", lambda r: r.optim,
-         lambda r: [(o, r.replace(optim=o)) for o in space.optims if o != r.optim]),
+         lambda r: [(o, r.replace(optim=o)) for o in space.optims
+                    if o != r.optim and runs_with(o, r.fsdp)]),
         ("attention", lambda r: r.attn_implementation,
          lambda r: [(a, r.replace(attn_implementation=a)) for a in attn
                     if a != r.attn_implementation and (a != "flash_attention_2" or r.mixed_precision != "no")]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from anatomist.axes.liger import liger_modelled
-from anatomist.axes.optimizers import DEFAULT_SEARCH
+from anatomist.axes.optimizers import DEFAULT_SEARCH, runs_with
 from anatomist.axes.precisions import precision, qlora_precision, searchable_on
 from anatomist.axes.shardings import ShardingSpec, shardings_for
 from anatomist.errors import InputError
@@ -174,8 +174,8 @@ def _recipes(space: SearchSpace, method: str, ckpt: bool, precision_name: str, o
     for (batch, accum), sharding, compiled in itertools.product(
         space.batch_options(), space.sharding_options(method), space.compile_options
     ):
-        if compiled and liger or optim == "adafactor" and sharding.fields.get("fsdp", "none") != "none":
-            continue  # neither traces yet: compile over Liger's stand-ins, transformers' Adafactor on FSDP2's DTensors
+        if compiled and liger or not runs_with(optim, sharding.fields.get("fsdp", "none")):
+            continue  # compile over Liger's stand-ins does not trace yet
         fields: dict[str, object] = {
             "per_device_train_batch_size": batch,
             "gradient_accumulation_steps": accum,
