@@ -40,6 +40,18 @@ def test_every_network_says_what_it_is_and_where_its_figure_comes_from() -> None
         assert ("gbit_per_gpu" in link) != ("gbit_per_node" in link), name  # one way of counting, not two
 
 
+def test_every_gpu_is_joined_by_an_interconnect_with_a_source() -> None:
+    from anatomist.hardware import catalog
+
+    kinds = constants()["interconnect"]["kinds"]
+    for kind in kinds.values():
+        assert kind["bus_gbps"] > 0 and kind["describe"] and kind["source"]
+    assert {gpu.interconnect for gpu in catalog().values()} <= set(kinds)
+    assert all(gpu.interconnect for gpu in catalog().values())
+    # NVLink through NVSwitch outruns PCIe by an order of magnitude (the published 8-GPU figures).
+    assert bus_bytes_per_s(8, gpu=get_gpu("H100-SXM")) > 10 * bus_bytes_per_s(8, gpu=get_gpu("H100-PCIe"))
+
+
 def test_one_node_is_the_time_it_was(tiny) -> None:
     recipe = ZERO3.resolved(tiny)
     before = predict_time(tiny, recipe, A100, num_gpus=8)
@@ -52,7 +64,7 @@ def test_a_slow_network_slows_only_the_collectives(tiny) -> None:
     two = predict_time(tiny, recipe, A100, num_gpus=8, nodes=2, network="ethernet-100g")
     # The same 8 devices (the same ring), split over two machines joined by 100 GbE: the collectives
     # go at the network's pace; nothing else in the step moves.
-    slower = bus_bytes_per_s(8) / bus_bytes_per_s(8, 2, "ethernet-100g")
+    slower = bus_bytes_per_s(8, gpu=A100) / bus_bytes_per_s(8, 2, "ethernet-100g", A100)
     assert slower > 5
     def moved(t):
         return t.phases_s["communication"] + t.hidden_communication_s
@@ -61,9 +73,12 @@ def test_a_slow_network_slows_only_the_collectives(tiny) -> None:
     assert two.phases_s["communication"] > one.phases_s["communication"]
     assert {k: v for k, v in two.phases_s.items() if k != "communication"} == \
         {k: v for k, v in one.phases_s.items() if k != "communication"}
-    # A NIC per GPU (rail-optimized InfiniBand) carries a node's ring traffic faster than the assumed
-    # intra-node bus, so the bus stays the limit.
-    assert bus_bytes_per_s(16, 2, "infiniband-ndr") == bus_bytes_per_s(16)
+    # A 400 Gb/s NIC per GPU (rail-optimized InfiniBand) carries a node's ring traffic faster than A100s' NVLink
+    # achieves, so their bus stays the limit; H100s' NVLink outruns it, so there the network is.
+    assert bus_bytes_per_s(16, 2, "infiniband-ndr", A100) == bus_bytes_per_s(16, gpu=A100)
+    h100 = get_gpu("H100-SXM")
+    assert bus_bytes_per_s(16, 2, "infiniband-ndr", h100) == pytest.approx(8 * 50e9 * 0.9)
+    assert bus_bytes_per_s(16, 2, "infiniband-ndr", h100) < bus_bytes_per_s(16, gpu=h100)
 
 
 def test_memory_per_device_does_not_depend_on_the_nodes(tiny) -> None:

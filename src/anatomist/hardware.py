@@ -51,6 +51,8 @@ class GPU:
     cuda_context_source: str
     source: str
     """Where every figure of the entry comes from (datasheet URL; dense or sparse)."""
+    interconnect: str = ""
+    """How GPUs of this model are joined in one host (a kind of plan_throughput.toml's [interconnect.kinds]; "": unknown)."""
     aliases: tuple[str, ...] = ()
     """Other names `get_gpu` accepts as they are (case, spaces and underscores aside)."""
     nvml_names: tuple[str, ...] = ()

@@ -174,7 +174,7 @@ def render(result: Estimate) -> None:
     if result.time is not None:
         render_time(result.time, several=adds_device_terms(result.recipe, result.num_gpus))
     if result.nodes > 1:
-        out.print(describe_network(result.num_gpus, result.nodes, result.network))
+        out.print(describe_network(result.num_gpus, result.nodes, result.network, result.gpu))
 
 
 def render_time(t: TimeAnatomy, *, several: bool = False) -> None:

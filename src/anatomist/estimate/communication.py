@@ -65,7 +65,7 @@ from anatomist.workload import Workload
 
 DEFAULT_NODES = 1
 UNFITTED_TERMS = ("the sharding, offload and communication terms are not in that error (plan_throughput.toml's "
-                  "constants, not fitted; on llm-foundry's runs on 16-512 GPUs: 3% median, docs/time.md)")
+                  "constants, not fitted; on llm-foundry's runs on 16-512 GPUs: 3.3% median, docs/time.md)")
 """What a calibrated time's error leaves out once a step has more than one device or offloads."""
 
 
@@ -115,20 +115,30 @@ def cluster_fields(nodes: int, network: str | None) -> dict[str, Any]:
     return {"nodes": nodes, "network": network or default_network()}
 
 
-def describe_network(num_gpus: int, nodes: int, network: str | None) -> str:
+def describe_network(num_gpus: int, nodes: int, network: str | None, gpu: GPU | None = None) -> str:
     """One line for the output: the network between the nodes and the bandwidth the time model gives it."""
     name = network or default_network()
     return (f"{nodes} nodes, {networks()[name]['describe']} ({name}): collectives at "
-            f"{bus_bytes_per_s(num_gpus, nodes, name) / 1e9:.0f} GB/s bus bandwidth")
+            f"{bus_bytes_per_s(num_gpus, nodes, name, gpu) / 1e9:.0f} GB/s bus bandwidth")
 
 
-def bus_bytes_per_s(num_gpus: int, nodes: int = DEFAULT_NODES, network: str | None = None) -> float:
-    """Achieved bus bandwidth of a data-parallel collective over `num_gpus` devices on `nodes` machines.
+def intra_node_bytes_per_s(gpu: GPU | None) -> float:
+    """The achieved bus bandwidth among `gpu`s of one host, by how they are joined (`GPU.interconnect`)."""
+    interconnect = constants()["interconnect"]
+    kind = interconnect["kinds"].get(gpu.interconnect) if gpu is not None else None
+    return (kind or interconnect)["bus_gbps"] * 1e9
 
-    In one node: the intra-node assumption. Across nodes NCCL runs a ring per NIC, so the ring's
-    slowest hop moves at the node's network bandwidth (all its NICs) times what NCCL achieves of it.
+
+def bus_bytes_per_s(
+    num_gpus: int, nodes: int = DEFAULT_NODES, network: str | None = None, gpu: GPU | None = None
+) -> float:
+    """Achieved bus bandwidth of a data-parallel collective over `num_gpus` `gpu`s on `nodes` machines.
+
+    In one node: what the GPUs' interconnect achieves (None: the catalog's default). Across nodes NCCL runs a
+    ring per NIC, so the ring's slowest hop moves at the node's network bandwidth (all its NICs) times what
+    NCCL achieves of it.
     """
-    intra = constants()["interconnect"]["bus_gbps"] * 1e9
+    intra = intra_node_bytes_per_s(gpu)
     if nodes <= 1:
         return intra
     link = networks()[network or default_network()]
@@ -225,7 +235,8 @@ def _phase_exposed_s(gather_s: float, reduce_s: float, compute_s: float, units: 
 
 
 def collectives(
-    workload: Workload, recipe: ResolvedRecipe, *, num_gpus: int = 1, nodes: int = DEFAULT_NODES, network: str | None = None
+    workload: Workload, recipe: ResolvedRecipe, *, num_gpus: int = 1, nodes: int = DEFAULT_NODES,
+    network: str | None = None, gpu: GPU | None = None,
 ) -> Collectives:
     """The collectives of one optimizer step of `recipe` on `num_gpus` devices (module docstring)."""
     k = recipe.gradient_accumulation_steps
@@ -233,7 +244,7 @@ def collectives(
         return Collectives(micro_batches=k)
     from anatomist.trace.cuts import model_plan
 
-    bus = bus_bytes_per_s(num_gpus, nodes, network)
+    bus = bus_bytes_per_s(num_gpus, nodes, network, gpu)
     ring = (num_gpus - 1) / num_gpus
     # PEFT makes adapters in fp32 whatever the base's dtype. Full fine-tuning reduces gradients in the weights'
     # dtype: half weights' own; under autocast of fp32 weights DDP's are fp32, while DeepSpeed keeps the model in
@@ -260,11 +271,12 @@ def collectives(
 
 
 def communication_s(
-    workload: Workload, recipe: ResolvedRecipe, *, num_gpus: int = 1, nodes: int = DEFAULT_NODES, network: str | None = None
+    workload: Workload, recipe: ResolvedRecipe, *, num_gpus: int = 1, nodes: int = DEFAULT_NODES,
+    network: str | None = None, gpu: GPU | None = None,
 ) -> float:
-    """Seconds per step of every collective of `recipe` over `num_gpus` devices on `nodes` machines joined by
+    """Seconds per step of every collective of `recipe` over `num_gpus` `gpu`s on `nodes` machines joined by
     `network` (a name of `networks()`; None: the default), hidden behind compute or not."""
-    return collectives(workload, recipe, num_gpus=num_gpus, nodes=nodes, network=network).total_s()
+    return collectives(workload, recipe, num_gpus=num_gpus, nodes=nodes, network=network, gpu=gpu).total_s()
 
 
 def gathered_weight_bytes(workload: Workload, recipe: ResolvedRecipe) -> float:
@@ -291,7 +303,7 @@ def predict_time(
     elif recipe.sharding_stage >= 1:
         phases["optimizer"] = phases.get("optimizer", 0.0) / num_gpus
     phases["offload"] = offload_s(workload, recipe, num_gpus=num_gpus) + checkpoint_offload_s(workload, recipe)
-    comm = collectives(workload, recipe, num_gpus=num_gpus, nodes=nodes, network=network)
+    comm = collectives(workload, recipe, num_gpus=num_gpus, nodes=nodes, network=network, gpu=gpu)
     phases["communication"] = comm.exposed_s(phases.get("forward", 0.0), phases.get("backward", 0.0))
     step_s = sum(phases.values())
     samples = recipe.per_device_train_batch_size * recipe.gradient_accumulation_steps * num_gpus

@@ -159,7 +159,7 @@ def plan(
         notes.append(f"fine-tuning: searched {', '.join(space.methods)}; LoRA/QLoRA train r={space.base.lora_r} adapters "
                      "on a frozen base (a different fine-tune from full), without ZeRO/FSDP")
     if space.nodes > 1:
-        notes.append(describe_network(space.num_gpus, space.nodes, space.network))
+        notes.append(describe_network(space.num_gpus, space.nodes, space.network, gpu))
     if space.fixed:
         notes.append("held fixed by --recipe: " + ", ".join(f"{k}={v}" for k, v in space.fixed.items()))
     notes.append(f"{best.time.calibration}; {UNFITTED_TERMS}" if adds_device_terms(best.recipe, space.num_gpus)
