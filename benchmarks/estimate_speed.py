@@ -8,12 +8,17 @@ process, median of `--repeats` runs:
   estimate cold  anatomist estimate bert-large-uncased (empty trace cache)
   estimate warm  the same, trace cache filled: a cache hit, which imports neither torch nor transformers
   plan cold/warm anatomist plan bert-large-uncased --gpu V100-16GB --global-batch-size 32
+  sizes cold     anatomist plan Llama-3.1-8B --gpus 8 --max-nodes 2 ... (docs/plan.md's command: 1, 2, 4, 8
+                 and 16 GPUs, every sharding each allows, FSDP traced at each world size)
+  sharded cold   anatomist estimate bert-large-uncased --fsdp full_shard --gpus 8 (one rank of 8, traced
+                 under FSDP2), against "estimate cold" of the same model on one device
   --help, gpus, models  (none imports torch or transformers)
 
-    .venv/bin/python benchmarks/estimate_speed.py [--repeats 3]
+    .venv/bin/python benchmarks/estimate_speed.py [--repeats 3] [--cases "plan cold" "sizes cold" ...]
 
-The bars (DESIGN.md): estimate <= 1.0x cold, <= 0.3x on a trace-cache hit; a plan over >= 200
-distinct recipes <= 2.0x cold, <= 1.0x warm; --help/gpus/models under 1 s.
+The bars (DESIGN.md, issue 21): estimate <= 1.0x cold, <= 0.3x on a trace-cache hit; a plan over >= 200
+distinct recipes <= 2.0x cold, <= 1.0x warm; the plan over cluster sizes <= 3.0x cold; the sharded
+estimate <= 2.0x the single-device one; --help/gpus/models under 1 s.
 """
 
 from __future__ import annotations
@@ -32,6 +37,24 @@ import time
 FLOOR = ["-c", "import torch, transformers, transformers.models.bert.modeling_bert"]
 ESTIMATE = ["-m", "anatomist", "estimate", "bert-large-uncased", "--json"]
 PLAN = ["-m", "anatomist", "plan", "bert-large-uncased", "--gpu", "V100-16GB", "--global-batch-size", "32", "--json"]
+SIZES_PLAN = ["-m", "anatomist", "plan", "Llama-3.1-8B", "--gpu", "H100-80GB", "--gpus", "8", "--max-nodes", "2",
+              "--global-batch-size", "64", "--seq-len", "2048", "--optims", "adamw_torch_fused", "--precisions", "bf16",
+              "--no-compile", "--no-liger-kernel", "--json"]
+SHARDED_ESTIMATE = [*ESTIMATE, "--fsdp", "full_shard", "--gpus", "8"]
+CASES: dict[str, tuple[list[str], bool]] = {
+    "estimate cold": (ESTIMATE, True),
+    "estimate warm": (ESTIMATE, False),
+    "plan cold": (PLAN, True),
+    "plan warm": (PLAN, False),
+    "sizes cold": (SIZES_PLAN, True),
+    "sharded cold": (SHARDED_ESTIMATE, True),
+    "--help": (["-m", "anatomist", "--help"], False),
+    "gpus": (["-m", "anatomist", "gpus"], False),
+    "models": (["-m", "anatomist", "models"], False),
+}
+"""Each case: its arguments, and whether it starts from an empty trace cache (cold) or from the one the
+case before it left (a warm case follows its cold one)."""
+UNTIMED_RATIOS = ("floor", "--help", "gpus", "models")
 
 
 def timed(args: list[str], env: dict[str, str]) -> tuple[float, str]:
@@ -46,7 +69,10 @@ def timed(args: list[str], env: dict[str, str]) -> tuple[float, str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    repeats = parser.parse_args().repeats
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES),
+                        help="the cases to time (default: all); the floor is always timed")
+    args = parser.parse_args()
+    repeats = args.repeats
     cache = tempfile.mkdtemp(prefix="anatomist-speed-")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "ANATOMIST_CACHE_DIR": cache,
            "OMP_WAIT_POLICY": "PASSIVE"}
@@ -54,7 +80,7 @@ def main() -> int:
           f"load average {os.getloadavg()[0]:.2f}")
     results: dict[str, float] = {}
 
-    def median_of(name: str, args: list[str], *, cold: bool) -> str:
+    def median_of(name: str, args: list[str], cold: bool) -> str:
         times, out = [], ""
         for _ in range(repeats):
             if cold:
@@ -66,18 +92,18 @@ def main() -> int:
         return out
 
     median_of("floor", FLOOR, cold=False)
-    median_of("estimate cold", ESTIMATE, cold=True)
-    median_of("estimate warm", ESTIMATE, cold=False)
-    plan_out = median_of("plan cold", PLAN, cold=True)
-    median_of("plan warm", PLAN, cold=False)
-    median_of("--help", ["-m", "anatomist", "--help"], cold=False)
-    median_of("gpus", ["-m", "anatomist", "gpus"], cold=False)
-    median_of("models", ["-m", "anatomist", "models"], cold=False)
-    plan = json.loads(plan_out)
+    outputs = {name: median_of(name, *CASES[name]) for name in CASES if name in args.cases}
     floor = results["floor"]
-    print(f"plan: {plan['candidates']} candidates, {plan['feasible']} fit")
+    if "plan cold" in outputs:
+        plan = json.loads(outputs["plan cold"])
+        print(f"plan: {plan['candidates']} candidates, {plan['feasible']} fit")
+    if "sizes cold" in outputs:
+        sizes = json.loads(outputs["sizes cold"])
+        print(f"sizes: {len(sizes['clusters'])} cluster sizes, the chosen one {sizes['num_gpus']} GPU(s)")
     print("ratios to the import floor: " + ", ".join(
-        f"{name} {value / floor:.2f}x" for name, value in results.items() if name not in ("floor", "--help", "gpus", "models")))
+        f"{name} {value / floor:.2f}x" for name, value in results.items() if name not in UNTIMED_RATIOS))
+    if "sharded cold" in results and "estimate cold" in results:
+        print(f"sharded cold / estimate cold: {results['sharded cold'] / results['estimate cold']:.2f}x")
     shutil.rmtree(cache, ignore_errors=True)
     return 0
 

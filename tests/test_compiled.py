@@ -15,6 +15,7 @@ from anatomist.estimate.time import estimate_time
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.trace.compiled import fusion_plan
+from anatomist.trace.driver import trace_step
 from anatomist.trace.keys import part_key
 from anatomist.workload import load_workload
 
@@ -68,6 +69,26 @@ def test_under_checkpointing_compiled_blocks_are_predicted_as_eager_ones(tiny_mo
     eager, compiled = (estimate_memory(workload, r, GPU) for r in recipes)
     assert compiled.anatomy.activations == eager.anatomy.activations
     assert any("with gradient checkpointing the blocks are predicted as eager" in n for n in compiled.notes)
+
+
+def test_under_checkpointing_compile_on_and_off_share_one_trace(tiny_model) -> None:
+    """The planner traces a checkpointed recipe's passes once for compile on and off (`keys.traced_compile`):
+    traced apart, the two are the same events and ops."""
+    workload = load_workload(str(tiny_model("gpt2")), seq_len=32)
+    recipes = [Recipe(per_device_train_batch_size=4, gradient_accumulation_steps=2, gradient_checkpointing=True,
+                      torch_compile=c).resolved(workload) for c in (False, True)]
+    eager, compiled = (trace_step(workload, r, depth=2, batch_size=2, compute_capability=GPU.compute_capability,
+                                  record_ops=True) for r in recipes)
+    assert compiled.ops == eager.ops
+    assert compiled.curves.keys == eager.curves.keys
+    assert (compiled.curves.categories == eager.curves.categories).all()
+    assert (compiled.static_bytes, compiled.op_count) == (eager.static_bytes, eager.op_count)
+    def key(recipe):
+        return part_key(workload, recipe, "forward-backward", 2, 2, GPU.compute_capability)
+
+    assert key(recipes[0]) == key(recipes[1])
+    plain = [r.replace(gradient_checkpointing=False) for r in recipes]
+    assert key(plain[0]) != key(plain[1])
 
 
 @pytest.mark.slow

@@ -176,21 +176,27 @@ def test_cluster_sizes_are_powers_of_two_on_a_node_then_whole_nodes() -> None:
 
 @pytest.mark.slow
 def test_the_plan_chooses_the_cluster_with_the_most_samples_per_gpu(tiny) -> None:
-    """Each size is a real plan; a size the global batch does not split over is kept with its reason; the choice
-    is the most samples/s per GPU, compared here with the plans' own figures."""
+    """Each size's pick is its plan's; a size the global batch does not split over is kept with its reason; the
+    choice is the most samples/s per GPU, compared here with full plans' own figures, and it alone is planned."""
     from anatomist.plan.clusters import plan_clusters
+    from anatomist.plan.search import fastest_fitting
 
     space = SearchSpace(global_batch_size=12, optims=("adamw_torch",), compile_options=(False,),
                         checkpointing_options=(False,), precisions=("bf16",))
-    clusters, chosen = plan_clusters(space, [(1, 1), (2, 1), (4, 1), (8, 2)], lambda sized: plan(tiny, A100, space=sized))
-    assert [(c.num_gpus, c.nodes, c.plan is not None) for c in clusters] == [(1, 1, True), (2, 1, True), (4, 1, True),
+    clusters, chosen = plan_clusters(space, [(1, 1), (2, 1), (4, 1), (8, 2)], lambda sized: plan(tiny, A100, space=sized),
+                                     lambda sized: fastest_fitting(tiny, A100, space=sized))
+    assert [(c.num_gpus, c.nodes, c.best is not None) for c in clusters] == [(1, 1, True), (2, 1, True), (4, 1, True),
                                                                              (8, 2, False)]
     assert "cannot be split evenly over 8 GPUs" in clusters[-1].why_not
-    per_gpu = {c.num_gpus: c.plan.best.samples_per_second / c.num_gpus for c in clusters if c.plan}
+    plans = {g: plan(tiny, A100, space=replace(space, num_gpus=g)) for g in (1, 2, 4)}
+    per_gpu = {g: p.best.samples_per_second / g for g, p in plans.items()}
     assert chosen.samples_per_gpu == pytest.approx(max(per_gpu.values()), rel=0.01)
+    assert [c.num_gpus for c in clusters if c.plan is not None] == [chosen.num_gpus]
+    assert chosen.plan.to_dict() == plans[chosen.num_gpus].to_dict()
     assert chosen.to_dict()["fits"] and clusters[-1].to_dict()["recipe"] is None
     with pytest.raises(InputError, match="no cluster size has a recipe that fits"):
-        plan_clusters(space, [(8, 2)], lambda sized: plan(tiny, A100, space=sized))
+        plan_clusters(space, [(8, 2)], lambda sized: plan(tiny, A100, space=sized),
+                      lambda sized: fastest_fitting(tiny, A100, space=sized))
 
 
 def test_max_nodes_takes_no_nodes(cli) -> None:

@@ -214,3 +214,24 @@ def test_bf16_weights_are_searched_where_the_gpu_has_bf16(tiny) -> None:
     only_bf16 = plan(tiny, get_gpu("A100-80GB"), space=replace(space, precisions=("bf16-weights",)))
     assert only_bf16.best.recipe.dtype == "bfloat16"
     assert any("no fp32 master copy" in r for r in only_bf16.best.reasons)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_gpus", [2])
+def test_the_fastest_fitting_recipe_is_the_plans_pick(tiny_model, num_gpus: int) -> None:
+    """`fastest_fitting` predicts the memory of only the recipes fast enough to be picked; it must pick what the
+    full plan picks. The limit is set to the median device total of the plan's candidates, so that half do not
+    fit and the partial and offloaded checkpointing variants are searched."""
+    from anatomist.plan.search import fastest_fitting
+
+    workload = load_workload(str(tiny_model("llama")), seq_len=64)
+    gpu = get_gpu("A100-80GB")
+    space = SearchSpace(global_batch_size=8, num_gpus=num_gpus, optims=("adamw_torch",),
+                        compile_options=(False,), precisions=("bf16",))
+    totals = sorted(c.device_total for c in plan(workload, gpu, space=space).candidates)
+    margin = 1 - totals[len(totals) // 2] / gpu.memory_bytes
+    full = plan(workload, gpu, space=space, margin=margin)
+    assert 0 < len(full.feasible) < len(full.candidates)
+    assert any(c.recipe.checkpoint_every > 1 or c.recipe.checkpoint_offload for c in full.candidates)
+    pick = fastest_fitting(workload, gpu, space=space, margin=margin)
+    assert pick.to_dict() == {**full.best.to_dict(), "reasons": []}

@@ -35,6 +35,7 @@ from anatomist.recipe import TRAINERS, Recipe
 from anatomist.workload import load_workload
 
 if TYPE_CHECKING:
+    from anatomist.plan.candidates import Candidate
     from anatomist.plan.clusters import Cluster
     from anatomist.plan.search import Plan
 
@@ -114,7 +115,15 @@ def build_clusters(args: argparse.Namespace) -> tuple[list[Cluster], Cluster]:
     workload, gpu, space, objective, margin, time_model = _search(args, one_size=True)
     progress = console(stderr=True)
     return plan_clusters(space, sizes, lambda sized: _plan(workload, gpu, sized, objective, margin, time_model),
+                         lambda sized: _best(workload, gpu, sized, objective, margin, time_model),
                          on_size=lambda g, n: progress.print(f"planning {devices(g, n)} x {gpu.name}"))
+
+
+def _best(workload: Any, gpu: Any, space: SearchSpace, objective: str, margin: float, time_model: Any) -> Candidate:
+    from anatomist.plan.search import fastest_fitting  # imports torch
+
+    return fastest_fitting(workload, gpu, space=space, objective=objective, margin=margin,  # type: ignore[arg-type]
+                           time_model=time_model)
 
 
 def _plan(workload: Any, gpu: Any, space: SearchSpace, objective: str, margin: float, time_model: Any) -> Plan:
@@ -221,14 +230,14 @@ def render_clusters(clusters: list[Cluster], chosen: Plan) -> None:
     for col in ("GPUs", "nodes", "samples/s", "per GPU", "device memory", "pick"):
         table.add_column(col, justify="left" if col == "pick" else "right")
     for c in clusters:
-        if c.plan is None:
+        if c.best is None:
             table.add_row(str(c.num_gpus), str(c.nodes), "-", "-", "-", f"[dim]{c.why_not}[/]")
             continue
         mark = "[bold green]" if c.plan is chosen else ""
-        method, batch, ckpt, precision, optim, compiled, sharding = _describe(c.plan.best.recipe, c.num_gpus)
+        method, batch, ckpt, precision, optim, compiled, sharding = _describe(c.best.recipe, c.num_gpus)
         pick = f"{method}, {batch}, ckpt {ckpt}, {precision}, {optim}, compile {compiled}, {sharding}"
-        cells = [str(c.num_gpus), str(c.nodes), f"{c.plan.best.samples_per_second:.1f}", f"{c.samples_per_gpu:.2f}",
-                 gib(c.plan.best.device_total), pick]
+        cells = [str(c.num_gpus), str(c.nodes), f"{c.best.samples_per_second:.1f}", f"{c.samples_per_gpu:.2f}",
+                 gib(c.best.device_total), pick]
         table.add_row(*[f"{mark}{x}" for x in cells])
     out.print(table)
 

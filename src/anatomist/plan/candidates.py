@@ -57,6 +57,7 @@ class Evaluator:
         self.nodes, self.network = space.nodes, space.network
         self.time_model = time_model
         self.seen: dict[Recipe, Candidate] = {}
+        self.times: dict[Recipe, TimeAnatomy] = {}
 
     def __call__(self, recipe: Recipe) -> Candidate:
         """The candidate of `recipe` (resolved here for the workload: the plan's entry point for each recipe)."""
@@ -64,10 +65,16 @@ class Evaluator:
         if recipe not in self.seen:
             workload = self.workload.for_recipe(recipe)  # padding-free: the data's sequences (issue 23)
             memory = estimate_memory(workload, recipe, self.gpu, num_gpus=self.num_gpus, margin=self.margin)
-            time = self.time_model(workload, recipe, self.gpu, num_gpus=self.num_gpus, nodes=self.nodes,
-                                   network=self.network)
-            self.seen[recipe] = Candidate(recipe=recipe, memory=memory, time=time, fits=memory.fits)
+            self.seen[recipe] = Candidate(recipe=recipe, memory=memory, time=self.time(recipe), fits=memory.fits)
         return self.seen[recipe]
+
+    def time(self, recipe: ResolvedRecipe) -> TimeAnatomy:
+        """The predicted time of `recipe` alone: it reads one device's traces only (`keys.one_device`), never a
+        sharded recipe's own."""
+        if recipe not in self.times:
+            self.times[recipe] = self.time_model(self.workload.for_recipe(recipe), recipe, self.gpu,
+                                                 num_gpus=self.num_gpus, nodes=self.nodes, network=self.network)
+        return self.times[recipe]
 
 
 def pareto_front(candidates: list[Candidate]) -> list[Candidate]:

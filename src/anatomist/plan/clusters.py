@@ -1,9 +1,11 @@
 """How many GPUs, on how many nodes: `plan --max-nodes N` plans each cluster size and chooses one.
 
 The sizes tried (`cluster_sizes`) are the powers of two up to one node's GPUs on one node, then
-2, 3, ... whole nodes up to the maximum. Each size is planned on its own (`search.plan`: every
-sharding that size allows, the network between nodes where there are several); a size the
-global batch does not split over, or on which nothing fits, is kept with the reason.
+2, 3, ... whole nodes up to the maximum. Each size is searched on its own (every sharding that size
+allows, the network between nodes where there are several) for its pick alone (`search.fastest_fitting`:
+the memory of the recipes too slow to be it is never predicted); the chosen size is then planned in full
+(`search.plan`). A size the global batch does not split over, or on which nothing fits, is kept with the
+reason.
 
 The choice is the size with the most samples/s per GPU (what a GPU-hour buys), fewer GPUs on a
 tie (within `SPEED_TIE`): more GPUs always give more samples/s in all, until communication eats
@@ -18,26 +20,28 @@ from dataclasses import dataclass
 from typing import Any
 
 from anatomist.errors import InputError
-from anatomist.plan.candidates import SPEED_TIE
+from anatomist.plan.candidates import SPEED_TIE, Candidate
 from anatomist.plan.search import Plan
 from anatomist.plan.space import SearchSpace
 
 
 @dataclass(frozen=True, slots=True)
 class Cluster:
-    """One cluster size planned: its plan, or why it has none."""
+    """One cluster size searched: its pick, or why it has none; the chosen size's plan."""
 
     num_gpus: int
     nodes: int
-    plan: Plan | None
+    best: Candidate | None
     why_not: str | None = None
+    plan: Plan | None = None
+    """The full plan (Pareto front, reasons), of the chosen size only."""
 
     @property
     def samples_per_gpu(self) -> float:
-        return self.plan.best.samples_per_second / self.num_gpus if self.plan else 0.0
+        return self.best.samples_per_second / self.num_gpus if self.best else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        best = self.plan.best if self.plan else None
+        best = self.best
         return {"num_gpus": self.num_gpus, "nodes": self.nodes, "fits": best is not None, "why_not": self.why_not,
                 "samples_per_second": best.samples_per_second if best else None,
                 "samples_per_second_per_gpu": self.samples_per_gpu if best else None,
@@ -55,8 +59,10 @@ def cluster_sizes(gpus_per_node: int, max_nodes: int) -> list[tuple[int, int]]:
 
 
 def plan_clusters(space: SearchSpace, sizes: list[tuple[int, int]], plan_one: Callable[[SearchSpace], Plan],
+                  best_one: Callable[[SearchSpace], Candidate],
                   on_size: Callable[[int, int], None] = lambda g, n: None) -> tuple[list[Cluster], Cluster]:
-    """Plan `space` at each of `sizes`; every Cluster and the chosen one (module docstring).
+    """Search `space` at each of `sizes` for its pick (`best_one`: `Plan.best` of `plan_one`, found with less
+    work); every Cluster, and the chosen one with its plan (`plan_one`) (module docstring).
 
     Raises:
         InputError: no size has a recipe that fits (each size's reason in the message).
@@ -68,13 +74,15 @@ def plan_clusters(space: SearchSpace, sizes: list[tuple[int, int]], plan_one: Ca
         on_size(num_gpus, nodes)
         try:
             sized = dataclasses.replace(space, num_gpus=num_gpus, nodes=nodes)
-            clusters.append(Cluster(num_gpus, nodes, plan_one(sized)))
+            clusters.append(Cluster(num_gpus, nodes, best_one(sized)))
         except InputError as exc:  # the global batch does not split over it, or nothing fits
             clusters.append(Cluster(num_gpus, nodes, None, str(exc).splitlines()[0]))
-    fitting = [c for c in clusters if c.plan is not None]
+    fitting = [c for c in clusters if c.best is not None]
     if not fitting:
         raise InputError("no cluster size has a recipe that fits: "
                          + "; ".join(f"{c.num_gpus} GPU(s): {c.why_not}" for c in clusters))
     top = max(c.samples_per_gpu for c in fitting)
     chosen = next(c for c in fitting if c.samples_per_gpu >= top / (1 + SPEED_TIE))  # fewest GPUs among the ties
-    return clusters, chosen
+    planned = dataclasses.replace(chosen, plan=plan_one(dataclasses.replace(space, num_gpus=chosen.num_gpus,
+                                                                             nodes=chosen.nodes)))
+    return [planned if c is chosen else c for c in clusters], planned

@@ -32,6 +32,7 @@ from anatomist.plan.reasons import explain, explain_infeasible
 from anatomist.plan.space import SearchSpace, enumerate_recipes, partial_variants
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace import pool
+from anatomist.trace.keys import one_device
 from anatomist.workload import Workload
 
 
@@ -76,32 +77,66 @@ class Plan:
         }
 
 
-def checkpointing_variants(candidates: list[Candidate], objective: Objective, space: SearchSpace) -> list[ResolvedRecipe]:
+def checkpointing_variants(recipes: list[ResolvedRecipe], best: Candidate | None, evaluate: Evaluator,
+                           objective: Objective, space: SearchSpace) -> list[ResolvedRecipe]:
     """The searched recipes' checkpointing refined where it can pay (each needs traces of its own, so only there):
 
     - checkpointing one layer in N (`space.partial_checkpointing`) of the recipes that fit by checkpointing every
-      layer where the same recipe without checkpointing does not fit but would beat the best that fits;
+      layer where the same recipe without checkpointing does not fit but would beat `best` (the best that fits);
     - offloading the checkpoints (`space.offload_checkpoints`) of the recipes that checkpoint every layer and do not
-      fit, where they would beat the best that fits, or nothing fits, or the objective is memory.
+      fit, where they would beat `best`, or nothing fits, or the objective is memory.
+
+    Whether a recipe fits is asked of `evaluate` only where its speed leaves the answer open, so that a search that
+    has not predicted the memory of every recipe (`fastest_fitting`) finds the same variants.
     """
     if "gradient_checkpointing" in space.fixed or "checkpoint_every" in space.fixed or "checkpoint_offload" in space.fixed:
         return []
-    feasible = [c for c in candidates if c.fits]
-    best = choose(feasible, objective) if feasible else None
-    by_recipe = {c.recipe: c for c in candidates}
+    searched = set(recipes)
 
-    def beats_best(c: Candidate) -> bool:
-        return best is None or objective == "memory" or c.samples_per_second > best.samples_per_second * (1 + SPEED_TIE)
+    def beats_best(recipe: ResolvedRecipe) -> bool:
+        return (best is None or objective == "memory"
+                or evaluate.time(recipe).samples_per_second > best.samples_per_second * (1 + SPEED_TIE))
 
-    every_layer = [c for c in candidates if c.recipe.checkpointing == "on"]
-    between = [c.recipe for c in every_layer if c.fits and objective == "throughput"
-               and (plain := by_recipe.get(c.recipe.replace(gradient_checkpointing=False))) is not None
-               and not plain.fits and beats_best(plain)]
-    variants = partial_variants(between, space)
+    every_layer = [r for r in recipes if r.checkpointing == "on"]
+    open_plain = [r for r in every_layer if objective == "throughput"
+                  and (plain := r.replace(gradient_checkpointing=False)) in searched
+                  and beats_best(plain) and not evaluate(plain).fits]
+    _trace_ahead(evaluate, open_plain)
+    variants = partial_variants([r for r in open_plain if evaluate(r).fits], space)
     if space.offload_checkpoints:
-        variants += [c.recipe.replace(checkpoint_offload=True) for c in every_layer
-                     if (not c.fits or objective == "memory") and beats_best(c)]
+        variants += [r.replace(checkpoint_offload=True) for r in every_layer
+                     if beats_best(r) and (objective == "memory" or not evaluate(r).fits)]
     return list(dict.fromkeys(variants))
+
+
+def _searched(workload: Workload, gpu: GPU, space: SearchSpace | None, objective: Objective,
+              margin: float) -> tuple[SearchSpace, int, list[ResolvedRecipe]]:
+    """The space settled for the workload, the memory limit and the recipes to search, in order.
+
+    Raises:
+        InputError: bad margin/objective/cluster, or a space with no recipe.
+    """
+    space = (space or SearchSpace()).for_workload(workload.model_type, workload.task)
+    if workload.is_moe and space.precisions is None:
+        if not gpu.bf16:
+            raise InputError(f"{workload.name}: its Mixture-of-Experts layers need bfloat16 weights, which {gpu.name} lacks")
+        space = dataclasses.replace(space, precisions=("bf16-weights",))  # grouped_mm takes bf16 only
+    limit = memory_limit_bytes(gpu, margin)
+    if objective not in ("throughput", "memory"):
+        raise InputError(f"--objective must be throughput or memory, got {objective!r}")
+    check_cluster(space.num_gpus, space.nodes, space.network)
+    recipes = list(dict.fromkeys(r.resolved(workload) for r in enumerate_recipes(space, gpu)))
+    if not recipes:
+        raise InputError(f"the fields the recipe file fixes ({', '.join(f'{k}={v}' for k, v in space.fixed.items())}) "
+                         f"leave no recipe to search on {space.num_gpus} x {gpu.name}"
+                         + (f" with a global batch of {space.global_batch_size}" if space.global_batch_size else ""))
+    return space, limit, recipes
+
+
+def _trace_ahead(evaluate: Evaluator, recipes: list[ResolvedRecipe]) -> None:
+    """Trace side by side what predicting the memory of those of `recipes` not yet evaluated reads."""
+    prefetch(evaluate.workload, [r for r in recipes if r not in evaluate.seen], evaluate.gpu.compute_capability,
+             num_gpus=evaluate.num_gpus)
 
 
 def plan(
@@ -119,28 +154,16 @@ def plan(
         InputError: bad margin/objective, or no recipe fits (the message says what is short,
             by how much, and what would fit).
     """
-    space = (space or SearchSpace()).for_workload(workload.model_type, workload.task)
-    if workload.is_moe and space.precisions is None:
-        if not gpu.bf16:
-            raise InputError(f"{workload.name}: its Mixture-of-Experts layers need bfloat16 weights, which {gpu.name} lacks")
-        space = dataclasses.replace(space, precisions=("bf16-weights",))  # grouped_mm takes bf16 only
-    limit = memory_limit_bytes(gpu, margin)
-    if objective not in ("throughput", "memory"):
-        raise InputError(f"--objective must be throughput or memory, got {objective!r}")
-    check_cluster(space.num_gpus, space.nodes, space.network)
+    space, limit, recipes = _searched(workload, gpu, space, objective, margin)
     evaluate = Evaluator(workload, gpu, space, margin, time_model or predict_time)
-    recipes = list(dict.fromkeys(r.resolved(workload) for r in enumerate_recipes(space, gpu)))
-    if not recipes:
-        raise InputError(f"the fields the recipe file fixes ({', '.join(f'{k}={v}' for k, v in space.fixed.items())}) "
-                         f"leave no recipe to search on {space.num_gpus} x {gpu.name}"
-                         + (f" with a global batch of {space.global_batch_size}" if space.global_batch_size else ""))
     with pool.kept():  # the workers that trace the candidates then trace the alternatives the reasons compare
-        prefetch(workload, recipes, gpu.compute_capability, num_gpus=space.num_gpus)  # every trace, side by side
+        _trace_ahead(evaluate, recipes)  # every trace, side by side
         candidates = [evaluate(r) for r in recipes]
         feasible = [c for c in candidates if c.fits]
-        variants = checkpointing_variants(candidates, objective, space)
+        variants = checkpointing_variants(recipes, choose(feasible, objective) if feasible else None, evaluate,
+                                          objective, space)
         if variants:
-            prefetch(workload, variants, gpu.compute_capability, num_gpus=space.num_gpus)
+            _trace_ahead(evaluate, variants)
             candidates += [evaluate(r) for r in variants]
             feasible = [c for c in candidates if c.fits]
         if not feasible:
@@ -170,3 +193,71 @@ def plan(
     )
 
 
+def fastest_fitting(
+    workload: Workload,
+    gpu: GPU,
+    *,
+    space: SearchSpace | None = None,
+    objective: Objective = "throughput",
+    margin: float = DEFAULT_MEMORY_MARGIN,
+    time_model: TimeModel | None = None,
+) -> Candidate:
+    """The recipe `plan(...)` picks (`Plan.best`, without its reasons), predicting the memory of only the recipes
+    that could be it: what `plan --max-nodes` needs of the cluster sizes it does not choose.
+
+    The time of every recipe comes first: it reads one device's traces (`Evaluator.time`), which every sharding
+    shares. The memory then goes fastest first: the first recipe that fits is the fastest that fits, and only the
+    recipes within SPEED_TIE of it can be chosen; the memory of the slower ones (above all the FSDP recipes' own
+    traces, one per world size) is never predicted. The choice among those within the tie is `choose`'s, over
+    the recipes in the search's own order, so a tie is broken as `plan` breaks it.
+
+    Raises:
+        InputError: as `plan` (where nothing fits, `plan` itself runs to say why).
+    """
+    if objective != "throughput":  # the smallest device total: every recipe's memory is needed
+        return plan(workload, gpu, space=space, objective=objective, margin=margin, time_model=time_model).best
+    settled, _, recipes = _searched(workload, gpu, space, objective, margin)
+    evaluate = Evaluator(workload, gpu, settled, margin, time_model or predict_time)
+    with pool.kept():
+        best = _fastest_of(recipes, evaluate)
+        if best is None:
+            return plan(workload, gpu, space=space, objective=objective, margin=margin, time_model=time_model).best
+        variants = checkpointing_variants(recipes, best, evaluate, objective, settled)
+        if variants:
+            best = _fastest_of(recipes + variants, evaluate) or best
+    return best
+
+
+def _fastest_of(recipes: list[ResolvedRecipe], evaluate: Evaluator) -> Candidate | None:
+    """`choose(feasible, "throughput")` of `recipes`, their memory predicted fastest first, in bands of SPEED_TIE,
+    until the recipes left are slower than the fastest that fits by more than SPEED_TIE (`fastest_fitting`)."""
+    prefetch(evaluate.workload, _time_traced(recipes), evaluate.gpu.compute_capability, num_gpus=evaluate.num_gpus)
+    speeds = [evaluate.time(r).samples_per_second for r in recipes]
+    fastest_first = sorted(zip(speeds, recipes, strict=True), key=lambda pair: -pair[0])
+    top: float | None = None
+    start = 0
+    while start < len(fastest_first):
+        floor = (top if top is not None else fastest_first[start][0]) * (1 - SPEED_TIE)
+        band = []
+        for speed, recipe in fastest_first[start:]:
+            if speed < floor:
+                break
+            band.append(recipe)
+        if not band:
+            break
+        _trace_ahead(evaluate, band)
+        fitting = [evaluate(r).samples_per_second for r in band if evaluate(r).fits]
+        if top is None and fitting:
+            top = max(fitting)
+        start += len(band)
+    feasible = [evaluate(r) for r in recipes if r in evaluate.seen and evaluate(r).fits]
+    return choose(feasible, "throughput") if feasible else None
+
+
+def _time_traced(recipes: list[ResolvedRecipe]) -> list[ResolvedRecipe]:
+    """The recipes whose traces the time of `recipes` reads: one device's step (`keys.one_device`) and, where it
+    checkpoints, the same step without (its model FLOPs: `flops.step_flops`)."""
+    one = [one_device(r) for r in recipes]
+    plain = [dataclasses.replace(r, gradient_checkpointing=False, checkpoint_every=1, checkpoint_offload=False)
+             for r in one if r.gradient_checkpointing]
+    return list(dict.fromkeys(one + plain))

@@ -37,7 +37,7 @@ from anatomist.trace.cuda_model import cuda_code_paths, fake_parameters, saved_o
 from anatomist.trace.cutting import traced_config
 from anatomist.trace.experts import build_kwargs, check_traceable
 from anatomist.trace.inputs import make_batch, rows_not_packed
-from anatomist.trace.keys import Depth, Part, traced_attention, traced_micro_batches, traced_world
+from anatomist.trace.keys import Depth, Part, traced_attention, traced_compile, traced_micro_batches, traced_world
 from anatomist.trace.peft import apply_peft, counted_parameters
 from anatomist.trace.records import StepTrace, Trace, curves_of
 from anatomist.trace.stack import block_lists, checkpoint_partially
@@ -327,8 +327,8 @@ def forward_backward(
     model.train()
     if recipe.gradient_checkpointing:
         enable_checkpointing(model, depth, recipe)
-    if recipe.torch_compile and not recipe.gradient_checkpointing:  # trace/compiled.py (under checkpointing:
-        compile_blocks(model, tracer)  # blocks stay eager, see its docstring)
+    if traced_compile(recipe):
+        compile_blocks(model, tracer)
     scale: torch.Tensor | None = None
     if recipe.fp16:  # GradScaler: scale and growth tracker on the device
         tracer.phase = Phase.SETUP

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -71,9 +72,9 @@ PART_FIELDS: dict[str, tuple[str, ...]] = {
 }
 """The recipe fields that change each part's trace. Recipes that differ only in the
 optimizer share the passes' traces and the other way round; torch.compile changes the passes'
-(`compiled`: inductor's partition and fused kernels); batch size, accumulation beyond
-2 micro-batches and sharding change no trace (they are arithmetic on it); flash_attention_2
-shares SDPA's (`traced_attention`)."""
+(`compiled`: inductor's partition and fused kernels) but not a checkpointed recipe's (`traced_compile`);
+batch size, accumulation beyond 2 micro-batches and sharding change no trace (they are arithmetic on it);
+flash_attention_2 shares SDPA's (`traced_attention`)."""
 
 
 def traced_attention(recipe: ResolvedRecipe) -> str:
@@ -82,10 +83,24 @@ def traced_attention(recipe: ResolvedRecipe) -> str:
     return "sdpa" if recipe.attn_implementation == "flash_attention_2" else recipe.attn_implementation
 
 
+def traced_compile(recipe: ResolvedRecipe) -> bool:
+    """Whether the traced blocks run compiled (`trace.compiled`): under gradient checkpointing they stay eager
+    (see its docstring), so a checkpointed recipe's passes are the same trace with torch.compile on or off."""
+    return recipe.torch_compile and not recipe.gradient_checkpointing
+
+
 def traced_micro_batches(recipe: ResolvedRecipe, part: Part) -> int:
     """Micro-batches a trace of `part` runs: two where gradients accumulate, so that a forward pass
     happens with gradients alive; more add nothing new."""
     return min(recipe.gradient_accumulation_steps, 2) if part == "forward-backward" else 1
+
+
+TRACED_AS: dict[str, Callable[[ResolvedRecipe], Any]] = {
+    "attn_implementation": traced_attention,
+    "torch_compile": traced_compile,
+}
+"""The fields a trace reads through a function of the recipe, keyed by what it reads: recipes that differ in
+the field but not in that function's value share the trace."""
 
 
 SHARDED_FIELDS = ("fsdp", "offload")
@@ -112,8 +127,7 @@ def part_key(workload: Workload, recipe: ResolvedRecipe, part: Part, depth: Dept
 
     if not isinstance(recipe, ResolvedRecipe):  # "auto" would key the same trace twice
         raise TypeError("trace keys take a ResolvedRecipe: recipe.resolved(workload)")
-    fields = tuple(traced_attention(recipe) if f == "attn_implementation" else getattr(recipe, f)
-                   for f in PART_FIELDS[part])
+    fields = tuple(TRACED_AS[f](recipe) if f in TRACED_AS else getattr(recipe, f) for f in PART_FIELDS[part])
     sharded = ((traced_world(recipe, num_gpus), *(getattr(recipe, f) for f in SHARDED_FIELDS))
                if recipe.fsdp != "none" else ())
     return (
