@@ -70,6 +70,9 @@ def test_a_slow_network_slows_only_the_collectives(tiny) -> None:
         return t.phases_s["communication"] + t.hidden_communication_s
 
     assert moved(two) == pytest.approx(moved(one) * slower)
+    for t in (one, two):  # the exposed collectives and the sharded optimizer step are "other" time
+        assert sum(t.classes_s.values()) == pytest.approx(t.step_s)
+        assert sum(t.phases_s.values()) == pytest.approx(t.step_s)
     assert two.phases_s["communication"] > one.phases_s["communication"]
     assert {k: v for k, v in two.phases_s.items() if k != "communication"} == \
         {k: v for k, v in one.phases_s.items() if k != "communication"}

@@ -48,6 +48,11 @@ class ShardingSpec:
     for_adapters: bool = False
     """Searched for LoRA/QLoRA too."""
 
+    @property
+    def fsdp(self) -> str:
+        """Its `TrainingArguments.fsdp` ("none" for the others)."""
+        return str(self.fields.get("fsdp", "none"))
+
 
 _SPECS = (
     ShardingSpec(name="none", description="one device holds everything", stage=0, engine="none", devices="one",

@@ -306,6 +306,10 @@ def predict_time(
     comm = collectives(workload, recipe, num_gpus=num_gpus, nodes=nodes, network=network, gpu=gpu)
     phases["communication"] = comm.exposed_s(phases.get("forward", 0.0), phases.get("backward", 0.0))
     step_s = sum(phases.values())
+    # The optimizer step, the copies and the collectives are all "other" (docs/time.md), so the classes add up to
+    # the step as its phases do.
+    classes = dict(one.classes_s)
+    classes["other"] = classes.get("other", 0.0) + step_s - one.step_s
     samples = recipe.per_device_train_batch_size * recipe.gradient_accumulation_steps * num_gpus
     return TimeAnatomy(
         step_s=step_s,
@@ -317,7 +321,7 @@ def predict_time(
         hfu=one.hfu * one.step_s / step_s,
         phases_s=phases,
         hidden_communication_s=comm.total_s() - phases["communication"],
-        classes_s=one.classes_s,
+        classes_s=classes,
         calibrated=one.calibrated,
         calibration=one.calibration,
         error_median_pct=one.error_median_pct,

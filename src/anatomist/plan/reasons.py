@@ -75,7 +75,7 @@ def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[ResolvedRec
         return [
             (spec.name, r.replace(**{**base, **spec.fields}))  # type: ignore[arg-type]
             for spec in space.sharding_options(method_of(r))
-            if spec.name != sharding_of(r, space.num_gpus) and runs_with(r.optim, spec.fields.get("fsdp", "none"))
+            if spec.name != sharding_of(r, space.num_gpus) and runs_with(r.optim, spec.fsdp)
         ]
 
     attn = ["eager", "sdpa"] + (["flash_attention_2"] if float(gpu.compute_capability) >= 8.0 else [])

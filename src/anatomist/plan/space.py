@@ -174,7 +174,7 @@ def _recipes(space: SearchSpace, method: str, ckpt: bool, precision_name: str, o
     for (batch, accum), sharding, compiled in itertools.product(
         space.batch_options(), space.sharding_options(method), space.compile_options
     ):
-        if compiled and liger or not runs_with(optim, sharding.fields.get("fsdp", "none")):
+        if compiled and liger or not runs_with(optim, sharding.fsdp):
             continue  # compile over Liger's stand-ins does not trace yet
         fields: dict[str, object] = {
             "per_device_train_batch_size": batch,
