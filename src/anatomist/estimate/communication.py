@@ -309,7 +309,8 @@ def predict_time(
     # The optimizer step, the copies and the collectives are all "other" (docs/time.md), so the classes add up to
     # the step as its phases do.
     classes = dict(one.classes_s)
-    classes["other"] = classes.get("other", 0.0) + step_s - one.step_s
+    added = phases.get("optimizer", 0.0) - one.phases_s.get("optimizer", 0.0) + phases["offload"] + phases["communication"]
+    classes["other"] = classes.get("other", 0.0) + added
     samples = recipe.per_device_train_batch_size * recipe.gradient_accumulation_steps * num_gpus
     return TimeAnatomy(
         step_s=step_s,
