@@ -11,10 +11,15 @@ The choice is the size with the most samples/s per GPU (what a GPU-hour buys), f
 tie (within `SPEED_TIE`): more GPUs always give more samples/s in all, until communication eats
 it, so "fastest" alone would always answer the largest cluster. The table shows every size's
 samples/s, so a reader who pays for time rather than GPU-hours picks another row.
+
+FSDP is traced at the two smallest world sizes and derived at the others (`trace.worlds`: exact where no shard
+is padded), and one set of worker processes traces for every size.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +28,7 @@ from anatomist.errors import InputError
 from anatomist.plan.candidates import SPEED_TIE, Candidate
 from anatomist.plan.search import Plan
 from anatomist.plan.space import SearchSpace
+from anatomist.trace import parts, pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,22 +73,28 @@ def plan_clusters(space: SearchSpace, sizes: list[tuple[int, int]], plan_one: Ca
     Raises:
         InputError: no size has a recipe that fits (each size's reason in the message).
     """
-    import dataclasses
-
     clusters = []
-    for num_gpus, nodes in sizes:
-        on_size(num_gpus, nodes)
-        try:
-            sized = dataclasses.replace(space, num_gpus=num_gpus, nodes=nodes)
-            clusters.append(Cluster(num_gpus, nodes, best_one(sized)))
-        except InputError as exc:  # the global batch does not split over it, or nothing fits
-            clusters.append(Cluster(num_gpus, nodes, None, str(exc).splitlines()[0]))
-    fitting = [c for c in clusters if c.best is not None]
-    if not fitting:
-        raise InputError("no cluster size has a recipe that fits: "
-                         + "; ".join(f"{c.num_gpus} GPU(s): {c.why_not}" for c in clusters))
-    top = max(c.samples_per_gpu for c in fitting)
-    chosen = next(c for c in fitting if c.samples_per_gpu >= top / (1 + SPEED_TIE))  # fewest GPUs among the ties
-    planned = dataclasses.replace(chosen, plan=plan_one(dataclasses.replace(space, num_gpus=chosen.num_gpus,
-                                                                             nodes=chosen.nodes)))
+    with pool.kept(), _derived_worlds(sizes):
+        for num_gpus, nodes in sizes:
+            on_size(num_gpus, nodes)
+            try:
+                sized = dataclasses.replace(space, num_gpus=num_gpus, nodes=nodes)
+                clusters.append(Cluster(num_gpus, nodes, best_one(sized)))
+            except InputError as exc:  # the global batch does not split over it, or nothing fits
+                clusters.append(Cluster(num_gpus, nodes, None, str(exc).splitlines()[0]))
+        fitting = [c for c in clusters if c.best is not None]
+        if not fitting:
+            raise InputError("no cluster size has a recipe that fits: "
+                             + "; ".join(f"{c.num_gpus} GPU(s): {c.why_not}" for c in clusters))
+        top = max(c.samples_per_gpu for c in fitting)
+        chosen = next(c for c in fitting if c.samples_per_gpu >= top / (1 + SPEED_TIE))  # fewest GPUs among the ties
+        planned = dataclasses.replace(chosen, plan=plan_one(dataclasses.replace(space, num_gpus=chosen.num_gpus,
+                                                                                 nodes=chosen.nodes)))
     return [planned if c is chosen else c for c in clusters], planned
+
+
+def _derived_worlds(sizes: list[tuple[int, int]]) -> contextlib.AbstractContextManager[None]:
+    """FSDP traced at the two smallest world sizes of `sizes`, the others derived from them (`trace.worlds`),
+    where there are more than two."""
+    worlds = sorted({num_gpus for num_gpus, _ in sizes if num_gpus > 1})
+    return parts.worlds_derived_from(*worlds[:2]) if len(worlds) > 2 else contextlib.nullcontext()

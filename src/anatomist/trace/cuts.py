@@ -103,6 +103,9 @@ class ModelPlan:
     """Parameters of the largest repeated block (an FSDP unit; DeepSpeed's gathered working set)."""
     quantized_codes: int = 0
     """Bytes of a quantized base's 4-/8-bit codes, whose elements `parameter_numels` counts too."""
+    rows_divisor: int = 1
+    """The greatest common divisor of every parameter's rows (dim 0): FSDP's shards at a world size that divides it
+    are even (`trace.worlds`)."""
 
 
 def model_plan(workload: Workload, recipe: ResolvedRecipe, *, use_cache: bool = True) -> ModelPlan:
@@ -116,7 +119,7 @@ def model_plan(workload: Workload, recipe: ResolvedRecipe, *, use_cache: bool = 
         return ModelPlan(plan=trace_plan(workload, recipe, layout), parameters=layout.parameters,
                          trainable_parameters=layout.trainable_parameters, blocks=layout.blocks,
                          parameter_numels=layout.parameter_numels, block_parameters=layout.block_parameters,
-                         quantized_codes=layout.quantized_codes)
+                         quantized_codes=layout.quantized_codes, rows_divisor=layout.rows_divisor)
 
     if not use_cache:
         return make()

@@ -39,7 +39,7 @@ from anatomist.trace.experts import build_kwargs, check_traceable
 from anatomist.trace.inputs import make_batch, rows_not_packed
 from anatomist.trace.keys import Depth, Part, traced_attention, traced_compile, traced_micro_batches, traced_world
 from anatomist.trace.peft import apply_peft, counted_parameters
-from anatomist.trace.records import StepTrace, Trace, curves_of
+from anatomist.trace.records import RankEvents, StepTrace, Trace, curves_of
 from anatomist.trace.stack import block_lists, checkpoint_partially
 from anatomist.trace.tracer import StepTracer
 from anatomist.workload import Workload
@@ -112,7 +112,7 @@ def trace_step(
             for _ in range(1 if part == "inference" else 2):
                 tracer.allocate_extra(cublas_workspace_bytes(compute_capability), MemoryCategory.FUNCTIONALITY)
             phases, static = _run_part(part, model, params, workload, recipe, batch_size, tracer, reference, depth)
-        return _step_trace(tracer, model, params, phases, static, part)
+        return _step_trace(tracer, model, params, phases, static, part, traced_world(recipe, num_gpus))
 
 
 def _register_weights(tracer: StepTracer, *models: torch.nn.Module | None) -> None:
@@ -214,9 +214,9 @@ def _run_part(part: Part, model: torch.nn.Module, params: list[torch.nn.Paramete
 
 
 def _step_trace(tracer: StepTracer, model: torch.nn.Module, params: list[torch.nn.Parameter], phases: list[Phase],
-                static: dict[MemoryCategory, int], part: Part) -> StepTrace:
+                static: dict[MemoryCategory, int], part: Part, world: int) -> StepTrace:
     """What a trace keeps: the curves and ops, the parameters, and, of a forward-backward trace of two
-    micro-batches, the first micro-batch on its own."""
+    micro-batches, the first micro-batch on its own; of one rank of FSDP (on `world` ranks), its events."""
     traced = StepTrace(
         phases=phases,
         curves=curves_of(tracer.trace),
@@ -230,6 +230,9 @@ def _step_trace(tracer: StepTracer, model: torch.nn.Module, params: list[torch.n
         events, op_count = tracer.second_micro_batch
         first = Trace(allocations=tracer.trace.allocations, events=tracer.trace.events[:events])
         traced.first_micro_batch = dataclasses.replace(traced, curves=curves_of(first), op_count=op_count)
+    if isinstance(tracer, sharded.ShardedStepTracer):
+        traced.rank = RankEvents(world=world, rows_divisor=sharded.rows_divisor(model),
+                                 trace=dataclasses.replace(tracer.trace, ops=[]), states=tracer.state_storages)
     return traced
 
 

@@ -162,7 +162,7 @@ TRACE_SOURCES: tuple[str, ...] = (
     "trace/cuts.py", "trace/cutting.py", "trace/driver.py", "trace/experts.py", "trace/inputs.py", "trace/keys.py",
     "trace/kernel_ops.py", "trace/liger.py", "trace/trainers.py", "trace/trl_head.py",
     "trace/ops.py", "trace/optimizer_layouts.py", "trace/parts.py", "trace/peft.py", "trace/pool.py",
-    "trace/records.py", "trace/sharded.py", "trace/stack.py", "trace/tracer.py",
+    "trace/records.py", "trace/sharded.py", "trace/stack.py", "trace/tracer.py", "trace/worlds.py",
     "data/__init__.py", "data/op_classes.toml", "data/cuda_autocast.toml", "data/gpus.toml", "data/liger.toml",
 )
 """Every file of this package a trace depends on, relative to the package: the modules the tracer

@@ -3,14 +3,17 @@
 `trace_part` is what the estimator asks for: one part of a recipe's step at a depth and batch
 size, served from the cache (`cache`, keyed by `keys.part_key`) or traced (`driver.trace_step`).
 `trace_parts` first puts every part a caller will ask for into the cache, traced side by side in
-forked processes (`pool`). Nothing here imports torch until a part must really be traced.
+forked processes (`pool`). Within `worlds_derived_from(a, b)`, a rank of FSDP at another world size is
+derived from its traces at worlds a and b (`trace.worlds`), traced only where it cannot be. Nothing here
+imports torch until a part must really be traced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from anatomist.trace import cache, pool
@@ -36,9 +39,12 @@ def trace_part(workload: Workload, recipe: ResolvedRecipe, part: Part, *, depth:
     request = (recipe, part, depth, batch_size, num_gpus)
     if not use_cache:
         return dataclasses.replace(trace_request(workload, request, compute_capability), first_micro_batch=None)
-    return cache.get_or_trace(part_key(workload, recipe, part, depth, batch_size, compute_capability, num_gpus),
-                              lambda: _keep_first_micro_batch(workload, request, compute_capability,
-                                                              trace_request(workload, request, compute_capability)))
+
+    def traced() -> StepTrace:
+        return _derived(workload, request, compute_capability) or _keep_first_micro_batch(
+            workload, request, compute_capability, trace_request(workload, request, compute_capability))
+
+    return cache.get_or_trace(part_key(workload, recipe, part, depth, batch_size, compute_capability, num_gpus), traced)
 
 
 def trace_parts(workload: Workload, requests: Iterable[PartRequest], compute_capability: str) -> None:
@@ -48,21 +54,85 @@ def trace_parts(workload: Workload, requests: Iterable[PartRequest], compute_cap
     are not traced where those of two are: they are the first of the two."""
     wanted: dict[tuple[Any, ...], PartRequest] = {}
     derived: set[tuple[Any, ...]] = set()
+    carried: dict[tuple[Any, ...], PartRequest] = {}
     for request in requests:
         recipe, part, depth, batch, num_gpus = request
         key = part_key(workload, recipe, part, depth, batch, compute_capability, num_gpus)
-        if key in wanted or cache.has(key):
+        if key in wanted or key in carried or cache.has(key):
             continue
-        wanted[key] = request
-        if part == "forward-backward" and recipe.gradient_accumulation_steps > 1 and recipe.fsdp == "none":
-            derived.add(_first_micro_batch_key(workload, request, compute_capability))
-    jobs = sorted(((key, request) for key, request in wanted.items() if key not in derived),
-                  key=lambda job: -_size_guess(job[1]))  # the longest first: no long job left for the end
+        basis = _basis_requests(workload, request)
+        if basis:
+            carried[key] = request
+        for one in basis or [request]:
+            recipe, part, depth, batch, num_gpus = one
+            key = part_key(workload, recipe, part, depth, batch, compute_capability, num_gpus)
+            if key in wanted or cache.has(key):
+                continue
+            wanted[key] = one
+            if part == "forward-backward" and recipe.gradient_accumulation_steps > 1 and recipe.fsdp == "none":
+                derived.add(_first_micro_batch_key(workload, one, compute_capability))
+    _side_by_side(workload, {k: r for k, r in wanted.items() if k not in derived}, compute_capability)
+    left = {}
+    for key, request in carried.items():
+        trace = _derived(workload, request, compute_capability)
+        if trace is not None:
+            cache.put(key, trace)
+        else:
+            left[key] = request
+    _side_by_side(workload, left, compute_capability)
+
+
+def _side_by_side(workload: Workload, wanted: dict[tuple[Any, ...], PartRequest], compute_capability: str) -> None:
+    """Trace `wanted` (by their keys) in forked workers, into the cache."""
+    jobs = sorted(wanted.items(), key=lambda job: -_size_guess(job[1]))  # the longest first: no long job left for the end
     work = [functools.partial(trace_request, workload, request, compute_capability) for _, request in jobs]
     for index, trace in pool.run_all(work):
         if trace is not None:
             key, request = jobs[index]
             cache.put(key, _keep_first_micro_batch(workload, request, compute_capability, trace))
+
+
+_bases: list[tuple[int, int]] = []
+"""The two world sizes of the innermost `worlds_derived_from` block."""
+
+
+@contextlib.contextmanager
+def worlds_derived_from(lo: int, hi: int) -> Iterator[None]:
+    """Within the block, a rank of FSDP at a world size other than `lo` and `hi` is derived from the traces of the
+    same part at those two (`trace.worlds.derive`), which are traced where the cache lacks them; traced itself
+    only where it cannot be derived. For a caller that will trace FSDP at several world sizes (`plan --max-nodes`)."""
+    _bases.append((lo, hi))
+    try:
+        yield
+    finally:
+        _bases.pop()
+
+
+def _basis_requests(workload: Workload, request: PartRequest) -> list[PartRequest]:
+    """The requests at the block's two world sizes that `request` is derived from; [] where it is traced itself
+    (outside a block, not FSDP, at one of the two, or a model whose shards would be padded at one of the three)."""
+    recipe, part, depth, batch, num_gpus = request
+    if not _bases or recipe.fsdp == "none" or num_gpus in _bases[-1]:
+        return []
+    from anatomist.trace.cuts import model_plan  # from the cache, else the model built on the meta device
+
+    rows = model_plan(workload, recipe).rows_divisor
+    if any(rows % n for n in (*_bases[-1], num_gpus)):
+        return []
+    return [(recipe, part, depth, batch, n) for n in _bases[-1]]
+
+
+def _derived(workload: Workload, request: PartRequest, compute_capability: str) -> StepTrace | None:
+    """The trace of `request` derived from those at the block's two world sizes (traced where the cache lacks
+    them), or None: outside a block, at one of its world sizes, or where it cannot be derived."""
+    from anatomist.trace.worlds import derive
+
+    basis = _basis_requests(workload, request)
+    if not basis:
+        return None
+    lo, hi = (trace_part(workload, r[0], r[1], depth=r[2], batch_size=r[3], compute_capability=compute_capability,
+                         num_gpus=r[4]) for r in basis)
+    return derive(lo, hi, request[4])
 
 
 def trace_request(workload: Workload, request: PartRequest, compute_capability: str) -> StepTrace:

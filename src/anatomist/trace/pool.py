@@ -105,7 +105,11 @@ def run_all(work: Sequence[Callable[[], Any]]) -> Iterator[tuple[int, Any]]:
 def kept() -> Iterator[None]:
     """Within the block, the workers the first `run_all` forks serve every later one, already started
     and warmed up (torch's fake-tensor dispatch cache filled by their earlier traces): a plan traces
-    its candidates, then the alternatives its reasons compare."""
+    its candidates, then the alternatives its reasons compare. A block inside another shares the outer one's
+    workers (`plan --max-nodes` plans each cluster size with the same)."""
+    if _kept:
+        yield
+        return
     _kept.append(None)
     completed = False
     try:

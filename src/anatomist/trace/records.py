@@ -194,6 +194,22 @@ def curves_of(trace: Trace) -> Curves:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class RankEvents:
+    """What the trace of one rank of an FSDP step keeps to be carried to another world size (`trace.worlds`)."""
+
+    world: int
+    """The world size it was traced at."""
+    rows_divisor: int
+    """The greatest common divisor of the rows (dim 0) of every parameter FSDP shards: at a world size that
+    divides it, every shard is even (no padding)."""
+    trace: Trace
+    """The allocations and events, without the ops."""
+    states: tuple[int, ...] = ()
+    """Bytes of each storage of the optimizer state on the device (the static bytes, before the allocator rounds
+    them)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class StepTrace:
     """What one traced part of a step, at one depth and batch size, came to."""
@@ -212,6 +228,8 @@ class StepTrace:
     first_micro_batch: StepTrace | None = None
     """Passes of two micro-batches: the trace of the first alone, which is what a step of one
     micro-batch traces (the same events up to the second's start, the same ops)."""
+    rank: RankEvents | None = None
+    """An FSDP trace's events, to derive the same step at another world size from (None for any other)."""
 
     def peaks(self) -> dict[tuple[Phase, str], PhasePeak]:
         """The peak of every (phase, segment) of the traced phases."""

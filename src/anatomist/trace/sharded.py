@@ -33,6 +33,7 @@ are traced. The host-to-device copy of an offloaded shard before its all-gather 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -162,6 +163,14 @@ def wrap(model: torch.nn.Module, recipe: ResolvedRecipe, mesh: DeviceMesh) -> No
     fully_shard(model, **{k: v for k, v in kwargs.items() if k != "reshard_after_forward"})
 
 
+def rows_divisor(model: torch.nn.Module) -> int:
+    """The greatest common divisor of the rows (dim 0) of every parameter FSDP has sharded in `model` (1 where a
+    parameter has no rows): FSDP2 pads a parameter's rows to a multiple of the world size, so at a world size that
+    divides this, no shard is padded and every size FSDP allocates is a whole part of the unsharded one."""
+    rows = [p.shape[0] if p.dim() else 1 for p in model.parameters() if isinstance(p, DTensor)]
+    return math.gcd(*rows) if rows else 1
+
+
 def _top_down(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Modules in the order accelerate's `get_module_children_bottom_up` reverses: a stack walk."""
     stack, ordered = [model], []
@@ -211,6 +220,8 @@ class ShardedStepTracer(StepTracer):
         self._original_propagate: Any = None
         self._hooked: set[int] = set()
         """ids of the unsharded parameters hooked (they live as long as the model)."""
+        self.state_storages: tuple[int, ...] = ()
+        """Bytes of each storage of the optimizer state on the device (`state_bytes`)."""
 
     def register(self, tensor: torch.Tensor, category: MemoryCategory) -> None:
         super().register(_local(tensor), category)
@@ -285,8 +296,11 @@ class ShardedStepTracer(StepTracer):
         self.micro_step = micro
 
     def state_bytes(self, tensors: list[torch.Tensor]) -> int:
-        """Device bytes of this rank's shards of `tensors` (none on the device under CPU offload)."""
-        return 0 if self.offload else super().state_bytes([_local(t) for t in tensors])
+        """Device bytes of this rank's shards of `tensors` (none on the device under CPU offload); each storage's
+        bytes, before the allocator rounds them, are kept in `state_storages`."""
+        local = [] if self.offload else [_local(t) for t in tensors]
+        self.state_storages = tuple(int(t.untyped_storage().nbytes()) for t in local)
+        return super().state_bytes(local)
 
     def watching(self, model: torch.nn.Module) -> ShardedStepTracer:
         """This tracer, labelling as gradients what autograd accumulates into the unsharded parameters of

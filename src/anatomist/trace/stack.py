@@ -22,6 +22,7 @@ ALBERT's shared layers. This module says what the blocks are, from the model its
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,8 @@ class Layout:
     """Parameters of the largest repeated block."""
     quantized_codes: int = 0
     """Elements (bytes) of the 4-/8-bit codes of a quantized base: counted in `parameter_numels` too."""
+    rows_divisor: int = 1
+    """The greatest common divisor of every parameter's rows (dim 0; `cuts.ModelPlan.rows_divisor`)."""
 
     @property
     def blocks(self) -> int:
@@ -235,9 +238,10 @@ def layout_of(workload: Workload, recipe: ResolvedRecipe) -> Layout:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     numels = tuple(sorted(p.numel() for p in model.parameters()))
     codes = sum(m.weight.numel() for m in model.modules() if isinstance(m, QuantizedLinearLayout))
+    rows = math.gcd(*(p.shape[0] if p.dim() else 1 for p in model.parameters()))
     if found is None:
         return Layout(stacks=(), parameters=parameters, trainable_parameters=trainable, signatures=(),
-                      parameter_numels=numels, quantized_codes=codes)
+                      parameter_numels=numels, quantized_codes=codes, rows_divisor=rows)
     block = max((sum(p.numel() for p in b.parameters()) for _, lists in found for _, blocks in lists for b in blocks),
                 default=0)
     _mark_checkpointed(model, None, found, signatures, recipe)
@@ -246,7 +250,7 @@ def layout_of(workload: Workload, recipe: ResolvedRecipe) -> Layout:
         for (fields, members), rows in zip(found, signatures, strict=True)
     )
     return Layout(stacks=stacks, parameters=parameters, trainable_parameters=trainable, parameter_numels=numels,
-                  block_parameters=block, quantized_codes=codes,
+                  block_parameters=block, quantized_codes=codes, rows_divisor=rows,
                   signatures=tuple(tuple(rows) for rows in signatures))
 
 

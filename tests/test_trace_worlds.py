@@ -1,0 +1,117 @@
+"""A rank of FSDP at one world size derived from its traces at two others (trace/worlds.py).
+
+The derived trace is checked against the trace of the same part at that world size, taken directly: the
+same curves point by point (total and per category), the same reserve ratio from the allocator replay, the
+same optimizer state. This checks the derivation, not the tracer (which test_fsdp_accuracy.py checks against
+PyTorch's FSDPMemTracker). The tiny Llama's rows (hidden 64, 2 key-value heads of 16, vocabulary 1,000) all
+divide by 8, not by 16: its shards are even at 2, 4 and 8 ranks and padded at 16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from anatomist.anatomy import MemoryCategory, Phase
+from anatomist.recipe import Recipe
+from anatomist.trace import parts
+from anatomist.trace.records import Allocation, Event, RankEvents, StepTrace, Trace, curves_of
+from anatomist.trace.worlds import derive
+from anatomist.workload import load_workload
+
+CC = "8.0"
+RECIPES = {
+    "fp32 full_shard": Recipe(dtype="float32", fsdp="full_shard"),
+    "bf16 shard_grad_op, checkpointing, accumulation": Recipe(dtype="float32", fsdp="shard_grad_op", bf16=True,
+                                                              gradient_checkpointing=True, gradient_accumulation_steps=2),
+    "LoRA": Recipe(dtype="float32", fsdp="full_shard", bf16=True, peft="lora"),
+    "CPU offload": Recipe(dtype="float32", fsdp="full_shard", bf16=True, offload="cpu"),
+}
+
+
+def _traced(workload, recipe, part, world):
+    return parts.trace_request(workload, (recipe, part, 2, 2 if part != "optimizer" else 1, world), CC)
+
+
+@pytest.mark.parametrize("part", ["forward-backward", "optimizer"])
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_a_derived_rank_is_the_traced_one(tiny_model, name, part):
+    workload = load_workload(str(tiny_model("llama")), seq_len=32)
+    recipe = RECIPES[name].resolved(workload)
+    lo, hi, direct = (_traced(workload, recipe, part, n) for n in (2, 4, 8))
+    derived = derive(lo, hi, 8)
+    assert derived is not None
+    want, got = direct.curves, derived.curves
+    assert got.keys == want.keys
+    np.testing.assert_array_equal(got.allocated, want.allocated)
+    np.testing.assert_array_equal(got.categories, want.categories)
+    np.testing.assert_array_equal(got.post_bytes, want.post_bytes)
+    assert got.reserve_ratio == want.reserve_ratio
+    assert derived.static_bytes == direct.static_bytes
+    assert (derived.parameters, derived.trainable_parameters) == (direct.parameters, direct.trainable_parameters)
+    assert not np.array_equal(lo.curves.allocated, want.allocated)  # the world size does change the rank's bytes
+
+
+def test_padded_shards_are_traced_not_derived(tiny_model):
+    workload = load_workload(str(tiny_model("llama")), seq_len=32)
+    recipe = RECIPES["fp32 full_shard"].resolved(workload)
+    lo, hi = (_traced(workload, recipe, "optimizer", n) for n in (2, 4))
+    assert derive(lo, hi, 16) is None  # 1,000 rows over 16 ranks: padded to 1,008
+    with parts.worlds_derived_from(2, 4):
+        assert parts._basis_requests(workload, (recipe, "optimizer", 2, 1, 16)) == []
+        assert len(parts._basis_requests(workload, (recipe, "optimizer", 2, 1, 8))) == 2
+    assert parts._basis_requests(workload, (recipe, "optimizer", 2, 1, 8)) == []  # outside the block: traced
+
+
+def _trace(category, sizes):
+    """A trace of three allocations of `sizes` bytes, the second of `category`, the first freed before the third."""
+    allocations = {i: Allocation(i, n, Phase.FORWARD, category if i == 1 else MemoryCategory.TEMPORARY)
+                   for i, n in enumerate(sizes)}
+    events = [Event(0, sizes[0], Phase.FORWARD), Event(1, sizes[1], Phase.FORWARD), Event(0, -sizes[0], Phase.FORWARD),
+              Event(2, sizes[2], Phase.FORWARD)]
+    return Trace(allocations=allocations, events=events)
+
+
+def _step(trace, world):
+    return StepTrace(phases=[Phase.FORWARD], curves=curves_of(trace), ops=(), parameters=1, trainable_parameters=1,
+                     op_count=3, rank=RankEvents(world=world, rows_divisor=64, trace=trace))
+
+
+def test_sizes_affine_in_one_over_the_world_size():
+    weights = MemoryCategory.WEIGHTS
+    derived = derive(_step(_trace(weights, [4096, 1024, 512]), 2), _step(_trace(weights, [2048, 1024, 512]), 4), 8)
+    assert derived is not None and derived.rank is not None
+    assert [e.nbytes for e in derived.rank.trace.events] == [1024, 1024, -1024, 512]
+    # made as another category at one world size: not the same step
+    assert derive(_step(_trace(weights, [4096, 1024, 512]), 2),
+                  _step(_trace(MemoryCategory.GRADIENTS, [2048, 1024, 512]), 4), 8) is None
+    # not a whole number of bytes at 8
+    assert derive(_step(_trace(weights, [4097, 1024, 512]), 2), _step(_trace(weights, [2048, 1024, 512]), 4), 8) is None
+
+
+def test_an_estimate_is_the_same_derived_or_traced(tiny_model, cache_folder):
+    """Within `worlds_derived_from(2, 4)` an estimate on 8 GPUs reads derived traces (the cache then holds none
+    traced at 8), and says what it says with every world traced."""
+    from anatomist.estimate.memory import estimate_memory
+    from anatomist.hardware import get_gpu
+    from anatomist.trace import cache
+
+    workload = load_workload(str(tiny_model("llama")), seq_len=32)
+    gpu = get_gpu("A100-80GB")
+    recipes = [RECIPES["fp32 full_shard"].resolved(workload)]
+    with parts.worlds_derived_from(2, 4):
+        derived = [estimate_memory(workload, r, gpu, num_gpus=8).to_dict() for r in recipes]
+    assert all(t.rank is not None and not t.ops for t in _cached_at(cache, 8)), "a trace at 8 was traced, not derived"
+    cache.clear_memory()
+    for stored in cache_folder.iterdir():
+        stored.unlink()
+    traced = [estimate_memory(workload, r, gpu, num_gpus=8).to_dict() for r in recipes]
+    assert all(t.ops for t in _cached_at(cache, 8))
+    assert derived == traced
+
+
+def _cached_at(cache, world):
+    """The FSDP traces in the memory cache taken at `world` ranks."""
+    found = [t for t in cache._memory._table.values() if getattr(t, "rank", None) is not None and t.rank.world == world]
+    assert found
+    return found
