@@ -13,10 +13,23 @@ anatomist's wrapping), runs a first step (the optimizer state), then a steady-st
 under `set_requires_gradient_sync(False)` but the last, forward under autocast, backward, clipping,
 the optimizer step, zero_grad(set_to_none=True). The step takes CUDA's code paths and autocast
 policy (`cuda_code_paths`, `cuda_autocast_policy`: which kernels run, not how memory is counted),
-and FSDPMemTracker rounds each storage to the CUDA allocator's 512 bytes, as it does on CUDA.
+and FSDPMemTracker rounds each storage to the CUDA allocator's 512 bytes, as it does on CUDA. The
+hooks FSDPMemTracker puts on a unit of several modules (accelerate's `fully_shard([norm, lm_head])`)
+are registered as FSDP's own group (`_moment_tracker`): on each module alone they change the step.
 
-Prints one JSON object: case name -> list, per rank, of FSDPMemTracker's peak snapshot (bytes by
-its categories, "Total").
+Prints one JSON object: case name -> list, per rank, of {"peak": FSDPMemTracker's peak snapshot (bytes
+by its categories, "Total"), "peak_moment": the moment it falls in, "moments": moment -> FSDPMemTracker's
+highest snapshot within it}. A moment is a place in the step named as anatomist's traces name it
+(`anatomist.trace.records.Event`): "phase segment micro-step block", e.g. "backward blocks 1 4" (the
+backward of the fifth block in the second micro-batch) or "backward post 0 -1" (after the last block:
+the head and the loss). The segments are marked by hooks of this file's own (`_watch_blocks`) that
+follow the definition of the tracer's (trace/driver.py): forward enters block i at its input, backward
+enters block i when the gradient of its output exists. They are registered after FSDP's, as the tracer's
+are, so FSDP's work at a boundary falls on the same side of it: in forward a block's all-gather (FSDP's
+pre-forward hook) in the segment before it; in backward a block's all-gather (prefetched by the
+pre-backward of the block after it) in the segment after it, its reduce-scatter in the block before it
+("pre" for the first). The bytes are FSDPMemTracker's; the hooks only say where in the step each of its
+snapshots is taken.
 """
 
 from __future__ import annotations
@@ -45,12 +58,136 @@ def _round_as_cuda() -> None:
         lambda self: math.ceil(self.size * self.element_size / block) * block)
 
 
-def measure(config: str, seq_len: int, batch: int, case: dict[str, Any]) -> dict[str, int]:
-    """FSDPMemTracker's peak of one steady-state step of `case` on this rank."""
+def _snapshot(snapshot: dict[Any, int]) -> dict[str, int]:
+    """FSDPMemTracker's snapshot of one device, by the names of its categories ("ALL_GATHER", ..., "Total")."""
+    return {str(k).rsplit(".", 1)[-1]: int(v) for k, v in snapshot.items()}
+
+
+def _moment_tracker(model: Any, optimizer: Any) -> Any:
+    """An FSDPMemTracker that also keeps its highest snapshot within each moment of the step, and leaves
+    FSDP's hooks of a unit of several modules as FSDP registers them.
+
+    The moment (phase, segment, micro-step, block) is set by `step` and `_watch_blocks`; after each op
+    FSDPMemTracker updates its peak (`_update_peak_stats`), and the current snapshot is kept where it is
+    the moment's highest. Of equal ones the last is kept: FSDPMemTracker names an all-gather output
+    ALL_GATHER only when the collective runs, one op after the buffer's allocation made the total.
+    """
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _register_group_forward_hooks
+
+    class MomentTracker(FSDPMemTracker):
+        def __init__(self) -> None:
+            super().__init__(model, optimizer)
+            self.phase, self.segment, self.micro_step, self.block = "forward", "pre", 0, -1
+            self.moments: dict[str, dict[str, int]] = {}
+            self.peak_moment = ""
+
+        def moment(self) -> str:
+            return f"{self.phase} {self.segment} {self.micro_step} {self.block}"
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            peak = dict(self._peak_mem)
+            super()._update_peak_stats(peak_state)
+            if self._peak_mem != peak:
+                self.peak_moment = self.moment()
+            for snapshot in self._curr_mem_snap.values():  # one device: this rank's
+                kept = self.moments.get(self.moment())
+                if kept is None or snapshot["Total"] >= kept["Total"]:
+                    self.moments[self.moment()] = _snapshot(snapshot)
+
+        def _instrument_fsdp_module(self) -> None:
+            """FSDPMemTracker's instrumentation, then a unit of several modules regrouped.
+
+            accelerate shards the final norm and the output head as one unit (`fully_shard([norm, lm_head])`),
+            whose forward hooks FSDP registers as a group: its pre-forward work once, its post-forward (reshard,
+            the pre-backward hook) after the last module. FSDPMemTracker (torch 2.13) re-registers them on each
+            module alone, which changes the backward (seen on the models of test_fsdp_accuracy.py, fp32): the
+            head's gradient is reduce-scattered alone, the unit all-gathered again for the norm, and the norm's
+            1,024 bytes reduce-scattered after it, where FSDP reduce-scatters the two together once (1,025,024
+            bytes), its input kept until the next unit's post-backward. Here the tracker's wrappers are
+            registered as FSDP's group instead, so the measured step runs as it runs without the tracker.
+            """
+            super()._instrument_fsdp_module()
+            states = {id(s): s for m in self._root_mod.modules() if isinstance(m, FSDPModule)
+                      for s in [m._get_fsdp_state()] if len(s._modules) > 1}
+            for state in states.values():
+                self._regroup(state)
+
+        def _regroup(self, state: Any) -> None:
+            ours = (state._pre_forward, state._post_forward)
+            for module in state._modules:  # the tracker's wrappers of FSDP's hooks, one pair on each module
+                for hooks in (module._forward_pre_hooks, module._forward_hooks):
+                    for key in [k for k, h in hooks.items() if getattr(h, "__wrapped__", None) in ours]:
+                        del hooks[key]
+                        module._forward_pre_hooks_with_kwargs.pop(key, None)
+                        module._forward_hooks_always_called.pop(key, None)
+            pre = {m: self._fsdp_state_pre_forward(m, state._pre_forward) for m in state._modules}
+            post = {m: self._fsdp_state_post_forward(m, state._post_forward) for m in state._modules}
+            handle = _register_group_forward_hooks(
+                state._modules, lambda module, *args: pre[module](module, *args),
+                lambda module, *args: post[module](module, *args), state._modules_to_run_forward,
+                state._cast_output_dtype)
+            state._pre_forward_hook_handle = state._post_forward_hook_handle = handle  # removed on exit
+
+    return MomentTracker()
+
+
+def _watch_blocks(tracker: Any, blocks: list[Any]) -> list[Any]:
+    """Set `tracker`'s segment and block as the step runs through `blocks` (the decoder layers, in order).
+
+    Forward enters block i at its input; backward enters the last block when the gradient of its output
+    exists, block i - 1 when the gradient of block i's input does, and "pre" at the gradient of the first
+    block's input. Returns the hooks' handles.
+    """
+    import torch
+
+    last = len(blocks) - 1
+
+    def in_backward() -> bool:  # a checkpointed block's recomputation runs its forward in backward
+        return torch._C._current_graph_task_id() != -1
+
+    def first_tensor(value: Any) -> Any:
+        value = value[0] if isinstance(value, (tuple, list)) and value else value
+        return value if isinstance(value, torch.Tensor) and value.requires_grad else None
+
+    def enter(block: int) -> Any:
+        def hook(_grad: Any) -> None:
+            tracker.segment, tracker.block = ("blocks", block) if block >= 0 else ("pre", -1)
+
+        return hook
+
+    def enter_block(block: int) -> Any:
+        def hook(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if in_backward():
+                return
+            tracker.segment, tracker.block = "blocks", block
+            hidden = first_tensor(args) if args else first_tensor(kwargs.get("hidden_states"))
+            if hidden is not None:
+                hidden.register_hook(enter(block - 1))
+
+        return hook
+
+    def leave_blocks(_module: Any, _args: Any, output: Any) -> None:
+        if in_backward():
+            return
+        tracker.segment, tracker.block = "post", -1
+        hidden = first_tensor(output)
+        if hidden is not None:
+            hidden.register_hook(enter(last))
+
+    handles = [b.register_forward_pre_hook(enter_block(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    return [*handles, blocks[last].register_forward_hook(leave_blocks)]
+
+
+def measure(config: str, seq_len: int, batch: int, case: dict[str, Any]) -> dict[str, Any]:
+    """FSDPMemTracker's peak of one steady-state step of `case` on this rank, and its highest snapshot
+    within each moment of the step."""
+    import re
+
     import torch
     from accelerate import PartialState
     from accelerate.utils import FullyShardedDataParallelPlugin, fsdp2_prepare_model
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from anatomist.trace.autocast import cuda_autocast_policy
     from anatomist.trace.cuda_model import cuda_code_paths
@@ -82,15 +219,20 @@ def measure(config: str, seq_len: int, batch: int, case: dict[str, Any]) -> dict
     optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
     accumulation = case.get("accumulation", 1)
     batches = [make_batch(workload, batch) for _ in range(accumulation)]
+    blocks = [m for name, m in model.named_modules() if re.fullmatch(r"(.+\.)?layers\.\d+", name)]
 
-    def step() -> None:
+    def step(moments: Any) -> None:
+        """One step, telling `moments` (the tracker) where it is."""
         for micro, inputs in enumerate(batches):
+            moments.phase, moments.segment, moments.micro_step, moments.block = "forward", "pre", micro, -1
             sync = micro == accumulation - 1
             model.set_requires_gradient_sync(sync)
             autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mixed != "no" else contextlib.nullcontext()
             with autocast:
                 loss = model(**inputs).loss
+            moments.phase, moments.segment, moments.block = "backward", "post", -1
             (loss / accumulation).backward()
+        moments.phase, moments.segment, moments.micro_step, moments.block = "optimizer", "pre", 0, -1  # clipping too
         model.set_requires_gradient_sync(True)
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         optimizer.step()
@@ -98,12 +240,15 @@ def measure(config: str, seq_len: int, batch: int, case: dict[str, Any]) -> dict
 
     policy = cuda_autocast_policy() if mixed != "no" else contextlib.nullcontext()
     with cuda_code_paths(), policy:
-        step()
-        tracker = FSDPMemTracker(model, optimizer)
+        step(types.SimpleNamespace())
+        tracker = _moment_tracker(model, optimizer)
         with tracker:
-            step()
+            handles = _watch_blocks(tracker, blocks)  # after FSDPMemTracker has re-registered FSDP's hooks
+            step(tracker)
+            for handle in handles:
+                handle.remove()
     (peak,) = tracker.get_tracker_snapshot("peak").values()
-    return {str(k).rsplit(".", 1)[-1]: int(v) for k, v in peak.items()}
+    return {"peak": _snapshot(peak), "peak_moment": tracker.peak_moment, "moments": tracker.moments}
 
 
 def _collectives_release_their_tensors() -> None:

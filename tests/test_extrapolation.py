@@ -9,10 +9,11 @@ Both sides count each tensor rounded to the allocator's 512 bytes.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from anatomist.anatomy import TENSOR_CATEGORIES, MemoryCategory
-from anatomist.estimate.memory import estimate_memory
+from anatomist.anatomy import TENSOR_CATEGORIES, MemoryCategory, Phase
+from anatomist.estimate.memory import estimate_memory, moment_peaks
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.trace.driver import trace_step
@@ -61,3 +62,26 @@ def test_extrapolation_matches_a_full_depth_trace(tiny_model, model, recipe_name
         got, want = predicted.category_bytes(category), measured.categories[category]
         # 5% of the category, or 1% of the peak for categories that are nearly empty.
         assert abs(got - want) <= max(0.05 * want, 0.01 * rest_measured), (category, got, want)
+
+
+def test_each_moment_is_the_full_depth_traces(tiny_model):
+    """`moment_peaks` names the moments of the step as the traces do, in the full model: the base cut's second
+    block is the model's fifth. Each is the same moment of a full-depth trace; the highest is the estimate's peak."""
+    workload = load_workload(str(tiny_model("llama", num_hidden_layers=5)), seq_len=64)
+    recipe = RECIPES["accumulation+eager"].resolved(workload)
+    moments = moment_peaks(workload, recipe, GPU)
+    assert max(p.allocated for p in moments.values()) == estimate_memory(workload, recipe, GPU).anatomy.peak_allocated
+    real = trace_step(workload, recipe, depth=None, batch_size=BATCH, compute_capability=GPU.compute_capability,
+                      part="train-step", fake=False)
+    curves = real.curves
+    # The optimizer step is traced apart (its micro-step 0); a train-step trace runs it after micro-batch 1.
+    passes = {m: p for m, p in moments.items() if m.phase is not Phase.OPTIMIZER}
+    assert {(m.micro_step, m.block) for m in passes} == {(micro, b) for micro in (0, 1) for b in (-1, 0, 4)}
+    apart = [TENSOR_CATEGORIES.index(c) for c in (MemoryCategory.FUNCTIONALITY, MemoryCategory.OPTIMIZER_STATES)]
+    for moment, peak in passes.items():
+        points = curves.index[tuple(moment)]
+        j = points[np.argmax(curves.allocated[points])]
+        # The cuBLAS workspaces (functionality) and the optimizer states dwarf what moves in a tiny model.
+        got = peak.allocated - peak.categories[MemoryCategory.FUNCTIONALITY] - peak.categories[MemoryCategory.OPTIMIZER_STATES]
+        want = curves.allocated[j] - curves.categories[j][apart].sum()
+        assert got == pytest.approx(want, rel=0.005), moment  # measured: within 0.06%

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -102,14 +102,7 @@ class _Model:
         the peak is the highest point. Where a segment's points do not match up, its peaks are
         extrapolated instead.
         """
-        optimizer = self.traces.optimizer
-        if phase is Phase.OPTIMIZER and optimizer is not None:
-            points = {c: (optimizer[c].curves, optimizer[c].curves.allocated, optimizer[c].curves.categories)
-                      for c in self.plan.cuts}
-            ratio = optimizer[self.plan.deepest].curves.reserve_ratio
-        else:
-            points = {c: self._at_batch(c, batch) for c in self.plan.cuts}
-            ratio = self.traces.passes[self.plan.deepest, TRACE_BATCHES[1]].curves.reserve_ratio
+        points, ratio = self._points(phase, batch)
         best_allocated, best_categories = -1.0, None
         keys = [k for k in points[self.plan.base][0].index if k[0] is phase]
         for key in keys:
@@ -117,7 +110,32 @@ class _Model:
             i = int(np.argmax(allocated))
             if allocated[i] > best_allocated:
                 best_allocated, best_categories = float(allocated[i]), categories[i]
-        peak = PhasePeak.from_vector(best_allocated, best_categories if best_categories is not None else [0.0] * len(TENSOR_CATEGORIES))
+        return self._peak(phase, best_allocated, best_categories, ratio)
+
+    def segment_peaks(self, phase: Phase, batch: int) -> dict[tuple[Phase, str, int, int], PhasePeak]:
+        """The highest point of each segment of `phase` (in the blocks, of each block of the base cut), on the
+        full model at `batch` samples per pass: the points `phase_at` takes the highest of."""
+        points, ratio = self._points(phase, batch)
+        peaks = {}
+        for key in [k for k in points[self.plan.base][0].index if k[0] is phase]:
+            allocated, categories = self._segment(points, key)
+            i = int(np.argmax(allocated))
+            peaks[key] = self._peak(phase, float(allocated[i]), categories[i], ratio)
+        return peaks
+
+    def _points(self, phase: Phase, batch: int) -> tuple[dict[Depth, tuple[Curves, np.ndarray, np.ndarray]], float]:
+        """Each cut's curve of `phase` at `batch` (its keys, allocated, categories), and the reserve ratio."""
+        optimizer = self.traces.optimizer
+        if phase is Phase.OPTIMIZER and optimizer is not None:
+            points = {c: (optimizer[c].curves, optimizer[c].curves.allocated, optimizer[c].curves.categories)
+                      for c in self.plan.cuts}
+            return points, optimizer[self.plan.deepest].curves.reserve_ratio
+        points = {c: self._at_batch(c, batch) for c in self.plan.cuts}
+        return points, self.traces.passes[self.plan.deepest, TRACE_BATCHES[1]].curves.reserve_ratio
+
+    def _peak(self, phase: Phase, allocated: float, categories: np.ndarray | None, ratio: float) -> PhasePeak:
+        """A point of the full model's curve as a PhasePeak: the reserve and the optimizer states added."""
+        peak = PhasePeak.from_vector(allocated, categories if categories is not None else [0.0] * len(TENSOR_CATEGORIES))
         # Fragmentation does not extrapolate block by block; its ratio to the peak does, roughly.
         peak.reserved = max(peak.allocated, round(peak.allocated * ratio))
         if phase is not Phase.OPTIMIZER:
@@ -216,6 +234,51 @@ def estimate_memory(
         phase_peaks={str(p): v.allocated for p, v in phases.items()},
         notes=[*traces.notes, *_notes(workload, recipe, anatomy, rule, traces), *sharding_notes(recipe, num_gpus, mode)],
     )
+
+
+class Moment(NamedTuple):
+    """A place in one step of the full model, named as the traces name their points (`trace.records.Event`)."""
+
+    phase: Phase
+    segment: str
+    """"pre", "blocks" or "post" (`trace.records.SEGMENTS`)."""
+    micro_step: int
+    """The micro-batch: 0, or 1 for the second (and later) of an accumulating step; 0 in the optimizer step."""
+    block: int
+    """In "blocks", the block's place among the full model's repeated blocks (from 0); else -1."""
+
+
+def moment_peaks(
+    workload: Workload, recipe: ResolvedRecipe, gpu: GPU, *, mode: Mode = "train", num_gpus: int = 1
+) -> dict[Moment, PhasePeak]:
+    """The highest point of each moment of one step, as `estimate_memory` predicts the step.
+
+    The estimate's peak is the highest of them, with the same categories (`MemoryEstimate.anatomy`): this says
+    where in the step it falls, so that a measurement can be read at the same moment (tests/test_fsdp_accuracy.py
+    reads PyTorch's FSDPMemTracker there). It changes nothing the estimate reports.
+
+    Known limitations: only the moments of the traced cuts are named. In the blocks those are the base cut's
+    blocks, at their places in the full model (`_model_block`): for a uniform stack its first and last block, the
+    blocks between being extrapolated into them.
+    """
+    traces = step_traces(workload, recipe, gpu.compute_capability, mode, num_gpus=num_gpus)
+    model = _Model(traces)
+    size = _model_size(workload, recipe, traces)
+    moments = {}
+    for phase in model.phases():
+        for (_, segment, micro, block), peak in model.segment_peaks(phase, recipe.per_device_train_batch_size).items():
+            moment = Moment(phase, segment, micro, _model_block(model.plan, block))
+            moments[moment] = shard(peak, recipe, size, num_gpus, mode, phase)
+    return moments
+
+
+def _model_block(plan: TracePlan, block: int) -> int:
+    """The place among the full model's blocks of the base cut's block `block` (-1 stays): each delta's added
+    blocks that come before it in the delta's cut, as many times as the full model has them more, come before it
+    in the full model."""
+    if block < 0:
+        return block
+    return block + sum(d.multiplier * sum(1 for p in d.inserted if p < d.aligned(block)) for d in plan.deltas)
 
 
 PhasePeaks = Callable[[int], dict[Phase, PhasePeak]]
