@@ -121,7 +121,7 @@ def explain(best: Candidate, evaluate: Evaluator, space: SearchSpace, objective:
         faster_blocked = [n for n, c in alts if not c.fits and c.samples_per_second > best.samples_per_second * (1 + SPEED_TIE)]
         tied = [n for n, c in fitting if abs(c.samples_per_second / best.samples_per_second - 1) < SPEED_TIE]
         if objective == "throughput" and tied:
-            why = f"ties on predicted speed with {', '.join(tied)}; chosen as the simpler/smaller"
+            why = f"ties on predicted speed with {', '.join(tied)}; chosen as the simpler"
         elif faster_blocked and not any(c.samples_per_second > best.samples_per_second for _, c in fitting):
             verb = "does" if len(faster_blocked) == 1 else "do"
             why = f"{goal} that fits ({', '.join(faster_blocked)} would be faster but {verb} not fit)"
