@@ -33,7 +33,6 @@ are traced. The host-to-device copy of an offloaded shard before its all-gather 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -164,11 +163,11 @@ def wrap(model: torch.nn.Module, recipe: ResolvedRecipe, mesh: DeviceMesh) -> No
 
 
 def rows_divisor(model: torch.nn.Module) -> int:
-    """The greatest common divisor of the rows (dim 0) of every parameter FSDP has sharded in `model` (1 where a
-    parameter has no rows): FSDP2 pads a parameter's rows to a multiple of the world size, so at a world size that
-    divides this, no shard is padded and every size FSDP allocates is a whole part of the unsharded one."""
-    rows = [p.shape[0] if p.dim() else 1 for p in model.parameters() if isinstance(p, DTensor)]
-    return math.gcd(*rows) if rows else 1
+    """`stack.rows_divisor` of the parameters FSDP has sharded in `model`: at a world size that divides it, every size
+    FSDP allocates is a whole part of the unsharded one."""
+    from anatomist.trace.stack import rows_divisor as of
+
+    return of(p for p in model.parameters() if isinstance(p, DTensor))
 
 
 def _top_down(model: torch.nn.Module) -> list[torch.nn.Module]:

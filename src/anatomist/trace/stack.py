@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,6 +223,13 @@ def meta_model(workload: Workload, recipe: ResolvedRecipe, config: Any = None) -
                                     **build_kwargs(workload, recipe))
 
 
+def rows_divisor(parameters: Iterable[torch.Tensor]) -> int:
+    """The greatest common divisor of the rows (dim 0) of `parameters` (1 where one has no rows, or there are none):
+    FSDP2 pads a parameter's rows to a multiple of the world size, so at a world size that divides this no shard is
+    padded (`trace.worlds`)."""
+    return math.gcd(*(p.shape[0] if p.dim() else 1 for p in parameters)) or 1
+
+
 def layout_of(workload: Workload, recipe: ResolvedRecipe) -> Layout:
     """The stacks and block kinds of the full model, and its exact parameter count as `recipe` trains
     it (PEFT adapters, quantized layout), built on the meta device."""
@@ -238,7 +246,7 @@ def layout_of(workload: Workload, recipe: ResolvedRecipe) -> Layout:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     numels = tuple(sorted(p.numel() for p in model.parameters()))
     codes = sum(m.weight.numel() for m in model.modules() if isinstance(m, QuantizedLinearLayout))
-    rows = math.gcd(*(p.shape[0] if p.dim() else 1 for p in model.parameters()))
+    rows = rows_divisor(model.parameters())
     if found is None:
         return Layout(stacks=(), parameters=parameters, trainable_parameters=trainable, signatures=(),
                       parameter_numels=numels, quantized_codes=codes, rows_divisor=rows)
