@@ -2,9 +2,10 @@
 
 The derived trace is checked against the trace of the same part at that world size, taken directly: the
 same curves point by point (total and per category), the same reserve ratio from the allocator replay, the
-same optimizer state. This checks the derivation, not the tracer (which test_fsdp_accuracy.py checks against
-PyTorch's FSDPMemTracker). The tiny Llama's rows (hidden 64, 2 key-value heads of 16, vocabulary 1,000) all
-divide by 8, not by 16: its shards are even at 2, 4 and 8 ranks and padded at 16.
+same optimizer state; so is a rank's passes at the larger batch size derived from another world size's. This
+checks the derivations, not the tracer (which test_fsdp_accuracy.py checks against PyTorch's FSDPMemTracker). The
+tiny Llama's rows (hidden 64, 2 key-value heads of 16, vocabulary 1,000) all divide by 8, not by 16: its shards are
+even at 2, 4 and 8 ranks and padded at 16.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from anatomist.anatomy import MemoryCategory, Phase
 from anatomist.recipe import Recipe
 from anatomist.trace import parts
 from anatomist.trace.records import Allocation, Event, RankEvents, StepTrace, Trace, curves_of
-from anatomist.trace.worlds import derive
+from anatomist.trace.worlds import derive, derive_batch
 from anatomist.workload import load_workload
 
 CC = "8.0"
@@ -29,8 +30,18 @@ RECIPES = {
 }
 
 
-def _traced(workload, recipe, part, world):
-    return parts.trace_request(workload, (recipe, part, 2, 2 if part != "optimizer" else 1, world), CC)
+def _traced(workload, recipe, part, world, batch=2):
+    return parts.trace_request(workload, (recipe, part, 2, batch if part != "optimizer" else 1, world), CC)
+
+
+def _assert_same_rank(got, want):
+    assert got.curves.keys == want.curves.keys
+    np.testing.assert_array_equal(got.curves.allocated, want.curves.allocated)
+    np.testing.assert_array_equal(got.curves.categories, want.curves.categories)
+    np.testing.assert_array_equal(got.curves.post_bytes, want.curves.post_bytes)
+    assert got.curves.reserve_ratio == want.curves.reserve_ratio
+    assert got.static_bytes == want.static_bytes
+    assert (got.parameters, got.trainable_parameters) == (want.parameters, want.trainable_parameters)
 
 
 @pytest.mark.parametrize("part", ["forward-backward", "optimizer"])
@@ -41,15 +52,23 @@ def test_a_derived_rank_is_the_traced_one(tiny_model, name, part):
     lo, hi, direct = (_traced(workload, recipe, part, n) for n in (2, 4, 8))
     derived = derive(lo, hi, 8)
     assert derived is not None
-    want, got = direct.curves, derived.curves
-    assert got.keys == want.keys
-    np.testing.assert_array_equal(got.allocated, want.allocated)
-    np.testing.assert_array_equal(got.categories, want.categories)
-    np.testing.assert_array_equal(got.post_bytes, want.post_bytes)
-    assert got.reserve_ratio == want.reserve_ratio
-    assert derived.static_bytes == direct.static_bytes
-    assert (derived.parameters, derived.trainable_parameters) == (direct.parameters, direct.trainable_parameters)
-    assert not np.array_equal(lo.curves.allocated, want.allocated)  # the world size does change the rank's bytes
+    _assert_same_rank(derived, direct)
+    assert not np.array_equal(lo.curves.allocated, direct.curves.allocated)  # the world size does change the rank's bytes
+
+
+@pytest.mark.parametrize("world", [4, 16])
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_a_rank_at_the_larger_batch_is_derived_from_another_world(tiny_model, name, world):
+    """At 16 ranks the vocabulary's 1,000 rows are padded: the batch derivation holds all the same."""
+    workload = load_workload(str(tiny_model("llama")), seq_len=32)
+    recipe = RECIPES[name].resolved(workload)
+    lo, lo_next, other, direct = (_traced(workload, recipe, "forward-backward", n, batch)
+                                  for n, batch in ((2, 2), (2, 3), (world, 2), (world, 3)))
+    derived = derive_batch(lo, lo_next, other)
+    assert derived is not None and derived.rank is not None and derived.rank.world == world
+    _assert_same_rank(derived, direct)
+    assert not np.array_equal(other.curves.allocated, direct.curves.allocated)  # the batch size does change them
+    assert derive_batch(lo, other, direct) is None  # the batch sizes at one world size, the world sizes at the other
 
 
 def test_padded_shards_are_traced_not_derived(tiny_model):
@@ -90,22 +109,26 @@ def test_sizes_affine_in_one_over_the_world_size():
 
 
 def test_an_estimate_is_the_same_derived_or_traced(tiny_model, cache_folder):
-    """Within `worlds_derived_from(2, 4)` an estimate on 8 GPUs reads derived traces (the cache then holds none
-    traced at 8), and says what it says with every world traced."""
+    """Within `worlds_derived_from(2, 4)` estimates on 2, 4 and 8 GPUs read derived traces (the cache then holds
+    none traced at 8, and at 4 only the passes at the smaller batch size), and say what they say with every
+    world traced."""
     from anatomist.estimate.memory import estimate_memory
     from anatomist.hardware import get_gpu
     from anatomist.trace import cache
 
     workload = load_workload(str(tiny_model("llama")), seq_len=32)
     gpu = get_gpu("A100-80GB")
-    recipes = [RECIPES["fp32 full_shard"].resolved(workload)]
+    recipe = RECIPES["fp32 full_shard"].resolved(workload)
+    worlds = (2, 4, 8)
     with parts.worlds_derived_from(2, 4):
-        derived = [estimate_memory(workload, r, gpu, num_gpus=8).to_dict() for r in recipes]
+        derived = [estimate_memory(workload, recipe, gpu, num_gpus=n).to_dict() for n in worlds]
     assert all(t.rank is not None and not t.ops for t in _cached_at(cache, 8)), "a trace at 8 was traced, not derived"
+    passes_at_4 = [t for t in _cached_at(cache, 4) if t.static_bytes == {}]  # of each cut, at each batch size
+    assert sorted(bool(t.ops) for t in passes_at_4) == [False] * (len(passes_at_4) // 2) + [True] * (len(passes_at_4) // 2)
     cache.clear_memory()
     for stored in cache_folder.iterdir():
         stored.unlink()
-    traced = [estimate_memory(workload, r, gpu, num_gpus=8).to_dict() for r in recipes]
+    traced = [estimate_memory(workload, recipe, gpu, num_gpus=n).to_dict() for n in worlds]
     assert all(t.ops for t in _cached_at(cache, 8))
     assert derived == traced
 

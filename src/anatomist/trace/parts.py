@@ -4,8 +4,9 @@
 size, served from the cache (`cache`, keyed by `keys.part_key`) or traced (`driver.trace_step`).
 `trace_parts` first puts every part a caller will ask for into the cache, traced side by side in
 forked processes (`pool`). Within `worlds_derived_from(a, b)`, a rank of FSDP at another world size is
-derived from its traces at worlds a and b (`trace.worlds`), traced only where it cannot be. Nothing here
-imports torch until a part must really be traced.
+derived from its traces at worlds a and b, and its passes at b and one batch size from those at a and the batch
+size below (`trace.worlds`); traced only where they cannot be. Nothing here imports torch until a part must really
+be traced.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from anatomist.trace import cache, pool
@@ -51,30 +52,29 @@ def trace_parts(workload: Workload, requests: Iterable[PartRequest], compute_cap
     """Put into the trace cache the parts `requests` name that it lacks, traced side by side in forked
     processes (`trace.pool`). Where they cannot be (one core, not Linux, a job that failed), nothing
     is stored: `trace_part` traces each when asked, in this process. The passes of one micro-batch
-    are not traced where those of two are: they are the first of the two."""
-    wanted: dict[tuple[Any, ...], PartRequest] = {}
-    derived: set[tuple[Any, ...]] = set()
-    carried: dict[tuple[Any, ...], PartRequest] = {}
-    for request in requests:
+    are not traced where those of two are: they are the first of the two. Within `worlds_derived_from`,
+    what can be derived from the others is derived once they are traced (`_basis_requests`)."""
+
+    def key_of(request: PartRequest) -> tuple[Any, ...]:
         recipe, part, depth, batch, num_gpus = request
-        key = part_key(workload, recipe, part, depth, batch, compute_capability, num_gpus)
-        if key in wanted or key in carried or cache.has(key):
-            continue
-        basis = _basis_requests(workload, request)
-        if basis:
-            carried[key] = request
-        for one in basis or [request]:
-            recipe, part, depth, batch, num_gpus = one
-            key = part_key(workload, recipe, part, depth, batch, compute_capability, num_gpus)
-            if key in wanted or cache.has(key):
-                continue
-            wanted[key] = one
-            if part == "forward-backward" and recipe.gradient_accumulation_steps > 1 and recipe.fsdp == "none":
-                derived.add(_first_micro_batch_key(workload, one, compute_capability))
-    _side_by_side(workload, {k: r for k, r in wanted.items() if k not in derived}, compute_capability)
+        return part_key(workload, recipe, part, depth, batch, compute_capability, num_gpus)
+
+    needed: dict[tuple[Any, ...], PartRequest] = {}
+    """Each part to put in the cache, and those it is derived from at other world sizes."""
+    for request in requests:
+        for one in (*_basis_requests(workload, request), request):
+            key = key_of(one)
+            if key not in needed and not cache.has(key):
+                needed[key] = one
+    carried = {key: request for key, request in needed.items()
+               if _basis_requests(workload, request, lambda r: key_of(r) in needed or cache.has(key_of(r)))}
+    first_micro_batches = {_first_micro_batch_key(workload, r, compute_capability) for r in needed.values()
+                           if r[1] == "forward-backward" and r[0].gradient_accumulation_steps > 1 and r[0].fsdp == "none"}
+    _side_by_side(workload, {k: r for k, r in needed.items() if k not in carried and k not in first_micro_batches},
+                  compute_capability)
     left = {}
-    for key, request in carried.items():
-        trace = _derived(workload, request, compute_capability)
+    for key, request in sorted(carried.items(), key=lambda item: (item[1][4] != _bases[-1][1], item[1][3])):
+        trace = _derived(workload, request, compute_capability)  # a world size of the block's after its batches
         if trace is not None:
             cache.put(key, trace)
         else:
@@ -99,8 +99,10 @@ _bases: list[tuple[int, int]] = []
 @contextlib.contextmanager
 def worlds_derived_from(lo: int, hi: int) -> Iterator[None]:
     """Within the block, a rank of FSDP at a world size other than `lo` and `hi` is derived from the traces of the
-    same part at those two (`trace.worlds.derive`), which are traced where the cache lacks them; traced itself
-    only where it cannot be derived. For a caller that will trace FSDP at several world sizes (`plan --max-nodes`)."""
+    same part at those two (`trace.worlds.derive`), which are traced where the cache lacks them, and its passes at
+    `hi` and the larger batch size from those at `lo` (`trace.worlds.derive_batch`) where those are traced anyway;
+    traced itself only where it cannot be derived. For a caller that will trace FSDP at several world sizes
+    (`plan --max-nodes`)."""
     _bases.append((lo, hi))
     try:
         yield
@@ -108,30 +110,50 @@ def worlds_derived_from(lo: int, hi: int) -> Iterator[None]:
         _bases.pop()
 
 
-def _basis_requests(workload: Workload, request: PartRequest) -> list[PartRequest]:
-    """The requests at the block's two world sizes that `request` is derived from; [] where it is traced itself
-    (outside a block, not FSDP, at one of the two, or a model whose shards would be padded at one of the three)."""
+def _basis_requests(workload: Workload, request: PartRequest,
+                    available: Callable[[PartRequest], bool] | None = None) -> list[PartRequest]:
+    """The requests `request` is derived from within the innermost `worlds_derived_from(a, b)` block; [] where it is
+    traced itself (outside a block, not FSDP, at world a, or at b where `available` lacks what it needs):
+
+    - at world b and batch s + 1: the same passes at (a, s), (a, s + 1) and (b, s) (`worlds.derive_batch`), where
+      `available` has all three (so that nothing is traced for it that would not be) and s is 2 or more (at one
+      sample some copies are views: `estimate.traces.TRACE_BATCHES`);
+    - at any other world size: the same part at a and b (`worlds.derive`), unless the shards would be padded at
+      one of the three."""
     recipe, part, depth, batch, num_gpus = request
-    if not _bases or recipe.fsdp == "none" or num_gpus in _bases[-1]:
+    if not _bases or recipe.fsdp == "none" or num_gpus == _bases[-1][0]:
         return []
+    lo, hi = _bases[-1]
+    if num_gpus == hi:
+        basis = [(recipe, part, depth, batch - 1, lo), (recipe, part, depth, batch, lo), (recipe, part, depth, batch - 1, hi)]
+        passes = part in ("forward-backward", "inference") and batch - 1 >= 2
+        return basis if passes and available is not None and all(map(available, basis)) else []
     from anatomist.trace.cuts import model_plan  # from the cache, else the model built on the meta device
 
     rows = model_plan(workload, recipe).rows_divisor
-    if any(rows % n for n in (*_bases[-1], num_gpus)):
+    if any(rows % n for n in (lo, hi, num_gpus)):
         return []
-    return [(recipe, part, depth, batch, n) for n in _bases[-1]]
+    return [(recipe, part, depth, batch, n) for n in (lo, hi)]
 
 
 def _derived(workload: Workload, request: PartRequest, compute_capability: str) -> StepTrace | None:
-    """The trace of `request` derived from those at the block's two world sizes (traced where the cache lacks
-    them), or None: outside a block, at one of its world sizes, or where it cannot be derived."""
-    from anatomist.trace.worlds import derive
+    """The trace of `request` derived from those `_basis_requests` names (those at world a and b traced where the
+    cache lacks them; at world b only from what it holds), or None where it is traced itself or cannot be derived."""
+    from anatomist.trace.worlds import derive, derive_batch
 
-    basis = _basis_requests(workload, request)
+    def cached(one: PartRequest) -> bool:
+        recipe, part, depth, batch, num_gpus = one
+        return cache.has(part_key(workload, recipe, part, depth, batch, compute_capability, num_gpus))
+
+    basis = _basis_requests(workload, request, cached)
     if not basis:
         return None
-    lo, hi = (trace_part(workload, r[0], r[1], depth=r[2], batch_size=r[3], compute_capability=compute_capability,
-                         num_gpus=r[4]) for r in basis)
+    traces = [trace_part(workload, r[0], r[1], depth=r[2], batch_size=r[3], compute_capability=compute_capability,
+                         num_gpus=r[4]) for r in basis]
+    if request[4] == _bases[-1][1]:
+        lo, lo_next, other = traces
+        return derive_batch(lo, lo_next, other)
+    lo, hi = traces
     return derive(lo, hi, request[4])
 
 

@@ -15,6 +15,11 @@ is refused (None: the caller traces N) where the shards would be padded, where t
 the same allocations in the same order, or where a derived size is not a whole number of bytes. A derived
 trace keeps no op costs: the time model reads one device's traces, never a rank's (`keys.one_device`).
 
+The batch size moves a rank's bytes the other way: the activations grow with each sample, the shards and the
+unsharded parameters do not. So what one more sample adds to each allocation is the same at every world size, and
+the passes at world b and batch s + 1 are those at batch s plus what the sample adds at world a (`derive_batch`):
+three traces where four were taken. This holds with padded shards too (padding is not per sample).
+
 `plan --max-nodes` traces FSDP at the two smallest world sizes it plans and derives the larger ones
 (`plan.clusters`): the traces of a 16-GPU rank cost as much as those of a 2-GPU one.
 """
@@ -53,6 +58,30 @@ def derive(lo: StepTrace, hi: StepTrace, world: int) -> StepTrace | None:
     return StepTrace(phases=list(lo.phases), curves=curves_of(trace), ops=(), parameters=lo.parameters,
                      trainable_parameters=lo.trainable_parameters, op_count=lo.op_count, static_bytes=static,
                      rank=RankEvents(world=world, rows_divisor=lo.rank.rows_divisor, trace=trace, states=tuple(states)))
+
+
+def derive_batch(lo: StepTrace, lo_next: StepTrace, other: StepTrace) -> StepTrace | None:
+    """The trace of the same passes as `other` (one rank of FSDP) at the batch size of `lo_next`, where `lo` and
+    `lo_next` are those passes at another world size and two batch sizes (`lo`'s that of `other`): each allocation of
+    `other` grows by what its pair grows from `lo` to `lo_next` (module docstring). None where the three do not
+    make the same allocations in the same order, or a size would be negative."""
+    if lo.rank is None or lo_next.rank is None or other.rank is None \
+            or lo.rank.world != lo_next.rank.world or lo.rank.world == other.rank.world:
+        return None
+    same = [(t.phases, t.parameters, t.trainable_parameters, t.op_count, t.static_bytes) for t in (lo, lo_next, other)]
+    if same.count(same[0]) != 3 or lo.static_bytes:
+        return None  # passes only: an optimizer step is not per sample
+    grown, moved = _paired(lo.rank.trace, lo_next.rank.trace), _paired(lo.rank.trace, other.rank.trace)
+    if grown is None or moved is None:
+        return None
+    allocations = lo.rank.trace.allocations, lo_next.rank.trace.allocations, other.rank.trace.allocations
+    sizes = {moved[i]: allocations[2][moved[i]].nbytes + allocations[1][grown[i]].nbytes - allocations[0][i].nbytes
+             for i in grown}
+    if any(size < 0 for size in sizes.values()):
+        return None
+    trace = _resized(other.rank.trace, sizes)
+    return dataclasses.replace(other, curves=curves_of(trace), ops=(), first_micro_batch=None,
+                               rank=dataclasses.replace(other.rank, trace=trace))
 
 
 def _states_are_static(trace: StepTrace) -> bool:
