@@ -15,7 +15,8 @@ the optimizer step, zero_grad(set_to_none=True). The step takes CUDA's code path
 policy (`cuda_code_paths`, `cuda_autocast_policy`: which kernels run, not how memory is counted),
 and FSDPMemTracker rounds each storage to the CUDA allocator's 512 bytes, as it does on CUDA. The
 hooks FSDPMemTracker puts on a unit of several modules (accelerate's `fully_shard([norm, lm_head])`)
-are registered as FSDP's own group (`_moment_tracker`): on each module alone they change the step.
+are registered as FSDP's own group (`anatomist.bench.fsdp_tracker`): on each module alone they change the
+step.
 
 Prints one JSON object: case name -> list, per rank, of {"peak": FSDPMemTracker's peak snapshot (bytes
 by its categories, "Total"), "peak_moment": the moment it falls in, "moments": moment -> FSDPMemTracker's
@@ -65,18 +66,16 @@ def _snapshot(snapshot: dict[Any, int]) -> dict[str, int]:
 
 def _moment_tracker(model: Any, optimizer: Any) -> Any:
     """An FSDPMemTracker that also keeps its highest snapshot within each moment of the step, and leaves
-    FSDP's hooks of a unit of several modules as FSDP registers them.
+    FSDP's hooks of a unit of several modules as FSDP registers them (`anatomist.bench.fsdp_tracker`).
 
     The moment (phase, segment, micro-step, block) is set by `step` and `_watch_blocks`; after each op
     FSDPMemTracker updates its peak (`_update_peak_stats`), and the current snapshot is kept where it is
     the moment's highest. Of equal ones the last is kept: FSDPMemTracker names an all-gather output
     ALL_GATHER only when the collective runs, one op after the buffer's allocation made the total.
     """
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_state import _register_group_forward_hooks
+    from anatomist.bench.fsdp_tracker import GroupedFSDPMemTracker
 
-    class MomentTracker(FSDPMemTracker):
+    class MomentTracker(GroupedFSDPMemTracker):
         def __init__(self) -> None:
             super().__init__(model, optimizer)
             self.phase, self.segment, self.micro_step, self.block = "forward", "pre", 0, -1
@@ -95,40 +94,6 @@ def _moment_tracker(model: Any, optimizer: Any) -> Any:
                 kept = self.moments.get(self.moment())
                 if kept is None or snapshot["Total"] >= kept["Total"]:
                     self.moments[self.moment()] = _snapshot(snapshot)
-
-        def _instrument_fsdp_module(self) -> None:
-            """FSDPMemTracker's instrumentation, then a unit of several modules regrouped.
-
-            accelerate shards the final norm and the output head as one unit (`fully_shard([norm, lm_head])`),
-            whose forward hooks FSDP registers as a group: its pre-forward work once, its post-forward (reshard,
-            the pre-backward hook) after the last module. FSDPMemTracker (torch 2.13) re-registers them on each
-            module alone, which changes the backward (seen on the models of test_fsdp_accuracy.py, fp32): the
-            head's gradient is reduce-scattered alone, the unit all-gathered again for the norm, and the norm's
-            1,024 bytes reduce-scattered after it, where FSDP reduce-scatters the two together once (1,025,024
-            bytes), its input kept until the next unit's post-backward. Here the tracker's wrappers are
-            registered as FSDP's group instead, so the measured step runs as it runs without the tracker.
-            """
-            super()._instrument_fsdp_module()
-            states = {id(s): s for m in self._root_mod.modules() if isinstance(m, FSDPModule)
-                      for s in [m._get_fsdp_state()] if len(s._modules) > 1}
-            for state in states.values():
-                self._regroup(state)
-
-        def _regroup(self, state: Any) -> None:
-            ours = (state._pre_forward, state._post_forward)
-            for module in state._modules:  # the tracker's wrappers of FSDP's hooks, one pair on each module
-                for hooks in (module._forward_pre_hooks, module._forward_hooks):
-                    for key in [k for k, h in hooks.items() if getattr(h, "__wrapped__", None) in ours]:
-                        del hooks[key]
-                        module._forward_pre_hooks_with_kwargs.pop(key, None)
-                        module._forward_hooks_always_called.pop(key, None)
-            pre = {m: self._fsdp_state_pre_forward(m, state._pre_forward) for m in state._modules}
-            post = {m: self._fsdp_state_post_forward(m, state._post_forward) for m in state._modules}
-            handle = _register_group_forward_hooks(
-                state._modules, lambda module, *args: pre[module](module, *args),
-                lambda module, *args: post[module](module, *args), state._modules_to_run_forward,
-                state._cast_output_dtype)
-            state._pre_forward_hook_handle = state._post_forward_hook_handle = handle  # removed on exit
 
     return MomentTracker()
 

@@ -19,7 +19,8 @@ recipe's optimizer (`Trainer.get_optimizer_cls_and_kwargs`), zero_grad(set_to_no
 Each rank writes `rank{R}.json`:
 - `memory` (`peak_allocated` and anatomist's categories at it, as `predicted.memory` has them) and
   `fsdp_mem_tracker_peak` (PyTorch's own categories, `_FSDPRefType`): the peak of one more,
-  steady-state step under PyTorch's `torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker`.
+  steady-state step under PyTorch's `torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker`, whose hooks on a
+  unit of several modules are FSDP's group (`fsdp_tracker`: on each module alone they change the step).
   Without CUDA the steps take CUDA's code paths (`cuda_code_paths`, `cuda_autocast_policy`: which
   kernels run and what they save) and the tracker counts each storage in the CUDA allocator's 512-byte
   blocks, as it does on CUDA (`_PYTORCH_MIN_ALLOCATE`), so the CPU figure is sized as the prediction
@@ -179,7 +180,7 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from anatomist.bench.fsdp_tracker import GroupedFSDPMemTracker
 
     code_paths = contextlib.nullcontext() if on_cuda else cuda_code_paths()
     policy = cuda_autocast_policy() if half is not None and not on_cuda else contextlib.nullcontext()
@@ -194,7 +195,7 @@ def main() -> None:
             if on_cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-        tracker = FSDPMemTracker(model, optimizer)
+        tracker = GroupedFSDPMemTracker(model, optimizer)
         with (contextlib.nullcontext() if on_cuda else cuda_block_sizes()), tracker:
             step()
     snapshot = tracker.get_tracker_snapshot("peak")
