@@ -45,6 +45,37 @@ def test_trainer_kwargs_construct_training_arguments(name: str, tmp_path: Path) 
     assert ("deepspeed=" in snippet) == bool(recipe.zero_stage)
 
 
+@pytest.mark.parametrize("recipe", [Recipe(fsdp="full_shard", bf16=True),
+                                    Recipe(fsdp="shard_grad_op", bf16=True, offload="cpu"),
+                                    Recipe(fsdp="full_shard", bf16=True, peft="lora")],
+                         ids=["full_shard", "shard_grad_op+offload", "full_shard+lora"])
+def test_trainer_fsdp_arguments_make_the_fsdp2_anatomist_traces(recipe: Recipe, tmp_path: Path) -> None:
+    """The installed transformers turns the emitted `fsdp` / `fsdp_config` into the FSDP plugin arguments of the
+    step anatomist traces: FSDP2 (the Trainer's default before 5.10 is FSDP1), each decoder block its own unit (the
+    transformer-based wrap: before 5.10 only with "auto_wrap"), resharding after forward for full_shard only, CPU
+    offload where asked; PEFT's cpu_ram_efficient_loading for adapters."""
+    from transformers import TrainingArguments
+
+    kwargs = json.loads(render(recipe, "trainer"))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", fsdp=kwargs["fsdp"],
+                             fsdp_config=kwargs["fsdp_config"])
+    plugin = args.fsdp_plugin_args
+    assert plugin["fsdp_version"] == 2
+    assert plugin["auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    assert plugin["reshard_after_forward"] is (recipe.fsdp == "full_shard")
+    assert plugin.get("cpu_offload", False) is (recipe.offload == "cpu")
+    assert plugin["cpu_ram_efficient_loading"] is (recipe.peft != "none")
+
+
+def test_trainer_fsdp_arguments_before_transformers_5_10_are_a_string_of_options() -> None:
+    from anatomist.axes.shardings import trainer_fsdp_arguments
+
+    assert trainer_fsdp_arguments("shard_grad_op", offload=True, adapters=False, transformers_version="5.4.0") == \
+        {"fsdp": "shard_grad_op auto_wrap offload", "fsdp_config": {"version": 2}}
+    assert trainer_fsdp_arguments("full_shard", offload=False, adapters=False, transformers_version="5.10.0") == \
+        {"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": True}}
+
+
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_accelerate_config_loads_with_accelerate(name: str, tmp_path: Path) -> None:
     from accelerate.commands.config.config_args import load_config_from_file

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self, get_args, get_origin, get_
 from anatomist.axes.liger import check_liger
 from anatomist.axes.optimizers import OPTIMIZERS, optimizer, runs_with
 from anatomist.axes.precisions import HALF_DTYPES
-from anatomist.axes.shardings import DEEPSPEED_SETTINGS, FSDP_STAGES, deepspeed_values
+from anatomist.axes.shardings import DEEPSPEED_SETTINGS, FSDP_STAGES, deepspeed_values, trainer_fsdp_arguments
 from anatomist.errors import InputError
 from anatomist.trainer_defaults import trainer_defaults
 
@@ -431,7 +431,7 @@ class Recipe:
         if self.tf32:
             kwargs["tf32"] = True
         if self.fsdp != "none":
-            kwargs["fsdp"] = self.fsdp
+            kwargs |= trainer_fsdp_arguments(self.fsdp, offload=self.offload == "cpu", adapters=self.peft != "none")
         if self.use_liger_kernel:
             kwargs["use_liger_kernel"] = True
         return kwargs | dict(optimizer(self.optim).trainer_kwargs)

@@ -29,6 +29,45 @@ RESHARD_AFTER_FORWARD: dict[str, bool] = {"full_shard": True, "shard_grad_op": F
 5.23, `TrainingArguments._apply_legacy_fsdp_to_config`: full_shard -> True, shard_grad_op -> False; FSDP2
 is the Trainer's default, `fsdp_config["version"] = 2`)."""
 
+FSDP_CONFIG_ONLY = (5, 10)
+"""From transformers 5.10, `TrainingArguments(fsdp=True)` reads everything from `fsdp_config` (`version`, default 2;
+`reshard_after_forward`; `cpu_offload`; the transformer-based wrap by default) and a string `fsdp` is deprecated
+(`_apply_legacy_fsdp_to_config`). Before (5.4-5.9), `fsdp` is a string of options: the strategy, "auto_wrap" (else
+accelerate wraps nothing: the whole model one unit) and "offload", and FSDP1 is the default (`version` 1)."""
+
+
+def trainer_fsdp_arguments(fsdp: str, *, offload: bool, adapters: bool,
+                           transformers_version: str | None = None) -> dict[str, object]:
+    """TrainingArguments' `fsdp` and `fsdp_config` for FSDP2 with `fsdp`'s strategy, each block its own unit (as
+    anatomist traces it: `trace.sharded`), CPU offload where asked, and, for adapters, PEFT's
+    `cpu_ram_efficient_loading`; in the form `transformers_version` (default: the one installed, else the newest)
+    reads (`FSDP_CONFIG_ONLY`)."""
+    config: dict[str, object] = {"version": 2}
+    if adapters:
+        config["cpu_ram_efficient_loading"] = True
+    if _release(transformers_version or _installed("transformers")) >= FSDP_CONFIG_ONLY:
+        config["reshard_after_forward"] = RESHARD_AFTER_FORWARD[fsdp]
+        if offload:
+            config["cpu_offload"] = True
+        return {"fsdp": True, "fsdp_config": config}
+    return {"fsdp": " ".join([fsdp, "auto_wrap", *(["offload"] if offload else [])]), "fsdp_config": config}
+
+
+def _installed(package: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _release(version: str | None) -> tuple[int, ...]:
+    """(major, minor) of a version string; the newest where there is none."""
+    if version is None:
+        return (10**6,)
+    return tuple(int(p) if p.isdigit() else 0 for p in version.split(".")[:2])
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ShardingSpec:
