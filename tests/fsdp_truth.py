@@ -15,7 +15,7 @@ the optimizer step, zero_grad(set_to_none=True). The step takes CUDA's code path
 policy (`cuda_code_paths`, `cuda_autocast_policy`: which kernels run, not how memory is counted),
 and FSDPMemTracker rounds each storage to the CUDA allocator's 512 bytes, as it does on CUDA. The
 hooks FSDPMemTracker puts on a unit of several modules (accelerate's `fully_shard([norm, lm_head])`)
-are registered as FSDP's own group (`anatomist.bench.fsdp_tracker`): on each module alone they change the
+are registered as FSDP's own group (`anatomist.bench.trackers`): on each module alone they change the
 step.
 
 Prints one JSON object: case name -> list, per rank, of {"peak": FSDPMemTracker's peak snapshot (bytes
@@ -66,14 +66,14 @@ def _snapshot(snapshot: dict[Any, int]) -> dict[str, int]:
 
 def _moment_tracker(model: Any, optimizer: Any) -> Any:
     """An FSDPMemTracker that also keeps its highest snapshot within each moment of the step, and leaves
-    FSDP's hooks of a unit of several modules as FSDP registers them (`anatomist.bench.fsdp_tracker`).
+    FSDP's hooks of a unit of several modules as FSDP registers them (`anatomist.bench.trackers`).
 
     The moment (phase, segment, micro-step, block) is set by `step` and `_watch_blocks`; after each op
     FSDPMemTracker updates its peak (`_update_peak_stats`), and the current snapshot is kept where it is
     the moment's highest. Of equal ones the last is kept: FSDPMemTracker names an all-gather output
     ALL_GATHER only when the collective runs, one op after the buffer's allocation made the total.
     """
-    from anatomist.bench.fsdp_tracker import GroupedFSDPMemTracker
+    from anatomist.bench.trackers import GroupedFSDPMemTracker
 
     class MomentTracker(GroupedFSDPMemTracker):
         def __init__(self) -> None:

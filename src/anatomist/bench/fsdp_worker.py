@@ -20,7 +20,7 @@ Each rank writes `rank{R}.json`:
 - `memory` (`peak_allocated` and anatomist's categories at it, as `predicted.memory` has them) and
   `fsdp_mem_tracker_peak` (PyTorch's own categories, `_FSDPRefType`): the peak of one more,
   steady-state step under PyTorch's `torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker`, whose hooks on a
-  unit of several modules are FSDP's group (`fsdp_tracker`: on each module alone they change the step).
+  unit of several modules are FSDP's group (`trackers`: on each module alone they change the step).
   Without CUDA the steps take CUDA's code paths (`cuda_code_paths`, `cuda_autocast_policy`: which
   kernels run and what they save) and the tracker counts each storage in the CUDA allocator's 512-byte
   blocks, as it does on CUDA (`_PYTORCH_MIN_ALLOCATE`), so the CPU figure is sized as the prediction
@@ -37,13 +37,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import statistics
 import tempfile
 import time
 import types
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,22 +60,6 @@ TRACKER_CATEGORIES: dict[str, tuple[str, ...]] = {
 }
 """FSDPMemTracker's categories (`_FSDPRefType`) under anatomist's (`MemoryCategory`), as
 tests/test_fsdp_accuracy.py compares them."""
-
-
-@contextlib.contextmanager
-def cuda_block_sizes() -> Iterator[None]:
-    """Within it, PyTorch's mem_tracker counts a CPU storage as the CUDA allocator would: in 512-byte
-    blocks (its own rule for CUDA storages, `_WeakRefInfo._calculate_mem_consumed`)."""
-    from torch.distributed._tools import mem_tracker
-
-    info: Any = mem_tracker._WeakRefInfo
-    block = mem_tracker._PYTORCH_MIN_ALLOCATE
-    original = info._calculate_mem_consumed
-    info._calculate_mem_consumed = lambda self: math.ceil(self.size * self.element_size / block) * block
-    try:
-        yield
-    finally:
-        info._calculate_mem_consumed = original
 
 
 def _shard(model: torch.nn.Module, recipe: Any, device: torch.device) -> str:
@@ -180,7 +162,7 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    from anatomist.bench.fsdp_tracker import GroupedFSDPMemTracker
+    from anatomist.bench.trackers import GroupedFSDPMemTracker, cuda_block_sizes
 
     code_paths = contextlib.nullcontext() if on_cuda else cuda_code_paths()
     policy = cuda_autocast_policy() if half is not None and not on_cuda else contextlib.nullcontext()

@@ -177,8 +177,9 @@ def predict(workload: Workload, recipe: ResolvedRecipe, *, num_gpus: int = 1) ->
     anatomy = estimate_memory(workload, recipe, gpu, num_gpus=num_gpus).anatomy
     if on_cpu:
         # The tensor categories only: CPU has no cuBLAS workspace, no reserve, no context.
-        workspace = cublas_workspace_bytes(gpu.compute_capability)
-        live_workspaces = (anatomy.functionality // workspace) * workspace
+        # Two workspaces live through a training step (the main thread's and autograd's: trace/driver.py); the
+        # rest of functionality is the step's own (DDP's gradient buckets, FSDP's collective buffers).
+        live_workspaces = 2 * cublas_workspace_bytes(gpu.compute_capability)
         anatomy = dataclasses.replace(
             anatomy, functionality=anatomy.functionality - live_workspaces,
             peak_allocated=anatomy.peak_allocated - live_workspaces,

@@ -307,11 +307,12 @@ def _phase_peaks(workload: Workload, recipe: ResolvedRecipe, gpu: GPU, traces: S
 
 
 def _model_size(workload: Workload, recipe: ResolvedRecipe, traces: StepTraces) -> ModelSize:
-    """What DeepSpeed's arithmetic needs of the model (`sharding.shard`): its parameters and, under ZeRO-3,
-    the persistent ones and the largest block's."""
-    if recipe.zero_stage < 3:
-        return ModelSize(parameters=traces.parameters, trainable=traces.trainable_parameters)
+    """What the arithmetic of `sharding.shard` needs of the model: its parameters, the trainable ones' bytes (data
+    parallelism's buckets) and, under ZeRO-3, the persistent ones and the largest block's."""
     plan = model_plan(workload, recipe)
+    if recipe.zero_stage < 3:
+        return ModelSize(parameters=traces.parameters, trainable=traces.trainable_parameters,
+                         trainable_bytes=plan.trainable_bytes)
     threshold = recipe.stage3_param_persistence_threshold or 0
     return ModelSize(parameters=traces.parameters, trainable=traces.trainable_parameters, block=plan.block_parameters,
                      persistent=persistent_parameters(plan.parameter_numels, threshold))

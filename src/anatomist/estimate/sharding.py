@@ -1,4 +1,14 @@
-"""DeepSpeed ZeRO and CPU offload applied to one device's traced peak, with DeepSpeed's own buffers.
+"""DeepSpeed ZeRO and CPU offload applied to one device's traced peak, with DeepSpeed's own buffers; plain data
+parallelism's gradient buckets.
+
+Data parallelism (DistributedDataParallel, what the Trainer runs on several devices without ZeRO or FSDP) holds
+what one device holds, and its gradient buckets: to all-reduce the gradients the reducer copies them into buckets
+of bucket_cap_mb (25 MiB), one flat tensor per bucket, made when the model is wrapped and kept, together holding
+every trainable parameter's gradient in its dtype. With `gradient_as_bucket_view=False`, DDP's default, which
+neither the Trainer nor accelerate changes, the `.grad` tensors are a second copy beside them (PyTorch's DDP docs:
+`gradient_as_bucket_view` "can reduce peak memory usage, where the saved memory size will be equal to the total
+gradients size"). So each device holds one more copy of the trainable gradients throughout the step
+(`ddp_bucket_bytes`), counted as functionality-specific memory.
 
 PyTorch FSDP is not here: its step is traced per rank (trace/sharded.py). DeepSpeed cannot run on
 this machine's CPU build, so ZeRO stays an arithmetic model over one device's trace: ZeRO partitions
@@ -52,10 +62,18 @@ from dataclasses import dataclass
 from anatomist.anatomy import MemoryCategory, Phase
 from anatomist.axes.shardings import RESHARD_AFTER_FORWARD
 from anatomist.recipe import Recipe, ResolvedRecipe
+from anatomist.trace.allocator import round_size
 from anatomist.trace.records import PhasePeak
 
 HALF_BYTES = 2
 MASTER_WEIGHT_BYTES = 4
+
+
+def ddp_bucket_bytes(trainable_bytes: int) -> int:
+    """DistributedDataParallel's gradient buckets on one device (module docstring): the trainable parameters' bytes.
+    Each bucket is rounded to the allocator's 512-byte blocks; counted as the sum rounded once (under 512 bytes a
+    bucket short: a bucket is up to 25 MiB)."""
+    return round_size(trainable_bytes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,6 +89,8 @@ class ModelSize:
     """Parameters of at most stage3_param_persistence_threshold elements (kept whole under ZeRO-3)."""
     block: int = 0
     """Parameters of the largest repeated block."""
+    trainable_bytes: int = 0
+    """Bytes of the trainable parameters in their dtypes (data parallelism's gradient buckets)."""
 
 
 def persistent_parameters(numels: tuple[int, ...], threshold: int) -> int:
@@ -81,11 +101,16 @@ def persistent_parameters(numels: tuple[int, ...], threshold: int) -> int:
 
 def shard(peak: PhasePeak, recipe: ResolvedRecipe, model: ModelSize, num_gpus: int, mode: str,
           phase: Phase) -> PhasePeak:
-    """`peak` of `phase` (traced on one device) as one of `num_gpus` devices holds it under DeepSpeed ZeRO;
-    any other recipe's unchanged (FSDP's peak is traced per rank; data parallelism holds one device's)."""
+    """`peak` of `phase` (traced on one device) as one of `num_gpus` devices holds it under DeepSpeed ZeRO, or under
+    data parallelism (one device's and DDP's gradient buckets); FSDP's unchanged (its peak is traced per rank)."""
     stage = recipe.zero_stage
-    if mode != "train" or stage == 0:
+    if mode != "train" or recipe.fsdp != "none" or (stage == 0 and num_gpus <= 1):
         return peak
+    if stage == 0:
+        buckets = ddp_bucket_bytes(model.trainable_bytes)
+        categories = dict(peak.categories)
+        categories[MemoryCategory.FUNCTIONALITY] += buckets
+        return PhasePeak(allocated=peak.allocated + buckets, reserved=peak.reserved + buckets, categories=categories)
     n = max(num_gpus, 1)
     p, t = model.parameters, model.trainable
     categories = dict(peak.categories)
@@ -151,7 +176,9 @@ def sharding_notes(recipe: ResolvedRecipe, num_gpus: int, mode: str) -> list[str
                 f"cannot run here) with its buffers: reduce_bucket_size={recipe.reduce_bucket_size:,} elements"
                 f"{gathered}; not validated on a GPU"]
     if recipe.fsdp == "none":
-        return []
+        return [f"data parallelism on {num_gpus} GPUs: each holds one device's step and DistributedDataParallel's "
+                "gradient buckets (gradient_as_bucket_view=False, the Trainer's: one more copy of the trainable "
+                "gradients, as functionality)"] if num_gpus > 1 else []
     offload = "; CPUOffloadPolicy: sharded parameters, gradients, optimizer states and step on the host" \
         if recipe.offload == "cpu" else ""
     return [f"fsdp {recipe.fsdp}: one rank of {num_gpus} traced running PyTorch's FSDP2 as the Trainer wraps it "

@@ -106,6 +106,9 @@ class ModelPlan:
     rows_divisor: int = 1
     """The greatest common divisor of every parameter's rows (dim 0): FSDP's shards at a world size that divides it
     are even (`trace.worlds`)."""
+    trainable_bytes: int = 0
+    """Bytes of the trainable parameters in their dtypes, as their gradients are: what DistributedDataParallel's
+    gradient buckets hold (`estimate.sharding.ddp_bucket_bytes`)."""
 
 
 def model_plan(workload: Workload, recipe: ResolvedRecipe, *, use_cache: bool = True) -> ModelPlan:
@@ -119,7 +122,8 @@ def model_plan(workload: Workload, recipe: ResolvedRecipe, *, use_cache: bool = 
         return ModelPlan(plan=trace_plan(workload, recipe, layout), parameters=layout.parameters,
                          trainable_parameters=layout.trainable_parameters, blocks=layout.blocks,
                          parameter_numels=layout.parameter_numels, block_parameters=layout.block_parameters,
-                         quantized_codes=layout.quantized_codes, rows_divisor=layout.rows_divisor)
+                         quantized_codes=layout.quantized_codes, rows_divisor=layout.rows_divisor,
+                         trainable_bytes=layout.trainable_bytes)
 
     if not use_cache:
         return make()

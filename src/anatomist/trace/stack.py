@@ -71,6 +71,8 @@ class Layout:
     """Elements (bytes) of the 4-/8-bit codes of a quantized base: counted in `parameter_numels` too."""
     rows_divisor: int = 1
     """The greatest common divisor of every parameter's rows (dim 0; `cuts.ModelPlan.rows_divisor`)."""
+    trainable_bytes: int = 0
+    """Bytes of the trainable parameters in their dtypes (`cuts.ModelPlan.trainable_bytes`)."""
 
     @property
     def blocks(self) -> int:
@@ -244,12 +246,13 @@ def layout_of(workload: Workload, recipe: ResolvedRecipe) -> Layout:
         model = apply_peft(model, recipe, workload.task)
     parameters = counted_parameters(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     numels = tuple(sorted(p.numel() for p in model.parameters()))
     codes = sum(m.weight.numel() for m in model.modules() if isinstance(m, QuantizedLinearLayout))
     rows = rows_divisor(model.parameters())
     if found is None:
         return Layout(stacks=(), parameters=parameters, trainable_parameters=trainable, signatures=(),
-                      parameter_numels=numels, quantized_codes=codes, rows_divisor=rows)
+                      parameter_numels=numels, quantized_codes=codes, rows_divisor=rows, trainable_bytes=trainable_bytes)
     block = max((sum(p.numel() for p in b.parameters()) for _, lists in found for _, blocks in lists for b in blocks),
                 default=0)
     _mark_checkpointed(model, None, found, signatures, recipe)
@@ -258,7 +261,7 @@ def layout_of(workload: Workload, recipe: ResolvedRecipe) -> Layout:
         for (fields, members), rows in zip(found, signatures, strict=True)
     )
     return Layout(stacks=stacks, parameters=parameters, trainable_parameters=trainable, parameter_numels=numels,
-                  block_parameters=block, quantized_codes=codes, rows_divisor=rows,
+                  block_parameters=block, quantized_codes=codes, rows_divisor=rows, trainable_bytes=trainable_bytes,
                   signatures=tuple(tuple(rows) for rows in signatures))
 
 

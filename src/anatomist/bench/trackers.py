@@ -1,5 +1,6 @@
-"""PyTorch's FSDPMemTracker, measuring the step FSDP runs without it: what `bench --suite distributed` and
-the FSDP accuracy tests (tests/fsdp_truth.py) measure a rank with.
+"""PyTorch's memory trackers as `bench --suite distributed` and the FSDP accuracy tests (tests/fsdp_truth.py)
+measure a rank with: FSDPMemTracker measuring the step FSDP runs without it (`GroupedFSDPMemTracker`), and either
+tracker counting CPU storages as the CUDA allocator would (`cuda_block_sizes`).
 
 accelerate shards the final norm and the output head as one unit (`fully_shard([norm, lm_head])`), whose
 forward hooks FSDP registers as a group: its pre-forward work once, its post-forward (reshard, the
@@ -14,6 +15,9 @@ wrappers: a torch that renames them fails here, loudly, not with a changed step.
 
 from __future__ import annotations
 
+import contextlib
+import math
+from collections.abc import Iterator
 from typing import Any
 
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -46,3 +50,19 @@ class GroupedFSDPMemTracker(FSDPMemTracker):
             lambda module, *args: post[module](module, *args), state._modules_to_run_forward,
             state._cast_output_dtype)
         state._pre_forward_hook_handle = state._post_forward_hook_handle = handle  # removed on exit
+
+
+@contextlib.contextmanager
+def cuda_block_sizes() -> Iterator[None]:
+    """Within it, PyTorch's mem_tracker counts a CPU storage as the CUDA allocator would: in 512-byte
+    blocks (its own rule for CUDA storages, `_WeakRefInfo._calculate_mem_consumed`)."""
+    from torch.distributed._tools import mem_tracker
+
+    info: Any = mem_tracker._WeakRefInfo
+    block = mem_tracker._PYTORCH_MIN_ALLOCATE
+    original = info._calculate_mem_consumed
+    info._calculate_mem_consumed = lambda self: math.ceil(self.size * self.element_size / block) * block
+    try:
+        yield
+    finally:
+        info._calculate_mem_consumed = original
