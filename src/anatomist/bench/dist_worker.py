@@ -127,7 +127,8 @@ def main() -> None:
 
         tracked = _tracked(wrapped_step, recipe, model, optimizer)
         peak = tracked["Total"]
-        reported = str(model._get_ddp_logging_data().get("bucket_sizes", ""))
+        logged = getattr(model, "_get_ddp_logging_data", None)  # accelerate wraps in DDP from two processes on
+        reported = str(logged().get("bucket_sizes", "")) if logged else ""
         buckets = [int(b) for b in reported.replace(" ", "").split(",") if b]
     else:
         model, optimizer = accelerator.prepare(model, optimizer)

@@ -74,7 +74,7 @@ def trace_parts(workload: Workload, requests: Iterable[PartRequest], compute_cap
                   compute_capability)
     left = {}
     for key, request in sorted(carried.items(), key=lambda item: (item[1][4] != _bases[-1][1], item[1][3])):
-        trace = _derived(workload, request, compute_capability)  # a world size of the block's after its batches
+        trace = _derived(workload, request, compute_capability)  # world b's first: the other sizes derive from them
         if trace is not None:
             cache.put(key, trace)
         else:
