@@ -177,3 +177,27 @@ def test_an_fsdp_config_launches_the_fsdp2_anatomist_traces(recipe: Recipe, tmp_
     assert plugin.reshard_after_forward is (recipe.fsdp == "full_shard")
     assert isinstance(plugin.cpu_offload, CPUOffloadPolicy) == (recipe.offload == "cpu")
     assert plugin.activation_checkpointing == recipe.gradient_checkpointing
+
+
+@pytest.mark.parametrize("target", ["accelerate", "trainer"])
+def test_an_fsdp_config_warns_exactly_where_accelerate_would_run_fsdp1(target: str) -> None:
+    """The warning stands where the installed accelerate's own plugin has no `fsdp_version` (FSDP2 came in 1.6): the
+    floor venv (accelerate 1.3) sees it, the main one not; never for a recipe without FSDP."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from anatomist.plan.emit import launch_warnings
+
+    without_fsdp2 = "fsdp_version" not in FullyShardedDataParallelPlugin.__dataclass_fields__
+    warnings = launch_warnings(Recipe(fsdp="full_shard", bf16=True), target)
+    assert bool(warnings) == without_fsdp2
+    assert all("FSDP1" in w for w in warnings)
+    assert launch_warnings(Recipe(bf16=True), target) == []
+
+
+def test_an_fsdp_config_warns_under_an_accelerate_before_1_6(monkeypatch: pytest.MonkeyPatch) -> None:
+    from anatomist.plan import emit
+
+    monkeypatch.setattr(emit, "installed", lambda package: "1.3.0")
+    (warning,) = emit.launch_warnings(Recipe(fsdp="shard_grad_op"), "accelerate")
+    assert warning.startswith("accelerate 1.3.0 here has no FSDP2")
+    assert emit.launch_warnings(Recipe(fsdp="shard_grad_op"), "deepspeed") == []

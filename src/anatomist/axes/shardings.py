@@ -45,7 +45,7 @@ def trainer_fsdp_arguments(fsdp: str, *, offload: bool, adapters: bool,
     config: dict[str, object] = {"version": 2}
     if adapters:
         config["cpu_ram_efficient_loading"] = True
-    if _release(transformers_version or _installed("transformers")) >= FSDP_CONFIG_ONLY:
+    if release(transformers_version or installed("transformers")) >= FSDP_CONFIG_ONLY:
         config["reshard_after_forward"] = RESHARD_AFTER_FORWARD[fsdp]
         if offload:
             config["cpu_offload"] = True
@@ -53,7 +53,13 @@ def trainer_fsdp_arguments(fsdp: str, *, offload: bool, adapters: bool,
     return {"fsdp": " ".join([fsdp, "auto_wrap", *(["offload"] if offload else [])]), "fsdp_config": config}
 
 
-def _installed(package: str) -> str | None:
+FSDP2_ACCELERATE = (1, 6)
+"""accelerate's first release with FSDP2 (`FullyShardedDataParallelPlugin.fsdp_version`): an older one runs an FSDP
+config as FSDP1, whatever version it names."""
+
+
+def installed(package: str) -> str | None:
+    """The installed version of `package` (from its metadata: nothing is imported), or None."""
     import importlib.metadata
 
     try:
@@ -62,7 +68,7 @@ def _installed(package: str) -> str | None:
         return None
 
 
-def _release(version: str | None) -> tuple[int, ...]:
+def release(version: str | None) -> tuple[int, ...]:
     """(major, minor) of a version string; the newest where there is none."""
     if version is None:
         return (10**6,)

@@ -23,12 +23,13 @@ from anatomist.cli.common import (
     devices_from_args,
     print_json,
     tracing_progress,
+    warn,
 )
 from anatomist.cli.recipe_flags import recipe_file_from_args
 from anatomist.cli.render import console, devices, gib
 from anatomist.errors import InputError
 from anatomist.hardware import get_gpu
-from anatomist.plan.emit import TARGETS, launch_commands, write
+from anatomist.plan.emit import TARGETS, launch_commands, launch_warnings, write
 from anatomist.plan.emit import render as render_emit
 from anatomist.plan.space import SearchSpace, method_of
 from anatomist.recipe import TRAINERS, Recipe
@@ -188,6 +189,9 @@ def run(args: argparse.Namespace) -> int:
             assert result is not None  # the chosen size has a plan
         else:
             result = build_plan(args)
+    if args.emit:
+        for warning in launch_warnings(result.best.recipe, args.emit):
+            warn(warning)
     if args.emit and args.output:
         space = result.space
         written = write(result.best.recipe, args.emit, args.output, space.num_gpus, model=result.workload.repo_id,

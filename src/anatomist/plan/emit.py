@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import yaml
 
-from anatomist.axes.shardings import DEEPSPEED_SETTINGS
+from anatomist.axes.shardings import DEEPSPEED_SETTINGS, FSDP2_ACCELERATE, installed, release
 from anatomist.errors import InputError
 from anatomist.estimate.sharding import overlap_comm
 from anatomist.recipe import Recipe
@@ -176,6 +176,16 @@ MAIN_NODE = "MAIN_NODE_IP"
 """Where a multi-node config and launch command name the first node: the user puts its address there."""
 MAIN_PORT = 29500
 """torch.distributed's default rendezvous port (torchrun's --master-port)."""
+
+
+def launch_warnings(recipe: Recipe, target: str) -> list[str]:
+    """What would make the emitted config run otherwise than anatomist predicts it, with this machine's libraries:
+    FSDP under an accelerate without FSDP2 (the Trainer and `accelerate launch` both build accelerate's plugin)."""
+    version = installed("accelerate")
+    if recipe.fsdp == "none" or target not in ("accelerate", "trainer", "trl") or release(version) >= FSDP2_ACCELERATE:
+        return []
+    return [f"accelerate {version} here has no FSDP2 (it came in 1.6): it would run this FSDP config as FSDP1, which "
+            "anatomist does not predict; train with accelerate 1.6 or later"]
 
 
 def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = False, nodes: int = 1) -> dict[str, Any]:
