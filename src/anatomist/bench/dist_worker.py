@@ -19,7 +19,6 @@ what DDP itself reports of its buckets (`_get_ddp_logging_data()["bucket_sizes"]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import tempfile
 import time
@@ -50,17 +49,11 @@ def _tracked(step: Callable[[Any], None], recipe: Any, *external: Any) -> dict[s
     the storages of `external` (the model and optimizer made before) attributed to them."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from anatomist.bench.trackers import cuda_block_sizes
-    from anatomist.trace.autocast import cuda_autocast_policy
-    from anatomist.trace.cuda_model import cuda_code_paths
+    from anatomist.bench.trackers import as_on_cuda
 
-    on_cuda = torch.cuda.is_available()
     tracker = MemTracker()
     tracker.track_external(*external)
-    half = recipe.mixed_precision != "no" and not on_cuda
-    with (contextlib.nullcontext() if on_cuda else cuda_code_paths()), \
-            (cuda_autocast_policy() if half else contextlib.nullcontext()), \
-            (contextlib.nullcontext() if on_cuda else cuda_block_sizes()), tracker:
+    with as_on_cuda(recipe.mixed_precision != "no"), tracker:
         step(tracker)
     (peak,) = tracker.get_tracker_snapshot("peak").values()
     return {str(k).rsplit(".", 1)[-1]: int(v) for k, v in peak.items()}

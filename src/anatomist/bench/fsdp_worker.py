@@ -115,8 +115,6 @@ def main() -> None:
     from anatomist.axes.precisions import autocast_dtype
     from anatomist.bench.worker import enable_checkpointing, optimizer_class, training_model
     from anatomist.recipe import Recipe
-    from anatomist.trace.autocast import cuda_autocast_policy
-    from anatomist.trace.cuda_model import cuda_code_paths
     from anatomist.trace.inputs import make_batch
     from anatomist.workload import load_workload
 
@@ -162,13 +160,11 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    from anatomist.bench.trackers import GroupedFSDPMemTracker, cuda_block_sizes
+    from anatomist.bench.trackers import GroupedFSDPMemTracker, as_on_cuda
 
-    code_paths = contextlib.nullcontext() if on_cuda else cuda_code_paths()
-    policy = cuda_autocast_policy() if half is not None and not on_cuda else contextlib.nullcontext()
     times: list[float] = []
     model.train()
-    with code_paths, policy:
+    with as_on_cuda(half is not None):
         for _ in range(args.steps):
             if on_cuda:
                 torch.cuda.synchronize()
@@ -178,7 +174,7 @@ def main() -> None:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         tracker = GroupedFSDPMemTracker(model, optimizer)
-        with (contextlib.nullcontext() if on_cuda else cuda_block_sizes()), tracker:
+        with tracker:
             step()
     snapshot = tracker.get_tracker_snapshot("peak")
     raw = {str(k).rsplit(".", 1)[-1]: int(v) for k, v in snapshot.get(device, {}).items()}

@@ -1,6 +1,6 @@
 """PyTorch's memory trackers as `bench --suite distributed` and the FSDP accuracy tests (tests/fsdp_truth.py)
-measure a rank with: FSDPMemTracker measuring the step FSDP runs without it (`GroupedFSDPMemTracker`), and either
-tracker counting CPU storages as the CUDA allocator would (`cuda_block_sizes`).
+measure a rank with: FSDPMemTracker measuring the step FSDP runs without it (`GroupedFSDPMemTracker`), and, off
+CUDA, the step run and counted as on CUDA (`as_on_cuda`).
 
 accelerate shards the final norm and the output head as one unit (`fully_shard([norm, lm_head])`), whose
 forward hooks FSDP registers as a group: its pre-forward work once, its post-forward (reshard, the
@@ -20,6 +20,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_state import _register_group_forward_hooks
@@ -66,3 +67,22 @@ def cuda_block_sizes() -> Iterator[None]:
         yield
     finally:
         info._calculate_mem_consumed = original
+
+
+@contextlib.contextmanager
+def as_on_cuda(half: bool) -> Iterator[None]:
+    """Off CUDA, within it steps run and are counted as on CUDA: CUDA's code paths (which dropout and SDPA kernels
+    run, and what they save), CUDA's autocast policy where the step autocasts to a half dtype (`half`), and PyTorch's
+    trackers counting storages in 512-byte blocks (`cuda_block_sizes`). On CUDA nothing changes."""
+    if torch.cuda.is_available():
+        yield
+        return
+    from anatomist.trace.autocast import cuda_autocast_policy
+    from anatomist.trace.cuda_model import cuda_code_paths
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(cuda_code_paths())
+        if half:
+            stack.enter_context(cuda_autocast_policy())
+        stack.enter_context(cuda_block_sizes())
+        yield
