@@ -50,7 +50,7 @@ from anatomist.axes.shardings import RESHARD_AFTER_FORWARD
 from anatomist.errors import InputError
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.records import Allocation, Event
-from anatomist.trace.tracer import StepTracer
+from anatomist.trace.tracer import DEVICE_QUERY, StepTracer
 
 _c10d = torch.ops.c10d
 _functional = torch.ops._c10d_functional
@@ -244,8 +244,8 @@ class ShardedStepTracer(StepTracer):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor runs the op on the local shards, which come back here
-        if self._propagating or active_fake_mode() is not self._entry_mode:
-            return func(*args, **(kwargs or {}))  # DTensor's shape propagation: no memory of the step
+        if func is DEVICE_QUERY or self._propagating or active_fake_mode() is not self._entry_mode:
+            return func(*args, **(kwargs or {}))  # a device query, DTensor's shape propagation: no memory of the step
         if func is _functional.wait_tensor.default:
             return args[0]  # the fake kernel makes a new tensor where the real one waits on its input
         out = super().__torch_dispatch__(func, types, args, kwargs)

@@ -30,6 +30,9 @@ from anatomist.trace.ops import op_signature, tensors_in
 from anatomist.trace.records import Allocation, Event, Trace
 
 _aten = torch.ops.aten
+DEVICE_QUERY = torch.ops.prim.device.default
+"""What a fake tensor's `.device` becomes in C++ (autograd's and each op's device checks): more than half the calls
+of a step, none a kernel or an allocation; passed straight on, unrecorded."""
 
 
 def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -150,7 +153,7 @@ class StepTracer(TorchDispatchMode):
     # -- the dispatch hook -------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self._paused:
+        if self._paused or func is DEVICE_QUERY:
             return func(*args, **kwargs)
         self.trace.op_count += 1
         out = func(*args, **kwargs)
