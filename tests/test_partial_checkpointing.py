@@ -133,3 +133,29 @@ def test_the_reasons_compare_every_setting_of_checkpointing():
     offloaded = Recipe.with_presets(checkpoint_every=2, checkpoint_offload=True)
     labels = [label for label, _ in checkpointing_alternatives(offloaded, SearchSpace())]
     assert labels == ["off", "on+offload", "1 in 4+offload", "1 in 2"]
+
+
+def test_a_cut_steps_its_optimizer_as_the_model_cut_to_as_many_layers(workload, cache_folder):
+    """The cuts of a recipe that checkpoints every 2nd layer differ from a plain cut only in which layers checkpoint,
+    which the optimizer step never sees: each is served the trace of the model cut to as many layers (shared with
+    every other setting of checkpointing), and that trace is the one the cut itself gives."""
+    import numpy as np
+
+    from anatomist.trace.driver import trace_step
+    from anatomist.trace.keys import Cut
+    from anatomist.trace.parts import trace_part
+
+    recipe = Recipe.with_presets(per_device_train_batch_size=BATCH, dtype="float32", checkpoint_every=2)
+    recipe = recipe.resolved(workload)
+    cuts = [c for c in model_plan(workload, recipe).plan.cuts if isinstance(c, Cut)]
+    assert cuts
+    for cut in cuts:
+        served = trace_part(workload, recipe, "optimizer", depth=cut, batch_size=1, compute_capability="8.0")
+        plain = trace_part(workload, recipe.replace(checkpoint_every=1), "optimizer", depth=cut.blocks, batch_size=1,
+                           compute_capability="8.0")
+        assert served is plain
+        own = trace_step(workload, recipe, depth=cut, batch_size=1, compute_capability="8.0", part="optimizer",
+                         record_ops=True)
+        assert own.curves.keys == served.curves.keys
+        assert np.array_equal(own.curves.categories, served.curves.categories)
+        assert own.ops == served.ops and own.static_bytes == served.static_bytes

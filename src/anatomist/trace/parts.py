@@ -37,7 +37,8 @@ def trace_part(workload: Workload, recipe: ResolvedRecipe, part: Part, *, depth:
     Served from the trace cache (memory, then disk: `trace.cache`) when the same part was
     traced before with everything that shapes it equal (`keys.part_key`).
     """
-    request = (recipe, part, depth, batch_size, num_gpus)
+    request = _as_traced(workload, (recipe, part, depth, batch_size, num_gpus))
+    recipe, part, depth, batch_size, num_gpus = request
     if not use_cache:
         return dataclasses.replace(trace_request(workload, request, compute_capability), first_micro_batch=None)
 
@@ -61,7 +62,7 @@ def trace_parts(workload: Workload, requests: Iterable[PartRequest], compute_cap
 
     needed: dict[tuple[Any, ...], PartRequest] = {}
     """Each part to put in the cache, and those it is derived from at other world sizes."""
-    for request in requests:
+    for request in (_as_traced(workload, r) for r in requests):
         for one in (*_basis_requests(workload, request), request):
             key = key_of(one)
             if key not in needed and not cache.has(key):
@@ -80,6 +81,20 @@ def trace_parts(workload: Workload, requests: Iterable[PartRequest], compute_cap
         else:
             left[key] = request
     _side_by_side(workload, left, compute_capability)
+
+
+def _as_traced(workload: Workload, request: PartRequest) -> PartRequest:
+    """`request` as it is traced: an optimizer step reads only the parameters, so a cut of layers that are alike but
+    for which of them checkpoint (`Recipe.checkpoint_every`: `stack.CHECKPOINTED` makes them kinds of their own) steps
+    as the model cut to as many layers does, and shares that trace with every recipe that checkpoints otherwise."""
+    recipe, part, depth, batch, num_gpus = request
+    if part != "optimizer" or not isinstance(depth, Cut) or recipe.checkpoint_every == 1:
+        return request
+    from anatomist.trace.cuts import model_plan  # from the cache, else the model built on the meta device
+
+    if model_plan(workload, recipe.replace(checkpoint_every=1)).plan.how != "uniform":
+        return request
+    return recipe, part, depth.blocks, batch, num_gpus
 
 
 def _side_by_side(workload: Workload, wanted: dict[tuple[Any, ...], PartRequest], compute_capability: str) -> None:
