@@ -89,3 +89,15 @@ def test_no_note_when_the_blocks_are_the_peak(tiny_model):
     assert not [n for n in memory.notes if "logits of the loss" in n]
     peak = post_segment_peak(step_traces(workload, recipe.resolved(workload), GPU.compute_capability), memory.anatomy.peak_phase, 2)
     assert peak is not None and peak.loss_bytes < LOSS_SHARE * (memory.anatomy.activations + memory.anatomy.temporary)
+
+
+@pytest.mark.parametrize("trainer", ["sft", "dpo"])
+def test_no_note_under_trls_fused_head(tiny_model, trainer):
+    """The same model as the note's case under TRL's trainers: their fused LM head scores the tokens in tiles and never
+    holds the logits, so the note (and its Liger hint) would be false; under DPO the bytes made after the policy's last
+    block are the reference model's pass (they were a half of the peak here, and the note fired)."""
+    workload = _llm(tiny_model, 32000, 256)
+    recipe = Recipe(per_device_train_batch_size=2, trainer=trainer)
+    memory = estimate_memory(workload, recipe.resolved(workload), GPU)
+    assert not [n for n in memory.notes if "logits of the loss" in n], memory.notes
+    assert [n for n in memory.notes if "the logits never exist" in n]

@@ -78,6 +78,8 @@ def loss_peak_note(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAn
     """The note for an anatomy whose peak is the logits of the loss (see the module's criterion), else None."""
     if anatomy.peak_phase not in (Phase.FORWARD, Phase.BACKWARD) or recipe.use_liger_kernel:
         return None  # Liger's loss holds no logits (its own note, estimate/memory.py)
+    if recipe.trainer != "trainer":
+        return None  # nor TRL's fused LM head (its own note); after DPO's last block the reference runs, not a loss
     peak = post_segment_peak(traces, anatomy.peak_phase, recipe.per_device_train_batch_size)
     transient = anatomy.activations + anatomy.temporary
     if peak is None or transient <= 0:
