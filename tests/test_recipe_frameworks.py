@@ -76,6 +76,48 @@ def test_axolotl_typo_is_refused_but_an_unknown_word_is_named(tmp_path: Path) ->
     assert "my_own_note" in read_recipe_file(path).not_modelled
 
 
+def test_axolotl_dpo_runs_trls_dpo_trainer() -> None:
+    """axolotl's rl: dpo builds AxolotlDPOTrainer, TRL's DPOTrainer (core/builders/rl.py), with max_length =
+    sequence_len; without an adapter it loads the model again as the reference (train.py setup_reference_model)."""
+    from anatomist.trace.trainers import needs_reference_copy
+    from anatomist.workload import load_workload
+
+    path = DATA / "axolotl/qwen2-dpo.yaml"
+    raw = yaml.safe_load(path.read_text())
+    source = read_recipe_file(path)
+    r = source.recipe
+    assert (raw["rl"], r.trainer, r.peft, source.seq_len) == ("dpo", "dpo", "none", raw["sequence_len"])
+    assert (r.per_device_train_batch_size, r.gradient_accumulation_steps) == (2, 4)  # pairs per device
+    assert "rl" not in source.not_modelled and not r.precompute_ref_log_probs
+    assert needs_reference_copy(r.resolved(load_workload("Qwen2.5-0.5B", seq_len=source.seq_len)))
+
+
+def test_axolotl_dpo_with_an_adapter_keeps_no_second_model() -> None:
+    from anatomist.trace.trainers import needs_reference_copy
+    from anatomist.workload import load_workload
+
+    r = read_recipe_file(DATA / "axolotl/instruct-dpo-lora-8b.yml").recipe
+    assert (r.trainer, r.peft, r.load_in_8bit, r.lora_r) == ("dpo", "lora", True, 32)
+    assert not needs_reference_copy(r.resolved(load_workload("Llama-3.1-8B", seq_len=4096)))
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"rl": "ipo"}, ("dpo", False)),  # DPOTrainer with loss_type ipo (dpo/__init__.py)
+    ({"precompute_ref_log_probs": True}, ("dpo", True)),
+])
+def test_axolotl_dpo_variants(tmp_path: Path, change: dict, expected: tuple) -> None:
+    raw = {**yaml.safe_load((DATA / "axolotl/qwen2-dpo.yaml").read_text()), **change}
+    path = tmp_path / "dpo.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    r = read_recipe_file(path).recipe
+    assert (r.trainer, r.precompute_ref_log_probs) == expected
+
+
+def test_axolotl_preference_trainers_not_modelled_are_refused() -> None:
+    with pytest.raises(InputError, match=r"rl='kto' is not modelled .* modelled: dpo, ipo"):
+        read_recipe_file(DATA / "axolotl/qlora-1b-kto.yaml")
+
+
 def test_llamafactory_lora_defaults() -> None:
     path = DATA / "llamafactory/qwen3_lora_sft.yaml"
     raw = yaml.safe_load(path.read_text())

@@ -21,7 +21,12 @@ data/framework_fields.json names) and what its loader does with them:
   Unsloth's checkpointing);
 - deepspeed (a ds_config path or mapping, read as the Trainer reads it), fsdp (a strategy list) with
   fsdp_config (keys with or without "fsdp_"), fsdp_version;
-- tensor_parallel_size, context_parallel_size, dp_replicate_size above 1: not modelled, refused.
+- tensor_parallel_size, context_parallel_size, dp_replicate_size above 1: not modelled, refused;
+- rl: dpo and ipo run TRL's DPOTrainer (core/builders/rl.py; AxolotlDPOTrainer changes no memory: tokenizing, an
+  empty_cache after each step), read as trainer dpo with precompute_ref_log_probs; with an adapter the policy with
+  its adapters disabled is the reference (train.py setup_reference_model: rl_adapter_ref_model, which docs/rlhf.qmd
+  offers to load a second model, is no schema key, so validate_config drops it). The other trainers (orpo, kto,
+  simpo, grpo, gdpo, ebft) are refused: their reference, pairing or generation are not modelled.
 axolotl's pydantic models ignore a key they do not declare; here a key close to a declared one is
 refused as a typo, any other is named as not modelled, as sample_packing and the Liger flags are.
 """
@@ -46,10 +51,13 @@ ATTENTION_FLAGS = {"flash_attention": "flash_attention_2", "sdp_attention": "sdp
 PARALLEL = {"tensor_parallel_size": "tensor_parallel", "context_parallel_size": "context_parallel",
             "sequence_parallel_degree": "context_parallel", "dp_replicate_size": "hybrid_shard"}
 OFFLOADING = {"offload": True, "offload_disk": "disk"}
+PREFERENCE = {"dpo": "dpo", "ipo": "dpo"}
+"""axolotl's rl -> the trainer that runs it (IPO: DPOTrainer with loss_type ipo, a loss of the same memory)."""
 """gradient_checkpointing's deprecated values -> the activation_offloading axolotl runs for them (validation.py)."""
 READ = {"base_model", "sequence_len", "adapter", "bf16", "fp16", "bfloat16", "float16", "attn_implementation",
         "gradient_checkpointing", "gradient_checkpointing_kwargs", "activation_offloading", "lora_target_modules",
-        "lora_target_linear", "deepspeed", "fsdp", "fsdp_config", "fsdp_version", "torch_compile", *DIRECT, *ATTENTION_FLAGS, *PARALLEL}
+        "lora_target_linear", "deepspeed", "fsdp", "fsdp_config", "fsdp_version", "torch_compile", "rl",
+        "precompute_ref_log_probs", *DIRECT, *ATTENTION_FLAGS, *PARALLEL}
 
 
 def looks_like_axolotl(data: dict[str, Any]) -> bool:
@@ -81,6 +89,19 @@ def read_axolotl(data: dict[str, Any], reading: Reading, file: str) -> None:
         reading.set("torch_compile", True, file, "torch_compile")
     _adapter(data, reading, file)
     _sharding(data, reading, file)
+    _preference(data, reading, file)
+
+
+def _preference(data: dict[str, Any], reading: Reading, file: str) -> None:
+    rl = data.get("rl")
+    if not rl:
+        return
+    if rl not in PREFERENCE:
+        raise InputError(f"{file}: rl={rl!r} is not modelled (its trainer's reference model, pairing or generation); "
+                         f"modelled: {', '.join(PREFERENCE)} (TRL's DPOTrainer), or no rl (supervised fine-tuning)")
+    reading.set("trainer", PREFERENCE[rl], file, "rl")
+    if data.get("precompute_ref_log_probs") is not None:
+        reading.set("precompute_ref_log_probs", bool(data["precompute_ref_log_probs"]), file, "precompute_ref_log_probs")
 
 
 def _checkpointing(data: dict[str, Any], reading: Reading, file: str) -> None:
