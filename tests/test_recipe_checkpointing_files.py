@@ -8,10 +8,11 @@ What each file sets is read here with yaml; what the option does is its framewor
 - LLaMA-Factory's use_unsloth_gc (model/model_utils/checkpointing.py): Unsloth's checkpointing, each
   checkpointed layer's input on the host. No example of LLaMA-Factory's sets it: it is added to a real file.
 - axolotl (at the commit in tests/data/README.md): gradient_checkpointing_kwargs go to TrainingArguments;
-  activation_offloading true / legacy / disk run TRL's activation offloader (every saved activation to the
-  host; with an adapter in place of recomputation: core/trainers/mixins/activation_checkpointing.py,
-  loaders/model.py), and gradient_checkpointing: offload is axolotl's deprecated spelling of
-  activation_offloading: true (utils/schemas/validation.py): not modelled, refused in one line.
+  activation_offloading true runs TRL's activation offloader (every saved activation to the host: for full
+  fine-tuning on the layers axolotl checkpoints, `Recipe.activation_offloading`; with an adapter axolotl's own
+  variant in place of recomputation, refused in one line: core/trainers/mixins/activation_checkpointing.py,
+  loaders/model.py); gradient_checkpointing: offload is axolotl's deprecated spelling of activation_offloading:
+  true (utils/schemas/validation.py); legacy (no streams) and disk are refused.
   activation_offloading: hidden_states moves only each checkpointed layer's input (docs/gradient_checkpointing.qmd):
   `checkpoint_offload`. No axolotl example sets hidden_states: it is set on a real file.
 
@@ -85,21 +86,33 @@ def _one_line_error(cli, path: Path) -> str:
     return line.removeprefix("anatomist: error: ")
 
 
-@pytest.mark.parametrize(("name", "key", "value", "adapter"), [
-    ("32b-qlora.yaml", "gradient_checkpointing", "offload", "qlora"),  # with gradient_checkpointing_kwargs beside it
-    ("3b-qat-mxfp4.yaml", "activation_offloading", True, None),  # full fine-tuning
-])
-def test_axolotl_activation_offloading_is_refused_in_one_line(cli, name: str, key: str, value: object,
-                                                              adapter: str | None) -> None:
-    path = DATA / "axolotl" / name
+def test_axolotl_activation_offloading_with_an_adapter_is_refused_in_one_line(cli) -> None:
+    path = DATA / "axolotl" / "32b-qlora.yaml"  # gradient_checkpointing: offload, with gradient_checkpointing_kwargs
     raw = yaml.safe_load(path.read_text())
-    assert raw[key] == value and raw.get("adapter") == adapter
+    assert raw["gradient_checkpointing"] == "offload" and raw["adapter"] == "qlora"
     with pytest.raises(InputError):
         read_recipe_file(path)
     line = _one_line_error(cli, path)
-    assert line.startswith(f"{path}: {key}={value!r} is not modelled yet (activation offload to the CPU: it would be "
-                           "predicted with activations on the GPU); use activation_offloading: hidden_states"), line
+    assert line.startswith(f"{path}: gradient_checkpointing='offload' with an adapter runs axolotl's own variant of "
+                           "TRL's offloader"), line
     assert line.endswith("remove it to estimate without it"), line
+
+
+@pytest.mark.parametrize("value", ["legacy", "disk"])
+def test_axolotl_offloading_without_streams_or_to_disk_is_refused(tmp_path: Path, value: str) -> None:
+    raw = yaml.safe_load((DATA / "axolotl/3b-qat-mxfp4.yaml").read_text())
+    path = tmp_path / "offload.yaml"
+    path.write_text(yaml.safe_dump({**raw, "activation_offloading": value}))
+    with pytest.raises(InputError, match=f"activation_offloading={value!r} is not modelled yet"):
+        read_recipe_file(path)
+
+
+def test_axolotl_activation_offloading_of_full_fine_tuning_is_trls() -> None:
+    path = DATA / "axolotl" / "3b-qat-mxfp4.yaml"
+    raw = yaml.safe_load(path.read_text())
+    assert raw["activation_offloading"] is True and raw.get("adapter") is None
+    r = read_recipe_file(path).recipe
+    assert (r.activation_offloading, r.gradient_checkpointing, r.checkpoint_offload) == (True, True, False)
 
 
 def test_axolotl_activation_offloading_false_is_off() -> None:

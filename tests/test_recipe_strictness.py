@@ -173,8 +173,7 @@ def test_memory_settings_not_modelled_yet_are_refused_never_predicted_as_somethi
     # TrainingArguments 4.50's tp_size and 4.57+'s parallelism_config (accelerate's ParallelismConfig sizes)
     ("args.yaml", "tp_size: 2\n", "tp_size=2 is not modelled yet (tensor parallel"),
     ("args.yaml", "parallelism_config:\n  cp_size: 2\n", "parallelism_config.cp_size=2 is not modelled yet (context"),
-    # TRL's activation offloading, axolotl's checkpoint offload
-    ("sft.yaml", "max_length: 512\nactivation_offloading: true\n", "activation_offloading=True is not modelled yet"),
+    # axolotl's offload to disk (TRL's activation offloading is modelled: tests/test_activation_offloading.py)
     ("ax.yml", "base_model: x\ngradient_checkpointing: offload_disk\n",
      "gradient_checkpointing='offload_disk' is not modelled"),
     # TRL's selective checkpointing (SFTTrainer: the attention outputs kept)

@@ -100,6 +100,11 @@ class Recipe:
         "memory (transformers' activation_checkpointing_kwargs offload; axolotl's activation_offloading: hidden_states, "
         "LLaMA-Factory's use_unsloth_gc): frees about layers x tokens x hidden x dtype bytes, and copies them to the "
         "host in forward and back in backward, on the compute stream. It turns gradient_checkpointing on.")
+    activation_offloading: bool = _field(
+        False, "TRL's activation offloading (SFTConfig/DPOConfig.activation_offloading; axolotl's activation_offloading: "
+        "true): every tensor autograd saves of 1 KiB or more, but the parameters' and the output head's, is copied to "
+        "pinned host memory in forward and back in backward, on a side stream (trl/models/activation_offloading.py); "
+        "with gradient checkpointing that is each checkpointed layer's input.")
     dtype: LoadDtype = _field(
         "auto", "The dtype the weights are loaded in, as from_pretrained(dtype=...): auto is the config's dtype "
         "(float32 where it names none). Half-precision weights train in pure half precision: gradients and "
@@ -225,6 +230,12 @@ class Recipe:
         if (self.checkpoint_every > 1 or self.checkpoint_offload) and not self.gradient_checkpointing:
             what = f"checkpoint_every={self.checkpoint_every}" if self.checkpoint_every > 1 else "checkpoint_offload"
             raise InputError(f"{what} is a setting of gradient checkpointing: it needs gradient_checkpointing=True")
+        if self.activation_offloading and self.fsdp != "none":
+            raise InputError("activation_offloading under FSDP is not modelled yet (TRL offloads each rank's saved "
+                             "activations, DTensor shards aside): use DeepSpeed ZeRO (zero_stage), or leave it off")
+        if self.activation_offloading and self.torch_compile:
+            raise InputError("activation_offloading with torch_compile is not modelled yet (the compiled blocks' "
+                             "backward reads saved tensors in the layout they had, which TRL's copies do not keep)")
         optimizer(self.optim)  # raises for one anatomist does not model
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise InputError(
@@ -302,11 +313,16 @@ class Recipe:
 
     @property
     def checkpointing(self) -> str:
-        """How the layers checkpoint, as the tables say it: off, on (every layer) or "1 in N", "+offload"."""
+        """How the layers checkpoint, as the tables say it: off, on (every layer) or "1 in N", "+offload" (the
+        checkpoints on the host), "+TRL offload" (`activation_offloading`)."""
         if not self.gradient_checkpointing:
-            return "off"
-        return ("on" if self.checkpoint_every == 1 else f"1 in {self.checkpoint_every}") + (
-            "+offload" if self.checkpoint_offload else "")
+            return "off" + self._offloaded
+        offloaded = "+offload" if self.checkpoint_offload else ""
+        return ("on" if self.checkpoint_every == 1 else f"1 in {self.checkpoint_every}") + offloaded + self._offloaded
+
+    @property
+    def _offloaded(self) -> str:
+        return "+TRL offload" if self.activation_offloading else ""
 
     def checkpointed(self, layer: int) -> bool:
         """Whether gradient checkpointing recomputes repeated layer `layer` (its index among the model's repeated

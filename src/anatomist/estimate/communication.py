@@ -86,7 +86,7 @@ def constants() -> dict[str, Any]:
 def adds_device_terms(recipe: Recipe, num_gpus: int) -> bool:
     """Whether `predict_time` adds anything to one device's step: sharding, offload or communication terms,
     which the calibration's error does not cover (UNFITTED_TERMS)."""
-    return num_gpus > 1 or recipe.offload != "none" or recipe.checkpoint_offload
+    return num_gpus > 1 or recipe.offload != "none" or recipe.checkpoint_offload or recipe.activation_offloading
 
 
 def networks() -> dict[str, dict[str, Any]]:
@@ -180,6 +180,22 @@ def checkpoint_offload_s(workload: Workload, recipe: ResolvedRecipe) -> float:
     element = 2 if recipe.half_weights else 4  # the residual stream: fp32 under autocast of fp32 weights
     tokens = recipe.per_device_train_batch_size * workload.seq_len * recipe.gradient_accumulation_steps
     return 2 * layers * tokens * workload.hidden_size() * element / (constants()["offload"]["pcie_gbps"] * 1e9)
+
+
+def activation_offloading_s(workload: Workload, recipe: ResolvedRecipe, gpu: GPU, forward_s: float) -> float:
+    """Seconds per step that TRL's activation offloading (`Recipe.activation_offloading`) adds: what each micro-batch
+    copies to the host (`records.StepTrace.offloaded_bytes`, extrapolated as every traced figure) goes over PCIe on a
+    side stream under the forward, which hides it up to the forward's compute; backward copies each tensor back
+    only when its node needs it and waits for it (trl/models/activation_offloading.py: no prefetch), so the way
+    back is not hidden."""
+    if not recipe.activation_offloading:
+        return 0.0
+    from anatomist.estimate.traces import offloaded_bytes, step_traces
+
+    traces = step_traces(workload, recipe, gpu.compute_capability)
+    one_way = offloaded_bytes(traces, recipe.per_device_train_batch_size) * recipe.gradient_accumulation_steps / (
+        constants()["offload"]["pcie_gbps"] * 1e9)
+    return max(0.0, one_way - forward_s) + one_way
 
 
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -302,7 +318,8 @@ def predict_time(
         phases["optimizer"] = 0.0
     elif recipe.sharding_stage >= 1:
         phases["optimizer"] = phases.get("optimizer", 0.0) / num_gpus
-    phases["offload"] = offload_s(workload, recipe, num_gpus=num_gpus) + checkpoint_offload_s(workload, recipe)
+    phases["offload"] = (offload_s(workload, recipe, num_gpus=num_gpus) + checkpoint_offload_s(workload, recipe)
+                         + activation_offloading_s(workload, recipe, gpu, phases.get("forward", 0.0)))
     comm = collectives(workload, recipe, num_gpus=num_gpus, nodes=nodes, network=network, gpu=gpu)
     phases["communication"] = comm.exposed_s(phases.get("forward", 0.0), phases.get("backward", 0.0))
     step_s = sum(phases.values())

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, TENSOR_CATEGORIES, MemoryAnatomy, MemoryCategory, Phase
+from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, GIB, TENSOR_CATEGORIES, MemoryAnatomy, MemoryCategory, Phase
 from anatomist.axes.liger import liger_note, liger_table
 from anatomist.errors import InputError
 from anatomist.estimate.llm_notes import llm_notes
@@ -29,7 +29,7 @@ from anatomist.estimate.loss_peak import loss_peak_note
 from anatomist.estimate.moe import moe_note
 from anatomist.estimate.rules import BytesPerParamRule, bytes_per_param_rule
 from anatomist.estimate.sharding import ModelSize, persistent_parameters, shard, sharding_notes
-from anatomist.estimate.traces import TRACE_BATCHES, Mode, StepTraces, affine, step_traces
+from anatomist.estimate.traces import TRACE_BATCHES, Mode, StepTraces, affine, offloaded_bytes, step_traces
 from anatomist.hardware import GPU
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace import cache
@@ -408,6 +408,13 @@ def _notes(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnatomy, r
         )
     if recipe.attn_implementation == "flash_attention_2":
         notes.append("flash_attention_2: modelled as a fused kernel keeping output + log-sum-exp (as SDPA flash)")
+    if recipe.activation_offloading:
+        moved = offloaded_bytes(traces, recipe.per_device_train_batch_size)
+        notes.append(  # trace/offload.py, estimate/communication.py activation_offloading_s
+            f"activation offloading (TRL's): {moved / GIB:.2f} GiB of saved activations per micro-batch go to pinned "
+            "host memory and back, by TRL's rules (1 KiB or more, not a parameter, not the output head's; the last 5 "
+            "kept on the device while they copy); the copies are timed at an assumed PCIe rate (12 GB/s), hidden under the "
+            "forward, not under the backward (which waits for each)")
     if recipe.use_liger_kernel and workload.config is not None:
         notes.append(_liger_note(workload, recipe))
     notes += llm_notes(workload, recipe)

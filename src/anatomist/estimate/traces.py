@@ -29,8 +29,8 @@ from anatomist.trace.parts import trace_part, trace_parts
 from anatomist.trace.records import StepTrace
 from anatomist.workload import Workload
 
-__all__ = ["TRACE_BATCHES", "TRACE_DEPTHS", "Mode", "StepTraces", "affine", "implied_parameters", "parts_of", "prefetch",
-           "step_traces"]
+__all__ = ["TRACE_BATCHES", "TRACE_DEPTHS", "Mode", "StepTraces", "affine", "implied_parameters", "offloaded_bytes",
+           "parts_of", "prefetch", "step_traces"]
 
 Mode = Literal["train", "inference"]
 
@@ -128,6 +128,13 @@ def prefetch(workload: Workload, recipes: Iterable[ResolvedRecipe], compute_capa
         plan = model_plan(workload, recipe).plan
         requests += [(recipe, *p, num_gpus) for p in parts_of(plan, mode)]
     trace_parts(workload, requests, compute_capability)
+
+
+def offloaded_bytes(traces: StepTraces, batch: int) -> float:
+    """Bytes one micro-batch of `batch` samples of the full model copies to the host (TRL's activation offloading)."""
+    lo, hi = TRACE_BATCHES
+    return traces.plan.combine(lambda c: affine(float(traces.passes[c, lo].offloaded_bytes),
+                                                float(traces.passes[c, hi].offloaded_bytes), batch, lo))
 
 
 def implied_parameters(traces: StepTraces) -> tuple[int, int]:

@@ -249,7 +249,7 @@ def search_space(recipe: Recipe, num_gpus: int, free: set[str], gpu: GPU) -> Sea
             checkpointing_options=tuple(dict.fromkeys(checkpointing or (recipe.gradient_checkpointing,))),
             shardings=(sharding_of(recipe, num_gpus),), precisions=(name,), methods=(method,), base=recipe,
             liger_options=(recipe.use_liger_kernel,),  # held: the plan would otherwise search Liger for causal LMs
-            partial_checkpointing=(), offload_checkpoints=False,  # held: not what the callback can change
+            partial_checkpointing=(), offload_checkpoints=False, offload_activations=False,  # held: not the callback's
         )
     except InputError:  # a sharding the plan does not search on this many devices
         return None

@@ -117,9 +117,10 @@ def trl_config(recipe: Recipe, *, model: str = "MODEL", seq_len: int = 1024) -> 
 
 
 def _trl_trainer_fields(recipe: Recipe) -> dict[str, Any]:
-    """SFTConfig's padding_free/packing or DPOConfig's precompute_ref_log_probs where set (issue 23); a DPO recipe's
+    """SFTConfig's padding_free/packing or DPOConfig's precompute_ref_log_probs, and activation_offloading (both's),
+    where set (issue 23); a DPO recipe's
     YAML is the one `trl dpo --config` reads, an SFT one `trl sft --config`'s."""
-    fields: dict[str, Any] = {}
+    fields: dict[str, Any] = {"activation_offloading": True} if recipe.activation_offloading else {}
     if recipe.trainer == "dpo":
         if recipe.precompute_ref_log_probs:
             fields["precompute_ref_log_probs"] = True
@@ -179,13 +180,19 @@ MAIN_PORT = 29500
 
 
 def launch_warnings(recipe: Recipe, target: str) -> list[str]:
-    """What would make the emitted config run otherwise than anatomist predicts it, with this machine's libraries:
-    FSDP under an accelerate without FSDP2 (the Trainer and `accelerate launch` both build accelerate's plugin)."""
+    """What would make the emitted config run otherwise than anatomist predicts it: activation offloading, which
+    only TRL's configs can say; with this machine's libraries, FSDP under an accelerate without FSDP2 (the Trainer
+    and `accelerate launch` both build accelerate's plugin)."""
+    warnings = []
+    if recipe.activation_offloading and target != "trl":
+        warnings.append("activation_offloading is TRL's (SFTConfig / DPOConfig), no TrainingArguments field: "
+                        "--emit trl writes it, or run each training step under "
+                        "trl.models.get_act_offloading_ctx_manager(model) as TRL's trainers do")
     version = installed("accelerate")
     if recipe.fsdp == "none" or target not in ("accelerate", "trainer", "trl") or release(version) >= FSDP2_ACCELERATE:
-        return []
-    return [f"accelerate {version} here has no FSDP2 (it came in 1.6): it would run this FSDP config as FSDP1, which "
-            "anatomist does not predict; train with accelerate 1.6 or later"]
+        return warnings
+    return [*warnings, f"accelerate {version} here has no FSDP2 (it came in 1.6): it would run this FSDP config as "
+            "FSDP1, which anatomist does not predict; train with accelerate 1.6 or later"]
 
 
 def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = False, nodes: int = 1) -> dict[str, Any]:

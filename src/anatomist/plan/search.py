@@ -29,7 +29,7 @@ from anatomist.estimate.traces import prefetch
 from anatomist.hardware import GPU
 from anatomist.plan.candidates import SPEED_TIE, Candidate, Evaluator, Objective, choose, pareto_front
 from anatomist.plan.reasons import explain, explain_infeasible
-from anatomist.plan.space import SearchSpace, enumerate_recipes, partial_variants
+from anatomist.plan.space import SearchSpace, can_offload_activations, enumerate_recipes, partial_variants
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace import pool
 from anatomist.trace.keys import one_device
@@ -84,12 +84,14 @@ def checkpointing_variants(recipes: list[ResolvedRecipe], best: Candidate | None
     - checkpointing one layer in N (`space.partial_checkpointing`) of the recipes that fit by checkpointing every
       layer where the same recipe without checkpointing does not fit but would beat `best` (the best that fits);
     - offloading the checkpoints (`space.offload_checkpoints`) of the recipes that checkpoint every layer and do not
-      fit, where they would beat `best`, or nothing fits, or the objective is memory.
+      fit, where they would beat `best`, or nothing fits, or the objective is memory;
+    - under TRL's trainers, their activation offloading (`space.offload_activations`) of the recipes that do not fit,
+      on the same terms.
 
     Whether a recipe fits is asked of `evaluate` only where its speed leaves the answer open, so that a search that
     has not predicted the memory of every recipe (`fastest_fitting`) finds the same variants.
     """
-    if "gradient_checkpointing" in space.fixed or "checkpoint_every" in space.fixed or "checkpoint_offload" in space.fixed:
+    if {"gradient_checkpointing", "checkpoint_every", "checkpoint_offload", "activation_offloading"} & set(space.fixed):
         return []
     searched = set(recipes)
 
@@ -106,6 +108,9 @@ def checkpointing_variants(recipes: list[ResolvedRecipe], best: Candidate | None
     if space.offload_checkpoints:
         variants += [r.replace(checkpoint_offload=True) for r in every_layer
                      if beats_best(r) and (objective == "memory" or not evaluate(r).fits)]
+    if space.offload_activations:
+        variants += [r.replace(activation_offloading=True) for r in recipes if can_offload_activations(r)
+                     and not r.activation_offloading and beats_best(r) and (objective == "memory" or not evaluate(r).fits)]
     return list(dict.fromkeys(variants))
 
 

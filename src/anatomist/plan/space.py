@@ -70,6 +70,9 @@ class SearchSpace:
     offload_checkpoints: bool = True
     """Try offloading the checkpoints to the host where checkpointing every layer does not fit (`search.
     checkpointing_variants`): less device memory for PCIe copies."""
+    offload_activations: bool = True
+    """Under TRL's trainers, try their activation offloading where the recipe does not fit (`search.
+    checkpointing_variants`): less device memory for PCIe copies."""
     shardings: tuple[str, ...] | None = None
     """Names from `axes.shardings.shardings_for(num_gpus)`; None: all of those."""
     precisions: tuple[str, ...] | None = None
@@ -217,7 +220,16 @@ def checkpointing_alternatives(recipe: R, space: SearchSpace) -> list[tuple[str,
         if space.offload_checkpoints:
             toggled = recipe.replace(checkpoint_offload=not recipe.checkpoint_offload)
             alternatives.append((toggled.checkpointing, toggled))
+    if space.offload_activations and can_offload_activations(recipe):
+        toggled = recipe.replace(activation_offloading=not recipe.activation_offloading)
+        alternatives.append((toggled.checkpointing, toggled))
     return alternatives
+
+
+def can_offload_activations(recipe: Recipe) -> bool:
+    """Whether TRL's activation offloading is a setting of `recipe` the plan can try: its trainers only, and what the
+    Recipe models it with (no FSDP, no torch.compile)."""
+    return recipe.trainer != "trainer" and recipe.fsdp == "none" and not recipe.torch_compile
 
 
 def method_of(recipe: Recipe) -> str:

@@ -14,11 +14,13 @@ data/framework_fields.json names) and what its loader does with them:
 - attention: attn_implementation, or the older flash_attention / sdp_attention / eager_attention;
 - gradient_checkpointing, with gradient_checkpointing_kwargs passed to TrainingArguments (read as it reads them);
   activation_offloading "hidden_states" keeps each checkpointed layer's input on the host (`checkpoint_offload`,
-  monkeypatch/activation_offload_checkpoint.py); true, "legacy" and "disk" run TRL's activation offloader
-  (core/trainers/mixins/activation_checkpointing.py: every saved activation to the host, in place of recomputation
-  with an adapter) and are refused, as are gradient_checkpointing "offload" and "offload_disk", which axolotl
-  turns into activation_offloading true and "disk" (utils/schemas/validation.py; before 0.12 "offload" was
-  Unsloth's checkpointing);
+  monkeypatch/activation_offload_checkpoint.py); true runs TRL's activation offloader with its streams
+  (core/trainers/mixins/activation_checkpointing.py: `activation_offloading`) on layers it checkpoints itself
+  (loaders/model.py: "keep recompute and offload only the checkpoint boundaries"), but with an adapter axolotl's
+  own variant, which offloads views of the parameters and replaces recomputation (refused, as are "legacy",
+  without streams, and "disk");
+  gradient_checkpointing "offload" and "offload_disk" are activation_offloading true and "disk"
+  (utils/schemas/validation.py; before 0.12 "offload" was Unsloth's checkpointing);
 - deepspeed (a ds_config path or mapping, read as the Trainer reads it), fsdp (a strategy list) with
   fsdp_config (keys with or without "fsdp_"), fsdp_version;
 - tensor_parallel_size, context_parallel_size, dp_replicate_size above 1: not modelled, refused;
@@ -115,6 +117,14 @@ def _checkpointing(data: dict[str, Any], reading: Reading, file: str) -> None:
         offloading, key = data.get("activation_offloading"), "activation_offloading"
     if offloading == "hidden_states":
         reading.set("checkpoint_offload", True, file, key)
+    elif offloading is True and not data.get("adapter"):  # checkpointed too: ac_wrap_hf_model (loaders/model.py)
+        reading.set("activation_offloading", True, file, key)
+        reading.set("gradient_checkpointing", True, file, key)
+        checkpointing = None
+    elif offloading is True:
+        raise InputError(f"{file}: {key}={data.get(key)!r} with an adapter runs axolotl's own variant of TRL's offloader "
+                         "(get_lora_act_offloading_ctx_manager: views of the frozen weights leave too), not modelled "
+                         "yet; use activation_offloading: hidden_states or remove it to estimate without it")
     else:
         refuse_unmodelled("activation_offload", file, key, data.get(key), instead="activation_offloading: "
                           "hidden_states (only each checkpointed layer's input on the host)")

@@ -50,8 +50,8 @@ HANDLED = frozenset({"gradient_checkpointing", "activation_checkpointing", "grad
                      "max_length", "model_init_kwargs", *TRL_LEGACY})
 
 
-PARALLEL_FIELDS = {"tp_size": "tensor_parallel", "activation_offloading": "activation_offload"}
-"""TrainingArguments' tp_size (4.50-4.51) and TRL's activation_offloading (0.29+): memory anatomist does not model yet."""
+PARALLEL_FIELDS = {"tp_size": "tensor_parallel"}
+"""TrainingArguments' tp_size (4.50-4.51): memory anatomist does not model yet."""
 PARALLELISM_SIZES = {"tp_size": "tensor_parallel", "cp_size": "context_parallel", "sp_size": "sequence_parallel",
                      "dp_replicate_size": "hybrid_shard"}
 """accelerate's ParallelismConfig sizes, as TrainingArguments.parallelism_config (4.57+) holds them."""

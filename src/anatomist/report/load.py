@@ -368,6 +368,7 @@ _SHORT = {
     "gradient_checkpointing": "gc",
     "checkpoint_every": "gc1in{}",
     "checkpoint_offload": "gc-offload",
+    "activation_offloading": "act-offload",
     "fp16": "fp16",
     "bf16": "bf16",
     "tf32": "tf32",

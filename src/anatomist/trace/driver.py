@@ -225,6 +225,7 @@ def _step_trace(tracer: StepTracer, model: torch.nn.Module, params: list[torch.n
         trainable_parameters=sum(p.numel() for p in params),
         op_count=tracer.trace.op_count,
         static_bytes=static,
+        offloaded_bytes=tracer.trace.offloaded_bytes,
     )
     if part == "forward-backward" and tracer.second_micro_batch is not None:
         events, op_count = tracer.second_micro_batch
@@ -346,7 +347,7 @@ def forward_backward(
     for micro in range(micro_batches):
         tracer.begin_micro_batch(micro)
         tracer.phase, tracer.segment, tracer.block = Phase.FORWARD, "pre", -1
-        with sharded.gradient_sync(model, micro == micro_batches - 1):  # FSDP: reduced at the last only
+        with sharded.gradient_sync(model, micro == micro_batches - 1), _offloading(model, recipe, tracer):  # FSDP: reduced at the last only
             with autocast:
                 loss = trainers.step_loss(model, reference, workload, recipe, batch_size)
             loss = loss / recipe.gradient_accumulation_steps
@@ -357,6 +358,15 @@ def forward_backward(
             loss.backward()
             del loss
         tracer.label_live([p.grad for p in params if p.grad is not None], MemoryCategory.GRADIENTS)
+
+
+def _offloading(model: torch.nn.Module, recipe: ResolvedRecipe, tracer: StepTracer) -> Any:
+    """TRL's activation offloading around one micro-batch's forward and backward, where the recipe has it."""
+    if not recipe.activation_offloading:
+        return contextlib.nullcontext()
+    from anatomist.trace.offload import offloaded_activations
+
+    return offloaded_activations(model, tracer)
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:

@@ -65,7 +65,8 @@ LLM_FIELDS = ("use_liger_kernel", "trainer", "precompute_ref_log_probs")
 trainer's loss (TRL's fused LM head, DPO's pairs and reference model). Padding-free training changes the traced
 sequence length (`Workload.for_recipe`), packing nothing traced."""
 PART_FIELDS: dict[str, tuple[str, ...]] = {
-    "forward-backward": ("dtype", "gradient_checkpointing", "checkpoint_every", "checkpoint_offload", "fp16", "bf16", "attn_implementation",
+    "forward-backward": ("dtype", "gradient_checkpointing", "checkpoint_every", "checkpoint_offload", "activation_offloading",
+                         "fp16", "bf16", "attn_implementation",
                          "experts_implementation", "torch_compile", *PEFT_FIELDS, *LLM_FIELDS),
     "inference": ("dtype", "fp16", "bf16", "attn_implementation", "experts_implementation", *PEFT_FIELDS),
     "optimizer": ("dtype", "optim", "fp16", "max_grad_norm", *PEFT_FIELDS),
@@ -160,7 +161,7 @@ TRACE_SOURCES: tuple[str, ...] = (
     "trace/__init__.py", "trace/allocator.py", "trace/autocast.py", "trace/cache.py", "trace/compiled.py",
     "trace/cuda_model.py",
     "trace/cuts.py", "trace/cutting.py", "trace/driver.py", "trace/experts.py", "trace/inputs.py", "trace/keys.py",
-    "trace/kernel_ops.py", "trace/liger.py", "trace/trainers.py", "trace/trl_head.py",
+    "trace/kernel_ops.py", "trace/liger.py", "trace/offload.py", "trace/trainers.py", "trace/trl_head.py",
     "trace/ops.py", "trace/optimizer_layouts.py", "trace/parts.py", "trace/peft.py", "trace/pool.py",
     "trace/records.py", "trace/sharded.py", "trace/stack.py", "trace/tracer.py", "trace/worlds.py",
     "data/__init__.py", "data/op_classes.toml", "data/cuda_autocast.toml", "data/gpus.toml", "data/liger.toml",

@@ -68,6 +68,8 @@ class Trace:
     ops: list[Signature] = dataclasses.field(default_factory=list)
     """The cost signature of every op of the first micro-batch and the optimizer step, in order."""
     op_count: int = 0
+    offloaded_bytes: int = 0
+    """Bytes the first micro-batch's forward copied to the host (TRL's activation offloading: `trace.offload`)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -225,6 +227,8 @@ class StepTrace:
     op_count: int
     static_bytes: dict[MemoryCategory, int] = dataclasses.field(default_factory=dict)
     """Bytes alive through the whole step that the trace made at set-up (optimizer state)."""
+    offloaded_bytes: int = 0
+    """Bytes one micro-batch copies to the host and back (`Trace.offloaded_bytes`)."""
     first_micro_batch: StepTrace | None = None
     """Passes of two micro-batches: the trace of the first alone, which is what a step of one
     micro-batch traces (the same events up to the second's start, the same ops)."""

@@ -147,6 +147,12 @@ class StepTracer(TorchDispatchMode):
         """Device bytes of the storages behind `tensors` (the optimizer state), as the allocator rounds them."""
         return sum(round_size(t.untyped_storage().nbytes()) for t in tensors)
 
+    def allocation_of(self, tensor: torch.Tensor) -> int | None:
+        """The id of the live allocation behind `tensor` (ids are never reused, unlike storage addresses), or None."""
+        st = _storage_of(tensor)
+        entry = self._live.get(st._cdata) if st is not None else None
+        return entry[0] if entry is not None else None
+
     def live_bytes(self) -> int:
         return sum(self.trace.allocations[a].nbytes for a, _ in self._live.values())
 
