@@ -117,9 +117,8 @@ def trl_config(recipe: Recipe, *, model: str = "MODEL", seq_len: int = 1024) -> 
 
 
 def _trl_trainer_fields(recipe: Recipe) -> dict[str, Any]:
-    """SFTConfig's padding_free/packing or DPOConfig's precompute_ref_log_probs, and activation_offloading (both's),
-    where set (issue 23); a DPO recipe's
-    YAML is the one `trl dpo --config` reads, an SFT one `trl sft --config`'s."""
+    """SFTConfig's padding_free/packing or DPOConfig's precompute_ref_log_probs, and either's activation_offloading,
+    where set (issue 23); a DPO recipe's YAML is the one `trl dpo --config` reads, an SFT one `trl sft --config`'s."""
     fields: dict[str, Any] = {"activation_offloading": True} if recipe.activation_offloading else {}
     if recipe.trainer == "dpo":
         if recipe.precompute_ref_log_probs:
