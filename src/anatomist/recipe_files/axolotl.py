@@ -23,7 +23,8 @@ data/framework_fields.json names) and what its loader does with them:
   (utils/schemas/validation.py; before 0.12 "offload" was Unsloth's checkpointing);
 - deepspeed (a ds_config path or mapping, read as the Trainer reads it), fsdp (a strategy list) with
   fsdp_config (keys with or without "fsdp_"), fsdp_version;
-- tensor_parallel_size, context_parallel_size, dp_replicate_size above 1: not modelled, refused;
+- tensor_parallel_size, context_parallel_size, dp_replicate_size above 1, and qat (torchao's fake quantization):
+  not modelled, refused;
 - rl: dpo and ipo run TRL's DPOTrainer (core/builders/rl.py; AxolotlDPOTrainer changes no memory: tokenizing, an
   empty_cache after each step), read as trainer dpo with precompute_ref_log_probs; with an adapter the policy with
   its adapters disabled is the reference (train.py setup_reference_model: rl_adapter_ref_model, which docs/rlhf.qmd
@@ -76,6 +77,10 @@ def read_axolotl(data: dict[str, Any], reading: Reading, file: str) -> None:
                                  "(axolotl would ignore it)")
         if key in PARALLEL:
             refuse_unmodelled(PARALLEL[key], file, key, value)
+        if key == "qat" and value:
+            raise InputError(f"{file}: qat is not modelled yet (quantization-aware training: torchao's fake-quantized "
+                             "copies of the weights and activations, which backward keeps, would be predicted "
+                             "without them); remove it to estimate without it")
         if key in DIRECT and value is not None:
             reading.set(DIRECT[key], value, file, key)
         elif key not in READ:
