@@ -154,3 +154,16 @@ def test_read_from_trl_and_written_for_trl(tmp_path):
     assert launch_warnings(recipe, "trl") == []
     (warning,) = launch_warnings(recipe, "trainer")
     assert "activation_offloading is TRL's" in warning
+
+
+def test_a_training_arguments_file_with_a_trl_field_is_trls(tmp_path):
+    """TrainingArguments' keys beside SFTConfig's activation_offloading (which TrainingArguments lacks): TRL's file,
+    read with TRL's defaults and its SFTTrainer, not as the Trainer's with the model's own loss."""
+    from anatomist.recipe_files import read_recipe_file
+
+    path = tmp_path / "sft.yaml"
+    path.write_text("learning_rate: 2.0e-5\nper_device_train_batch_size: 2\nactivation_offloading: true\n")
+    source = read_recipe_file(path)
+    assert (source.kind, source.recipe.trainer, source.recipe.activation_offloading) == ("TRL", "sft", True)
+    path.write_text("per_device_train_batch_size: 2\nactivation_offloading: true\n")  # anatomist's own keys only
+    assert read_recipe_file(path).kind == "anatomist"

@@ -39,6 +39,10 @@ TRL_LEGACY = {"max_seq_length": "max_length", "torch_dtype": "dtype"}
 TRL_ENV = "env"
 """TrlParser sets the environment variables of a config's `env:` mapping."""
 
+TRL_RECIPE_FIELDS = frozenset({"padding_free", "packing", "precompute_ref_log_probs", "activation_offloading"})
+"""Recipe fields named as SFTConfig / DPOConfig name them, which TrainingArguments lacks: beside TrainingArguments'
+keys, one of them makes the file TRL's (read with TRL's defaults and trainer), not the Trainer's."""
+
 DIRECT = RECIPE_FIELDS - {"gradient_checkpointing", "tf32", "fsdp", "lora_target_modules"}
 """Keys whose value is the Recipe field of the same name: TrainingArguments' (per_device_train_batch_size,
 fp16, optim, ...), TRL ModelConfig's (dtype, attn_implementation, lora_r, load_in_4bit, ...) and anatomist's."""
@@ -135,7 +139,8 @@ def _kind(data: dict[str, Any], trainer: dict[str, Any], file: str) -> tuple[str
     if keys <= RECIPE_FIELDS and not keys <= set(trainer):
         return "anatomist", {}
     trainer_known = set(trainer) | historical_fields(TRAINER_CLASSES)
-    if keys <= RECIPE_FIELDS | trainer_known:
+    trl_only = keys & TRL_RECIPE_FIELDS - trainer_known
+    if keys <= RECIPE_FIELDS | trainer_known and not (trl_only and keys - RECIPE_FIELDS):
         return "TrainingArguments", trainer
     trl = trl_fields()
     if trl is not None:
@@ -145,7 +150,7 @@ def _kind(data: dict[str, Any], trainer: dict[str, Any], file: str) -> tuple[str
     refuse_unknown(data, known, file, "anatomist's Recipe, nor of TrainingArguments, TRL's SFTConfig, DPOConfig, "
                    "ModelConfig or ScriptArguments or the alignment handbook's arguments in any release since 2024")
     if trl is None:
-        raise InputError(f"{file}: {', '.join(sorted(keys - trainer_known - RECIPE_FIELDS))} are TRL fields: "
+        raise InputError(f"{file}: {', '.join(sorted(keys - trainer_known - RECIPE_FIELDS | trl_only))} are TRL fields: "
                          "pip install trl to read this file")
     return "TRL", {**trainer, **trl}
 
