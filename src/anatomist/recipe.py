@@ -315,14 +315,11 @@ class Recipe:
     def checkpointing(self) -> str:
         """How the layers checkpoint, as the tables say it: off, on (every layer) or "1 in N", "+offload" (the
         checkpoints on the host), "+TRL offload" (`activation_offloading`)."""
+        trl = "+TRL offload" if self.activation_offloading else ""
         if not self.gradient_checkpointing:
-            return "off" + self._offloaded
-        offloaded = "+offload" if self.checkpoint_offload else ""
-        return ("on" if self.checkpoint_every == 1 else f"1 in {self.checkpoint_every}") + offloaded + self._offloaded
-
-    @property
-    def _offloaded(self) -> str:
-        return "+TRL offload" if self.activation_offloading else ""
+            return "off" + trl
+        layers = "on" if self.checkpoint_every == 1 else f"1 in {self.checkpoint_every}"
+        return layers + ("+offload" if self.checkpoint_offload else "") + trl
 
     def checkpointed(self, layer: int) -> bool:
         """Whether gradient checkpointing recomputes repeated layer `layer` (its index among the model's repeated

@@ -347,7 +347,8 @@ def forward_backward(
     for micro in range(micro_batches):
         tracer.begin_micro_batch(micro)
         tracer.phase, tracer.segment, tracer.block = Phase.FORWARD, "pre", -1
-        with sharded.gradient_sync(model, micro == micro_batches - 1), _offloading(model, recipe, tracer):  # FSDP: reduced at the last only
+        # FSDP reduces at the last micro-batch only; TRL's offloading wraps each micro-batch's forward and backward
+        with sharded.gradient_sync(model, micro == micro_batches - 1), _offloading(model, recipe, tracer):
             with autocast:
                 loss = trainers.step_loss(model, reference, workload, recipe, batch_size)
             loss = loss / recipe.gradient_accumulation_steps
