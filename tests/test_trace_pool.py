@@ -157,6 +157,24 @@ def test_no_trace_depends_on_the_cyclic_collector(tiny_model, request_index: int
     assert eager == never
 
 
+@pytest.mark.parametrize("request_index", [0, -1])
+def test_a_trace_ends_with_its_step(tiny_model, request_index: int) -> None:
+    """The model dies after trace_step returns, when the collector frees FSDP's reference cycles: its
+    frees are no events of the step (they were appended to one rank's events, so that a trace pickled
+    after a collection differed from one pickled before)."""
+    workload, requests = _requests(tiny_model("llama"))
+    recipe, part, depth, batch, num_gpus = requests[request_index]
+    gc.disable()
+    try:
+        trace = driver.trace_step(workload, recipe.resolved(workload), part=part, depth=depth, batch_size=batch,
+                                  compute_capability=CC, num_gpus=num_gpus)
+        returned = pickle.dumps(trace)
+        gc.collect()
+    finally:
+        gc.enable()
+    assert pickle.dumps(trace) == returned
+
+
 @pytest.mark.parametrize(("name", "recipe"), [
     ("llama", Recipe(bf16=True, gradient_accumulation_steps=4)),
     ("bert", Recipe(fp16=True, gradient_checkpointing=True, gradient_accumulation_steps=2)),

@@ -195,6 +195,7 @@ class StepAttributor:
         assert self._exit is not None
         self._tracer.label_live(states, MemoryCategory.OPTIMIZER_STATES)
         self._exit.close()
+        self._tracer.stop()
         self.result = self._cpu_result(self._tracer)
         self._tracer = None
         return self.result

@@ -112,6 +112,7 @@ def trace_step(
             for _ in range(1 if part == "inference" else 2):
                 tracer.allocate_extra(cublas_workspace_bytes(compute_capability), MemoryCategory.FUNCTIONALITY)
             phases, static = _run_part(part, model, params, workload, recipe, batch_size, tracer, reference, depth)
+        tracer.stop()
         return _step_trace(tracer, model, params, phases, static, part, traced_world(recipe, num_gpus))
 
 

@@ -156,6 +156,11 @@ class StepTracer(TorchDispatchMode):
     def live_bytes(self) -> int:
         return sum(self.trace.allocations[a].nbytes for a, _ in self._live.values())
 
+    def stop(self) -> None:
+        """The step is over: a storage that dies from now on (the model, whenever the collector frees its
+        reference cycles) is no event of it. Dropping the weakrefs drops their callbacks."""
+        self._live.clear()
+
     # -- the dispatch hook -------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
