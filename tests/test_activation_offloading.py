@@ -117,6 +117,22 @@ def test_copied_bytes_extrapolate_to_the_full_model(tiny_model):
     assert offloaded_bytes(traces, 5) == full.offloaded_bytes
 
 
+def test_a_mask_near_the_threshold_does_not_change_the_ops_with_the_batch(tiny_model):
+    """TRL's loss saves a [batch, 511] bool mask at 512 tokens: 1,022 bytes at batch 2 (kept on the device), 1,533 at 3
+    (TRL copies it). Judged at 2 samples in both traces (offload.JUDGED_AT_BATCH), the two traces the estimate
+    extrapolates from run the same ops; before, the estimate stopped with "the traced op sequence changed"."""
+    from anatomist.estimate.traces import TRACE_BATCHES, step_traces
+
+    workload = load_workload(str(tiny_model("gpt2", n_positions=512)), seq_len=512)
+    recipe = Recipe(trainer="sft", per_device_train_batch_size=8, activation_offloading=True).resolved(workload)
+    traces = step_traces(workload, recipe, GPU.compute_capability)
+    assert TRACE_BATCHES[0] == offload.JUDGED_AT_BATCH
+    for cut in traces.plan.cuts:
+        lo, hi = (traces.passes[cut, b].curves.keys for b in TRACE_BATCHES)
+        assert lo == hi
+    assert estimate_memory(workload, recipe, GPU).anatomy.peak_allocated > 0
+
+
 def test_the_copies_cost_time_over_pcie(workload):
     """The way out hides under the forward up to its compute; the way back adds its whole transfer."""
     from anatomist.estimate.communication import activation_offloading_s, constants, predict_time

@@ -349,7 +349,7 @@ def forward_backward(
         tracer.begin_micro_batch(micro)
         tracer.phase, tracer.segment, tracer.block = Phase.FORWARD, "pre", -1
         # FSDP reduces at the last micro-batch only; TRL's offloading wraps each micro-batch's forward and backward
-        with sharded.gradient_sync(model, micro == micro_batches - 1), _offloading(model, recipe, tracer):
+        with sharded.gradient_sync(model, micro == micro_batches - 1), _offloading(model, recipe, tracer, batch_size):
             with autocast:
                 loss = trainers.step_loss(model, reference, workload, recipe, batch_size)
             loss = loss / recipe.gradient_accumulation_steps
@@ -362,13 +362,13 @@ def forward_backward(
         tracer.label_live([p.grad for p in params if p.grad is not None], MemoryCategory.GRADIENTS)
 
 
-def _offloading(model: torch.nn.Module, recipe: ResolvedRecipe, tracer: StepTracer) -> Any:
+def _offloading(model: torch.nn.Module, recipe: ResolvedRecipe, tracer: StepTracer, batch_size: int) -> Any:
     """TRL's activation offloading around one micro-batch's forward and backward, where the recipe has it."""
     if not recipe.activation_offloading:
         return contextlib.nullcontext()
     from anatomist.trace.offload import offloaded_activations
 
-    return offloaded_activations(model, tracer)
+    return offloaded_activations(model, tracer, batch_size)
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:

@@ -11,7 +11,8 @@ forward and back in backward. It needs CUDA (streams, pinned memory), so the tra
   five packs, if it holds fewer than 1,024 bytes, if it is a parameter or a buffer or shares a parameter's
   storage, or if it is saved inside the output head (hooks on the model's `output` or `lm_head` turn the
   offloading off there: TRL's fused LM head reads `lm_head.weight` without calling the module, so under TRL's
-  trainers the head's saved tensors leave too). Any other is copied to the host (a view with an offset or a
+  trainers the head's saved tensors leave too). The 1,024 bytes of a tensor whose rows are the batch's samples or
+  tokens are judged at 2 samples in a trace of more (`JUDGED_AT_BATCH`). Any other is copied to the host (a view with an offset or a
   non-contiguous one cloned on the device first), and its device copy is kept until five more tensors are
   packed (the stash that lets the side stream finish).
 - unpack (backward): a tensor still in the stash is used as is; any other is copied back to the device and kept
@@ -34,6 +35,11 @@ MIN_OFFLOAD_BYTES = 1024
 """OffloadActivations' min_offload_size default: smaller tensors stay on the device."""
 STASH = 5
 """OffloadActivations' max_fwd_stash_size default: packed tensors kept on the device until their copy is done."""
+JUDGED_AT_BATCH = 2
+"""The batch (the smaller of estimate.traces.TRACE_BATCHES) at which the size of a tensor that grows with the batch
+meets MIN_OFFLOAD_BYTES. Judged at its own, a [batch, 511] mask of TRL's loss stays at batch 2 and leaves at 3: the
+two traces the estimator extrapolates from would differ in their ops (gpt2 at its 512 positions under --trainer sft
+did). Judged at 2, both make the same choices; at a larger batch such a tensor, a few KiB, stays where TRL moves it."""
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -56,8 +62,9 @@ class OffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
     """TRL's OffloadActivations as it runs on a GPU with its defaults, for `tracer` (module docstring). One step:
     enter it around one micro-batch's forward and backward, as TRL's training_step does."""
 
-    def __init__(self, tracer: Any, model: torch.nn.Module) -> None:
+    def __init__(self, tracer: Any, model: torch.nn.Module, batch_size: int) -> None:
         self.tracer = tracer
+        self.batch_size = batch_size
         self.parameter_storages = {p.untyped_storage()._cdata for p in model.parameters()}
         self.tracked: dict[int, tuple[torch.Tensor, tuple[Any, ...] | None]] = {}
         """Packed id -> the tensor kept on the device (layout None), or the host copy and the layout to restore."""
@@ -79,7 +86,7 @@ class OffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
             self.tracked[tensor_id] = (activation, None)
             self._track(key, tensor_id)
             return tensor_id
-        if activation.element_size() * activation.nelement() < MIN_OFFLOAD_BYTES \
+        if self._below_min_offload_size(activation) \
                 or isinstance(activation, torch.nn.Parameter) \
                 or activation.untyped_storage()._cdata in self.parameter_storages:
             self.tracked[tensor_id] = (activation, None)
@@ -104,6 +111,12 @@ class OffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
         self.stash[tensor_id] = activation
         self._track(key, tensor_id)
         return tensor_id
+
+    def _below_min_offload_size(self, tensor: torch.Tensor) -> bool:
+        nbytes = tensor.element_size() * tensor.nelement()
+        if self.batch_size > JUDGED_AT_BATCH and tensor.dim() and tensor.shape[0] % self.batch_size == 0:
+            nbytes = nbytes * JUDGED_AT_BATCH // self.batch_size  # rows of samples or tokens: as at JUDGED_AT_BATCH
+        return nbytes < MIN_OFFLOAD_BYTES
 
     def _storage_key(self, tensor: torch.Tensor) -> tuple[Any, ...]:
         """TRL's `_get_unique_tensor_key` (data pointer + storage offset, dtype), with the tracer's allocation for the
@@ -163,9 +176,10 @@ class OffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
 
 
 @contextlib.contextmanager
-def offloaded_activations(model: torch.nn.Module, tracer: Any) -> Iterator[None]:
-    """Within: one micro-batch's forward and backward offload their saved activations as TRL's does."""
-    hooks = OffloadedActivations(tracer, model)
+def offloaded_activations(model: torch.nn.Module, tracer: Any, batch_size: int) -> Iterator[None]:
+    """Within: one micro-batch's forward and backward (of `batch_size` samples) offload their saved activations as
+    TRL's does."""
+    hooks = OffloadedActivations(tracer, model, batch_size)
     kept_on_device = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)  # TRL's NoOpManager
     head = output_head(model)
     handles = []
