@@ -58,9 +58,26 @@ def test_profile_splits_a_real_run(model_dir: Path) -> None:
     (["--steps", "-2"], "--steps must be greater than 0"),
 ])
 def test_bad_input_exits_2(model_dir: Path, flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    _refused(["profile", str(model_dir), "--seq-len", "16", *flags], message, capsys)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--trainer", "sft"], "not TRL's SFTTrainer"),
+    (["--trainer", "dpo"], "not TRL's DPOTrainer"),
+    (["--activation-offloading"], "not TRL's activation offloading"),
+    (["--fsdp", "full_shard"], "profile runs one process"),
+    (["--use-liger-kernel"], "profile does not apply Liger Kernel"),
+])
+def test_a_step_profile_does_not_run_is_refused(tiny_model, flags: list[str], message: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, these were profiled as the Trainer's plain step of one process, which they are not."""
+    _refused(["profile", str(tiny_model("llama")), "--seq-len", "16", *flags], message, capsys)
+
+
+def _refused(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     from anatomist.cli import main
 
-    assert main(["profile", str(model_dir), "--seq-len", "16", *flags]) == 2
+    assert main(argv) == 2
     captured = capsys.readouterr()
     assert message in captured.err
     assert len(captured.err.strip().splitlines()) == 1
@@ -74,3 +91,29 @@ def test_cli_json(cli, model_dir: Path) -> None:
     assert set(data["classes"]) == {"contraction", "normalization", "elementwise", "other"}
     assert set(data["phases"]) == {"forward_s", "backward_s", "optimizer_s"}
     assert data["device"].startswith("cpu") and data["top_ops"]
+
+
+@pytest.mark.parametrize("peft", ["lora", "qlora"])
+def test_the_profiled_step_trains_the_adapters(tiny_model, monkeypatch: pytest.MonkeyPatch, peft: str) -> None:
+    """--peft lora / qlora profile get_peft_model's adapters (over bitsandbytes' 4-bit base for qlora), as a user
+    makes them: the optimizer steps the parameters PEFT leaves trainable. Before, the step trained every weight of a
+    plain model while the FLOPs were counted for the adapters."""
+    import peft as peft_library
+
+    from anatomist.measure import profile as profiling
+
+    stepped: list[int] = []
+    real = profiling._optimizer
+
+    def counted(model, recipe, cpu):  # type: ignore[no-untyped-def]
+        stepped.append(sum(p.numel() for p in model.parameters() if p.requires_grad))
+        return real(model, recipe, cpu)
+
+    monkeypatch.setattr(profiling, "_optimizer", counted)
+    workload = load_workload(str(tiny_model("llama", num_hidden_layers=2)), seq_len=32)
+    recipe = Recipe.with_presets(peft=peft, per_device_train_batch_size=2)
+    result = profile_training(workload, recipe, steps=1)
+    assert result.step_s > 0
+    adapters = peft_library.get_peft_model(workload.build_model(), peft_library.LoraConfig(
+        r=recipe.lora_r, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    assert stepped == [adapters.get_nb_trainable_parameters()[0]]

@@ -1,7 +1,9 @@
 """Profile real training steps with torch.profiler and split the time by operation class.
 
 `profile_training` runs real steps of the real model (random init) on the local device
-(CUDA if present, else CPU), each step wrapped in `record_function` ranges "forward",
+(CUDA if present, else CPU), made as a user of the recipe makes it (`bench.worker.training_model`:
+get_peft_model's adapters, bitsandbytes' quantized base; checkpointing with the Trainer's
+gradient_checkpointing_kwargs), each step wrapped in `record_function` ranges "forward",
 "backward" and "optimizer", after one warm-up step that is not profiled. It then adds up
 the SELF time of every ATen op (`aten::*` events; self time, so a composite such as
 `aten::linear` does not count its `aten::addmm` twice) by class (data/op_classes.toml), and
@@ -11,12 +13,16 @@ ops approximately (per element).
 
 Known limitations: on CPU the time split is the CPU's, not a GPU's (a CPU is far slower at
 matrix products relative to memory traffic); a DataLoader is not used (batches are made
-in memory), so data-loading time is not part of the step.
+in memory), so data-loading time is not part of the step. The step is the Trainer's, on one
+process: TRL's trainers, FSDP, Liger Kernel and packed rows are refused (`check_runnable`)
+rather than profiled as a step they are not.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -33,7 +39,6 @@ from anatomist.estimate.flops import step_flops, step_ops
 from anatomist.hardware import detect_local_gpu
 from anatomist.op_classes import classify, is_known
 from anatomist.recipe import Recipe, ResolvedRecipe
-from anatomist.trace.experts import build_kwargs
 from anatomist.trace.inputs import make_batch
 from anatomist.workload import Workload
 
@@ -97,6 +102,18 @@ def check_runnable(recipe: ResolvedRecipe, steps: int, device: torch.device) -> 
         raise InputError("profile runs one process without DeepSpeed; drop --zero-stage/--offload (use `anatomist bench`)")
     if recipe.torch_compile:
         raise InputError("profile does not support --torch-compile yet (the op classes would be inductor kernels)")
+    if recipe.fsdp != "none":
+        raise InputError("profile runs one process, where FSDP would shard nothing; drop --fsdp "
+                         "(`anatomist bench` runs FSDP rows on several processes)")
+    if recipe.trainer != "trainer" or recipe.activation_offloading:
+        what = f"TRL's {recipe.trainer.upper()}Trainer" if recipe.trainer != "trainer" else "TRL's activation offloading"
+        raise InputError(f"profile runs the Trainer's step (the model's own loss), not {what}; "
+                         "`anatomist estimate` predicts it")
+    if recipe.use_liger_kernel:
+        raise InputError("profile does not apply Liger Kernel" + (" (its Triton kernels need a GPU)" if cpu else " yet")
+                         + "; drop --use-liger-kernel")
+    if recipe.padding_free or recipe.packing:
+        raise InputError("profile runs padded rows, not packed ones; drop --padding-free / --packing")
 
 
 def _optimizer(model: torch.nn.Module, recipe: ResolvedRecipe, cpu: bool) -> torch.optim.Optimizer:
@@ -114,12 +131,15 @@ def training_step(workload: Workload, recipe: ResolvedRecipe, device: torch.devi
     `gradient_accumulation_steps` micro-batches (forward under autocast, backward, loss-scaled
     under fp16), unscale, clip, optimizer step, zero_grad. Each phase is a `record_function`
     range and ends with a device synchronisation, so wall-clock timing of a call is honest."""
+    from anatomist.bench.worker import enable_checkpointing, training_model
+
     cpu = device.type == "cpu"
-    with contextlib.redirect_stderr(None):
-        model = workload.build_model(recipe.attn_implementation, recipe.dtype, **build_kwargs(workload, recipe)).to(device)
+    with tempfile.TemporaryDirectory(prefix="anatomist-profile-") as folder, contextlib.redirect_stderr(io.StringIO()):
+        model = training_model(workload, recipe, folder)  # a quantized base is saved there and loaded back
+        if not recipe.quantized:  # bitsandbytes places a quantized one on the GPU as it loads it
+            model = model.to(device)
+    enable_checkpointing(model, recipe)
     model.train()
-    if recipe.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
     optimizer = _optimizer(model, recipe, cpu)
     lower = torch.float16 if recipe.fp16 else torch.bfloat16 if recipe.bf16 else None
     autocast = torch.autocast(device.type, dtype=lower) if lower is not None else contextlib.nullcontext()
