@@ -59,3 +59,24 @@ def test_a_command_leaves_the_process_as_it_found_it(cli, monkeypatch) -> None:
     with command_settings(allow_network=True):
         assert "HF_HUB_OFFLINE" not in os.environ  # --allow-network lets huggingface_hub ask the Hub
     assert os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+def test_json_is_all_that_reaches_stdout(monkeypatch, capsys) -> None:
+    """What a library prints on stdout while a --json command runs goes to stderr: DeepSpeed's logger printed its
+    "Setting accelerator to CPU" before the JSON of `profile --peft qlora --json` (bitsandbytes' loading imports
+    accelerate, which imports DeepSpeed)."""
+    import json
+
+    from anatomist.cli import main
+
+    real = catalog.run_models
+
+    def noisy(args) -> int:  # type: ignore[no-untyped-def]
+        print("[WARNING] [real_accelerator.py] a library's line on stdout")
+        return real(args)
+
+    monkeypatch.setattr(catalog, "run_models", noisy)
+    assert main(["models", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert [m["name"] for m in json.loads(captured.out)["models"]] == list(catalog_entries())
+    assert "a library's line on stdout" in captured.err

@@ -91,7 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2
-    with command_settings(allow_network=bool(getattr(args, "allow_network", False))):
+    from anatomist.cli.common import stdout_for_json_only  # the subcommand's module imported it already
+
+    with command_settings(allow_network=bool(getattr(args, "allow_network", False))), \
+            stdout_for_json_only(bool(getattr(args, "json", False))):
         try:
             return int(args.handler(args) or 0)
         except InputError as exc:

@@ -83,9 +83,30 @@ def note_missing_packages(recipe: Recipe) -> None:
              f"(pip install {' '.join(missing)} on the training machine); the prediction does not need it")
 
 
+_json_stdout: list[Any] = []
+"""The command's stdout while `stdout_for_json_only` lends it to the JSON alone."""
+
+
+@contextlib.contextmanager
+def stdout_for_json_only(json_only: bool) -> Iterator[None]:
+    """With --json: anything else written to stdout while the command runs goes to stderr, so that stdout holds the
+    JSON and nothing else (DeepSpeed's import warning, which its logger prints on stdout, came before the JSON of
+    `profile --peft qlora --json`: bitsandbytes' loading imports accelerate, which imports DeepSpeed)."""
+    if not json_only:
+        yield
+        return
+    _json_stdout.append(sys.stdout)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        _json_stdout.pop()
+
+
 def print_json(data: Any) -> None:
-    json.dump(data, sys.stdout, indent=2, sort_keys=False)
-    sys.stdout.write("\n")
+    out = _json_stdout[-1] if _json_stdout else sys.stdout
+    json.dump(data, out, indent=2, sort_keys=False)
+    out.write("\n")
 
 
 def positive_int(name: str, value: int | None) -> int | None:
