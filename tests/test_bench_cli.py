@@ -81,3 +81,34 @@ def test_lora_suite_runs_adapters_for_real_and_skips_qlora_without_cuda(tmp_path
         assert measured["optimizer_states"] == predicted["optimizer_states"] > 0
         assert abs(row["error_pct"]["peak_allocated"]) < 5
     assert rows["qlora"]["status"] == "skipped" and "CUDA" in rows["qlora"]["reason"]
+
+
+@pytest.mark.parametrize(("recipe", "loop", "message"), [
+    ("{per_device_train_batch_size: 2, trainer: sft}", "trainer", "row 'row' sets trainer sft: TRL's"),
+    ("{per_device_train_batch_size: 2, activation_offloading: true}", "trainer", "sets activation_offloading: TRL's"),
+    ("{per_device_train_batch_size: 2, use_liger_kernel: true}", "accelerate",
+     "the Accelerate loop does not apply Liger Kernel"),
+])
+def test_a_row_the_bench_does_not_run_is_refused(tmp_path, capsys, recipe, loop, message):
+    """Before, such a row ran transformers' plain Trainer step (or the loop without Liger) and was recorded as the
+    recipe's measurement."""
+    suite = tmp_path / "s.yaml"
+    suite.write_text(f"""
+name: refused
+model: llama-tiny
+task: causal-lm
+seq_len: 32
+cpu:
+  model_config: {{model_type: llama, hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
+                 num_key_value_heads: 2, intermediate_size: 128, vocab_size: 1000, max_position_embeddings: 128}}
+  seq_len: 32
+rows:
+  - name: row
+    recipe: {recipe}
+    loop: {loop}
+""")
+    results = tmp_path / "r.jsonl"
+    assert main(["bench", "--suite", str(suite), "--results", str(results)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not results.exists()

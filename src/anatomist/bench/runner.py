@@ -86,12 +86,24 @@ def check_rows(run: SuiteRun, rows: list[Row], num_processes: int) -> None:
     says it needs CUDA, on a machine without it, is not refused: it is recorded as skipped).
 
     Raises:
-        InputError: an FSDP row on one process (it would shard nothing); on several, what
-            `distributed.check_launchable` refuses (DeepSpeed ZeRO without CUDA).
+        InputError: a row whose step the bench does not run (TRL's trainers, their activation offloading and packed
+            rows: the rows run transformers' Trainer or an Accelerate loop on padded rows; Liger Kernel in the
+            Accelerate loop, which does not apply it); an FSDP row on one process (it would shard nothing); on
+            several, what `distributed.check_launchable` refuses (DeepSpeed ZeRO without CUDA).
     """
     from anatomist.bench.distributed import check_launchable
 
     for row in rows:
+        recipe = row.recipe
+        trl = [name for name, on in (("trainer " + recipe.trainer, recipe.trainer != "trainer"),
+                                     ("activation_offloading", recipe.activation_offloading),
+                                     ("padding_free", recipe.padding_free), ("packing", recipe.packing)) if on]
+        if trl:
+            raise InputError(f"row {row.name!r} sets {', '.join(trl)}: TRL's; the bench runs transformers' Trainer (or "
+                             "an Accelerate loop) on padded rows, not TRL's trainers")
+        if row.loop == "accelerate" and recipe.use_liger_kernel:
+            raise InputError(f"row {row.name!r}: the Accelerate loop does not apply Liger Kernel (the Trainer's "
+                             "use_liger_kernel does): use loop: trainer")
         if "cuda" in row.needs and run.on_cpu:
             continue
         if num_processes == 1 and row.recipe.fsdp != "none":
