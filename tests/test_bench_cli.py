@@ -84,8 +84,8 @@ def test_lora_suite_runs_adapters_for_real_and_skips_qlora_without_cuda(tmp_path
 
 
 @pytest.mark.parametrize(("recipe", "loop", "message"), [
-    ("{per_device_train_batch_size: 2, trainer: sft}", "trainer", "row 'row' sets trainer sft: TRL's"),
-    ("{per_device_train_batch_size: 2, activation_offloading: true}", "trainer", "sets activation_offloading: TRL's"),
+    ("{per_device_train_batch_size: 2, trainer: sft}", "trainer", "row 'row' sets trainer sft, which TRL's trainers run"),
+    ("{per_device_train_batch_size: 2, activation_offloading: true}", "trainer", "sets activation_offloading, which TRL's trainers run"),
     ("{per_device_train_batch_size: 2, use_liger_kernel: true}", "accelerate",
      "the Accelerate loop does not apply Liger Kernel"),
 ])

@@ -99,8 +99,8 @@ def check_rows(run: SuiteRun, rows: list[Row], num_processes: int) -> None:
                                      ("activation_offloading", recipe.activation_offloading),
                                      ("padding_free", recipe.padding_free), ("packing", recipe.packing)) if on]
         if trl:
-            raise InputError(f"row {row.name!r} sets {', '.join(trl)}: TRL's; the bench runs transformers' Trainer (or "
-                             "an Accelerate loop) on padded rows, not TRL's trainers")
+            raise InputError(f"row {row.name!r} sets {', '.join(trl)}, which TRL's trainers run; the bench runs "
+                             "transformers' Trainer (or an Accelerate loop) on padded rows")
         if row.loop == "accelerate" and recipe.use_liger_kernel:
             raise InputError(f"row {row.name!r}: the Accelerate loop does not apply Liger Kernel (the Trainer's "
                              "use_liger_kernel does): use loop: trainer")

@@ -12,9 +12,9 @@ forward and back in backward. It needs CUDA (streams, pinned memory), so the tra
   storage, or if it is saved inside the output head (hooks on the model's `output` or `lm_head` turn the
   offloading off there: TRL's fused LM head reads `lm_head.weight` without calling the module, so under TRL's
   trainers the head's saved tensors leave too). The 1,024 bytes of a tensor whose rows are the batch's samples or
-  tokens are judged at 2 samples in a trace of more (`JUDGED_AT_BATCH`). Any other is copied to the host (a view with an offset or a
-  non-contiguous one cloned on the device first), and its device copy is kept until five more tensors are
-  packed (the stash that lets the side stream finish).
+  tokens are judged at 2 samples in a trace of more (`JUDGED_AT_BATCH`). Any other is copied to the host (a view
+  with an offset or a non-contiguous one cloned on the device first), and its device copy is kept until five more
+  tensors are packed (the stash that lets the side stream finish).
 - unpack (backward): a tensor still in the stash is used as is; any other is copied back to the device and kept
   until the autograd node after the one that used it has run (or longer, where the node kept a reference);
   the first backward node to run frees what is left of the forward stash.
