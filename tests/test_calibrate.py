@@ -106,3 +106,8 @@ def test_cpu_rows_and_bad_files_are_refused(cli, tmp_path: Path) -> None:
         load_calibration(bad)
     run = cli("estimate", "--calibration", str(bad))
     assert run.returncode == 2 and "not a calibration file" in run.stderr
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"model": "gpt2"}\n')
+    run = cli("calibrate", str(plan))  # calibrate has no --results: the bench's advice is not given
+    assert run.returncode == 2 and run.stderr.strip().splitlines() == [
+        f"anatomist: error: {plan}: not an anatomist results file (line 1 is not its header) (`anatomist bench` writes one)"]

@@ -97,7 +97,8 @@ def open_results(path: str | Path, *, create: bool = True) -> ResultsFile:
     except (ValueError, UnicodeDecodeError):
         header = None
     if not isinstance(header, dict) or "anatomist_results" not in header:
-        raise InputError(f"{p}: not an anatomist results file (line 1 is not its header); choose another --results path")
+        advice = "; choose another --results path" if create else " (`anatomist bench` writes one)"
+        raise InputError(f"{p}: not an anatomist results file (line 1 is not its header){advice}")
     if header["anatomist_results"] != SCHEMA_VERSION:
         raise InputError(f"{p}: results schema {header['anatomist_results']!r}; this anatomist reads {SCHEMA_VERSION}")
     rows = []
