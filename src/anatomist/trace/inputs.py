@@ -12,6 +12,10 @@ if TYPE_CHECKING:
     from anatomist.recipe import ResolvedRecipe
     from anatomist.workload import Workload
 
+CACHE_FIELDS = ("cache", "past_key_values")
+"""The field of a model's output that holds its KV cache, which the next step's input takes back: `cache` from
+transformers 5.24, `past_key_values` before (still read there, with a deprecation warning)."""
+
 
 def make_batch(workload: Workload, batch_size: int) -> dict[str, torch.Tensor]:
     """Random token ids of `workload.seq_len` tokens per sample, and labels for the task: a class per

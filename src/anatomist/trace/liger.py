@@ -36,6 +36,7 @@ Known limitations:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 from collections.abc import Iterator
 from types import MethodType
@@ -45,6 +46,7 @@ import torch
 from torch import Tensor
 
 from anatomist.axes.liger import flce_chunk_tokens, liger_table
+from anatomist.trace.inputs import CACHE_FIELDS
 from anatomist.trace.kernel_ops import fused_projection
 
 IGNORE_INDEX = -100
@@ -215,7 +217,8 @@ def lce_forward(self: Any, input_ids: Tensor | None = None, labels: Tensor | Non
     chunk = flce_chunk_tokens(batch, seq_len, hidden, weight.shape[0])
     loss = FusedLinearCrossEntropyFunction.apply(hidden_states.view(-1, hidden), weight, shift_labels.view(-1), chunk,
                                                  self._anatomist_sm80)
-    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values)
+    cache = next(f.name for f in dataclasses.fields(CausalLMOutputWithPast) if f.name in CACHE_FIELDS)
+    return CausalLMOutputWithPast(loss=loss, logits=None, **{cache: getattr(outputs, cache)})
 
 
 def _rms_norm_forward(self: Any, hidden_states: Tensor) -> Tensor:
