@@ -36,7 +36,7 @@ from anatomist.trace.compiled import compile_blocks
 from anatomist.trace.cuda_model import cuda_code_paths, fake_parameters, saved_on_host
 from anatomist.trace.cutting import traced_config
 from anatomist.trace.experts import build_kwargs, check_traceable
-from anatomist.trace.inputs import CACHE_FIELDS, make_batch, rows_not_packed
+from anatomist.trace.inputs import cache_field, make_batch, rows_not_packed
 from anatomist.trace.keys import Depth, Part, traced_attention, traced_compile, traced_micro_batches, traced_world
 from anatomist.trace.peft import apply_peft, counted_parameters
 from anatomist.trace.records import RankEvents, StepTrace, Trace, curves_of
@@ -436,7 +436,8 @@ def _inference_step(
         kwargs["decoder_input_ids"] = batch["input_ids"]
     with torch.no_grad(), autocast:
         out = model(**batch, **kwargs)
-    cache = next((c for c in (getattr(out, name, None) for name in CACHE_FIELDS) if c is not None), None)
+    field = cache_field(out)
+    cache = getattr(out, field) if field is not None else None
     if cache is not None:
         from torch.utils._pytree import tree_flatten
 

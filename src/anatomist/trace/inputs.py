@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +16,13 @@ if TYPE_CHECKING:
 CACHE_FIELDS = ("cache", "past_key_values")
 """The field of a model's output that holds its KV cache, which the next step's input takes back: `cache` from
 transformers 5.24, `past_key_values` before (still read there, with a deprecation warning)."""
+
+
+def cache_field(output: Any) -> str | None:
+    """The name of the KV-cache field (`CACHE_FIELDS`) of a model output, or of its dataclass; None where it has none."""
+    if not dataclasses.is_dataclass(output):
+        return None
+    return next((f.name for f in dataclasses.fields(output) if f.name in CACHE_FIELDS), None)
 
 
 def make_batch(workload: Workload, batch_size: int) -> dict[str, torch.Tensor]:

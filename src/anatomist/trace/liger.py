@@ -36,7 +36,6 @@ Known limitations:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
 from collections.abc import Iterator
 from types import MethodType
@@ -46,7 +45,7 @@ import torch
 from torch import Tensor
 
 from anatomist.axes.liger import flce_chunk_tokens, liger_table
-from anatomist.trace.inputs import CACHE_FIELDS
+from anatomist.trace.inputs import cache_field
 from anatomist.trace.kernel_ops import fused_projection
 
 IGNORE_INDEX = -100
@@ -217,7 +216,8 @@ def lce_forward(self: Any, input_ids: Tensor | None = None, labels: Tensor | Non
     chunk = flce_chunk_tokens(batch, seq_len, hidden, weight.shape[0])
     loss = FusedLinearCrossEntropyFunction.apply(hidden_states.view(-1, hidden), weight, shift_labels.view(-1), chunk,
                                                  self._anatomist_sm80)
-    cache = next(f.name for f in dataclasses.fields(CausalLMOutputWithPast) if f.name in CACHE_FIELDS)
+    cache = cache_field(CausalLMOutputWithPast)
+    assert cache is not None  # a causal LM's output has one
     return CausalLMOutputWithPast(loss=loss, logits=None, **{cache: getattr(outputs, cache)})
 
 
