@@ -185,6 +185,17 @@ def test_liger_for_a_model_it_does_not_patch_is_one_line(cli, config, task, mess
     assert pytest.importorskip("re").search(message, proc.stderr), proc.stderr
 
 
+def test_with_torch_compile_it_is_refused_in_one_line_unless_the_blocks_checkpoint(cli, llama):
+    """Liger's stand-ins are custom ops that the compiled blocks' trace cannot run (it stopped with a traceback);
+    checkpointed blocks are traced eager (trace/compiled.py), so that combination is estimated."""
+    proc = cli("estimate", llama.name, "--use-liger-kernel", "--torch-compile", "--seq-len", "64", "--json")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "use_liger_kernel with torch_compile is not modelled yet" in proc.stderr.splitlines()[-1]
+    recipe = Recipe(per_device_train_batch_size=2, use_liger_kernel=True, torch_compile=True,
+                    gradient_checkpointing=True).resolved(llama)
+    assert estimate_memory(llama, recipe, GPU).anatomy.peak_allocated > 0
+
+
 def test_the_emitted_configs_set_it(llama):
     from anatomist.plan.emit import render
 

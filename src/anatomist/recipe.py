@@ -236,6 +236,10 @@ class Recipe:
         if self.activation_offloading and self.torch_compile:
             raise InputError("activation_offloading with torch_compile is not modelled yet (the compiled blocks' "
                              "backward reads saved tensors in the layout they had, which TRL's copies do not keep)")
+        if self.use_liger_kernel and self.torch_compile and not self.gradient_checkpointing:
+            raise InputError("use_liger_kernel with torch_compile is not modelled yet (Liger's kernels stand in as "
+                             "custom ops, which the compiled blocks' trace cannot run): leave one off, or turn "
+                             "gradient_checkpointing on (its blocks are predicted as eager code)")
         optimizer(self.optim)  # raises for one anatomist does not model
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise InputError(
