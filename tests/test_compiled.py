@@ -134,3 +134,28 @@ def test_saved_for_backward_matches_a_real_inductor_step(tiny_model) -> None:
                         torch_compile=compile_blocks).resolved(workload)
         traced = estimate_memory(workload, recipe, GPU).anatomy.activations
         assert traced == pytest.approx(saved_bytes(compile_blocks), rel=0.03), compile_blocks
+
+
+def test_a_trace_reusing_another_trace_s_compiled_graphs_is_the_one_a_fresh_compile_gives(tiny_model) -> None:
+    """The graphs compiled for one trace serve the next trace of the same recipe in the process (`KEPT_GRAPHS`: a
+    plan's worker traces a recipe at two depths), and must give the trace a compile of its own gives, allocation by
+    allocation. A graph that held a tensor of the step it was compiled in (the first block's input, alive to the end
+    of that step only) broke that."""
+    from anatomist.trace import compiled
+
+    workload = load_workload(str(tiny_model("gpt2")), seq_len=64)
+    recipe = Recipe(per_device_train_batch_size=2, torch_compile=True).resolved(workload)
+
+    def trace(depth: int):
+        return trace_step(workload, recipe, depth=depth, batch_size=2, compute_capability=GPU.compute_capability,
+                          record_ops=True)
+
+    compiled._graphs.clear()
+    trace(2)
+    reused = trace(3)
+    compiled._graphs.clear()
+    fresh = trace(3)
+    assert reused.ops == fresh.ops
+    assert reused.curves.keys == fresh.curves.keys
+    assert (reused.curves.allocated == fresh.curves.allocated).all()
+    assert (reused.curves.categories == fresh.curves.categories).all()

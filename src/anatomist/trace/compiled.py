@@ -17,7 +17,10 @@ inductor would run it, traced on the same fake tensors as the rest of the step:
   The memory trace therefore skips the tensors inside a group (they live in registers), and the
   time trace records one op per kernel: its bytes moved, its approximate FLOPs.
 - One graph per kind of block: blocks with the same code, parameter shapes and inputs share the
-  compiled graphs (torch.compile reuses one graph for identical layers the same way).
+  compiled graphs (torch.compile reuses one graph for identical layers the same way). The graphs also
+  outlive the trace, for the next trace of the same recipe in this process (`KEPT_GRAPHS`): the traces
+  of a recipe at two depths run the same blocks on the same inputs, and capturing and partitioning them
+  is most of a compiled trace's time.
 
 Known limitations (approximations): inductor's scheduler and autotuning are not run, so its real
 kernel boundaries (a reduction it will not fuse with a differently shaped one, a pointwise epilogue it
@@ -36,6 +39,7 @@ by hand.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import operator
@@ -75,20 +79,36 @@ class FusionPlan:
     """One cost signature per kernel, in graph order, without its phase (`Signature` less field 2)."""
 
 
-def compile_blocks(model: torch.nn.Module, tracer: StepTracer) -> None:
+KEPT_GRAPHS = 16
+"""Compiled graphs kept for later traces in this process, the most recently used (a long-lived process, `serve`,
+traces many recipes)."""
+
+
+@dataclass(slots=True)
+class _Graph:
+    """A kind of block's compiled forward (its backward inside), and the tracer of the step that runs it now."""
+
+    tracer: StepTracer
+    run: Callable[..., Any] | None = None
+
+
+_graphs: collections.OrderedDict[tuple[Any, ...], _Graph] = collections.OrderedDict()
+
+
+def compile_blocks(model: torch.nn.Module, tracer: StepTracer, context: tuple[Any, ...]) -> None:
     """Make every repeated block of `model` run compiled, as the module docstring says. The model is the
-    traced copy (`driver.traced_model`): its blocks' `forward` are replaced for good."""
-    graphs: dict[tuple[Any, ...], Callable[..., Any]] = {}
+    traced copy (`driver.traced_model`): its blocks' `forward` are replaced for good. `context` is what else
+    shapes the blocks' code (the model's config, the recipe): a graph serves later traces of the same context."""
     for _, modules in block_lists(model, model.config):
         for block in modules:
-            block.forward = _CompiledBlock(block, tracer, graphs)  # type: ignore[method-assign]
+            block.forward = _CompiledBlock(block, tracer, context)  # type: ignore[method-assign]
 
 
 class _CompiledBlock:
-    """A block's forward through its compiled graphs (shared per kind of block in `graphs`)."""
+    """A block's forward through the compiled graphs of its kind (`_graphs`)."""
 
-    def __init__(self, block: torch.nn.Module, tracer: StepTracer, graphs: dict[tuple[Any, ...], Callable[..., Any]]):
-        self.block, self.tracer, self.graphs = block, tracer, graphs
+    def __init__(self, block: torch.nn.Module, tracer: StepTracer, context: tuple[Any, ...]):
+        self.block, self.tracer, self.context = block, tracer, context
         self.eager = type(block).forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -101,16 +121,23 @@ class _CompiledBlock:
         names = [n for n, _ in self.block.named_parameters()] + [n for n, _ in self.block.named_buffers()]
         state = [t for _, t in self.block.named_parameters()] + [t for _, t in self.block.named_buffers()]
         inputs = [v for v in flat if isinstance(v, torch.Tensor)]
-        key = (type(self.block), spec, tuple(None if isinstance(v, torch.Tensor) else v for v in flat),
+        key = (self.context, type(self.block), spec, tuple(None if isinstance(v, torch.Tensor) else v for v in flat),
                tuple(names), tuple(_meta(t) for t in state + inputs), torch.is_grad_enabled(),
                torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
-        compiled = self.graphs.get(key)
-        if compiled is None:
-            compiled = self.graphs[key] = self._compile(names, flat, spec, state, inputs)
-        return compiled(*state, *inputs)
+        graph = _graphs.get(key)
+        if graph is None:
+            graph = _Graph(self.tracer)
+            graph.run = self._compile(names, flat, spec, state, inputs, graph)
+            _graphs[key] = graph
+            while len(_graphs) > KEPT_GRAPHS:
+                _graphs.popitem(last=False)
+        _graphs.move_to_end(key)
+        graph.tracer = self.tracer
+        assert graph.run is not None
+        return graph.run(*state, *inputs)
 
     def _compile(self, names: list[str], flat: list[Any], spec: pytree.TreeSpec, state: list[torch.Tensor],
-                 inputs: list[torch.Tensor]) -> Callable[..., Any]:
+                 inputs: list[torch.Tensor], graph: _Graph) -> Callable[..., Any]:
         from torch._functorch.aot_autograd import aot_function
         from torch._guards import detect_fake_mode
         from torch._inductor.compile_fx import partition_fn
@@ -118,22 +145,30 @@ class _CompiledBlock:
         from torch._inductor.virtualized import V
 
         positions = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+        plain = [None if isinstance(v, torch.Tensor) else v for v in flat]  # the graph keeps no tensor of this step
         block, eager = self.block, self.eager
 
         def run(*values: torch.Tensor) -> Any:
-            full = list(flat)
+            full = list(plain)
             for i, value in zip(positions, values[len(state):], strict=True):
                 full[i] = value
             args, kwargs = pytree.tree_unflatten(full, spec)
             with torch.nn.utils.stateless._reparametrize_module(block, dict(zip(names, values[:len(state)], strict=True))):
                 return eager(block, *args, **kwargs)
 
-        compiler = functools.partial(_fused_runner, tracer=self.tracer)
+        compiler = functools.partial(_fused_runner, graph=graph)
         compiled = aot_function(run, fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition_fn,
                                 decompositions=select_decomp_table(), num_params_buffers=len(state))
         with _tracer_paused(), self.tracer.paused(), V.set_fake_mode(detect_fake_mode(inputs)):
-            compiled(*state, *inputs)  # traces and partitions; this first run is not recorded
+            # The first run traces and partitions, unrecorded, on stand-ins: AOTAutograd keeps what it first ran on,
+            # which would hold a tensor of this step (the first block's input) to its end.
+            compiled(*(_stand_in(t) for t in (*state, *inputs)))
         return compiled
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A new tensor of `t`'s shape, strides, dtype and requires_grad."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).requires_grad_(t.requires_grad)
 
 
 def _meta(t: torch.Tensor) -> tuple[Any, ...]:
@@ -157,12 +192,13 @@ def _tracer_paused() -> Iterator[None]:
             _push_mode(mode)
 
 
-def _fused_runner(gm: fx.GraphModule, example_inputs: Any, *, tracer: StepTracer) -> Callable[..., Any]:
-    """AOTAutograd's compiler for the forward and the backward graph: run it op by op under the tracer,
-    the values inside fused kernels unrecorded, one op signature per kernel (`fusion_plan`)."""
+def _fused_runner(gm: fx.GraphModule, example_inputs: Any, *, graph: _Graph) -> Callable[..., Any]:
+    """AOTAutograd's compiler for the forward and the backward graph: run it op by op under the tracer of the
+    step that runs it, the values inside fused kernels unrecorded, one op signature per kernel (`fusion_plan`)."""
     plan = fusion_plan(gm.graph)
 
     def call(args: list[Any]) -> Any:
+        tracer = graph.tracer
         if tracer.is_paused:
             return fx.Interpreter(gm).boxed_run(args)
         with tracer.kernels(plan.ops):

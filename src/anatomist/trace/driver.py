@@ -37,7 +37,15 @@ from anatomist.trace.cuda_model import cuda_code_paths, fake_parameters, saved_o
 from anatomist.trace.cutting import traced_config
 from anatomist.trace.experts import build_kwargs, check_traceable
 from anatomist.trace.inputs import cache_field, make_batch, rows_not_packed
-from anatomist.trace.keys import Depth, Part, traced_attention, traced_compile, traced_micro_batches, traced_world
+from anatomist.trace.keys import (
+    Depth,
+    Part,
+    compile_context,
+    traced_attention,
+    traced_compile,
+    traced_micro_batches,
+    traced_world,
+)
 from anatomist.trace.peft import apply_peft, counted_parameters
 from anatomist.trace.records import RankEvents, StepTrace, Trace, curves_of
 from anatomist.trace.stack import block_lists, checkpoint_partially
@@ -333,7 +341,7 @@ def forward_backward(
     if recipe.gradient_checkpointing:
         enable_checkpointing(model, depth, recipe)
     if traced_compile(recipe):
-        compile_blocks(model, tracer)
+        compile_blocks(model, tracer, compile_context(workload, recipe))
     scale: torch.Tensor | None = None
     if recipe.fp16:  # GradScaler: scale and growth tracker on the device
         tracer.phase = Phase.SETUP

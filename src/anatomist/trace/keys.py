@@ -115,6 +115,14 @@ def traced_world(recipe: ResolvedRecipe, num_gpus: int) -> int:
     return num_gpus if recipe.fsdp != "none" else 1
 
 
+def compile_context(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ...]:
+    """What shapes the compiled graphs of a block besides its own class, parameters and inputs (`trace.compiled`):
+    the model's config and the recipe fields that change the passes' trace, FSDP's wrapping. Neither the depth nor
+    the batch size (the inputs' shapes): the traces of one recipe at two depths share the graphs."""
+    return (*workload.trace_key(), tuple(getattr(recipe, f) for f in PART_FIELDS["forward-backward"]),
+            *(getattr(recipe, f) for f in SHARDED_FIELDS))
+
+
 def one_device(recipe: ResolvedRecipe) -> ResolvedRecipe:
     """`recipe` as one device runs its computation: without FSDP, whose trace is one rank's. The op costs
     of the time model are one device's; the sharded step's collectives are `estimate.communication`'s."""

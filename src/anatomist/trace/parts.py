@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from anatomist.trace import cache, pool
-from anatomist.trace.keys import Cut, Depth, Part, part_key, traced_micro_batches
+from anatomist.trace.keys import Cut, Depth, Part, compile_context, part_key, traced_compile, traced_micro_batches
 from anatomist.trace.records import StepTrace
 
 if TYPE_CHECKING:
@@ -98,13 +98,20 @@ def _as_traced(workload: Workload, request: PartRequest) -> PartRequest:
 
 
 def _side_by_side(workload: Workload, wanted: dict[tuple[Any, ...], PartRequest], compute_capability: str) -> None:
-    """Trace `wanted` (by their keys) in forked workers, into the cache."""
-    jobs = sorted(wanted.items(), key=lambda job: -_size_guess(job[1]))  # the longest first: no long job left for the end
-    work = [functools.partial(trace_request, workload, request, compute_capability) for _, request in jobs]
-    for index, trace in pool.run_all(work):
-        if trace is not None:
-            key, request = jobs[index]
-            cache.put(key, _keep_first_micro_batch(workload, request, compute_capability, trace))
+    """Trace `wanted` (by their keys) in forked workers, into the cache. The passes of a compiled recipe at one batch
+    size and several depths are one job: the worker compiles the blocks once for all of them (`trace.compiled`)."""
+    groups: dict[Any, list[tuple[tuple[Any, ...], PartRequest]]] = {}
+    for key, request in wanted.items():
+        recipe, part, _, batch, num_gpus = request
+        shared = part == "forward-backward" and traced_compile(recipe)
+        groups.setdefault((compile_context(workload, recipe), batch, num_gpus) if shared else key, []).append((key, request))
+    # the longest first: no long job left for the end
+    jobs = sorted(groups.values(), key=lambda job: -sum(_size_guess(r) for _, r in job))
+    work = [functools.partial(trace_requests, workload, [r for _, r in job], compute_capability) for job in jobs]
+    for index, traces in pool.run_all(work):
+        if traces is not None:
+            for (key, request), trace in zip(jobs[index], traces, strict=True):
+                cache.put(key, _keep_first_micro_batch(workload, request, compute_capability, trace))
 
 
 _bases: list[tuple[int, int]] = []
@@ -173,13 +180,17 @@ def _derived(workload: Workload, request: PartRequest, compute_capability: str) 
 
 
 def trace_request(workload: Workload, request: PartRequest, compute_capability: str) -> StepTrace:
-    """The trace of `request`, with its ops recorded: what `trace_part` stores, and a worker's job
-    (module level, so that it pickles)."""
+    """The trace of `request`, with its ops recorded: what `trace_part` stores."""
     from anatomist.trace.driver import trace_step  # imports torch: only when something is traced
 
     recipe, part, depth, batch, num_gpus = request
     return trace_step(workload, recipe, depth=depth, batch_size=batch, compute_capability=compute_capability,
                       part=part, record_ops=True, num_gpus=num_gpus)
+
+
+def trace_requests(workload: Workload, requests: list[PartRequest], compute_capability: str) -> list[StepTrace]:
+    """`trace_request` of each of `requests`, in order: a worker's job (module level, so that it pickles)."""
+    return [trace_request(workload, request, compute_capability) for request in requests]
 
 
 def _size_guess(request: PartRequest) -> float:
