@@ -118,6 +118,58 @@ def test_axolotl_preference_trainers_not_modelled_are_refused() -> None:
         read_recipe_file(DATA / "axolotl/qlora-1b-kto.yaml")
 
 
+LIGER = {"plugins": ["axolotl.integrations.liger.LigerPlugin"], "liger_rope": True, "liger_rms_norm": True,
+         "liger_glu_activation": True, "liger_fused_linear_cross_entropy": True}
+"""axolotl's liger example (fft-8b-liger-fsdp.yaml): the kernels TrainingArguments.use_liger_kernel applies."""
+
+
+def _axolotl(tmp_path: Path, base: str, change: dict, drop: tuple[str, ...] = ()) -> Path:
+    raw = {k: v for k, v in {**yaml.safe_load((DATA / "axolotl" / base).read_text()), **change}.items() if k not in drop}
+    path = tmp_path / "axolotl.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_axolotl_liger_plugin_with_the_trainer_s_four_kernels_is_use_liger_kernel(tmp_path: Path) -> None:
+    source = read_recipe_file(DATA / "axolotl/fft-8b-liger-fsdp.yaml")
+    assert source.recipe.use_liger_kernel
+    assert not [key for key in source.not_modelled if key.startswith("liger") or key == "plugins"]
+    # liger_swiglu is liger_glu_activation's old name (args.py check_deprecated_swiglu); token scaling only weights
+    # the loss, and liger_layer_norm has no argument in the apply functions of the models Liger is modelled on
+    renamed = {**LIGER, "liger_swiglu": True, "liger_use_token_scaling": True, "liger_layer_norm": True}
+    path = _axolotl(tmp_path, "lora-1b.yml", renamed, drop=("liger_glu_activation",))
+    assert read_recipe_file(path).recipe.use_liger_kernel
+
+
+def test_axolotl_liger_flags_without_the_plugin_change_nothing_and_are_named(tmp_path: Path) -> None:
+    path = _axolotl(tmp_path, "fft-8b-liger-fsdp.yaml", {}, drop=("plugins",))
+    source = read_recipe_file(path)
+    assert not source.recipe.use_liger_kernel  # axolotl loads LigerArgs only with the plugin: the flags are dropped
+    assert {"liger_rope", "liger_fused_linear_cross_entropy"} <= set(source.not_modelled)
+    other = _axolotl(tmp_path, "lora-1b.yml", {"plugins": ["axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"]})
+    assert "plugins" in read_recipe_file(other).not_modelled
+
+
+@pytest.mark.parametrize("change", [
+    {"liger_fused_linear_cross_entropy": False},  # the logits' kernel alone left out
+    {"liger_fused_linear_cross_entropy": False, "liger_cross_entropy": True},
+])
+def test_axolotl_another_set_of_liger_kernels_is_refused(tmp_path: Path, change: dict) -> None:
+    path = _axolotl(tmp_path, "lora-1b.yml", {**LIGER, **change})
+    with pytest.raises(InputError, match="Liger flags .* are not modelled as a set"):
+        read_recipe_file(path)
+
+
+def test_llamafactory_enable_liger_kernel_is_use_liger_kernel(tmp_path: Path) -> None:
+    # model/model_utils/liger_kernel.py: apply_liger_kernel_to_<model type>() with its defaults in the sft stage
+    text = (DATA / "llamafactory/qwen3_lora_sft.yaml").read_text()
+    path = tmp_path / "lf.yaml"
+    path.write_text(text + "\nenable_liger_kernel: true\n")
+    source = read_recipe_file(path)
+    assert source.recipe.use_liger_kernel and "enable_liger_kernel" not in source.not_modelled
+    assert not read_recipe_file(DATA / "llamafactory/qwen3_lora_sft.yaml").recipe.use_liger_kernel
+
+
 def test_llamafactory_lora_defaults() -> None:
     path = DATA / "llamafactory/qwen3_lora_sft.yaml"
     raw = yaml.safe_load(path.read_text())

@@ -30,8 +30,14 @@ data/framework_fields.json names) and what its loader does with them:
   its adapters disabled is the reference (train.py setup_reference_model: rl_adapter_ref_model, which docs/rlhf.qmd
   offers to load a second model, is no schema key, so validate_config drops it). The other trainers (orpo, kto,
   simpo, grpo, gdpo, ebft) are refused: their reference, pairing or generation are not modelled.
+- plugins with axolotl.integrations.liger.LigerPlugin (integrations/liger/plugin.py) passes each liger_* flag
+  to Liger's apply_liger_kernel_to_<model type>; liger_rope, liger_rms_norm, liger_glu_activation (or its old
+  name liger_swiglu) and liger_fused_linear_cross_entropy all true is what TrainingArguments.use_liger_kernel
+  applies, read as it; another set is refused. liger_layer_norm and liger_rms_norm_gated change nothing on the
+  models anatomist runs Liger on (their apply functions take no such argument), liger_use_token_scaling only
+  weights the loss. Without the plugin axolotl drops the flags.
 axolotl's pydantic models ignore a key they do not declare; here a key close to a declared one is
-refused as a typo, any other is named as not modelled, as sample_packing and the Liger flags are.
+refused as a typo, any other is named as not modelled, as sample_packing is.
 """
 
 from __future__ import annotations
@@ -56,11 +62,18 @@ PARALLEL = {"tensor_parallel_size": "tensor_parallel", "context_parallel_size": 
 OFFLOADING = {"offload": True, "offload_disk": "disk"}
 PREFERENCE = {"dpo": "dpo", "ipo": "dpo"}
 """axolotl's rl -> the trainer that runs it (IPO: DPOTrainer with loss_type ipo, a loss of the same memory)."""
+LIGER_PLUGIN = "axolotl.integrations.liger"
+LIGER_FLAGS = ("liger_rope", "liger_rms_norm", "liger_rms_norm_gated", "liger_layer_norm", "liger_swiglu",
+               "liger_glu_activation", "liger_cross_entropy", "liger_fused_linear_cross_entropy", "liger_use_token_scaling")
+"""LigerArgs (integrations/liger/args.py); liger_swiglu is liger_glu_activation's old name."""
+LIGER_AS_TRAINER = ("liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy")
+"""The Liger flags that, all true and with no other, are TrainingArguments.use_liger_kernel's kernels."""
+LIGER_NO_CHANGE = ("liger_layer_norm", "liger_rms_norm_gated", "liger_use_token_scaling")
 """gradient_checkpointing's deprecated values -> the activation_offloading axolotl runs for them (validation.py)."""
 READ = {"base_model", "sequence_len", "adapter", "bf16", "fp16", "bfloat16", "float16", "attn_implementation",
         "gradient_checkpointing", "gradient_checkpointing_kwargs", "activation_offloading", "lora_target_modules",
         "lora_target_linear", "deepspeed", "fsdp", "fsdp_config", "fsdp_version", "torch_compile", "rl",
-        "precompute_ref_log_probs", *DIRECT, *ATTENTION_FLAGS, *PARALLEL}
+        "precompute_ref_log_probs", "plugins", *DIRECT, *ATTENTION_FLAGS, *PARALLEL, *LIGER_FLAGS}
 
 
 def looks_like_axolotl(data: dict[str, Any]) -> bool:
@@ -97,6 +110,29 @@ def read_axolotl(data: dict[str, Any], reading: Reading, file: str) -> None:
     _adapter(data, reading, file)
     _sharding(data, reading, file)
     _preference(data, reading, file)
+    _liger(data, reading, file)
+
+
+def _liger(data: dict[str, Any], reading: Reading, file: str) -> None:
+    """The Liger flags, read where the LigerPlugin is listed; any other plugin is named as not modelled."""
+    plugins = [str(plugin) for plugin in data.get("plugins") or []]
+    others = [plugin for plugin in plugins if not plugin.startswith(LIGER_PLUGIN)]
+    if others:
+        reading.skip("plugins", others, default=[])
+    if len(others) == len(plugins):
+        for key in LIGER_FLAGS:
+            if key in data:
+                reading.skip(key, data[key], default=None)  # axolotl drops them
+        return
+    on = {"liger_glu_activation" if key == "liger_swiglu" else key for key in LIGER_FLAGS if data.get(key)}
+    on -= set(LIGER_NO_CHANGE)
+    if not on:
+        return
+    if on != set(LIGER_AS_TRAINER):
+        raise InputError(f"{file}: the Liger flags {', '.join(sorted(on))} are not modelled as a set; modelled: "
+                         f"{', '.join(LIGER_AS_TRAINER)} all true (what TrainingArguments.use_liger_kernel applies), "
+                         "or none")
+    reading.set("use_liger_kernel", True, file, "plugins")
 
 
 def _preference(data: dict[str, Any], reading: Reading, file: str) -> None:

@@ -14,7 +14,10 @@ which refuses a key none of them has; so does this reader. What LLaMA-Factory do
   (quantization_type) with double_quantization (default true);
 - gradient checkpointing is on unless disable_gradient_checkpointing (model/model_utils/checkpointing.py);
 - flash_attn: auto (the model's default), disabled (eager), sdpa, fa2;
-- cutoff_len (2048) is the tokens per sample; deepspeed names a ds_config, read as the Trainer reads it.
+- cutoff_len (2048) is the tokens per sample; deepspeed names a ds_config, read as the Trainer reads it;
+- enable_liger_kernel (model/model_utils/liger_kernel.py) calls Liger's apply_liger_kernel_to_<model type>() with
+  its defaults in the sft and pt stages (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy): what
+  TrainingArguments.use_liger_kernel applies.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ MARKERS = ("finetuning_type", "stage", "template", "cutoff_len", "lora_target", 
 """Keys only a LLaMA-Factory file has (neither TrainingArguments nor TRL nor axolotl names them)."""
 OWN = {"model_name_or_path", "finetuning_type", "stage", "lora_rank", "lora_alpha", "lora_dropout", "lora_target",
        "cutoff_len", "quantization_bit", "quantization_method", "quantization_type", "double_quantization",
-       "disable_gradient_checkpointing", "use_unsloth_gc", "flash_attn", "pure_bf16"}
+       "disable_gradient_checkpointing", "use_unsloth_gc", "flash_attn", "pure_bf16", "enable_liger_kernel"}
 """The LLaMA-Factory keys read here; its TrainingArguments keys go to the TrainingArguments reader."""
 ATTENTION = {"auto": None, "disabled": "eager", "sdpa": "sdpa", "fa2": "flash_attention_2"}
 """flash_attn (extras/constants.py AttentionFunction) -> Recipe.attn_implementation (None: the model's default)."""
@@ -71,6 +74,8 @@ def read_llamafactory(data: dict[str, Any], reading: Reading, file: str) -> None
     if ATTENTION[attention]:
         reading.set("attn_implementation", ATTENTION[attention], file, "flash_attn")
     _precision(data, method, reading, file)
+    if data.get("enable_liger_kernel"):
+        reading.set("use_liger_kernel", True, file, "enable_liger_kernel")
     if method == "lora":
         _lora(data, reading, file)
     for key, value in data.items():
