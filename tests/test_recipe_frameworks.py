@@ -146,7 +146,7 @@ def test_axolotl_liger_flags_without_the_plugin_change_nothing_and_are_named(tmp
     source = read_recipe_file(path)
     assert not source.recipe.use_liger_kernel  # axolotl loads LigerArgs only with the plugin: the flags are dropped
     assert {"liger_rope", "liger_fused_linear_cross_entropy"} <= set(source.not_modelled)
-    other = _axolotl(tmp_path, "lora-1b.yml", {"plugins": ["axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"]})
+    other = _axolotl(tmp_path, "lora-1b.yml", {"plugins": ["axolotl.integrations.swanlab.SwanLabPlugin"]})
     assert "plugins" in read_recipe_file(other).not_modelled
 
 
@@ -158,6 +158,27 @@ def test_axolotl_another_set_of_liger_kernels_is_refused(tmp_path: Path, change:
     path = _axolotl(tmp_path, "lora-1b.yml", {**LIGER, **change})
     with pytest.raises(InputError, match="Liger flags .* are not modelled as a set"):
         read_recipe_file(path)
+
+
+def test_axolotl_cut_cross_entropy_is_refused_in_one_line(cli) -> None:
+    path = DATA / "axolotl/v4-flash-nvfp4-lora.yaml"  # an axolotl example with CutCrossEntropyPlugin and KernelsPlugin
+    result = cli("estimate", "--recipe", str(path))
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line == (f"anatomist: error: {path}: plugins='axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin' "
+                    "is not modelled yet (Cut Cross-Entropy, whose loss never holds the logits: they would be predicted "
+                    "in full); use the LigerPlugin (its fused linear cross-entropy is modelled) or remove it to "
+                    "estimate without it")
+
+
+@pytest.mark.parametrize(("plugin", "setting"), [
+    ("axolotl.integrations.spectrum.SpectrumPlugin", "Spectrum"),
+    ("axolotl.integrations.kd.KDPlugin", "knowledge distillation"),
+    ("axolotl.integrations.grokfast.GrokfastPlugin", "Grokfast"),
+])
+def test_axolotl_plugins_that_change_memory_are_refused(tmp_path: Path, plugin: str, setting: str) -> None:
+    with pytest.raises(InputError, match=f"plugins='{plugin}' is not modelled yet \\({setting}"):
+        read_recipe_file(_axolotl(tmp_path, "lora-1b.yml", {"plugins": [plugin]}))
 
 
 def test_llamafactory_enable_liger_kernel_is_use_liger_kernel(tmp_path: Path) -> None:

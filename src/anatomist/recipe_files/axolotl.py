@@ -30,7 +30,8 @@ data/framework_fields.json names) and what its loader does with them:
   its adapters disabled is the reference (train.py setup_reference_model: rl_adapter_ref_model, which docs/rlhf.qmd
   offers to load a second model, is no schema key, so validate_config drops it). The other trainers (orpo, kto,
   simpo, grpo, gdpo, ebft) are refused: their reference, pairing or generation are not modelled.
-- plugins with axolotl.integrations.liger.LigerPlugin (integrations/liger/plugin.py) passes each liger_* flag
+- plugins: the memory-changing ones (PLUGINS: Cut Cross-Entropy, Spectrum, knowledge distillation, Grokfast, expert
+  parallel) are refused, any other named as not modelled; axolotl.integrations.liger.LigerPlugin (integrations/liger/plugin.py) passes each liger_* flag
   to Liger's apply_liger_kernel_to_<model type>; liger_rope, liger_rms_norm, liger_glu_activation (or its old
   name liger_swiglu) and liger_fused_linear_cross_entropy all true is what TrainingArguments.use_liger_kernel
   applies, read as it; another set is refused. liger_layer_norm and liger_rms_norm_gated change nothing on the
@@ -63,6 +64,10 @@ OFFLOADING = {"offload": True, "offload_disk": "disk"}
 PREFERENCE = {"dpo": "dpo", "ipo": "dpo"}
 """axolotl's rl -> the trainer that runs it (IPO: DPOTrainer with loss_type ipo, a loss of the same memory)."""
 LIGER_PLUGIN = "axolotl.integrations.liger"
+PLUGINS = {"axolotl.integrations.cut_cross_entropy": "cut_cross_entropy", "axolotl.integrations.spectrum": "spectrum",
+           "axolotl.integrations.kd": "knowledge_distillation", "axolotl.integrations.grokfast": "grokfast",
+           "axolotl.integrations.expert_parallel": "expert_parallel"}
+"""axolotl's plugins (integrations/) that change memory in a way not modelled -> the `unmodelled` setting they are."""
 LIGER_FLAGS = ("liger_rope", "liger_rms_norm", "liger_rms_norm_gated", "liger_layer_norm", "liger_swiglu",
                "liger_glu_activation", "liger_cross_entropy", "liger_fused_linear_cross_entropy", "liger_use_token_scaling")
 """LigerArgs (integrations/liger/args.py); liger_swiglu is liger_glu_activation's old name."""
@@ -110,12 +115,18 @@ def read_axolotl(data: dict[str, Any], reading: Reading, file: str) -> None:
     _adapter(data, reading, file)
     _sharding(data, reading, file)
     _preference(data, reading, file)
-    _liger(data, reading, file)
+    _plugins(data, reading, file)
 
 
-def _liger(data: dict[str, Any], reading: Reading, file: str) -> None:
-    """The Liger flags, read where the LigerPlugin is listed; any other plugin is named as not modelled."""
+def _plugins(data: dict[str, Any], reading: Reading, file: str) -> None:
+    """The plugins: those in PLUGINS refused, the Liger flags read where the LigerPlugin is listed, any other named as
+    not modelled."""
     plugins = [str(plugin) for plugin in data.get("plugins") or []]
+    for plugin in plugins:
+        for prefix, setting in PLUGINS.items():
+            if plugin.startswith(prefix + "."):
+                refuse_unmodelled(setting, file, "plugins", plugin, instead=(
+                    "the LigerPlugin (its fused linear cross-entropy is modelled)" if setting == "cut_cross_entropy" else ""))
     others = [plugin for plugin in plugins if not plugin.startswith(LIGER_PLUGIN)]
     if others:
         reading.skip("plugins", others, default=[])
