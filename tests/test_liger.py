@@ -191,9 +191,28 @@ def test_with_torch_compile_it_is_refused_in_one_line_unless_the_blocks_checkpoi
     proc = cli("estimate", llama.name, "--use-liger-kernel", "--torch-compile", "--seq-len", "64", "--json")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "use_liger_kernel with torch_compile is not modelled yet" in proc.stderr.splitlines()[-1]
-    recipe = Recipe(per_device_train_batch_size=2, use_liger_kernel=True, torch_compile=True,
-                    gradient_checkpointing=True).resolved(llama)
-    assert estimate_memory(llama, recipe, GPU).anatomy.peak_allocated > 0
+    proc = cli("estimate", llama.name, "--use-liger-kernel", "--torch-compile", "--gradient-checkpointing",
+               "--seq-len", "64", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["memory"]["peak_allocated"] > 0 and result["time"]["step_s"] > 0
+
+
+def test_a_plan_holding_liger_and_checkpointing_searches_compile_too(cli, llama, tmp_path):
+    """The plan's compiled candidates of a held Liger recipe are checkpointed, so modelled; their model FLOPs are
+    read from the eager step without checkpointing (a compiled one would not be modelled: it stopped the plan)."""
+    held = tmp_path / "args.json"
+    held.write_text(json.dumps({"use_liger_kernel": True, "gradient_checkpointing": True,
+                                "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1}))
+    plans = []
+    for compile_flags in ([], ["--no-compile"]):
+        proc = cli("plan", llama.name, "--recipe", str(held), "--gpu", "A100-80GB", "--seq-len", "64", "--optims",
+                   "adamw_torch_fused", *compile_flags, "--json")
+        assert proc.returncode == 0, proc.stderr
+        plans.append(json.loads(proc.stdout))
+    searched, eager = plans
+    assert searched["candidates"] == 2 * eager["candidates"]  # compile on and off
+    assert searched["best"]["recipe"]["use_liger_kernel"] and searched["best"]["recipe"]["gradient_checkpointing"]
 
 
 def test_the_emitted_configs_set_it(llama):

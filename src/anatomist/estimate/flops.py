@@ -195,6 +195,14 @@ def _extrapolate(plan: TracePlan, counts: dict[Depth, Counter[Signature]]) -> li
     return records
 
 
+def recomputing_nothing(recipe: ResolvedRecipe) -> ResolvedRecipe:
+    """`recipe` without checkpointing, whose FLOPs are the model's (`step_flops`). Compiled Liger is modelled only
+    with checkpointed blocks, which are traced eager (`Recipe`), so its step is eager here: compiling changes no
+    matrix product."""
+    return dataclasses.replace(recipe, gradient_checkpointing=False, checkpoint_every=1, checkpoint_offload=False,
+                               torch_compile=recipe.torch_compile and not recipe.use_liger_kernel)
+
+
 def step_flops(workload: Workload, recipe: ResolvedRecipe, compute_capability: str = DEFAULT_COMPUTE_CAPABILITY, *,
                ops: StepOps | None = None) -> StepFlops:
     """FLOPs of one optimizer step, accumulation x (forward + backward) + optimizer, two ways:
@@ -217,5 +225,4 @@ def step_flops(workload: Workload, recipe: ResolvedRecipe, compute_capability: s
     hardware = (ops or step_ops(workload, recipe, compute_capability)).flops_per_step(accumulation)
     if not recipe.gradient_checkpointing:
         return StepFlops(model=hardware, hardware=hardware)
-    plain = dataclasses.replace(recipe, gradient_checkpointing=False, checkpoint_every=1, checkpoint_offload=False)
-    return StepFlops(model=step_ops(workload, plain, compute_capability).flops_per_step(accumulation), hardware=hardware)
+    return StepFlops(model=step_ops(workload, recomputing_nothing(recipe), compute_capability).flops_per_step(accumulation), hardware=hardware)

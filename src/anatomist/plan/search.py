@@ -24,6 +24,7 @@ from anatomist.estimate.communication import (
     describe_network,
     predict_time,
 )
+from anatomist.estimate.flops import recomputing_nothing
 from anatomist.estimate.memory import memory_limit_bytes
 from anatomist.estimate.traces import prefetch
 from anatomist.hardware import GPU
@@ -101,6 +102,7 @@ def checkpointing_variants(recipes: list[ResolvedRecipe], best: Candidate | None
 
     every_layer = [r for r in recipes if r.checkpointing == "on"]
     open_plain = [r for r in every_layer if objective == "throughput"
+                  and not (r.torch_compile and r.use_liger_kernel)  # compiled Liger is modelled only checkpointed
                   and (plain := r.replace(gradient_checkpointing=False)) in searched
                   and beats_best(plain) and not evaluate(plain).fits]
     _trace_ahead(evaluate, open_plain)
@@ -263,6 +265,5 @@ def _time_traced(recipes: list[ResolvedRecipe]) -> list[ResolvedRecipe]:
     """The recipes whose traces the time of `recipes` reads: one device's step (`keys.one_device`) and, where it
     checkpoints, the same step without (its model FLOPs: `flops.step_flops`)."""
     one = [one_device(r) for r in recipes]
-    plain = [dataclasses.replace(r, gradient_checkpointing=False, checkpoint_every=1, checkpoint_offload=False)
-             for r in one if r.gradient_checkpointing]
+    plain = [recomputing_nothing(r) for r in one if r.gradient_checkpointing]
     return list(dict.fromkeys(one + plain))
