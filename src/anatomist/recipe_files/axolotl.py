@@ -31,8 +31,8 @@ data/framework_fields.json names) and what its loader does with them:
   offers to load a second model, is no schema key, so validate_config drops it). The other trainers (orpo, kto,
   simpo, grpo, gdpo, ebft) are refused: their reference, pairing or generation are not modelled.
 - plugins: the memory-changing ones (PLUGINS: Cut Cross-Entropy, Spectrum, knowledge distillation, Grokfast, expert
-  parallel) are refused, any other named as not modelled; axolotl.integrations.liger.LigerPlugin (integrations/liger/plugin.py) passes each liger_* flag
-  to Liger's apply_liger_kernel_to_<model type>; liger_rope, liger_rms_norm, liger_glu_activation (or its old
+  parallel) are refused, any other named as not modelled; axolotl.integrations.liger.LigerPlugin
+  (integrations/liger/plugin.py) passes each liger_* flag to Liger's apply_liger_kernel_to_<model type>; liger_rope, liger_rms_norm, liger_glu_activation (or its old
   name liger_swiglu) and liger_fused_linear_cross_entropy all true is what TrainingArguments.use_liger_kernel
   applies, read as it; another set is refused. liger_layer_norm and liger_rms_norm_gated change nothing on the
   models anatomist runs Liger on (their apply functions take no such argument), liger_use_token_scaling only
@@ -61,6 +61,7 @@ ATTENTION_FLAGS = {"flash_attention": "flash_attention_2", "sdp_attention": "sdp
 PARALLEL = {"tensor_parallel_size": "tensor_parallel", "context_parallel_size": "context_parallel",
             "sequence_parallel_degree": "context_parallel", "dp_replicate_size": "hybrid_shard"}
 OFFLOADING = {"offload": True, "offload_disk": "disk"}
+"""gradient_checkpointing's deprecated values -> the activation_offloading axolotl runs for them (validation.py)."""
 PREFERENCE = {"dpo": "dpo", "ipo": "dpo"}
 """axolotl's rl -> the trainer that runs it (IPO: DPOTrainer with loss_type ipo, a loss of the same memory)."""
 LIGER_PLUGIN = "axolotl.integrations.liger"
@@ -74,7 +75,7 @@ LIGER_FLAGS = ("liger_rope", "liger_rms_norm", "liger_rms_norm_gated", "liger_la
 LIGER_AS_TRAINER = ("liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy")
 """The Liger flags that, all true and with no other, are TrainingArguments.use_liger_kernel's kernels."""
 LIGER_NO_CHANGE = ("liger_layer_norm", "liger_rms_norm_gated", "liger_use_token_scaling")
-"""gradient_checkpointing's deprecated values -> the activation_offloading axolotl runs for them (validation.py)."""
+"""Liger flags that change nothing anatomist models (module docstring)."""
 READ = {"base_model", "sequence_len", "adapter", "bf16", "fp16", "bfloat16", "float16", "attn_implementation",
         "gradient_checkpointing", "gradient_checkpointing_kwargs", "activation_offloading", "lora_target_modules",
         "lora_target_linear", "deepspeed", "fsdp", "fsdp_config", "fsdp_version", "torch_compile", "rl",
