@@ -216,70 +216,16 @@ def measure(config: str, seq_len: int, batch: int, case: dict[str, Any]) -> dict
     return {"peak": _snapshot(peak), "peak_moment": tracker.peak_moment, "moments": tracker.moments}
 
 
-def _collectives_release_their_tensors() -> None:
-    """Make each gloo collective FSDP calls return only once gloo has let go of every tensor it used.
-
-    Gloo's worker thread keeps references to a collective's tensors until it drops the finished work,
-    which can be after the call has returned (seen: a storage's use count still raised after
-    `all_gather_single` returned, in about half the calls). Its reduce-scatter also works on a copy of
-    the input of its own, which FSDPMemTracker first sees when gloo splits it (`aten.split`) and which
-    dies in gloo's thread with the work. So the moment such a buffer died, and with it FSDPMemTracker's
-    peak, moved with the machine's load (-3.2% against -0.9% in about one run in ten under load; on
-    2026-11-24 the late one was that copy, a block's size, alive when the next block's all-gather output
-    was allocated). Waiting for the use counts of FSDP's tensors to fall back, and for the storages
-    FSDPMemTracker first saw during the call to die, makes each buffer live as long as FSDP holds it
-    and gloo's copy no longer than the call, as with the fake process group, whose collectives hold
-    nothing. The call itself is FSDP's, on FSDP's tensors, so FSDPMemTracker still sees and names the
-    all-gather and reduce-scatter buffers.
-    """
-    import time
-
-    import torch
-    import torch.distributed as dist
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    def held(tensors):
-        return [torch._C._storage_Use_Count(t.untyped_storage()._cdata) for t in tensors]
-
-    def tracked():
-        """FSDPMemTracker's record of the storages it tracks, where one is tracking: storage -> (info, weak ref)."""
-        return next((mode._WINFO for mode in _get_current_dispatch_mode_stack() if hasattr(mode, "_WINFO")), None)
-
-    def wait_until(done, what):
-        deadline = time.monotonic() + 60
-        while not done():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"gloo kept {what} for a minute")
-            time.sleep(0)
-
-    def released(collective):
-        def call(*args, **kwargs):
-            if kwargs.get("async_op"):  # only with fully_shard(...).unshard_async_op, which accelerate leaves off
-                raise RuntimeError("fsdp_truth.py expects FSDP's collectives to be synchronous")
-            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-            before = held(tensors)
-            storages = tracked()
-            known = [info for info, _ in storages.values()] if storages is not None else []  # kept: no id reused
-            collective(*args, **kwargs)
-            wait_until(lambda: held(tensors) == before, "a collective's tensors")
-            if storages is not None:
-                seen = {id(info) for info in known}
-                copies = [ref for info, ref in list(storages.values()) if id(info) not in seen]
-                wait_until(lambda: all(ref() is None for ref in copies), "a buffer of its own")
-        return call
-
-    dist.all_gather_single = released(dist.all_gather_single)
-    dist.reduce_scatter_single = released(dist.reduce_scatter_single)
-
-
 def _rank(rank: int, world: int, address: str, args: argparse.Namespace, out: str) -> None:
     import torch.distributed as dist
 
+    from anatomist.bench.trackers import collectives_hold_nothing
+
     _round_as_cuda()
-    _collectives_release_their_tensors()
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
     try:
-        results = {c["name"]: measure(args.config, args.seq_len, args.batch, c) for c in json.loads(args.cases)}
+        with collectives_hold_nothing():
+            results = {c["name"]: measure(args.config, args.seq_len, args.batch, c) for c in json.loads(args.cases)}
     finally:
         dist.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))

@@ -160,7 +160,7 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    from anatomist.bench.trackers import GroupedFSDPMemTracker, as_on_cuda
+    from anatomist.bench.trackers import GroupedFSDPMemTracker, as_on_cuda, collectives_hold_nothing
 
     times: list[float] = []
     model.train()
@@ -174,7 +174,7 @@ def main() -> None:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         tracker = GroupedFSDPMemTracker(model, optimizer)
-        with tracker:
+        with tracker, contextlib.nullcontext() if on_cuda else collectives_hold_nothing():
             step()
     snapshot = tracker.get_tracker_snapshot("peak")
     raw = {str(k).rsplit(".", 1)[-1]: int(v) for k, v in snapshot.get(device, {}).items()}

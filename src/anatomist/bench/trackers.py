@@ -1,6 +1,7 @@
 """PyTorch's memory trackers as `bench --suite distributed` and the FSDP accuracy tests (tests/fsdp_truth.py)
-measure a rank with: FSDPMemTracker measuring the step FSDP runs without it (`GroupedFSDPMemTracker`), and, off
-CUDA, the step run and counted as on CUDA (`as_on_cuda`).
+measure a rank with: FSDPMemTracker measuring the step FSDP runs without it (`GroupedFSDPMemTracker`), off
+CUDA the step run and counted as on CUDA (`as_on_cuda`), and over gloo each buffer living as long as FSDP holds it
+(`collectives_hold_nothing`).
 
 accelerate shards the final norm and the output head as one unit (`fully_shard([norm, lm_head])`), whose
 forward hooks FSDP registers as a group: its pre-forward work once, its post-forward (reshard, the
@@ -17,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -86,3 +88,62 @@ def as_on_cuda(half: bool) -> Iterator[None]:
             stack.enter_context(cuda_autocast_policy())
         stack.enter_context(cuda_block_sizes())
         yield
+
+
+@contextlib.contextmanager
+def collectives_hold_nothing() -> Iterator[None]:
+    """Within it, each gloo collective FSDP calls returns only once gloo has let go of every tensor it used.
+
+    Gloo's worker thread keeps references to a collective's tensors until it drops the finished work,
+    which can be after the call has returned (seen: a storage's use count still raised after
+    `all_gather_single` returned, in about half the calls). Its reduce-scatter also works on a copy of
+    the input of its own, which FSDPMemTracker first sees when gloo splits it (`aten.split`) and which
+    dies in gloo's thread with the work. So the moment such a buffer died, and with it FSDPMemTracker's
+    peak, moved with the machine's load (-3.2% against -0.9% in about one run in ten under load; on
+    2026-11-24 the late one was that copy, a block's size, alive when the next block's all-gather output
+    was allocated). Waiting for the use counts of FSDP's tensors to fall back, and for the storages
+    FSDPMemTracker first saw during the call to die, makes each buffer live as long as FSDP holds it
+    and gloo's copy no longer than the call, as with the fake process group, whose collectives hold
+    nothing. The call itself is FSDP's, on FSDP's tensors, so FSDPMemTracker still sees and names the
+    all-gather and reduce-scatter buffers.
+    """
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    def held(tensors: list[torch.Tensor]) -> list[int]:
+        return [torch._C._storage_Use_Count(t.untyped_storage()._cdata) for t in tensors]
+
+    def tracked() -> Any:
+        """FSDPMemTracker's record of the storages it tracks, where one is tracking: storage -> (info, weak ref)."""
+        return next((mode._WINFO for mode in _get_current_dispatch_mode_stack() if hasattr(mode, "_WINFO")), None)
+
+    def wait_until(done: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not done():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gloo kept {what} for a minute")
+            time.sleep(0)
+
+    def released(collective: Callable[..., Any]) -> Callable[..., None]:
+        def call(*args: Any, **kwargs: Any) -> None:
+            if kwargs.get("async_op"):  # only with fully_shard(...).unshard_async_op, which accelerate leaves off
+                raise RuntimeError("collectives_hold_nothing expects FSDP's collectives to be synchronous")
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            before = held(tensors)
+            storages = tracked()
+            known = [info for info, _ in storages.values()] if storages is not None else []  # kept: no id reused
+            collective(*args, **kwargs)
+            wait_until(lambda: held(tensors) == before, "a collective's tensors")
+            if storages is not None:
+                seen = {id(info) for info in known}
+                copies = [ref for info, ref in list(storages.values()) if id(info) not in seen]
+                wait_until(lambda: all(ref() is None for ref in copies), "a buffer of its own")
+        return call
+
+    all_gather, reduce_scatter = dist.all_gather_single, dist.reduce_scatter_single
+    dist.all_gather_single = released(all_gather)  # FSDP calls them as dist.*
+    dist.reduce_scatter_single = released(reduce_scatter)
+    try:
+        yield
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = all_gather, reduce_scatter
