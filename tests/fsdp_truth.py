@@ -12,11 +12,11 @@ anatomist's wrapping), runs a first step (the optimizer state), then a steady-st
 `torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker` as the Trainer runs it: micro-batches
 under `set_requires_gradient_sync(False)` but the last, forward under autocast, backward, clipping,
 the optimizer step, zero_grad(set_to_none=True). The step takes CUDA's code paths and autocast
-policy (`cuda_code_paths`, `cuda_autocast_policy`: which kernels run, not how memory is counted),
-and FSDPMemTracker rounds each storage to the CUDA allocator's 512 bytes, as it does on CUDA. The
-hooks FSDPMemTracker puts on a unit of several modules (accelerate's `fully_shard([norm, lm_head])`)
-are registered as FSDP's own group (`anatomist.bench.trackers`): on each module alone they change the
-step.
+policy (which kernels run, not how memory is counted), and FSDPMemTracker rounds each storage to the
+CUDA allocator's 512 bytes, as it does on CUDA (`anatomist.bench.trackers.as_on_cuda`). The hooks
+FSDPMemTracker puts on a unit of several modules (accelerate's `fully_shard([norm, lm_head])`) are
+registered as FSDP's own group (`GroupedFSDPMemTracker`): on each module alone they change the step.
+Over gloo, each collective returns once gloo has let go of its tensors (`collectives_hold_nothing`).
 
 Prints one JSON object: case name -> list, per rank, of {"peak": FSDPMemTracker's peak snapshot (bytes
 by its categories, "Total"), "peak_moment": the moment it falls in, "moments": moment -> FSDPMemTracker's
@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import socket
 import sys
@@ -49,14 +48,6 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-
-def _round_as_cuda() -> None:
-    from torch.distributed._tools import mem_tracker
-
-    block = mem_tracker._PYTORCH_MIN_ALLOCATE
-    mem_tracker._WeakRefInfo._calculate_mem_consumed = (  # type: ignore[method-assign]
-        lambda self: math.ceil(self.size * self.element_size / block) * block)
 
 
 def _snapshot(snapshot: dict[Any, int]) -> dict[str, int]:
@@ -154,8 +145,7 @@ def measure(config: str, seq_len: int, batch: int, case: dict[str, Any]) -> dict
     from accelerate import PartialState
     from accelerate.utils import FullyShardedDataParallelPlugin, fsdp2_prepare_model
 
-    from anatomist.trace.autocast import cuda_autocast_policy
-    from anatomist.trace.cuda_model import cuda_code_paths
+    from anatomist.bench.trackers import as_on_cuda
     from anatomist.trace.inputs import make_batch
     from anatomist.workload import load_workload
 
@@ -203,8 +193,7 @@ def measure(config: str, seq_len: int, batch: int, case: dict[str, Any]) -> dict
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    policy = cuda_autocast_policy() if mixed != "no" else contextlib.nullcontext()
-    with cuda_code_paths(), policy:
+    with as_on_cuda(mixed != "no"):
         step(types.SimpleNamespace())
         tracker = _moment_tracker(model, optimizer)
         with tracker:
@@ -221,7 +210,6 @@ def _rank(rank: int, world: int, address: str, args: argparse.Namespace, out: st
 
     from anatomist.bench.trackers import collectives_hold_nothing
 
-    _round_as_cuda()
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
     try:
         with collectives_hold_nothing():
@@ -245,7 +233,6 @@ def main() -> None:
         import torch.distributed as dist
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
-        _round_as_cuda()
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
         print(json.dumps({c["name"]: [measure(args.config, args.seq_len, args.batch, c)] for c in cases}))
         return
