@@ -200,3 +200,31 @@ def test_zero_launch_needs_cuda_here_and_says_why() -> None:
         pytest.skip("a GPU is present: the launch would run")
     with pytest.raises(InputError, match="oneCCL"):
         run_distributed("bert-base-uncased", Recipe(zero_stage=2), 2)
+
+
+def test_collectives_hold_nothing_returns_once_a_buffer_the_collective_made_is_gone(monkeypatch) -> None:
+    """gloo's reduce-scatter works on a copy of its input that its worker thread frees after the call returns;
+    within `collectives_hold_nothing` the call returns only once such a buffer, which FSDPMemTracker saw made
+    during the call, has died (fails with a wrapper that only waits for the collective's own tensors)."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from anatomist.bench.trackers import collectives_hold_nothing
+
+    held: list[torch.Tensor] = []
+
+    def reduce_scatter(output: torch.Tensor, input: torch.Tensor, **_: object) -> None:
+        copy = input.clone()  # seen by the tracker, as gloo's copy is at its aten.split
+        output.copy_(copy[: output.numel()])
+        held.append(copy)
+        threading.Timer(0.2, held.clear).start()  # let go of by another thread, later, as gloo's worker does
+
+    monkeypatch.setattr(dist, "reduce_scatter_single", reduce_scatter)
+    output, input = torch.empty(256), torch.ones(512)
+    with MemTracker(), collectives_hold_nothing():
+        dist.reduce_scatter_single(output, input)
+        assert not held
+    assert dist.reduce_scatter_single is reduce_scatter  # restored

@@ -134,9 +134,11 @@ def collectives_hold_nothing() -> Iterator[None]:
             known = [info for info, _ in storages.values()] if storages is not None else []  # kept: no id reused
             collective(*args, **kwargs)
             wait_until(lambda: held(tensors) == before, "a collective's tensors")
-            if storages is not None:
+            if storages is not None:  # the storages first seen during the call, but the collective's own
                 seen = {id(info) for info in known}
-                copies = [ref for info, ref in list(storages.values()) if id(info) not in seen]
+                own = {t.untyped_storage()._cdata for t in tensors}
+                copies = [ref for storage, (info, ref) in list(storages.items())
+                          if id(info) not in seen and storage._cdata not in own]
                 wait_until(lambda: all(ref() is None for ref in copies), "a buffer of its own")
         return call
 
