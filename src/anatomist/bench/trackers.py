@@ -99,9 +99,9 @@ def collectives_hold_nothing() -> Iterator[None]:
     `all_gather_single` returned, in about half the calls). Its reduce-scatter also works on a copy of
     the input of its own, which FSDPMemTracker first sees when gloo splits it (`aten.split`) and which
     dies in gloo's thread with the work. So the moment such a buffer died, and with it FSDPMemTracker's
-    peak, moved with the machine's load (-3.2% against -0.9% in about one run in ten under load; on
-    2026-11-24 the late one was that copy, a block's size, alive when the next block's all-gather output
-    was allocated). Waiting for the use counts of FSDP's tensors to fall back, and for the storages
+    peak, moved with the machine's load (the accuracy tests' world-2 fp32 peak -3.2% against -0.9%, in 4
+    of about 75 runs, all under load: that copy, a block's size, still alive when the next block's
+    all-gather output was allocated). Waiting for the use counts of FSDP's tensors to fall back, and for the storages
     FSDPMemTracker first saw during the call to die, makes each buffer live as long as FSDP holds it
     and gloo's copy no longer than the call, as with the fake process group, whose collectives hold
     nothing. The call itself is FSDP's, on FSDP's tensors, so FSDPMemTracker still sees and names the
