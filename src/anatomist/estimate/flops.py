@@ -225,4 +225,5 @@ def step_flops(workload: Workload, recipe: ResolvedRecipe, compute_capability: s
     hardware = (ops or step_ops(workload, recipe, compute_capability)).flops_per_step(accumulation)
     if not recipe.gradient_checkpointing:
         return StepFlops(model=hardware, hardware=hardware)
-    return StepFlops(model=step_ops(workload, recomputing_nothing(recipe), compute_capability).flops_per_step(accumulation), hardware=hardware)
+    plain = step_ops(workload, recomputing_nothing(recipe), compute_capability)
+    return StepFlops(model=plain.flops_per_step(accumulation), hardware=hardware)

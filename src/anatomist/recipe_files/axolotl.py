@@ -32,9 +32,10 @@ data/framework_fields.json names) and what its loader does with them:
   simpo, grpo, gdpo, ebft) are refused: their reference, pairing or generation are not modelled.
 - plugins: the memory-changing ones (PLUGINS: Cut Cross-Entropy, Spectrum, knowledge distillation, Grokfast, expert
   parallel) are refused, any other named as not modelled; axolotl.integrations.liger.LigerPlugin
-  (integrations/liger/plugin.py) passes each liger_* flag to Liger's apply_liger_kernel_to_<model type>; liger_rope, liger_rms_norm, liger_glu_activation (or its old
-  name liger_swiglu) and liger_fused_linear_cross_entropy all true is what TrainingArguments.use_liger_kernel
-  applies, read as it; another set is refused. liger_layer_norm and liger_rms_norm_gated change nothing on the
+  (integrations/liger/plugin.py) passes each liger_* flag to Liger's apply_liger_kernel_to_<model type>;
+  liger_rope, liger_rms_norm, liger_glu_activation (or its old name liger_swiglu) and
+  liger_fused_linear_cross_entropy all true is what TrainingArguments.use_liger_kernel applies, read as it;
+  another set is refused. liger_layer_norm and liger_rms_norm_gated change nothing on the
   models anatomist runs Liger on (their apply functions take no such argument), liger_use_token_scaling only
   weights the loss. Without the plugin axolotl drops the flags.
 axolotl's pydantic models ignore a key they do not declare; here a key close to a declared one is
@@ -126,8 +127,8 @@ def _plugins(data: dict[str, Any], reading: Reading, file: str) -> None:
     for plugin in plugins:
         for prefix, setting in PLUGINS.items():
             if plugin.startswith(prefix + "."):
-                refuse_unmodelled(setting, file, "plugins", plugin, instead=(
-                    "the LigerPlugin (its fused linear cross-entropy is modelled)" if setting == "cut_cross_entropy" else ""))
+                liger = "the LigerPlugin (its fused linear cross-entropy is modelled)"
+                refuse_unmodelled(setting, file, "plugins", plugin, instead=liger if setting == "cut_cross_entropy" else "")
     others = [plugin for plugin in plugins if not plugin.startswith(LIGER_PLUGIN)]
     if others:
         reading.skip("plugins", others, default=[])
