@@ -159,3 +159,32 @@ def test_a_cut_steps_its_optimizer_as_the_model_cut_to_as_many_layers(workload, 
         assert own.curves.keys == served.curves.keys
         assert np.array_equal(own.curves.categories, served.curves.categories)
         assert own.ops == served.ops and own.static_bytes == served.static_bytes
+
+
+@pytest.mark.parametrize(("num_gpus", "everies"), [(1, (2, 4)), pytest.param(2, (2, 3, 4), marks=pytest.mark.slow)])
+def test_the_cuts_of_one_layer_in_n_are_traced_once_for_every_n(workload, cache_folder, num_gpus, everies):
+    """The passes of a cut depend on which of its layers checkpoint, not on their numbers in the full model: every
+    cut of a recipe checkpointing one layer in 2, 3 or 4 is served the trace of the cut that checkpoints the same ones
+    of its layers one in two, and that trace is the one the cut itself gives, byte for byte (one device, and one rank
+    of FSDP)."""
+    import pickle
+
+    from anatomist.trace.keys import Cut
+    from anatomist.trace.parts import trace_part, trace_request
+
+    served, patterns, cuts_seen = set(), set(), 0
+    for every in everies:
+        recipe = Recipe.with_presets(per_device_train_batch_size=BATCH, dtype="float32", checkpoint_every=every,
+                                     **({"fsdp": "full_shard"} if num_gpus > 1 else {})).resolved(workload)
+        cuts = [c for c in model_plan(workload, recipe).plan.cuts if isinstance(c, Cut)]
+        assert len(cuts) == 3
+        cuts_seen += len(cuts)
+        for cut in cuts:
+            trace = trace_part(workload, recipe, "forward-backward", depth=cut, batch_size=2, compute_capability="8.0",
+                               num_gpus=num_gpus)
+            own = trace_request(workload, (recipe, "forward-backward", cut, 2, num_gpus), "8.0")
+            assert pickle.dumps(own) == pickle.dumps(trace)
+            served.add(id(trace))
+            patterns.add(tuple(recipe.checkpointed(layer) for layer in cut.stacks[0].kept))
+    # 1 in 2 and 1 in 4 leave the last of 16 layers plain and share their 3 cuts; 1 in 3 checkpoints it: 3 more
+    assert len(served) == len(patterns) == (3 if 3 not in everies else 6) < cuts_seen

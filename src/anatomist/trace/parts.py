@@ -84,17 +84,41 @@ def trace_parts(workload: Workload, requests: Iterable[PartRequest], compute_cap
 
 
 def _as_traced(workload: Workload, request: PartRequest) -> PartRequest:
-    """`request` as it is traced: an optimizer step reads only the parameters, so a cut of layers that are alike but
-    for which of them checkpoint (`Recipe.checkpoint_every`: `stack.CHECKPOINTED` makes them kinds of their own) steps
-    as the model cut to as many layers does, and shares that trace with every recipe that checkpoints otherwise."""
+    """`request` as it is traced. Checkpointing one layer in N (`Recipe.checkpoint_every`: `stack.CHECKPOINTED` makes
+    them kinds of their own) cuts a model whose layers are otherwise alike (one ModuleList) to layers that differ only
+    in which of them checkpoint. So a cut's
+
+    - optimizer step, which reads only the parameters, steps as the model cut to as many layers does, and shares that
+      trace with every recipe that checkpoints otherwise;
+    - passes depend only on which of its layers checkpoint, in order, not on their numbers in the full model or on N:
+      they are traced as the cut of the same length that checkpoints the same ones of its layers under one in two
+      (`_one_in_two`), and recipes that checkpoint one layer in 2, 3 or 4 share those traces."""
     recipe, part, depth, batch, num_gpus = request
-    if part != "optimizer" or not isinstance(depth, Cut) or recipe.checkpoint_every == 1:
+    if not isinstance(depth, Cut) or recipe.checkpoint_every == 1:
         return request
     from anatomist.trace.cuts import model_plan  # from the cache, else the model built on the meta device
 
-    if model_plan(workload, recipe.replace(checkpoint_every=1)).plan.how != "uniform":
+    plain = model_plan(workload, recipe.replace(checkpoint_every=1)).plan
+    if plain.how != "uniform":
         return request
-    return recipe, part, depth.blocks, batch, num_gpus
+    if part == "optimizer":
+        return recipe, part, depth.blocks, batch, num_gpus
+    one_in_two = _one_in_two(recipe, depth) if len(plain.deltas[0].inserted) == 1 else None
+    return (recipe.replace(checkpoint_every=2), part, one_in_two, batch, num_gpus) if one_in_two else request
+
+
+def _one_in_two(recipe: ResolvedRecipe, cut: Cut) -> Cut | None:
+    """The cut of one stack that keeps as many layers as `cut` and, where one layer in two checkpoints, checkpoints the
+    same ones of them as `recipe` checkpoints of `cut`'s: each kept layer the next one after the last of the right
+    parity. None where that runs past the stack's depth."""
+    (stack,) = cut.stacks
+    kept: list[int] = []
+    for layer in stack.kept:
+        after = kept[-1] + 1 if kept else 0
+        kept.append(after if (after % 2 == 0) == recipe.checkpointed(layer) else after + 1)
+    if kept[-1] >= stack.depth:
+        return None
+    return Cut(stacks=(dataclasses.replace(stack, kept=tuple(kept)),))
 
 
 def _side_by_side(workload: Workload, wanted: dict[tuple[Any, ...], PartRequest], compute_capability: str) -> None:
