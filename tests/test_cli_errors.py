@@ -28,6 +28,7 @@ import pytest
         (["estimate", "--dtype", "bfloat16", "--gpu", "T4"], "--dtype bfloat16 needs an Ampere or newer GPU"),
         (["estimate", "--offload", "cpu"], "offload=cpu needs DeepSpeed ZeRO"),
         (["estimate", "--recipe", "/nonexistent.yaml"], "recipe file '/nonexistent.yaml' does not exist"),
+        (["estimate", "--recipe", "/"], "recipe file '/' is a folder, not a file"),
         (["estimate", "--batch-size", "four"], "invalid int value"),
     ],
 )

@@ -262,3 +262,17 @@ def test_unreadable_file_is_one_input_error(tmp_path: Path) -> None:
     path.write_text("- a list\n- not a mapping\n")
     with pytest.raises(InputError, match=r"must hold a mapping of fields, not list"):
         read_recipe_file(path)
+
+
+def test_a_recipe_is_read_from_a_pipe(tmp_path: Path):
+    """`--recipe <(...)` hands the shell's pipe: read as a file is."""
+    import os
+    import threading
+
+    fifo = tmp_path / "recipe"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=fifo.write_text, args=("gradient_checkpointing: true\nbf16: true\n",))
+    writer.start()
+    recipe = read_recipe_file(fifo)
+    writer.join()
+    assert recipe.fields == {"gradient_checkpointing": True, "bf16": True}

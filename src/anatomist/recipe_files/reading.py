@@ -135,9 +135,11 @@ def load_mapping(path: Path, what: str = "recipe file") -> dict[str, Any]:
     Raises:
         InputError: missing, empty, not parsable (with the line and column of the error), or not a mapping.
     """
-    if not path.is_file():
+    if not path.exists():
         raise InputError(f"{what} {str(path)!r} does not exist")
-    try:
+    if path.is_dir():
+        raise InputError(f"{what} {str(path)!r} is a folder, not a file")
+    try:  # not only a regular file: a pipe (`--recipe <(...)`) reads as well
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{what} {str(path)!r} cannot be read: {exc}") from None
