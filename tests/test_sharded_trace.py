@@ -76,6 +76,22 @@ def test_a_trace_is_the_same_first_and_again(tiny_model):
     assert np.array_equal(first.curves.allocated, again.curves.allocated)
 
 
+def test_both_strategies_share_the_optimizer_step(tiny_model):
+    """full_shard and shard_grad_op differ only in whether a unit reshards after its forward: their optimizer steps
+    share one key, and each traced on its own gives the same trace, byte for byte."""
+    import pickle
+
+    workload = load_workload(str(tiny_model("llama", num_hidden_layers=2)), seq_len=32)
+    full = Recipe(fsdp="full_shard", optim="adamw_torch", dtype="float32").resolved(workload)
+    grads_only = full.replace(fsdp="shard_grad_op")
+    assert part_key(workload, full, "optimizer", 2, 1, "8.0", 2) == part_key(workload, grads_only, "optimizer", 2, 1, "8.0", 2)
+    assert part_key(workload, full, "forward-backward", 2, 2, "8.0", 2) != \
+        part_key(workload, grads_only, "forward-backward", 2, 2, "8.0", 2)
+    traced = [trace_step(workload, r, depth=2, batch_size=1, compute_capability="8.0", part="optimizer", num_gpus=2,
+                         record_ops=True) for r in (full, grads_only)]
+    assert pickle.dumps(traced[0]) == pickle.dumps(traced[1])
+
+
 @pytest.mark.slow
 def test_cpu_offload_keeps_the_sharded_state_on_the_host(tiny_model):
     workload = load_workload(str(tiny_model("llama", num_hidden_layers=3)), seq_len=64)

@@ -105,7 +105,8 @@ the field but not in that function's value share the trace."""
 
 
 SHARDED_FIELDS = ("fsdp", "offload")
-"""What else shapes the trace of an FSDP recipe (`trace.sharded`): the strategy and CPU offload."""
+"""What else shapes the trace of an FSDP recipe (`trace.sharded`): the strategy and CPU offload. The strategy sets
+only whether a unit reshards after its forward, which an optimizer step never sees: its key (`part_key`) has none."""
 
 
 def traced_world(recipe: ResolvedRecipe, num_gpus: int) -> int:
@@ -137,8 +138,8 @@ def part_key(workload: Workload, recipe: ResolvedRecipe, part: Part, depth: Dept
     if not isinstance(recipe, ResolvedRecipe):  # "auto" would key the same trace twice
         raise TypeError("trace keys take a ResolvedRecipe: recipe.resolved(workload)")
     fields = tuple(TRACED_AS[f](recipe) if f in TRACED_AS else getattr(recipe, f) for f in PART_FIELDS[part])
-    sharded = ((traced_world(recipe, num_gpus), *(getattr(recipe, f) for f in SHARDED_FIELDS))
-               if recipe.fsdp != "none" else ())
+    strategy = (recipe.fsdp,) if part != "optimizer" else ()
+    sharded = (traced_world(recipe, num_gpus), *strategy, recipe.offload) if recipe.fsdp != "none" else ()
     return (
         *workload.trace_key(), part, fields, traced_micro_batches(recipe, part),
         depth, batch_size if part != "optimizer" else 1, cublas_workspace_bytes(compute_capability), sharded,
