@@ -148,6 +148,9 @@ def test_axolotl_liger_flags_without_the_plugin_change_nothing_and_are_named(tmp
     assert {"liger_rope", "liger_fused_linear_cross_entropy"} <= set(source.not_modelled)
     other = _axolotl(tmp_path, "lora-1b.yml", {"plugins": ["axolotl.integrations.swanlab.SwanLabPlugin"]})
     assert "plugins" in read_recipe_file(other).not_modelled
+    # a plugin whose module only begins with liger's name is another plugin: the flags beside it are dropped too
+    alike = _axolotl(tmp_path, "fft-8b-liger-fsdp.yaml", {"plugins": ["axolotl.integrations.liger_x.Plugin"]})
+    assert not read_recipe_file(alike).recipe.use_liger_kernel
 
 
 @pytest.mark.parametrize("change", [

@@ -129,7 +129,7 @@ def _plugins(data: dict[str, Any], reading: Reading, file: str) -> None:
             if plugin.startswith(prefix + "."):
                 liger = "the LigerPlugin (its fused linear cross-entropy is modelled)"
                 refuse_unmodelled(setting, file, "plugins", plugin, instead=liger if setting == "cut_cross_entropy" else "")
-    others = [plugin for plugin in plugins if not plugin.startswith(LIGER_PLUGIN)]
+    others = [plugin for plugin in plugins if not plugin.startswith(LIGER_PLUGIN + ".")]
     if others:
         reading.skip("plugins", others, default=[])
     if len(others) == len(plugins):
