@@ -35,7 +35,9 @@ def test_axolotl_qlora_example() -> None:
     assert r.bf16 and r.dtype == "bfloat16" and r.bnb_4bit_compute_dtype == "bfloat16"
     assert r.gradient_checkpointing and r.attn_implementation == "flash_attention_2"
     assert r.optim == "adamw_bnb_8bit"
-    assert "sample_packing" in source.not_modelled and "learning_rate" in source.not_modelled
+    assert "learning_rate" in source.not_modelled
+    # sample_packing under flash_attention_2: whole samples packed into rows of sequence_len, FlashAttention's varlen
+    assert r.packing and r.padding_free and "sample_packing" not in source.not_modelled
 
 
 def test_axolotl_lora_with_a_deepspeed_reference(tmp_path: Path) -> None:
@@ -121,6 +123,17 @@ def test_axolotl_preference_trainers_not_modelled_are_refused() -> None:
 LIGER = {"plugins": ["axolotl.integrations.liger.LigerPlugin"], "liger_rope": True, "liger_rms_norm": True,
          "liger_glu_activation": True, "liger_fused_linear_cross_entropy": True}
 """axolotl's liger example (fft-8b-liger-fsdp.yaml): the kernels TrainingArguments.use_liger_kernel applies."""
+
+
+def test_axolotl_sample_packing_is_packing_under_flash_attention_only(tmp_path: Path) -> None:
+    """Under SDPA axolotl keeps packed samples apart by a 4D mask, not modelled: named, and the rows read unpacked."""
+    sdpa = read_recipe_file(_axolotl(tmp_path, "qlora-1b.yml", {"sdp_attention": True}, drop=("attn_implementation",)))
+    assert sdpa.recipe.attn_implementation == "sdpa" and not sdpa.recipe.packing
+    assert "sample_packing" in sdpa.not_modelled
+    unpacked = read_recipe_file(_axolotl(tmp_path, "qlora-1b.yml", {"sample_packing": False}))
+    assert not unpacked.recipe.packing and "sample_packing" not in unpacked.not_modelled
+    with pytest.raises(InputError, match="axolotl refuses packing for RLHF"):
+        read_recipe_file(_axolotl(tmp_path, "qwen2-dpo.yaml", {"sample_packing": True}))
 
 
 def _axolotl(tmp_path: Path, base: str, change: dict, drop: tuple[str, ...] = ()) -> Path:

@@ -38,8 +38,9 @@ data/framework_fields.json names) and what its loader does with them:
   another set is refused. liger_layer_norm and liger_rms_norm_gated change nothing on the
   models anatomist runs Liger on (their apply functions take no such argument), liger_use_token_scaling only
   weights the loss. Without the plugin axolotl drops the flags.
+- sample_packing with flash_attention_2: packing (`_packing`); with another attention, named as not modelled.
 axolotl's pydantic models ignore a key they do not declare; here a key close to a declared one is
-refused as a typo, any other is named as not modelled, as sample_packing is.
+refused as a typo, any other is named as not modelled.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ LIGER_NO_CHANGE = ("liger_layer_norm", "liger_rms_norm_gated", "liger_use_token_
 READ = {"base_model", "sequence_len", "adapter", "bf16", "fp16", "bfloat16", "float16", "attn_implementation",
         "gradient_checkpointing", "gradient_checkpointing_kwargs", "activation_offloading", "lora_target_modules",
         "lora_target_linear", "deepspeed", "fsdp", "fsdp_config", "fsdp_version", "torch_compile", "rl",
-        "precompute_ref_log_probs", "plugins", *DIRECT, *ATTENTION_FLAGS, *PARALLEL, *LIGER_FLAGS}
+        "precompute_ref_log_probs", "plugins", "sample_packing", *DIRECT, *ATTENTION_FLAGS, *PARALLEL, *LIGER_FLAGS}
 
 
 def looks_like_axolotl(data: dict[str, Any]) -> bool:
@@ -117,6 +118,7 @@ def read_axolotl(data: dict[str, Any], reading: Reading, file: str) -> None:
     _adapter(data, reading, file)
     _sharding(data, reading, file)
     _preference(data, reading, file)
+    _packing(data, reading, file)
     _plugins(data, reading, file)
 
 
@@ -158,6 +160,24 @@ def _preference(data: dict[str, Any], reading: Reading, file: str) -> None:
     reading.set("trainer", PREFERENCE[rl], file, "rl")
     if data.get("precompute_ref_log_probs") is not None:
         reading.set("precompute_ref_log_probs", bool(data["precompute_ref_log_probs"]), file, "precompute_ref_log_probs")
+
+
+def _packing(data: dict[str, Any], reading: Reading, file: str) -> None:
+    """sample_packing under flash_attention_2 is packing as anatomist models TRL's: axolotl's multipack sampler fills
+    each row of a micro-batch with whole samples up to sequence_len (pad_to_sequence_len, on by default, pads the
+    rest), position_ids restart per sample and FlashAttention's varlen kernel keeps the samples apart. Under another
+    attention axolotl keeps them apart by a 4D mask, not modelled: named as such."""
+    if not data.get("sample_packing"):
+        if "sample_packing" in data:
+            reading.skip("sample_packing", data["sample_packing"], default=False)
+        return
+    if data.get("rl"):
+        raise InputError(f"{file}: sample_packing: true with rl={data['rl']!r}: axolotl refuses packing for RLHF training")
+    if reading.get("attn_implementation") != "flash_attention_2":
+        reading.skip("sample_packing", True, default=False)
+        return
+    reading.set("packing", True, file, "sample_packing")
+    reading.set("padding_free", True, file, "sample_packing")
 
 
 def _checkpointing(data: dict[str, Any], reading: Reading, file: str) -> None:
