@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 AttnImplementation = Literal["eager", "sdpa", "flash_attention_2"]
 ExpertsImplementation = Literal["grouped_mm", "batched_mm", "eager"]
 Offload = Literal["none", "cpu", "nvme"]
+CCE_NEEDS_HALF_WEIGHTS = ("cut_cross_entropy needs the weights in bfloat16 or float16 (--dtype bfloat16): Cut "
+                          "Cross-Entropy's backward takes half-precision hidden states and head weights")
 Fsdp = Literal["none", "full_shard", "shard_grad_op"]
 LoadDtype = Literal["auto", "float32", "bfloat16", "float16"]
 Peft = Literal["none", "lora", "qlora"]
@@ -172,6 +174,10 @@ class Recipe:
         "cross-entropy that never holds the logits, RMSNorm, SwiGLU and RoPE; causal LMs Liger supports "
         "(axes/liger.py). Predicted without liger-kernel installed. Under TRL's trainers only the layer kernels "
         "apply (TRL's own fused LM head computes the loss).")
+    cut_cross_entropy: bool = _field(
+        False, "Cut Cross-Entropy (cut_cross_entropy's cce_patch, axolotl's CutCrossEntropyPlugin): the causal LM's "
+        "loss from its last hidden states and head weight, block by block, without the logits; under the Trainer, "
+        "with weights in bfloat16 or float16, on Ampere or newer (trace/cce.py).")
     trainer: Trainer = _field(
         "trainer", "Which trainer runs the step: transformers' Trainer (the model's own head and loss: the logits "
         "exist), TRL's SFTTrainer (sft) or DPOTrainer (dpo), whose fused LM head never holds the logits; dpo runs "
@@ -307,6 +313,14 @@ class Recipe:
         if self.trainer == "dpo" and self.padding_free:
             raise InputError("DPOTrainer (trl 1.16) has no padding-free training: its padding_free falls back to "
                              "padding; leave padding_free and packing off with --trainer dpo")
+        if self.cut_cross_entropy and self.use_liger_kernel:
+            raise InputError("cut_cross_entropy and use_liger_kernel both replace the LM head's loss (Liger's with its "
+                             "fused linear cross-entropy): choose one")
+        if self.cut_cross_entropy and self.dtype == "float32":
+            raise InputError(CCE_NEEDS_HALF_WEIGHTS)
+        if self.cut_cross_entropy and self.trainer != "trainer":
+            raise InputError(f"cut_cross_entropy is modelled under transformers' Trainer, whose loss is the model's "
+                             f"patched forward; TRL's {self.trainer.upper()}Trainer scores with its own fused LM head")
         if self.precompute_ref_log_probs and self.trainer != "dpo":
             raise InputError("precompute_ref_log_probs is DPO's reference model: it needs --trainer dpo")
 
@@ -384,9 +398,14 @@ class Recipe:
         """
         if self.use_liger_kernel:
             check_liger(workload.model_type, workload.task, workload.name)
+        if self.cut_cross_entropy and workload.task != "causal-lm":
+            raise InputError(f"{workload.name}: Cut Cross-Entropy replaces a causal LM's loss; this is a "
+                             f"{workload.task} model")
         if self.trainer != "trainer" and workload.task != "causal-lm":
             raise InputError(f"{workload.name}: TRL's {self.trainer.upper()}Trainer trains causal language models; this "
                              f"is a {workload.task} model (--task causal-lm, or --trainer trainer)")
+        if self.cut_cross_entropy and workload.weights_dtype(self.dtype) == "float32":
+            raise InputError(f"{workload.name} loads in float32 by default: {CCE_NEEDS_HALF_WEIGHTS}")
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         if self.zero_stage:  # DeepSpeed's buffer sizes, "auto" filled as the Trainer fills it
             values |= deepspeed_values(workload.hidden_size(), {n: values[n] for n in DEEPSPEED_SETTINGS})
@@ -424,6 +443,8 @@ class Recipe:
             needed.append("bitsandbytes")
         if self.use_liger_kernel:
             needed.append("liger_kernel")
+        if self.cut_cross_entropy:
+            needed.append("cut_cross_entropy")
         return [name for name in dict.fromkeys(needed) if importlib.util.find_spec(name) is None]
 
     def to_training_arguments_kwargs(self) -> dict[str, Any]:

@@ -70,6 +70,16 @@ def devices_from_args(args: argparse.Namespace, source: RecipeFile | None) -> tu
     return num_gpus, nodes
 
 
+def refuse_cce_before_ampere(cut_cross_entropy: bool, gpu: GPU) -> None:
+    """Cut Cross-Entropy refuses a GPU without bfloat16 (cce_linear_cross_entropy: torch.cuda.is_bf16_supported()).
+
+    Raises:
+        InputError: `cut_cross_entropy` on such a GPU.
+    """
+    if cut_cross_entropy and not gpu.bf16:
+        raise InputError(f"Cut Cross-Entropy needs an Ampere or newer GPU; {gpu.name} is older")
+
+
 def warn(message: str) -> None:
     """One line on stderr that does not stop the command."""
     print(f"anatomist: note: {message}", file=sys.stderr)

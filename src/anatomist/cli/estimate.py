@@ -20,6 +20,7 @@ from anatomist.cli.common import (
     devices_from_args,
     note_missing_packages,
     print_json,
+    refuse_cce_before_ampere,
     tracing_progress,
     warn,
 )
@@ -92,6 +93,7 @@ def estimate_inputs(
         raise InputError(f"tf32 needs an Ampere or newer GPU; {gpu.name} has none")
     if recipe.dtype == "bfloat16" and not gpu.bf16:
         raise InputError(f"--dtype bfloat16 needs an Ampere or newer GPU; {gpu.name} has none (use --dtype float16 or float32)")
+    refuse_cce_before_ampere(recipe.cut_cross_entropy, gpu)
     workload = load_workload(
         model or DEFAULT_MODEL, seq_len=seq_len, task=args.task,
         trust_remote_code=args.trust_remote_code, allow_network=args.allow_network,

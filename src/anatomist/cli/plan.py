@@ -22,6 +22,7 @@ from anatomist.cli.common import (
     calibration_from_args,
     devices_from_args,
     print_json,
+    refuse_cce_before_ampere,
     tracing_progress,
     warn,
 )
@@ -153,6 +154,7 @@ def _search(args: argparse.Namespace, *, one_size: bool = False) -> tuple[Any, A
         raise InputError(f"--{next(iter(lora)).replace('_', '-')} needs --peft lora and/or qlora")
     source = recipe_file_from_args(args)
     fixed = dict(source.fields) if source else {}
+    refuse_cce_before_ampere(bool(fixed.get("cut_cross_entropy")), gpu)
     methods = ("full", *dict.fromkeys(added))
     if source and {"peft", "load_in_4bit", "load_in_8bit"} & set(fixed):
         if added:

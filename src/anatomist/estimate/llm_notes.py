@@ -11,6 +11,8 @@ from anatomist.workload import Workload
 
 MODELLED_TRL = "1.16.0"
 """The trl release whose trainers trace/trainers.py and trace/trl_head.py follow."""
+MODELLED_CCE = "axolotl-ai-cloud/ml-cross-entropy@5f0c7a7"
+"""The Cut Cross-Entropy trace/cce.py follows: the fork axolotl's CutCrossEntropyPlugin installs."""
 
 
 def llm_notes(workload: Workload, recipe: ResolvedRecipe) -> list[str]:
@@ -23,11 +25,16 @@ def llm_notes(workload: Workload, recipe: ResolvedRecipe) -> list[str]:
                      "4,096 tokens x 32,768 vocabulary; the logits never exist")
     if recipe.trainer == "dpo":
         notes.append(_dpo(workload, recipe))
+    if recipe.cut_cross_entropy:
+        notes.append(f"Cut Cross-Entropy ({MODELLED_CCE}, as axolotl installs it): the loss from the last hidden "
+                     "states and the head's weight, block by block; the logits never exist (per token an fp32 "
+                     "log-sum-exp and target logit); its backward recomputes the blocks, counted as if it skipped "
+                     "none below filter_eps (an upper bound of the compute)")
     tokens = workload.tokens
     if recipe.packing:
         per_row = f", each about {workload.seq_len / tokens.mean_tokens:.1f} sequences of the data's mean " \
                   f"{tokens.mean_tokens:,.0f} tokens ({tokens.source})" if tokens else ""
-        notes.append(f"packing: {batch} rows of {workload.seq_len:,} tokens{per_row}, flattened into one row; "
+        notes.append(f"packing: {batch} row{'s' if batch != 1 else ''} of {workload.seq_len:,} tokens{per_row}, flattened into one row; "
                      "flash_attention_2's varlen kernel keeps per token what SDPA's flash kernel does (traced so), "
                      "and its FLOPs are counted over whole rows, not per sequence (an upper bound)")
     elif recipe.padding_free and tokens is not None:

@@ -96,7 +96,9 @@ class BytesPerParamRule:
         if differs(self.weights_bytes, traced.weights):
             if recipe.quantized and traced.weights > self.weights_bytes:
                 why = ("only the blocks' linear layers are quantized; prepare_model_for_kbit_training keeps the "
-                       "embeddings, norms and output head in fp32")
+                       "embeddings, norms and output head in fp32" if not recipe.cut_cross_entropy else
+                       "only the blocks' linear layers are quantized; the embeddings, norms and output head stay in "
+                       f"{recipe.dtype} (axolotl turns them back for Cut Cross-Entropy)")
             elif traced.weights < self.weights_bytes and self.weights_per_param == 6:
                 why = (
                     "autocast keeps half-precision copies only of weights used in matrix products "

@@ -149,6 +149,10 @@ def trainer_snippet(recipe: Recipe, num_gpus: int = 1, *, model: str = "MODEL",
     if lora:
         helpers = ["LoraConfig", "get_peft_model"] + (["prepare_model_for_kbit_training"] if bnb else [])
         lines.append(f"from peft import {', '.join(helpers)}")
+    if recipe.cut_cross_entropy:
+        lines.append("from cut_cross_entropy.transformers import cce_patch")
+        if bnb:
+            lines.insert(0, "import torch")
     lines += [f"from transformers import {', '.join(imports)}", ""]
     load = f'dtype="{recipe.dtype}", attn_implementation="{recipe.attn_implementation}"'
     if recipe.experts_implementation != "grouped_mm":  # transformers' default, and no argument for a dense model
@@ -157,8 +161,14 @@ def trainer_snippet(recipe: Recipe, num_gpus: int = 1, *, model: str = "MODEL",
         lines.append(f"quantization_config = BitsAndBytesConfig({_call_args(bnb)})")
         load += ", quantization_config=quantization_config"
     lines.append(f"model = {auto}.from_pretrained({model!r}, {load})")
+    if recipe.cut_cross_entropy:
+        lines.append("model = cce_patch(model)  # Cut Cross-Entropy: the loss without the logits")
     if bnb:
         lines.append(f"model = prepare_model_for_kbit_training(model, use_gradient_checkpointing={recipe.gradient_checkpointing})")
+    if bnb and recipe.cut_cross_entropy:  # CCE's backward takes a half-precision head: as axolotl's loader turns it
+        lines += ["for name, module in model.named_modules():",
+                  '    if "norm" in name or (any(m in name for m in ("embed_tokens", "lm_head")) and hasattr(module, "weight")):',
+                  f"        module.to(torch.{recipe.dtype})"]
     if lora:
         lines.append(f"model = get_peft_model(model, LoraConfig({_call_args(lora)}))")
     args = ",\n".join(f"    {k}={v!r}" for k, v in kwargs.items())
@@ -187,6 +197,9 @@ def launch_warnings(recipe: Recipe, target: str) -> list[str]:
         warnings.append("activation_offloading is TRL's (SFTConfig / DPOConfig), no TrainingArguments field: "
                         "--emit trl writes it, or run each training step under "
                         "trl.models.get_act_offloading_ctx_manager(model) as TRL's trainers do")
+    if recipe.cut_cross_entropy and target != "trainer":
+        warnings.append("cut_cross_entropy patches the model (cut_cross_entropy.transformers.cce_patch), no config "
+                        "field: --emit trainer writes it, or call cce_patch(model) before training")
     version = installed("accelerate")
     if recipe.fsdp == "none" or target not in ("accelerate", "trainer", "trl") or release(version) >= FSDP2_ACCELERATE:
         return warnings

@@ -30,8 +30,9 @@ data/framework_fields.json names) and what its loader does with them:
   its adapters disabled is the reference (train.py setup_reference_model: rl_adapter_ref_model, which docs/rlhf.qmd
   offers to load a second model, is no schema key, so validate_config drops it). The other trainers (orpo, kto,
   simpo, grpo, gdpo, ebft) are refused: their reference, pairing or generation are not modelled.
-- plugins: the memory-changing ones (PLUGINS: Cut Cross-Entropy, Spectrum, knowledge distillation, Grokfast, expert
-  parallel) are refused, any other named as not modelled; axolotl.integrations.liger.LigerPlugin
+- plugins: the CutCrossEntropyPlugin is cut_cross_entropy (`_cut_cross_entropy`); the other memory-changing ones
+  (PLUGINS: Spectrum, knowledge distillation, Grokfast, expert parallel) are refused, any other named as not
+  modelled; axolotl.integrations.liger.LigerPlugin
   (integrations/liger/plugin.py) passes each liger_* flag to Liger's apply_liger_kernel_to_<model type>;
   liger_rope, liger_rms_norm, liger_glu_activation (or its old name liger_swiglu) and
   liger_fused_linear_cross_entropy all true is what TrainingArguments.use_liger_kernel applies, read as it;
@@ -67,7 +68,8 @@ OFFLOADING = {"offload": True, "offload_disk": "disk"}
 PREFERENCE = {"dpo": "dpo", "ipo": "dpo"}
 """axolotl's rl -> the trainer that runs it (IPO: DPOTrainer with loss_type ipo, a loss of the same memory)."""
 LIGER_PLUGIN = "axolotl.integrations.liger"
-PLUGINS = {"axolotl.integrations.cut_cross_entropy": "cut_cross_entropy", "axolotl.integrations.spectrum": "spectrum",
+CCE_PLUGIN = "axolotl.integrations.cut_cross_entropy"
+PLUGINS = {"axolotl.integrations.spectrum": "spectrum",
            "axolotl.integrations.kd": "knowledge_distillation", "axolotl.integrations.grokfast": "grokfast",
            "axolotl.integrations.expert_parallel": "expert_parallel"}
 """axolotl's plugins (integrations/) that change memory in a way not modelled -> the `unmodelled` setting they are."""
@@ -81,7 +83,7 @@ LIGER_NO_CHANGE = ("liger_layer_norm", "liger_rms_norm_gated", "liger_use_token_
 READ = {"base_model", "sequence_len", "adapter", "bf16", "fp16", "bfloat16", "float16", "attn_implementation",
         "gradient_checkpointing", "gradient_checkpointing_kwargs", "activation_offloading", "lora_target_modules",
         "lora_target_linear", "deepspeed", "fsdp", "fsdp_config", "fsdp_version", "torch_compile", "rl",
-        "precompute_ref_log_probs", "plugins", "sample_packing", *DIRECT, *ATTENTION_FLAGS, *PARALLEL, *LIGER_FLAGS}
+        "precompute_ref_log_probs", "plugins", "sample_packing", "cut_cross_entropy", *DIRECT, *ATTENTION_FLAGS, *PARALLEL, *LIGER_FLAGS}
 
 
 def looks_like_axolotl(data: dict[str, Any]) -> bool:
@@ -129,9 +131,10 @@ def _plugins(data: dict[str, Any], reading: Reading, file: str) -> None:
     for plugin in plugins:
         for prefix, setting in PLUGINS.items():
             if plugin.startswith(prefix + "."):
-                liger = "the LigerPlugin (its fused linear cross-entropy is modelled)"
-                refuse_unmodelled(setting, file, "plugins", plugin, instead=liger if setting == "cut_cross_entropy" else "")
-    others = [plugin for plugin in plugins if not plugin.startswith(LIGER_PLUGIN + ".")]
+                refuse_unmodelled(setting, file, "plugins", plugin)
+    if any(plugin.startswith(CCE_PLUGIN + ".") for plugin in plugins):
+        _cut_cross_entropy(data, reading, file)
+    others = [plugin for plugin in plugins if not plugin.startswith((LIGER_PLUGIN + ".", CCE_PLUGIN + "."))]
     if others:
         reading.skip("plugins", others, default=[])
     if len(others) == len(plugins):
@@ -178,6 +181,19 @@ def _packing(data: dict[str, Any], reading: Reading, file: str) -> None:
         return
     reading.set("packing", True, file, "sample_packing")
     reading.set("padding_free", True, file, "sample_packing")
+
+
+def _cut_cross_entropy(data: dict[str, Any], reading: Reading, file: str) -> None:
+    """The CutCrossEntropyPlugin (integrations/cut_cross_entropy): its cut_cross_entropy defaults to true, and
+    axolotl refuses it without fp16/bf16 training or beside chunked_cross_entropy (args.py)."""
+    if data.get("cut_cross_entropy", True) is False:
+        return
+    if not (data.get("bf16") or data.get("fp16")):
+        raise InputError(f"{file}: the CutCrossEntropyPlugin needs bf16 or fp16 training (axolotl refuses it without: "
+                         "Cut Cross-Entropy's backward takes half-precision tensors)")
+    if data.get("chunked_cross_entropy"):
+        raise InputError(f"{file}: the CutCrossEntropyPlugin with chunked_cross_entropy: axolotl refuses the two together")
+    reading.set("cut_cross_entropy", True, file, "plugins")
 
 
 def _checkpointing(data: dict[str, Any], reading: Reading, file: str) -> None:

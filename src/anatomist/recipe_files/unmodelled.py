@@ -26,7 +26,6 @@ UNMODELLED: dict[str, str] = {
     "activation_offload": "activation offload to the CPU: it would be predicted with activations on the GPU",
     "selective_checkpointing": "selective activation checkpointing (the attention outputs kept): it would be "
                                "predicted as full recomputation",
-    "cut_cross_entropy": "Cut Cross-Entropy, whose loss never holds the logits: they would be predicted in full",
     "spectrum": "Spectrum, which freezes the layers of lowest signal-to-noise ratio: they would be predicted as trained",
     "knowledge_distillation": "knowledge distillation against a teacher's logits: it would be predicted without them",
     "grokfast": "Grokfast's moving average of every gradient: it would be predicted without it",

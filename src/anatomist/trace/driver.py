@@ -169,11 +169,17 @@ def traced_reference(workload: Workload, recipe: ResolvedRecipe, depth: Depth, f
 
 def _kernels(model: torch.nn.Module, workload: Workload, recipe: ResolvedRecipe, part: Part, compute_capability: str,
              fake: bool) -> Any:
-    """The training kernels the recipe swaps in (Liger's, issue 23), as stand-ins; nothing otherwise."""
-    if not recipe.use_liger_kernel or part == "inference":
+    """The training kernels the recipe swaps in (Liger's, Cut Cross-Entropy's: issue 23), as stand-ins; nothing
+    otherwise."""
+    if not (recipe.use_liger_kernel or recipe.cut_cross_entropy) or part == "inference":
         return contextlib.nullcontext()
     if not fake:
-        raise InputError("Liger Kernel's Triton kernels need a GPU: a real CPU step cannot run them")
+        what = "Liger Kernel's" if recipe.use_liger_kernel else "Cut Cross-Entropy's"
+        raise InputError(f"{what} Triton kernels need a GPU: a real CPU step cannot run them")
+    if recipe.cut_cross_entropy:
+        from anatomist.trace.cce import cut_cross_entropy
+
+        return cut_cross_entropy(model)
     from anatomist.trace.liger import liger_kernels
 
     return liger_kernels(model, workload.model_type, compute_capability, fused_loss=recipe.trainer == "trainer")

@@ -60,10 +60,10 @@ names, or the whole model (None)."""
 PEFT_FIELDS = ("peft", "lora_r", "lora_dropout", "lora_target_modules", "load_in_4bit", "load_in_8bit",
                "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype")
 """What changes the model a trace builds under PEFT (which layers, which adapters, what is trainable)."""
-LLM_FIELDS = ("use_liger_kernel", "trainer", "precompute_ref_log_probs")
-"""What changes the passes of a causal-LM fine-tune as TRL and the Trainer run it (issue 23): Liger's kernels, the
-trainer's loss (TRL's fused LM head, DPO's pairs and reference model). Padding-free training changes the traced
-sequence length (`Workload.for_recipe`), packing nothing traced."""
+LLM_FIELDS = ("use_liger_kernel", "cut_cross_entropy", "trainer", "precompute_ref_log_probs")
+"""What changes the passes of a causal-LM fine-tune as TRL and the Trainer run it (issue 23): Liger's kernels, Cut
+Cross-Entropy, the trainer's loss (TRL's fused LM head, DPO's pairs and reference model). Padding-free training
+changes the traced sequence length (`Workload.for_recipe`), packing nothing traced."""
 PART_FIELDS: dict[str, tuple[str, ...]] = {
     "forward-backward": ("dtype", "gradient_checkpointing", "checkpoint_every", "checkpoint_offload", "activation_offloading",
                          "fp16", "bf16", "attn_implementation",
@@ -167,7 +167,7 @@ TRACE_SOURCES: tuple[str, ...] = (
     "op_classes.py", "recipe.py", "token_stats.py", "trainer_defaults.py", "user_cache.py", "workload.py",
     "axes/__init__.py", "axes/liger.py", "axes/optimizers.py", "axes/precisions.py", "axes/quantization.py",
     "axes/shardings.py",
-    "trace/__init__.py", "trace/allocator.py", "trace/autocast.py", "trace/cache.py", "trace/compiled.py",
+    "trace/__init__.py", "trace/allocator.py", "trace/autocast.py", "trace/cache.py", "trace/cce.py", "trace/compiled.py",
     "trace/cuda_model.py",
     "trace/cuts.py", "trace/cutting.py", "trace/driver.py", "trace/experts.py", "trace/inputs.py", "trace/keys.py",
     "trace/kernel_ops.py", "trace/liger.py", "trace/offload.py", "trace/trainers.py", "trace/trl_head.py",

@@ -11,7 +11,8 @@ On the meta model, before its tensors become fake:
    dequantizes the weight to a full-size temporary for the product, and so does each
    backward (bitsandbytes' MatMul4Bit saves only the codes): charged as the temporaries they are.
 2. `peft.prepare_model_for_kbit_training` (quantized bases, as QLoRA users call it): the
-   non-quantized parameters to fp32, input gradients, gradient checkpointing.
+   non-quantized parameters to fp32, input gradients, gradient checkpointing; under Cut Cross-Entropy the norms,
+   embeddings and head then back in the weights' dtype, as axolotl's loader turns them (`_half_head_for_cce`).
 3. `peft.get_peft_model` with a real `LoraConfig`: which modules are targeted, the adapters'
    shapes and dtypes and which parameters are trainable are PEFT's own.
 
@@ -120,6 +121,8 @@ def apply_peft(model: torch.nn.Module, recipe: ResolvedRecipe, task: str) -> tor
     if recipe.quantized:
         _quantize(model, recipe)
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=recipe.gradient_checkpointing)
+        if recipe.cut_cross_entropy:
+            _half_head_for_cce(model, recipe.dtype)
     config = peft.LoraConfig(**recipe.lora_config_kwargs(PEFT_TASK_TYPES.get(task)))
     try:
         return peft.get_peft_model(model, config)
@@ -127,6 +130,15 @@ def apply_peft(model: torch.nn.Module, recipe: ResolvedRecipe, task: str) -> tor
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise InputError(f"--lora-target-modules: {str(exc).splitlines()[0]}; this model's linear layers: "
                          f"{', '.join(linear)} (or all-linear)") from None
+
+
+def _half_head_for_cce(model: torch.nn.Module, dtype: str) -> None:
+    """What axolotl's loader does after prepare_model_for_kbit_training where Cut Cross-Entropy is on (its backward
+    takes a half-precision head: `ModelLoader._convert_embedding_modules_dtype`): the norms, the embeddings and the
+    output head back in the weights' dtype."""
+    for name, module in model.named_modules():
+        if "norm" in name or (any(m in name for m in ("embed_tokens", "lm_head")) and hasattr(module, "weight")):
+            module.to(getattr(torch, dtype))
 
 
 def counted_parameters(model: torch.nn.Module) -> int:
