@@ -131,6 +131,10 @@ def test_axolotl_s_plugin_is_cut_cross_entropy(tmp_path: Path) -> None:
     off = tmp_path / "off.yaml"
     off.write_text(yaml.safe_dump({**raw, "cut_cross_entropy": False}))
     assert not read_recipe_file(off).recipe.cut_cross_entropy
+    no_plugin = tmp_path / "no-plugin.yaml"
+    no_plugin.write_text(yaml.safe_dump({**raw, "plugins": [], "cut_cross_entropy": True}))
+    dropped = read_recipe_file(no_plugin)  # axolotl loads the plugin's arguments only with the plugin
+    assert not dropped.recipe.cut_cross_entropy and "cut_cross_entropy" in dropped.not_modelled
 
 
 def test_the_trainer_snippet_patches_the_model() -> None:

@@ -34,8 +34,6 @@ if TYPE_CHECKING:
 AttnImplementation = Literal["eager", "sdpa", "flash_attention_2"]
 ExpertsImplementation = Literal["grouped_mm", "batched_mm", "eager"]
 Offload = Literal["none", "cpu", "nvme"]
-CCE_NEEDS_HALF_WEIGHTS = ("cut_cross_entropy needs the weights in bfloat16 or float16 (--dtype bfloat16): Cut "
-                          "Cross-Entropy's backward takes half-precision hidden states and head weights")
 Fsdp = Literal["none", "full_shard", "shard_grad_op"]
 LoadDtype = Literal["auto", "float32", "bfloat16", "float16"]
 Peft = Literal["none", "lora", "qlora"]
@@ -57,6 +55,9 @@ QLORA_PRESET: dict[str, Any] = {"load_in_4bit": True, "bnb_4bit_use_double_quant
 """What `peft="qlora"` means in practice (Dettmers et al. 2023, "QLoRA", sec. 3: NF4 with double
 quantization, bf16 compute; PEFT's prepare_model_for_kbit_training turns on gradient checkpointing):
 filled in by `Recipe.with_presets` where the user is silent."""
+CCE_NEEDS_HALF_WEIGHTS = ("cut_cross_entropy needs the weights in bfloat16 or float16 (--dtype bfloat16): Cut "
+                          "Cross-Entropy's backward takes half-precision hidden states and head weights")
+"""Why Cut Cross-Entropy refuses float32 weights (cce_backward_kernel asserts bf16/fp16 hidden states and head)."""
 
 
 def _trainer_default(name: str, help: str, *, when_none: Any = None, **metadata: Any) -> Any:

@@ -34,7 +34,8 @@ def llm_notes(workload: Workload, recipe: ResolvedRecipe) -> list[str]:
     if recipe.packing:
         per_row = f", each about {workload.seq_len / tokens.mean_tokens:.1f} sequences of the data's mean " \
                   f"{tokens.mean_tokens:,.0f} tokens ({tokens.source})" if tokens else ""
-        notes.append(f"packing: {batch} row{'s' if batch != 1 else ''} of {workload.seq_len:,} tokens{per_row}, flattened into one row; "
+        rows = f"{batch} row{'s' if batch != 1 else ''}"
+        notes.append(f"packing: {rows} of {workload.seq_len:,} tokens{per_row}, flattened into one row; "
                      "flash_attention_2's varlen kernel keeps per token what SDPA's flash kernel does (traced so), "
                      "and its FLOPs are counted over whole rows, not per sequence (an upper bound)")
     elif recipe.padding_free and tokens is not None:

@@ -167,7 +167,8 @@ def trainer_snippet(recipe: Recipe, num_gpus: int = 1, *, model: str = "MODEL",
         lines.append(f"model = prepare_model_for_kbit_training(model, use_gradient_checkpointing={recipe.gradient_checkpointing})")
     if bnb and recipe.cut_cross_entropy:  # CCE's backward takes a half-precision head: as axolotl's loader turns it
         lines += ["for name, module in model.named_modules():",
-                  '    if "norm" in name or (any(m in name for m in ("embed_tokens", "lm_head")) and hasattr(module, "weight")):',
+                  '    embedding = any(m in name for m in ("embed_tokens", "lm_head")) and hasattr(module, "weight")',
+                  '    if "norm" in name or embedding:',
                   f"        module.to(torch.{recipe.dtype})"]
     if lora:
         lines.append(f"model = get_peft_model(model, LoraConfig({_call_args(lora)}))")

@@ -83,7 +83,8 @@ LIGER_NO_CHANGE = ("liger_layer_norm", "liger_rms_norm_gated", "liger_use_token_
 READ = {"base_model", "sequence_len", "adapter", "bf16", "fp16", "bfloat16", "float16", "attn_implementation",
         "gradient_checkpointing", "gradient_checkpointing_kwargs", "activation_offloading", "lora_target_modules",
         "lora_target_linear", "deepspeed", "fsdp", "fsdp_config", "fsdp_version", "torch_compile", "rl",
-        "precompute_ref_log_probs", "plugins", "sample_packing", "cut_cross_entropy", *DIRECT, *ATTENTION_FLAGS, *PARALLEL, *LIGER_FLAGS}
+        "precompute_ref_log_probs", "plugins", "sample_packing", "cut_cross_entropy", *DIRECT, *ATTENTION_FLAGS,
+        *PARALLEL, *LIGER_FLAGS}
 
 
 def looks_like_axolotl(data: dict[str, Any]) -> bool:
@@ -134,6 +135,8 @@ def _plugins(data: dict[str, Any], reading: Reading, file: str) -> None:
                 refuse_unmodelled(setting, file, "plugins", plugin)
     if any(plugin.startswith(CCE_PLUGIN + ".") for plugin in plugins):
         _cut_cross_entropy(data, reading, file)
+    elif "cut_cross_entropy" in data:  # axolotl loads the plugin's arguments only with the plugin: dropped
+        reading.skip("cut_cross_entropy", data["cut_cross_entropy"], default=None)
     others = [plugin for plugin in plugins if not plugin.startswith((LIGER_PLUGIN + ".", CCE_PLUGIN + "."))]
     if others:
         reading.skip("plugins", others, default=[])
@@ -175,7 +178,8 @@ def _packing(data: dict[str, Any], reading: Reading, file: str) -> None:
             reading.skip("sample_packing", data["sample_packing"], default=False)
         return
     if data.get("rl"):
-        raise InputError(f"{file}: sample_packing: true with rl={data['rl']!r}: axolotl refuses packing for RLHF training")
+        raise InputError(f"{file}: sample_packing: true with rl={data['rl']!r}: axolotl refuses packing for RLHF "
+                         "training")
     if reading.get("attn_implementation") != "flash_attention_2":
         reading.skip("sample_packing", True, default=False)
         return
@@ -192,7 +196,8 @@ def _cut_cross_entropy(data: dict[str, Any], reading: Reading, file: str) -> Non
         raise InputError(f"{file}: the CutCrossEntropyPlugin needs bf16 or fp16 training (axolotl refuses it without: "
                          "Cut Cross-Entropy's backward takes half-precision tensors)")
     if data.get("chunked_cross_entropy"):
-        raise InputError(f"{file}: the CutCrossEntropyPlugin with chunked_cross_entropy: axolotl refuses the two together")
+        raise InputError(f"{file}: the CutCrossEntropyPlugin with chunked_cross_entropy: axolotl refuses the two "
+                         "together")
     reading.set("cut_cross_entropy", True, file, "plugins")
 
 

@@ -4,8 +4,9 @@ Cut Cross-Entropy (Wijmans et al. 2024, apple/ml-cross-entropy) computes a causa
 states and the head's weight without the logits: a Triton kernel takes each token's log-sum-exp over the vocabulary
 block by block, and the backward kernel recomputes the blocks to write the two gradients. What it does to memory is
 its Python, which this module follows for the version axolotl installs (axolotl-ai-cloud/ml-cross-entropy at
-5f0c7a7, `estimate.llm_notes.MODELLED_CCE`; the Apple release on PyPI is older and allocates otherwise), as its transformers patch runs
-it (`cce_patch(model)`, defaults: impl "cce", reduction "mean", filter_eps "auto", no fp32 accumulation):
+5f0c7a7, `estimate.llm_notes.MODELLED_CCE`; the Apple release on PyPI is older and allocates otherwise), as its
+transformers patch runs it (`cce_patch(model)`, defaults: impl "cce", reduction "mean", filter_eps "auto", no fp32
+accumulation):
 
 - `linear_cross_entropy(e, c, labels, shift=True)` (cce.py `cce_linear_cross_entropy`): the scored tokens are every
   token but the last of each row whose next label is not -100, found with nonzero (utils.py `_build_flat_valids`:
