@@ -147,3 +147,19 @@ def test_the_trainer_snippet_patches_the_model() -> None:
     assert "module.to(torch.bfloat16)" in snippet  # the head back in bfloat16 after prepare_model_for_kbit_training
     compile(snippet, "snippet", "exec")
     assert any("cce_patch" in w for w in launch_warnings(recipe, "trl"))
+
+
+def test_the_plan_s_reasons_compare_only_recipes_that_can_run_cce() -> None:
+    """The reasons' alternatives of a recipe held at cut_cross_entropy (plan --recipe) leave out fp32 weights and
+    Liger, which CCE refuses, instead of failing the plan."""
+    from anatomist.plan.reasons import _axes
+    from anatomist.plan.space import SearchSpace
+
+    workload = load_workload("Llama-3.2-1B", seq_len=512)
+    gpu = get_gpu("RTX-4090")
+    space = SearchSpace(fixed={"cut_cross_entropy": True}).for_workload(workload.model_type, workload.task)
+    recipe = Recipe(dtype="bfloat16", bf16=True, cut_cross_entropy=True).resolved(workload)
+    alternatives = {axis: alts(recipe) for axis, _, alts in _axes(space, gpu)}
+    assert alternatives["precision"] == []  # the other precisions searched keep fp32 weights (bf16, fp16 autocast)
+    assert alternatives["Liger Kernel"] == []
+    assert alternatives["optimizer"]  # the axes CCE allows still compare

@@ -14,6 +14,7 @@ from anatomist.anatomy import GIB, MIB
 from anatomist.axes.optimizers import runs_with
 from anatomist.axes.precisions import precision, precision_of
 from anatomist.axes.shardings import sharding_of
+from anatomist.errors import InputError
 from anatomist.estimate.traces import prefetch
 from anatomist.hardware import GPU
 from anatomist.plan.candidates import SPEED_TIE, Candidate, Evaluator, smallest_fitting_gpu
@@ -48,6 +49,15 @@ def _compare(best: Candidate, alt_label: str, alt: Candidate, limit: int) -> str
     if not alt.fits:
         return f"{alt_label} would not fit ({_gib(alt.device_total)} > limit {_gib(limit)}; {speed_txt})"
     return f"{alt_label}: {speed_txt}, {mem_txt}"
+
+
+def _if_valid(label: str, recipe: ResolvedRecipe, **changes: object) -> list[tuple[str, ResolvedRecipe]]:
+    """[(label, `recipe` with `changes`)], or [] where the changes make a recipe anatomist refuses (fp32 weights or
+    Liger beside Cut Cross-Entropy): no alternative to compare."""
+    try:
+        return [(label, recipe.replace(**changes))]
+    except InputError:
+        return []
 
 
 def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[ResolvedRecipe], str], Alternatives]]:
@@ -85,8 +95,8 @@ def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[ResolvedRec
          lambda r: f"{r.per_device_train_batch_size} x {r.gradient_accumulation_steps}", batch_alts),
         ("gradient checkpointing", lambda r: r.checkpointing, lambda r: checkpointing_alternatives(r, space)),
         ("precision", precision_of,
-         lambda r: [(p, r.replace(**precision(p).fields)) for p in searched_precisions(space, gpu, method_of(r))
-                    if p != precision_of(r)]),
+         lambda r: [alt for p in searched_precisions(space, gpu, method_of(r)) if p != precision_of(r)
+                    for alt in _if_valid(p, r, **precision(p).fields)]),
         ("optimizer", lambda r: r.optim,
          lambda r: [(o, r.replace(optim=o)) for o in space.optims
                     if o != r.optim and runs_with(o, r.fsdp)]),
@@ -100,7 +110,7 @@ def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[ResolvedRec
 
         ("sharding", lambda r: sharding_of(r, space.num_gpus), sharding_alts),
         ("Liger Kernel", lambda r: "on" if r.use_liger_kernel else "off",
-         lambda r: [("on" if not r.use_liger_kernel else "off", r.replace(use_liger_kernel=not r.use_liger_kernel))]
+         lambda r: _if_valid("on" if not r.use_liger_kernel else "off", r, use_liger_kernel=not r.use_liger_kernel)
          if len(space.liger_options or ()) > 1 and not r.torch_compile else []),
     ]
 
