@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from anatomist.errors import InputError
-from anatomist.trace.inputs import cache_field
+from anatomist.trace.inputs import loss_from_hidden_states
 from anatomist.trace.kernel_ops import fused_projection
 
 IGNORE_INDEX = -100
@@ -108,17 +108,10 @@ def linear_cross_entropy(e: Tensor, c: Tensor, labels: Tensor) -> Tensor:
 
 def cce_forward(self: Any, input_ids: Tensor | None = None, labels: Tensor | None = None, **kwargs: Any) -> Any:
     """The causal-LM forward `cce_patch` puts in place (transformers/llama.py `cce_forward`) in training with labels:
-    the backbone, then Cut Cross-Entropy of its last hidden states and the head's weight; else the model's own."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    if not (self.training and labels is not None):
-        return type(self).forward(self, input_ids=input_ids, labels=labels, **kwargs)
-    kwargs.pop("num_items_in_batch", None)
-    outputs = self.model(input_ids=input_ids, **kwargs)
-    loss = linear_cross_entropy(outputs[0], self.lm_head.weight, labels)
-    cache = cache_field(CausalLMOutputWithPast)
-    assert cache is not None  # a causal LM's output has one
-    return CausalLMOutputWithPast(loss=loss, logits=None, **{cache: getattr(outputs, cache)})
+    Cut Cross-Entropy of the backbone's last hidden states and the head's weight; else the model's own."""
+    return loss_from_hidden_states(self, input_ids, labels, kwargs,
+                                   lambda hidden_states, labels: linear_cross_entropy(hidden_states, self.lm_head.weight,
+                                                                                      labels))
 
 
 @contextlib.contextmanager

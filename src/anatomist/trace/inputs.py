@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +23,21 @@ def cache_field(output: Any) -> str | None:
     if not dataclasses.is_dataclass(output):
         return None
     return next((f.name for f in dataclasses.fields(output) if f.name in CACHE_FIELDS), None)
+
+
+def loss_from_hidden_states(model: Any, input_ids: torch.Tensor | None, labels: torch.Tensor | None,
+                            kwargs: dict[str, Any], loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
+    """A causal LM's forward as a fused loss patches it (Liger's `lce_forward`, Cut Cross-Entropy's `cce_forward`): in
+    training with labels, the backbone, then `loss_of(last hidden states, labels)`, no logits; else the model's own."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    if not (model.training and labels is not None):
+        return type(model).forward(model, input_ids=input_ids, labels=labels, **kwargs)
+    kwargs.pop("num_items_in_batch", None)
+    outputs = model.model(input_ids=input_ids, **kwargs)
+    cache = cache_field(CausalLMOutputWithPast)
+    assert cache is not None  # a causal LM's output has one
+    return CausalLMOutputWithPast(loss=loss_of(outputs[0], labels), logits=None, **{cache: getattr(outputs, cache)})
 
 
 def make_batch(workload: Workload, batch_size: int) -> dict[str, torch.Tensor]:

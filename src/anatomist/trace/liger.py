@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from anatomist.axes.liger import flce_chunk_tokens, liger_table
-from anatomist.trace.inputs import cache_field
+from anatomist.trace.inputs import loss_from_hidden_states
 from anatomist.trace.kernel_ops import fused_projection
 
 IGNORE_INDEX = -100
@@ -199,26 +199,20 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
 
 def lce_forward(self: Any, input_ids: Tensor | None = None, labels: Tensor | None = None, **kwargs: Any) -> Any:
-    """Liger's causal-LM forward (transformers/model/llama.py `lce_forward`) in training with labels:
-    the backbone, then the fused linear cross-entropy of its last hidden states (labels shifted by
-    LigerForCausalLMLoss: padded with -100, then sliced); else the model's own forward."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    """Liger's causal-LM forward (transformers/model/llama.py `lce_forward`) in training with labels: the fused linear
+    cross-entropy of the backbone's last hidden states (labels shifted by LigerForCausalLMLoss: padded with -100, then
+    sliced); else the model's own forward."""
 
-    if not (self.training and labels is not None):
-        return type(self).forward(self, input_ids=input_ids, labels=labels, **kwargs)
-    kwargs.pop("num_items_in_batch", None)
-    outputs = self.model(input_ids=input_ids, **kwargs)
-    hidden_states = outputs[0]
-    batch, seq_len, hidden = hidden_states.shape
-    labels = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)
-    shift_labels = labels[..., 1:].contiguous()
-    weight = self.lm_head.weight
-    chunk = flce_chunk_tokens(batch, seq_len, hidden, weight.shape[0])
-    loss = FusedLinearCrossEntropyFunction.apply(hidden_states.view(-1, hidden), weight, shift_labels.view(-1), chunk,
-                                                 self._anatomist_sm80)
-    cache = cache_field(CausalLMOutputWithPast)
-    assert cache is not None  # a causal LM's output has one
-    return CausalLMOutputWithPast(loss=loss, logits=None, **{cache: getattr(outputs, cache)})
+    def loss_of(hidden_states: Tensor, labels: Tensor) -> Tensor:
+        batch, seq_len, hidden = hidden_states.shape
+        padded = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)  # alive through the loss, as Liger's
+        shift_labels = padded[..., 1:].contiguous()
+        weight = self.lm_head.weight
+        chunk = flce_chunk_tokens(batch, seq_len, hidden, weight.shape[0])
+        return FusedLinearCrossEntropyFunction.apply(hidden_states.view(-1, hidden), weight, shift_labels.view(-1),
+                                                     chunk, self._anatomist_sm80)
+
+    return loss_from_hidden_states(self, input_ids, labels, kwargs, loss_of)
 
 
 def _rms_norm_forward(self: Any, hidden_states: Tensor) -> Tensor:
