@@ -163,3 +163,10 @@ def test_the_plan_s_reasons_compare_only_recipes_that_can_run_cce() -> None:
     assert alternatives["precision"] == []  # the other precisions searched keep fp32 weights (bf16, fp16 autocast)
     assert alternatives["Liger Kernel"] == []
     assert alternatives["optimizer"]  # the axes CCE allows still compare
+
+
+def test_the_note_of_missing_packages_installs_the_fork(capsys: pytest.CaptureFixture[str]) -> None:
+    from anatomist.cli.common import note_missing_packages
+
+    note_missing_packages(Recipe(dtype="bfloat16", bf16=True, cut_cross_entropy=True))  # not installed here
+    assert "ml-cross-entropy.git@5f0c7a7" in capsys.readouterr().err

@@ -85,12 +85,19 @@ def warn(message: str) -> None:
     print(f"anatomist: note: {message}", file=sys.stderr)
 
 
+PIP_SPECS = {"cut_cross_entropy": "'cut-cross-entropy[transformers] @ "
+                                  "git+https://github.com/axolotl-ai-cloud/ml-cross-entropy.git@5f0c7a7'"}
+"""What to pip install for a module where its name on PyPI is another release: Cut Cross-Entropy as axolotl installs
+it (the version trace/cce.py follows; PyPI's cut-cross-entropy is Apple's older release)."""
+
+
 def note_missing_packages(recipe: Recipe) -> None:
     """A prediction needs none of the recipe's packages: say once what the training machine will."""
     missing = recipe.missing_packages()
     if missing:
+        specs = " ".join(PIP_SPECS.get(name, name) for name in missing)
         warn(f"training this recipe needs {', '.join(missing)}, not installed here "
-             f"(pip install {' '.join(missing)} on the training machine); the prediction does not need it")
+             f"(pip install {specs} on the training machine); the prediction does not need it")
 
 
 _json_stdout: list[Any] = []
