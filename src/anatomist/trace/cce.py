@@ -39,10 +39,9 @@ import torch
 from torch import Tensor
 
 from anatomist.errors import InputError
-from anatomist.trace.inputs import loss_from_hidden_states
+from anatomist.trace.inputs import IGNORE_INDEX, loss_from_hidden_states
 from anatomist.trace.kernel_ops import fused_projection
 
-IGNORE_INDEX = -100
 HALF = (torch.float16, torch.bfloat16)
 
 

@@ -13,6 +13,10 @@ if TYPE_CHECKING:
     from anatomist.recipe import ResolvedRecipe
     from anatomist.workload import Workload
 
+IGNORE_INDEX = -100
+"""The label a loss does not score (PyTorch's cross_entropy default, which transformers, TRL, Liger and Cut
+Cross-Entropy keep)."""
+
 CACHE_FIELDS = ("cache", "past_key_values")
 """The field of a model's output that holds its KV cache, which the next step's input takes back: `cache` from
 transformers 5.24, `past_key_values` before (still read there, with a deprecation warning)."""

@@ -45,11 +45,8 @@ import torch
 from torch import Tensor
 
 from anatomist.axes.liger import flce_chunk_tokens, liger_table
-from anatomist.trace.inputs import loss_from_hidden_states
+from anatomist.trace.inputs import IGNORE_INDEX, loss_from_hidden_states
 from anatomist.trace.kernel_ops import fused_projection
-
-IGNORE_INDEX = -100
-"""transformers' and Liger's label for tokens without a loss."""
 
 
 class RMSNormFunction(torch.autograd.Function):

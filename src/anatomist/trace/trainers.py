@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from anatomist.recipe import ResolvedRecipe
-from anatomist.trace.inputs import make_batch
+from anatomist.trace.inputs import IGNORE_INDEX, make_batch
 from anatomist.trace.trl_head import DPO_OUTPUTS, SFT_OUTPUTS, add_fused_lm_head
 from anatomist.workload import Workload
 
@@ -71,8 +71,8 @@ def _dpo_loss(model: torch.nn.Module, reference: torch.nn.Module | None, workloa
               pairs: int) -> torch.Tensor:
     batch = make_batch(workload, 2 * pairs)  # [chosen; rejected]
     ids = batch["input_ids"]
-    labels = ids.masked_fill(torch.zeros_like(ids, dtype=torch.bool), -100)  # TRL: ids.masked_fill(completion_mask == 0, -100)
-    labels[:, :workload.prompt_len] = -100
+    labels = ids.masked_fill(torch.zeros_like(ids, dtype=torch.bool), IGNORE_INDEX)  # TRL: ids.masked_fill(completion_mask == 0, -100)
+    labels[:, :workload.prompt_len] = IGNORE_INDEX
     del batch
     scored = {"anatomist_prompt_tokens": workload.prompt_len}  # the prompt's labels: not scored
     outputs: Any = model(input_ids=ids, labels=labels, fused_lm_head=True, **scored)

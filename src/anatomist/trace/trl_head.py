@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from anatomist.trace.inputs import IGNORE_INDEX
 from anatomist.trace.kernel_ops import fused_projection
 
 TOKEN_CHUNK_SIZE = 4096
@@ -132,7 +133,7 @@ def _fused_forward(self: Any, *args: Any, fused_lm_head: bool = False, labels: T
     backbone = self.base_model(*args, **kwargs)
     hidden_states = backbone.last_hidden_state[:, :-1]
     labels = labels[:, 1:]
-    mask = labels != -100
+    mask = labels != IGNORE_INDEX
     # hidden_states[mask], labels[mask]: every label after the prompt scored (the module's docstring); a copy of each
     first = max(anatomist_prompt_tokens - 1, 0)
     scored_hidden = hidden_states[:, first:].reshape(-1, hidden_states.shape[-1])
