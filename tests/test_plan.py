@@ -161,6 +161,24 @@ def test_multi_gpu_considers_zero_and_fsdp(tiny) -> None:
     assert fsdp.memory.anatomy.optimizer_states == pytest.approx(ddp.memory.anatomy.optimizer_states / 2, rel=0.05)
 
 
+def test_shardings_limit_the_search_where_they_run(tiny) -> None:
+    """--shardings: only the named options are searched, and a cluster size where none of them runs has none."""
+    from anatomist.axes.shardings import sharding_of
+    from anatomist.plan.clusters import plan_clusters
+    from anatomist.plan.search import fastest_fitting
+
+    gpu = get_gpu("A100-80GB")
+    space = SearchSpace(global_batch_size=8, num_gpus=2, optims=("adamw_torch",), compile_options=(False,),
+                        checkpointing_options=(False,), precisions=("bf16",), shardings=("zero3", "zero2+offload"))
+    result = plan(tiny, gpu, space=space)
+    assert {sharding_of(c.recipe, 2) for c in result.candidates} == {"zero3", "zero2+offload"}
+    clusters, chosen = plan_clusters(replace(space, shardings=("zero3",)), [(1, 1), (2, 1)],
+                                     lambda sized: plan(tiny, gpu, space=sized),
+                                     lambda sized: fastest_fitting(tiny, gpu, space=sized))
+    assert clusters[0].best is None and "none runs on 1 GPU(s)" in (clusters[0].why_not or "")
+    assert chosen.num_gpus == 2 and sharding_of(chosen.best.recipe, 2) == "zero3"
+
+
 def test_pareto_front_by_hand() -> None:
     class C:  # minimal stand-ins: (memory, speed)
         def __init__(self, m: int, s: float) -> None:
@@ -177,6 +195,9 @@ def test_pareto_front_by_hand() -> None:
         (["bert-base-uncased", "--gpu", "A100-80GB", "--global-batch-size", "10", "--gpus", "4"], "cannot be split"),
         (["bert-base-uncased", "--gpu", "A100-80GB", "--optims", "lion"], "unknown optimizer"),
         (["bert-base-uncased", "--gpu", "A100-80GB", "-o", "x.json"], "needs --emit"),
+        (["bert-base-uncased", "--gpu", "A100-80GB", "--shardings", "zero4"], "--shardings: unknown sharding(s) zero4"),
+        (["bert-base-uncased", "--gpu", "A100-80GB", "--gpus", "4", "--shardings", "none"],
+         "--shardings none: none runs on 4 GPU(s), where the options are ddp, zero1"),
     ],
 )
 def test_cli_bad_input_exit_2(cli, args: list[str], message: str) -> None:

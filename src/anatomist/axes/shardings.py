@@ -125,6 +125,10 @@ _SPECS = (
 )
 
 
+SHARDING_NAMES = tuple(dict.fromkeys(spec.name for spec in _SPECS))
+"""Every sharding option's name (`plan --shardings`), in search order."""
+
+
 def shardings_for(num_gpus: int) -> dict[str, ShardingSpec]:
     """The sharding options searched on `num_gpus` devices, by name, in search order."""
     devices = "many" if num_gpus > 1 else "one"

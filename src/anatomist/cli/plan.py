@@ -11,7 +11,7 @@ from rich.table import Table
 
 from anatomist.axes.optimizers import DEFAULT_SEARCH, OPTIMIZERS
 from anatomist.axes.precisions import FULL_PRECISIONS, precision_of
-from anatomist.axes.shardings import sharding_of
+from anatomist.axes.shardings import SHARDING_NAMES, sharding_of
 from anatomist.cli.common import (
     add_cache_flag,
     add_calibration_flag,
@@ -63,6 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"optimizers to search (default {','.join(DEFAULT_SEARCH)}; known: {', '.join(OPTIMIZERS)})")
     p.add_argument("--precisions", default=None, metavar="A,B",
                    help=f"precisions to search (default: all the GPU supports; known: {', '.join(FULL_PRECISIONS)})")
+    p.add_argument("--shardings", default=None, metavar="A,B",
+                   help=f"sharding options to search where they run (default: all those of the GPU count; known: "
+                        f"{', '.join(SHARDING_NAMES)})")
     p.add_argument("--no-compile", action="store_true", help="do not consider torch.compile")
     p.add_argument("--no-liger-kernel", action="store_true",
                    help="do not consider Liger Kernel (searched by default for the causal LMs whose kernels anatomist traces)")
@@ -143,6 +146,7 @@ def _search(args: argparse.Namespace, *, one_size: bool = False) -> tuple[Any, A
     calibration = calibration_from_args(args, gpu)
     optims = _names("--optims", "optimizer", args.optims, tuple(OPTIMIZERS))
     precisions = None if args.precisions is None else _names("--precisions", "precision", args.precisions, FULL_PRECISIONS)
+    shardings = None if args.shardings is None else _names("--shardings", "sharding", args.shardings, SHARDING_NAMES)
     added = _names("--peft", "method", args.peft, ("lora", "qlora"), allow_none=True)
     lora = {k: getattr(args, k) for k in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
             if getattr(args, k) is not None}
@@ -172,7 +176,7 @@ def _search(args: argparse.Namespace, *, one_size: bool = False) -> tuple[Any, A
         global_batch_size=args.global_batch_size, num_gpus=num_gpus, nodes=nodes, network=args.network, optims=optims,
         compile_options=(False,) if args.no_compile else (False, True),
         liger_options=(False,) if args.no_liger_kernel else None,
-        precisions=precisions, methods=methods, base=Recipe(**lora, **trainer), fixed=fixed,
+        precisions=precisions, shardings=shardings, methods=methods, base=Recipe(**lora, **trainer), fixed=fixed,
     )
     from anatomist.estimate.communication import predict_time
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, GIB
 from anatomist.axes.precisions import searchable_on
+from anatomist.axes.shardings import shardings_for
 from anatomist.errors import InputError
 from anatomist.estimate.communication import (
     UNFITTED_TERMS,
@@ -132,6 +133,9 @@ def _searched(workload: Workload, gpu: GPU, space: SearchSpace | None, objective
     if objective not in ("throughput", "memory"):
         raise InputError(f"--objective must be throughput or memory, got {objective!r}")
     check_cluster(space.num_gpus, space.nodes, space.network)
+    if not space.sharding_options():
+        raise InputError(f"--shardings {','.join(space.shardings or ())}: none runs on {space.num_gpus} GPU(s), where the "
+                         f"options are {', '.join(shardings_for(space.num_gpus))}")
     recipes = list(dict.fromkeys(r.resolved(workload) for r in enumerate_recipes(space, gpu)))
     if not recipes:
         raise InputError(f"the fields the recipe file fixes ({', '.join(f'{k}={v}' for k, v in space.fixed.items())}) "
@@ -190,6 +194,8 @@ def plan(
                      "on a frozen base (a different fine-tune from full), without ZeRO/FSDP")
     if space.nodes > 1:
         notes.append(describe_network(space.num_gpus, space.nodes, space.network, gpu))
+    if space.shardings is not None:
+        notes.append("shardings searched (--shardings): " + ", ".join(spec.name for spec in space.sharding_options()))
     if space.fixed:
         notes.append("held fixed by --recipe: " + ", ".join(f"{k}={v}" for k, v in space.fixed.items()))
     notes.append(f"{best.time.calibration}; {UNFITTED_TERMS}" if adds_device_terms(best.recipe, space.num_gpus)

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from anatomist.axes.liger import liger_modelled
 from anatomist.axes.optimizers import DEFAULT_SEARCH, runs_with
 from anatomist.axes.precisions import precision, qlora_precision, searchable_on
-from anatomist.axes.shardings import ShardingSpec, shardings_for
+from anatomist.axes.shardings import SHARDING_NAMES, ShardingSpec, shardings_for
 from anatomist.errors import InputError
 from anatomist.hardware import GPU
 from anatomist.recipe import Recipe
@@ -74,7 +74,8 @@ class SearchSpace:
     """Under TRL's trainers, try their activation offloading where the recipe does not fit (`search.
     checkpointing_variants`): less device memory for PCIe copies."""
     shardings: tuple[str, ...] | None = None
-    """Names from `axes.shardings.shardings_for(num_gpus)`; None: all of those."""
+    """Names from `axes.shardings.SHARDING_NAMES` (`plan --shardings`); None: all. Searched on `num_gpus` devices: those
+    of them that run there (`shardings_for`)."""
     precisions: tuple[str, ...] | None = None
     """Names from `axes.precisions.FULL_PRECISIONS`; None: every one the GPU supports (`searchable_on`)."""
     methods: tuple[str, ...] = ("full",)
@@ -102,10 +103,9 @@ class SearchSpace:
             raise InputError(f"fine-tuning methods are {', '.join(METHODS)}; got {', '.join(unknown_methods) or 'none'}")
         if self.num_gpus <= 0:
             raise InputError(f"--gpus must be greater than 0, got {self.num_gpus}")
-        known = shardings_for(self.num_gpus)
-        unknown = [name for name in self.shardings or () if name not in known]
+        unknown = [name for name in self.shardings or () if name not in SHARDING_NAMES]
         if unknown or self.shardings == ():
-            raise InputError(f"sharding options on {self.num_gpus} GPU(s) are {', '.join(known)}; got {', '.join(unknown) or 'none'}")
+            raise InputError(f"--shardings: the options are {', '.join(SHARDING_NAMES)}; got {', '.join(unknown) or 'none'}")
         if self.global_batch_size is not None:
             if self.global_batch_size <= 0:
                 raise InputError(f"--global-batch-size must be greater than 0, got {self.global_batch_size}")
