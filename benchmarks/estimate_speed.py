@@ -10,6 +10,8 @@ process, median of `--repeats` runs:
   plan cold/warm anatomist plan bert-large-uncased --gpu V100-16GB --global-batch-size 32
   sizes cold     anatomist plan Llama-3.1-8B --gpus 8 --max-nodes 2 ... (docs/plan.md's command: 1, 2, 4, 8
                  and 16 GPUs, every sharding each allows, FSDP traced at each world size)
+  sizes no-FSDP  the same plan with --shardings none,zero2+offload,zero2,zero3: what the cluster sizes cost without
+                 FSDP's traces (one device's traces and the arithmetic of ZeRO)
   sharded cold   anatomist estimate bert-large-uncased --fsdp full_shard --gpus 8 (one rank of 8, traced
                  under FSDP2), against "estimate cold" of the same model on one device
   --help, gpus, models  (none imports torch or transformers)
@@ -40,6 +42,7 @@ PLAN = ["-m", "anatomist", "plan", "bert-large-uncased", "--gpu", "V100-16GB", "
 SIZES_PLAN = ["-m", "anatomist", "plan", "Llama-3.1-8B", "--gpu", "H100-80GB", "--gpus", "8", "--max-nodes", "2",
               "--global-batch-size", "64", "--seq-len", "2048", "--optims", "adamw_torch_fused", "--precisions", "bf16",
               "--no-compile", "--no-liger-kernel", "--json"]
+SIZES_WITHOUT_FSDP = [*SIZES_PLAN, "--shardings", "none,zero2+offload,zero2,zero3"]
 SHARDED_ESTIMATE = [*ESTIMATE, "--fsdp", "full_shard", "--gpus", "8"]
 CASES: dict[str, tuple[list[str], bool]] = {
     "estimate cold": (ESTIMATE, True),
@@ -47,6 +50,7 @@ CASES: dict[str, tuple[list[str], bool]] = {
     "plan cold": (PLAN, True),
     "plan warm": (PLAN, False),
     "sizes cold": (SIZES_PLAN, True),
+    "sizes no-FSDP": (SIZES_WITHOUT_FSDP, True),
     "sharded cold": (SHARDED_ESTIMATE, True),
     "--help": (["-m", "anatomist", "--help"], False),
     "gpus": (["-m", "anatomist", "gpus"], False),
@@ -102,6 +106,8 @@ def main() -> int:
         print(f"sizes: {len(sizes['clusters'])} cluster sizes, the chosen one {sizes['num_gpus']} GPU(s)")
     print("ratios to the import floor: " + ", ".join(
         f"{name} {value / floor:.2f}x" for name, value in results.items() if name not in UNTIMED_RATIOS))
+    if "sizes cold" in results and "sizes no-FSDP" in results:
+        print(f"sizes cold / sizes no-FSDP: {results['sizes cold'] / results['sizes no-FSDP']:.2f}x")
     if "sharded cold" in results and "estimate cold" in results:
         print(f"sharded cold / estimate cold: {results['sharded cold'] / results['estimate cold']:.2f}x")
     shutil.rmtree(cache, ignore_errors=True)
