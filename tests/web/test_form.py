@@ -51,9 +51,10 @@ def test_a_form_becomes_the_flags_the_cli_parser_reads_back() -> None:
 
 def test_the_plan_view_has_its_search_options() -> None:
     form = parse({"view": "plan", "model": "gpt2", "gpu": "T4", "optims": "adamw_torch_fused", "precisions": "fp16,fp32",
-                  "no_compile": "true", "peft": "lora"}, service.fields())
+                  "shardings": "none,zero3", "no_compile": "true", "peft": "lora"}, service.fields())
     args = build_parser().parse_args(["plan", *flags(form, service.fields()), "--", "gpt2"])
-    assert (args.optims, args.precisions, args.no_compile, args.peft) == ("adamw_torch_fused", "fp16,fp32", True, "lora")
+    assert (args.optims, args.precisions, args.shardings, args.no_compile, args.peft) == \
+        ("adamw_torch_fused", "fp16,fp32", "none,zero3", True, "lora")
 
 
 @pytest.mark.parametrize(("params", "message"), [

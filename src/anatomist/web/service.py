@@ -71,6 +71,7 @@ def fields() -> tuple[Field, ...]:
     dataclass: its name, Literal choices, help and default, as the CLI's flags are made), the plan's search."""
     from anatomist.axes.optimizers import DEFAULT_SEARCH, OPTIMIZERS
     from anatomist.axes.precisions import FULL_PRECISIONS
+    from anatomist.axes.shardings import SHARDING_NAMES
     from anatomist.cli.estimate import DEFAULT_GPU, DEFAULT_MODEL
     from anatomist.cli.recipe_flags import flag_name
     from anatomist.plan.candidates import Objective
@@ -114,6 +115,8 @@ def fields() -> tuple[Field, ...]:
               default=list(DEFAULT_SEARCH), views=plan, help="Optimizers searched."),
         Field(name="precisions", flag="--precisions", kind="multi", section="search", choices=FULL_PRECISIONS,
               views=plan, help="Precisions searched (none ticked: all the GPU supports)."),
+        Field(name="shardings", flag="--shardings", kind="multi", section="search", choices=SHARDING_NAMES, views=plan,
+              help="Sharding options searched, each where it runs (none ticked: all those of the GPU count)."),
         Field(name="no_compile", flag="--no-compile", kind="flag", section="search", views=plan,
               help="Do not consider torch.compile."),
         Field(name="peft", flag="--peft", kind="multi", section="search", choices=("lora", "qlora"), views=plan,
