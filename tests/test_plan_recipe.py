@@ -68,3 +68,9 @@ def test_a_file_whose_fields_leave_nothing_is_one_line(cli, tmp_path: Path) -> N
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("anatomist: error: the fields the recipe file fixes (per_device_train_batch_size=3) "
                                    "leave no recipe to search on 1 x A100-80GB with a global batch of 8")
+    recipe.write_text("fsdp: full_shard\n")  # FSDP held, and only ZeRO-3 searched
+    proc = cli("plan", str(folder), "--seq-len", "64", "--gpu", "A100-80GB", "--gpus", "2", "--recipe", str(recipe),
+               "--shardings", "zero3")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("anatomist: error: the fields the recipe file fixes (fsdp=full_shard) leave no recipe "
+                                   "to search on 2 x A100-80GB and --shardings zero3")

@@ -140,7 +140,8 @@ def _searched(workload: Workload, gpu: GPU, space: SearchSpace | None, objective
     if not recipes:
         raise InputError(f"the fields the recipe file fixes ({', '.join(f'{k}={v}' for k, v in space.fixed.items())}) "
                          f"leave no recipe to search on {space.num_gpus} x {gpu.name}"
-                         + (f" with a global batch of {space.global_batch_size}" if space.global_batch_size else ""))
+                         + (f" with a global batch of {space.global_batch_size}" if space.global_batch_size else "")
+                         + (f" and --shardings {','.join(space.shardings)}" if space.shardings else ""))
     return space, limit, recipes
 
 
