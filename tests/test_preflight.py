@@ -271,3 +271,15 @@ def test_a_run_record_is_read_by_calibrate(llama, tmp_path, cli):
     data = json.loads(fitted.stdout)
     assert data["gpu"] == "A100-80GB" and len(data["rows"]) == 1
     assert data["rows"][0]["measured_step_s"] == row["measured"]["time"]["median_step_s"]
+
+
+def test_the_space_around_a_recipe_says_why_the_plan_cannot_search_it() -> None:
+    """The smallest change is searched by the plan around the run's recipe; a sharding the plan does not search on that
+    many devices (ZeRO-1 on one GPU) is named as such, not as its precision."""
+    from anatomist.measure.preflight import search_space
+    from anatomist.plan.space import SearchSpace
+
+    gpu = get_gpu("A100-80GB")
+    assert search_space(Recipe(zero_stage=1), 1, set(), gpu) == "its sharding (zero1) is not one the plan searches on 1 GPU(s)"
+    around = search_space(Recipe(zero_stage=1, bf16=True), 2, {"optim"}, gpu)
+    assert isinstance(around, SearchSpace) and around.shardings == ("zero1",) and around.num_gpus == 2

@@ -212,8 +212,8 @@ def smallest_change(predicted: Estimate, num_gpus: int, fields: tuple[tuple[str,
     from anatomist.plan.search import plan
 
     space = search_space(predicted.recipe, num_gpus, {f for group in fields for f in group}, predicted.gpu)
-    if space is None:
-        return None, (), f"its precision ({_precision(predicted.recipe)}) is not one the plan searches"
+    if isinstance(space, str):
+        return None, (), space
     try:
         found = plan(predicted.workload, predicted.gpu, space=space, margin=predicted.margin)
     except InputError as exc:
@@ -228,31 +228,31 @@ def smallest_change(predicted: Estimate, num_gpus: int, fields: tuple[tuple[str,
     return best, changed, None
 
 
-def search_space(recipe: Recipe, num_gpus: int, free: set[str], gpu: GPU) -> SearchSpace | None:
-    """The plan's space around `recipe`: the effective batch kept, only the `free` fields varied
-    (None where the recipe's precision is not one the plan searches)."""
+def search_space(recipe: Recipe, num_gpus: int, free: set[str], gpu: GPU) -> SearchSpace | str:
+    """The plan's space around `recipe`: the effective batch kept, only the `free` fields varied; or why the plan
+    cannot search around it (a precision or sharding it does not search)."""
     from anatomist.axes.optimizers import DEFAULT_SEARCH
     from anatomist.axes.precisions import FULL_PRECISIONS
-    from anatomist.axes.shardings import sharding_of
+    from anatomist.axes.shardings import sharding_of, shardings_for
     from anatomist.plan.space import SearchSpace, method_of
 
     method = method_of(recipe)
     name = _precision(recipe)
     if method != "qlora" and name not in FULL_PRECISIONS:
-        return None
+        return f"its precision ({name}) is not one the plan searches"
+    sharding = sharding_of(recipe, num_gpus)
+    if sharding not in shardings_for(num_gpus):
+        return f"its sharding ({sharding}) is not one the plan searches on {num_gpus} GPU(s)"
     optims = tuple(dict.fromkeys((recipe.optim, *DEFAULT_SEARCH))) if "optim" in free else (recipe.optim,)
     checkpointing = (recipe.gradient_checkpointing, True) if "gradient_checkpointing" in free else None
-    try:
-        return SearchSpace(
-            global_batch_size=recipe.per_device_train_batch_size * recipe.gradient_accumulation_steps * num_gpus,
-            num_gpus=num_gpus, optims=optims, compile_options=(recipe.torch_compile,),
-            checkpointing_options=tuple(dict.fromkeys(checkpointing or (recipe.gradient_checkpointing,))),
-            shardings=(sharding_of(recipe, num_gpus),), precisions=(name,), methods=(method,), base=recipe,
-            liger_options=(recipe.use_liger_kernel,),  # held: the plan would otherwise search Liger for causal LMs
-            partial_checkpointing=(), offload_checkpoints=False, offload_activations=False,  # held: not the callback's
-        )
-    except InputError:  # a sharding the plan does not search on this many devices
-        return None
+    return SearchSpace(
+        global_batch_size=recipe.per_device_train_batch_size * recipe.gradient_accumulation_steps * num_gpus,
+        num_gpus=num_gpus, optims=optims, compile_options=(recipe.torch_compile,),
+        checkpointing_options=tuple(dict.fromkeys(checkpointing or (recipe.gradient_checkpointing,))),
+        shardings=(sharding,), precisions=(name,), methods=(method,), base=recipe,
+        liger_options=(recipe.use_liger_kernel,),  # held: the plan would otherwise search Liger for causal LMs
+        partial_checkpointing=(), offload_checkpoints=False, offload_activations=False,  # held: not the callback's
+    )
 
 
 def _precision(recipe: Recipe) -> str:
