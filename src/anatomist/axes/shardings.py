@@ -14,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from anatomist.errors import InputError
-
 if TYPE_CHECKING:
     from anatomist.recipe import Recipe
 
@@ -142,19 +140,6 @@ def sharding_of(recipe: Recipe, num_gpus: int) -> str:
     if recipe.zero_stage == 0:
         return "ddp" if num_gpus > 1 else "none"
     return f"zero{recipe.zero_stage}" + ("+offload" if recipe.offload != "none" else "")
-
-
-def sharding(name: str, num_gpus: int) -> ShardingSpec:
-    """The spec of `name` on `num_gpus` devices.
-
-    Raises:
-        InputError: a name not searched on that many devices.
-    """
-    known = shardings_for(num_gpus)
-    try:
-        return known[name]
-    except KeyError:
-        raise InputError(f"sharding options on {num_gpus} GPU(s) are {', '.join(known)}; got {name}") from None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
