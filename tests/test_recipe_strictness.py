@@ -157,9 +157,10 @@ def test_memory_settings_not_modelled_yet_are_refused_never_predicted_as_somethi
     autotp = DATA / "llamafactory/examples/deepspeed/ds_z2_autotp_config.json"
     assert _error(cli, autotp).startswith(f"{autotp}: tensor_parallel.autotp_size=2 is not modelled yet (tensor "
                                           "parallel: it would be predicted as plain data parallel)")
-    bf16_states = _with(DATA / "axolotl/deepspeed_configs/zero3_bf16.json", tmp_path / "ds.json",
-                        {"bf16": {"enabled": True, "bf16_optimizer_states": True}})
-    assert _error(cli, bf16_states).startswith(f"{bf16_states}: bf16.bf16_optimizer_states=True is not modelled yet")
+    fp16_master = _with(DATA / "axolotl/deepspeed_configs/zero3_bf16.json", tmp_path / "ds.json",
+                        {"bf16": {"enabled": False}, "fp16": {"enabled": True, "fp16_master_weights_and_grads": True}})
+    assert _error(cli, fp16_master).startswith(f"{fp16_master}: fp16.fp16_master_weights_and_grads=True is not "
+                                               "modelled yet")
     tp = _with(DATA / "trl/fsdp2.yaml", tmp_path / "tp.yaml",
                {"parallelism_config": {"parallelism_config_dp_shard_size": 4, "parallelism_config_tp_size": 2}})
     ClusterConfig.from_yaml_file(str(tp))  # a key accelerate reads

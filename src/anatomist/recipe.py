@@ -212,6 +212,13 @@ class Recipe:
     stage3_param_persistence_threshold: int | None = _field(
         None, "DeepSpeed ZeRO-3: parameters of at most this many elements stay whole on every device; unset: the "
         "Trainer's auto, 10 x hidden_size.", metavar="N")
+    bf16_master_weights_and_grads: bool = _field(
+        False, "DeepSpeed bf16.bf16_master_weights_and_grads: ZeRO keeps its master weights and gradient partitions "
+        "in bf16, not fp32 (2 B/param less per partition); DeepSpeed needs --offload cpu for it unless the optimizer "
+        "states are bf16 too (--bf16-optimizer-states).")
+    bf16_optimizer_states: bool = _field(
+        False, "DeepSpeed bf16.bf16_optimizer_states: the optimizer's states on ZeRO's partitions in bf16, not fp32 "
+        "(AdamW: 4 B/param less per partition); needs --bf16-master-weights-and-grads.")
 
     def __post_init__(self) -> None:
         if self.per_device_train_batch_size <= 0:
@@ -298,6 +305,21 @@ class Recipe:
             if value is not None and value < 0 or (name == "reduce_bucket_size" and value == 0):
                 raise InputError(f"{name} must be {'> 0' if name == 'reduce_bucket_size' else '>= 0'}, got {value}")
         self._check_llm_fields()
+        self._check_deepspeed_precision()
+
+    def _check_deepspeed_precision(self) -> None:
+        """DeepSpeed's bf16 master weights and optimizer states, where DeepSpeed 0.19 takes them (`runtime/config.py`
+        `_do_error_check`, `runtime/base_optimizer.py` `_configure_master_weights`)."""
+        for name in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+            if getattr(self, name) and not (self.zero_stage and self.bf16):
+                raise InputError(f"{name} is a setting of DeepSpeed ZeRO's bf16 mode: it needs zero_stage 1, 2 or 3 and "
+                                 "bf16=True (DeepSpeed's bf16.enabled)")
+        if self.bf16_optimizer_states and not self.bf16_master_weights_and_grads:
+            raise InputError("bf16_optimizer_states needs bf16_master_weights_and_grads=True too (DeepSpeed refuses "
+                             "bf16 optimizer states over fp32 master weights)")
+        if self.bf16_master_weights_and_grads and not self.bf16_optimizer_states and self.offload == "none":
+            raise InputError("bf16_master_weights_and_grads with fp32 optimizer states runs only with ZeRO-Offload "
+                             "(DeepSpeed: offload cpu): add --offload cpu, or --bf16-optimizer-states")
 
     def _check_llm_fields(self) -> None:
         """The trainer, padding-free and packing fields (issue 23): combinations the tools themselves refuse."""

@@ -72,9 +72,25 @@ def cuda_block_sizes() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def cuda_optimizer_defaults() -> Iterator[None]:
+    """Within it, a torch optimizer left to choose its implementation (`foreach=None`, as the Trainer builds AdamW and
+    SGD) chooses as on CUDA: the foreach kernels, one temporary per step for all parameters, where the CPU's for-loop
+    makes two of the largest parameter at once (`torch.optim.optimizer._default_to_fused_or_foreach` reads the
+    devices that have foreach kernels from `_get_foreach_kernels_supported_devices`, which names no CPU)."""
+    from torch.optim import optimizer
+
+    original = optimizer._get_foreach_kernels_supported_devices
+    optimizer._get_foreach_kernels_supported_devices = lambda: [*original(), "cpu"]
+    try:
+        yield
+    finally:
+        optimizer._get_foreach_kernels_supported_devices = original
+
+
+@contextlib.contextmanager
 def as_on_cuda(half: bool) -> Iterator[None]:
     """Off CUDA, within it steps run and are counted as on CUDA: CUDA's code paths (which dropout and SDPA kernels
-    run, and what they save), CUDA's autocast policy where the step autocasts to a half dtype (`half`), and PyTorch's
+    run, and what they save; which kernels an optimizer left to choose runs), CUDA's autocast policy where the step autocasts to a half dtype (`half`), and PyTorch's
     trackers counting storages in 512-byte blocks (`cuda_block_sizes`). On CUDA nothing changes."""
     if torch.cuda.is_available():
         yield
@@ -84,6 +100,7 @@ def as_on_cuda(half: bool) -> Iterator[None]:
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(cuda_code_paths())
+        stack.enter_context(cuda_optimizer_defaults())
         if half:
             stack.enter_context(cuda_autocast_policy())
         stack.enter_context(cuda_block_sizes())

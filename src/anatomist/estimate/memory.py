@@ -15,6 +15,7 @@ can make the real ratio a little smaller).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
@@ -28,7 +29,7 @@ from anatomist.estimate.llm_notes import llm_notes
 from anatomist.estimate.loss_peak import loss_peak_note
 from anatomist.estimate.moe import moe_note
 from anatomist.estimate.rules import BytesPerParamRule, bytes_per_param_rule
-from anatomist.estimate.sharding import ModelSize, persistent_parameters, shard, sharding_notes
+from anatomist.estimate.sharding import ModelSize, as_deepspeed_runs, persistent_parameters, shard, sharding_notes
 from anatomist.estimate.traces import TRACE_BATCHES, Mode, StepTraces, affine, offloaded_bytes, step_traces
 from anatomist.hardware import GPU
 from anatomist.recipe import ResolvedRecipe
@@ -291,8 +292,9 @@ def _phase_peaks(workload: Workload, recipe: ResolvedRecipe, gpu: GPU, traces: S
     model = _Model(traces)
     # The traces' keys name the model's peaks at any batch: recipes that share the traces share them.
     passes: Part = "forward-backward" if mode == "train" else "inference"
-    traced = (part_key(workload, recipe, passes, None, 0, gpu.compute_capability, num_gpus),
-              part_key(workload, recipe, "optimizer", None, 1, gpu.compute_capability, num_gpus)
+    run = as_deepspeed_runs(recipe)  # what was traced (`step_traces`)
+    traced = (part_key(workload, run, passes, None, 0, gpu.compute_capability, num_gpus),
+              part_key(workload, run, "optimizer", None, 1, gpu.compute_capability, num_gpus)
               if mode == "train" else None)
 
     def peak_at(phase: Phase, b: int) -> PhasePeak:
@@ -307,15 +309,17 @@ def _phase_peaks(workload: Workload, recipe: ResolvedRecipe, gpu: GPU, traces: S
 
 
 def _model_size(workload: Workload, recipe: ResolvedRecipe, traces: StepTraces) -> ModelSize:
-    """What the arithmetic of `sharding.shard` needs of the model: its parameters, the trainable ones' bytes (data
-    parallelism's buckets) and, under ZeRO-3, the persistent ones and the largest block's."""
-    plan = model_plan(workload, recipe)
+    """What the arithmetic of `sharding.shard` needs of the model: its parameters, the trainable ones' bytes as the
+    step runs them (data parallelism's buckets, ZeRO's gradients) and, under ZeRO-3, the persistent ones and the
+    largest block's."""
+    plan = model_plan(workload, as_deepspeed_runs(recipe))
+    size = ModelSize(parameters=traces.parameters, trainable=traces.trainable_parameters,
+                     trainable_bytes=plan.trainable_bytes)
     if recipe.zero_stage < 3:
-        return ModelSize(parameters=traces.parameters, trainable=traces.trainable_parameters,
-                         trainable_bytes=plan.trainable_bytes)
+        return size
     threshold = recipe.stage3_param_persistence_threshold or 0
-    return ModelSize(parameters=traces.parameters, trainable=traces.trainable_parameters, block=plan.block_parameters,
-                     persistent=persistent_parameters(plan.parameter_numels, threshold))
+    return dataclasses.replace(size, block=plan.block_parameters,
+                               persistent=persistent_parameters(plan.parameter_numels, threshold))
 
 
 def _anatomy(phases: dict[Phase, PhasePeak], gpu: GPU) -> MemoryAnatomy:

@@ -52,7 +52,8 @@ def deepspeed_config(recipe: Recipe, num_gpus: int = 1) -> dict[str, Any]:
         "gradient_clipping": recipe.max_grad_norm,
         "zero_optimization": zero,
         "fp16": {"enabled": recipe.fp16, "loss_scale": 0, "initial_scale_power": 16},
-        "bf16": {"enabled": recipe.bf16},
+        "bf16": {"enabled": recipe.bf16, **{name: True for name in ("bf16_master_weights_and_grads",
+                                                                     "bf16_optimizer_states") if getattr(recipe, name)}},
     }
     return config
 

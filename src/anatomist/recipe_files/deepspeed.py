@@ -11,8 +11,9 @@ Read as strictly as DeepSpeed reads it: its sections (zero_optimization and its 
 offload_optimizer, bf16, fp16) are pydantic models that forbid extra keys, and a top-level key
 DeepSpeed never reads is refused too (it would ignore `zero_optimisation`, and train without
 ZeRO); keys starting with "_" are comments (LLaMA-Factory's `_comment`). The keys are in
-data/deepspeed_keys.json (known.py). bf16 master weights / optimizer states, tensor and
-sequence parallel change memory and are not modelled yet: refused (unmodelled.py).
+data/deepspeed_keys.json (known.py). bf16 master weights and optimizer states are read (ZeRO's partitions in
+bf16: estimate/sharding.py); fp16 master weights, tensor and sequence parallel change memory and are not
+modelled yet: refused (unmodelled.py).
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ SCALARS = {
 
 PARALLEL = {"tensor_parallel": "tensor_parallel", "sequence_parallel_size": "sequence_parallel"}
 """Top-level keys that turn on a parallelism anatomist does not model (a size, or a section of sizes: autotp_size)."""
-PRECISION_UNMODELLED = {"bf16": ("bf16_master_weights_and_grads", "bf16_optimizer_states"),
-                        "bfloat16": ("bf16_master_weights_and_grads", "bf16_optimizer_states"),
-                        "fp16": ("fp16_master_weights_and_grads",)}
-"""Keys of the precision sections that change the bytes of master weights, gradients or optimizer states."""
+PRECISION_FIELDS = {"bf16": ("bf16_master_weights_and_grads", "bf16_optimizer_states"),
+                    "bfloat16": ("bf16_master_weights_and_grads", "bf16_optimizer_states"), "fp16": ()}
+"""Keys of the precision sections that change the bytes of ZeRO's master weights, gradients or optimizer states, read
+into the Recipe fields of the same names."""
+PRECISION_UNMODELLED = {"bf16": (), "bfloat16": (), "fp16": ("fp16_master_weights_and_grads",)}
+"""Keys of the precision sections that change those bytes in a way not modelled."""
 
 
 def _check_keys(data: dict[str, Any], file: str) -> None:
@@ -107,7 +110,12 @@ def _precision(key: str, section: Any, reading: Reading, file: str, put: Any) ->
     if enabled:  # a disabled section's other keys do nothing
         for name in PRECISION_UNMODELLED[key]:
             refuse_unmodelled(name, file, f"{key}.{name}", section.get(name))
-        reading.skip_all(key, section, keep=("enabled",))
+        for name in PRECISION_FIELDS[key]:
+            if name in section:
+                if not isinstance(section[name], bool):
+                    raise InputError(f"{file}: {key}.{name} must be true or false, got {section[name]!r}")
+                put(name, section[name], f"{key}.{name}")
+        reading.skip_all(key, section, keep=("enabled", *PRECISION_FIELDS[key]))
 
 
 def _zero(section: Any, reading: Reading, file: str, put: Any) -> None:

@@ -156,9 +156,10 @@ def _kernel_paths(recipe: ResolvedRecipe, part: Part, compute_capability: str) -
 
 
 def plan_key(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ...]:
-    """The key of a model's trace plan and exact size (`cuts.model_plan`): the model as PEFT makes it, and which
-    of its blocks checkpoint (partial checkpointing makes kinds of blocks: `stack.CHECKPOINTED`)."""
-    return ("plan", *workload.trace_key(), tuple(getattr(recipe, f) for f in PEFT_FIELDS),
+    """The key of a model's trace plan and exact size (`cuts.model_plan`): the model in its load dtype (the
+    trainable parameters' bytes) as PEFT makes it, and which of its blocks checkpoint (partial checkpointing makes
+    kinds of blocks: `stack.CHECKPOINTED`)."""
+    return ("plan", *workload.trace_key(), recipe.dtype, tuple(getattr(recipe, f) for f in PEFT_FIELDS),
             recipe.checkpoint_every if recipe.gradient_checkpointing else 1)
 
 
