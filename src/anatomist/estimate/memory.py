@@ -383,7 +383,8 @@ def _max_batch_size(total_at: Any, capacity: int) -> int:
 
 def _notes(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnatomy, rule: BytesPerParamRule,
            traces: StepTraces) -> list[str]:
-    notes = list(rule.explain(anatomy, recipe))
+    notes = [workload.config_note] if workload.config_note else []  # a catalog alias: which config stands in
+    notes += rule.explain(anatomy, recipe)
     loss = loss_peak_note(workload, recipe, anatomy, traces)
     if loss is not None:
         notes.append(loss)

@@ -188,7 +188,9 @@ def plan(
     for c in front:
         if c is not best and not c.reasons:
             c.reasons = [f"Pareto front: {c.samples_per_second:.1f} samples/s at {c.device_total / GIB:.2f} GiB"]
-    notes = [f"memory margin: {margin * 100:.3g}% of {gpu.memory_bytes / GIB:.2f} GiB kept free; limit {limit / GIB:.2f} GiB"]
+    notes = [workload.config_note] if workload.config_note else []  # a catalog alias: which config stands in
+    notes.append(f"memory margin: {margin * 100:.3g}% of {gpu.memory_bytes / GIB:.2f} GiB kept free; "
+                 f"limit {limit / GIB:.2f} GiB")
     notes += precision_notes
     if len(space.methods) > 1:
         notes.append(f"fine-tuning: searched {', '.join(space.methods)}; LoRA/QLoRA train r={space.base.lora_r} adapters "
