@@ -48,6 +48,10 @@ LOAD_DTYPES: tuple[str, ...] = get_args(LoadDtype)
 PEFT_METHODS: tuple[str, ...] = get_args(Peft)
 QUANT_TYPES: tuple[str, ...] = get_args(QuantType)
 TRAINERS: tuple[str, ...] = get_args(Trainer)
+DPO_BETA = 0.1
+"""DPOConfig.beta as anatomist's DPO step computes it (trl 1.16's default); it scales the loss, not its memory."""
+DPO_LOSS_TYPE = "sigmoid"
+"""DPOConfig.loss_type as anatomist's DPO step computes it (trl 1.16's default: -logsigmoid(beta x the margin))."""
 
 
 QLORA_PRESET: dict[str, Any] = {"load_in_4bit": True, "bnb_4bit_use_double_quant": True,

@@ -126,6 +126,11 @@ def _zero(section: Any, reading: Reading, file: str, put: Any) -> None:
         else:
             reading.skip_all(f"zero_optimization.{name}", sub, keep=("device",))
     for name, setting in DEEPSPEED_SETTINGS.items():  # the buffer sizes: "auto" is the Trainer's to fill
+        if stage == 0 or name.startswith("stage3_") and stage != 3:
+            # a buffer of ZeRO (stage3_*: of stage3.py) at a stage without it: left unset, as plan --emit leaves it
+            if name in section:
+                reading.skip(f"zero_optimization.{name}", section[name], setting.default)
+            continue
         value = section.get(name, setting.default)  # left out: DeepSpeed's default
         if value == "auto" and setting.auto:
             continue  # Recipe.resolved fills it as the Trainer does
