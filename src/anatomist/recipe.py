@@ -25,6 +25,7 @@ from anatomist.axes.liger import check_liger
 from anatomist.axes.optimizers import OPTIMIZERS, optimizer, runs_with
 from anatomist.axes.precisions import HALF_DTYPES
 from anatomist.axes.shardings import DEEPSPEED_SETTINGS, FSDP_STAGES, deepspeed_values, trainer_fsdp_arguments
+from anatomist.deepspeed_bounds import deepspeed_bounds
 from anatomist.errors import InputError
 from anatomist.trainer_defaults import trainer_defaults
 
@@ -48,6 +49,10 @@ LOAD_DTYPES: tuple[str, ...] = get_args(LoadDtype)
 PEFT_METHODS: tuple[str, ...] = get_args(Peft)
 QUANT_TYPES: tuple[str, ...] = get_args(QuantType)
 TRAINERS: tuple[str, ...] = get_args(Trainer)
+DPO_BETA = 0.1
+"""DPOConfig.beta as anatomist's DPO step computes it (trl 1.16's default); it scales the loss, not its memory."""
+DPO_LOSS_TYPE = "sigmoid"
+"""DPOConfig.loss_type as anatomist's DPO step computes it (trl 1.16's default: -logsigmoid(beta x the margin))."""
 
 
 QLORA_PRESET: dict[str, Any] = {"load_in_4bit": True, "bnb_4bit_use_double_quant": True,
@@ -300,10 +305,11 @@ class Recipe:
             raise InputError(f"unknown bnb_4bit_quant_type {self.bnb_4bit_quant_type!r}; known: {', '.join(QUANT_TYPES)}")
         if self.max_grad_norm < 0:
             raise InputError(f"max_grad_norm must be >= 0, got {self.max_grad_norm}")
-        for name in DEEPSPEED_SETTINGS:
+        for name in DEEPSPEED_SETTINGS:  # within DeepSpeed's own bounds (deepspeed_bounds.py): what it refuses
             value = getattr(self, name)
-            if value is not None and value < 0 or (name == "reduce_bucket_size" and value == 0):
-                raise InputError(f"{name} must be {'> 0' if name == 'reduce_bucket_size' else '>= 0'}, got {value}")
+            refusal = None if value is None else deepspeed_bounds().refusal("zero_optimization", name, value)
+            if refusal:
+                raise InputError(f"{name} {refusal}")
         self._check_llm_fields()
         self._check_deepspeed_precision()
 

@@ -346,8 +346,11 @@ def _find_config(model: str, *, trust_remote_code: bool, allow_network: bool) ->
 def _read_json(file: Path, given: Path) -> dict[str, Any]:
     if not file.is_file():
         raise InputError(f"{given}: no config.json there")
+    text = file.read_text()
+    if not text.strip():
+        raise InputError(f"model config {str(file)!r} is empty")
     try:
-        data = json.loads(file.read_text())
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(f"{file}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(data, dict):

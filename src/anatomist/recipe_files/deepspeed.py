@@ -7,8 +7,9 @@ from a TrainingArguments file (`deepspeed=`), every value must match the Trainin
 own, defaults included: transformers' `HfTrainerDeepSpeedConfig.trainer_config_process`
 refuses a mismatch, and so does this reader.
 
-Read as strictly as DeepSpeed reads it: its sections (zero_optimization and its offload_param /
-offload_optimizer, bf16, fp16) are pydantic models that forbid extra keys, and a top-level key
+Read as strictly as DeepSpeed reads it, and no more: its sections (zero_optimization and its offload_param /
+offload_optimizer, bf16, fp16) are pydantic models that forbid extra keys and bound their numbers (the installed
+deepspeed's bounds: deepspeed_bounds.py; "auto" is its default), and a top-level key
 DeepSpeed never reads is refused too (it would ignore `zero_optimisation`, and train without
 ZeRO); keys starting with "_" are comments (LLaMA-Factory's `_comment`). The keys are in
 data/deepspeed_keys.json (known.py). bf16 master weights and optimizer states are read (ZeRO's partitions in
@@ -21,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from anatomist.axes.shardings import DEEPSPEED_SETTINGS
+from anatomist.deepspeed_bounds import deepspeed_bounds
 from anatomist.errors import InputError
 from anatomist.recipe_files.known import deepspeed_keys, refuse_unknown
 from anatomist.recipe_files.reading import Reading, zero_offload
@@ -58,6 +60,16 @@ def _check_keys(data: dict[str, Any], file: str) -> None:
         if isinstance(section, dict):
             refuse_unknown(section, deepspeed_keys(name), file, f"DeepSpeed's {name} section (DeepSpeed refuses it too)",
                            prefix=f"{name}.")
+            _check_bounds("bf16" if name == "bfloat16" else name, section, file)
+
+
+def _check_bounds(name: str, section: dict[str, Any], file: str) -> None:
+    """A number outside the bounds the installed DeepSpeed's model for `name` puts on it: refused as DeepSpeed
+    refuses it (deepspeed_bounds.py), whether anatomist models the key or not."""
+    for key, value in section.items():
+        refusal = deepspeed_bounds().refusal(name, key, value)
+        if refusal:
+            raise InputError(f"{file}: {name}.{key} {refusal}")
 
 
 def looks_like_deepspeed(data: dict[str, Any]) -> bool:
@@ -134,13 +146,16 @@ def _zero(section: Any, reading: Reading, file: str, put: Any) -> None:
         else:
             reading.skip_all(f"zero_optimization.{name}", sub, keep=("device",))
     for name, setting in DEEPSPEED_SETTINGS.items():  # the buffer sizes: "auto" is the Trainer's to fill
+        if stage == 0 or name.startswith("stage3_") and stage != 3:
+            # a buffer of ZeRO (stage3_*: of stage3.py) at a stage without it: left unset, as plan --emit leaves it
+            if name in section:
+                reading.skip(f"zero_optimization.{name}", section[name], setting.default)
+            continue
         value = section.get(name, setting.default)  # left out: DeepSpeed's default
-        if value == "auto" and setting.auto:
-            continue  # Recipe.resolved fills it as the Trainer does
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
-            auto = ' or "auto"' if setting.auto else ' (the Trainer fills "auto" only for the hidden-size ones)'
-            raise InputError(f"{file}: zero_optimization.{name} must be a whole number of elements{auto}, got {value!r}")
-        put(name, int(value), f"zero_optimization.{name}")
+        if value == "auto":  # the Trainer fills it from the hidden size, else DeepSpeed drops it: its default
+            continue  # Recipe.resolved does the same
+        bound = deepspeed_bounds().get("zero_optimization", name)  # 5e8 -> 500000000 as DeepSpeed reads it
+        put(name, bound.check(value) if bound else value, f"zero_optimization.{name}")  # refused: _check_bounds
     reading.skip_all("zero_optimization", section,
                      keep=("stage", "offload_optimizer", "offload_param", *DEEPSPEED_SETTINGS))
 

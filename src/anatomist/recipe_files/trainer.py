@@ -130,7 +130,19 @@ def read_trainer(data: dict[str, Any], reading: Reading, file: str) -> str:
     _model_config(data, kind, reading, file)
     if data.get("deepspeed"):
         _deepspeed(data["deepspeed"], schema, reading, file)
+    if reading.get("trainer") == "dpo":
+        _dpo_length(data, file)
     return kind
+
+
+def _dpo_length(data: dict[str, Any], file: str) -> None:
+    """A DPO file must bound its sequences: DPOTrainer pads each batch of pairs to its longest, truncated to
+    max_length (prompt and completion together: trl 1.0 removed max_prompt_length); null truncates nothing."""
+    for key in ("max_length", "max_seq_length"):
+        if key in data and data[key] is None:
+            raise InputError(f"{file}: {key}: null leaves DPO's sequence length to the data (DPOTrainer pads each "
+                             "batch of pairs to its longest): set max_length, the tokens of prompt and completion it "
+                             "keeps")
 
 
 def _kind(data: dict[str, Any], trainer: dict[str, Any], file: str) -> tuple[str, dict[str, Any]]:
