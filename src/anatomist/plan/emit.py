@@ -69,13 +69,15 @@ def lora_config(recipe: Recipe, task: str = "causal-lm") -> dict[str, Any] | Non
 
 def bnb_config(recipe: Recipe) -> dict[str, Any] | None:
     """transformers.BitsAndBytesConfig keyword arguments of a quantized base (None otherwise)."""
+    skipped = [n.strip() for n in (recipe.llm_int8_skip_modules or "").split(",") if n.strip()]
+    skip = {"llm_int8_skip_modules": skipped} if skipped else {}
     if recipe.load_in_8bit:
-        return {"load_in_8bit": True}
+        return {"load_in_8bit": True, **skip}
     if not recipe.load_in_4bit:
         return None
-    kwargs = {"load_in_4bit": True, "bnb_4bit_quant_type": recipe.bnb_4bit_quant_type,
-              "bnb_4bit_use_double_quant": recipe.bnb_4bit_use_double_quant,
-              "bnb_4bit_compute_dtype": recipe.bnb_4bit_compute_dtype}
+    kwargs: dict[str, Any] = {"load_in_4bit": True, "bnb_4bit_quant_type": recipe.bnb_4bit_quant_type,
+                              "bnb_4bit_use_double_quant": recipe.bnb_4bit_use_double_quant,
+                              "bnb_4bit_compute_dtype": recipe.bnb_4bit_compute_dtype, **skip}
     if recipe.fsdp != "none" or recipe.zero_stage == 3:  # the codes sharded with the rest: stored in the same float
         kwargs["bnb_4bit_quant_storage"] = recipe.bnb_4bit_compute_dtype  # dtype (bitsandbytes' FSDP-QLoRA guide)
     return kwargs
@@ -92,7 +94,7 @@ def trl_config(recipe: Recipe, *, model: str = "MODEL", seq_len: int = 1024) -> 
     config: dict[str, Any] = {
         "model_name_or_path": model,
         "dtype": dtype,
-        "attn_implementation": recipe.attn_implementation,
+        **({"attn_implementation": recipe.attn_implementation} if recipe.attn_implementation else {}),
         "dataset_name": "DATASET",
         "output_dir": "out",
         # padding-free without packing: TRL refuses a max_length (it would not be enforced)
@@ -104,9 +106,12 @@ def trl_config(recipe: Recipe, *, model: str = "MODEL", seq_len: int = 1024) -> 
     if recipe.peft != "none":
         config.update({"use_peft": True, "lora_r": recipe.lora_r, "lora_alpha": recipe.lora_alpha,
                        "lora_dropout": recipe.lora_dropout})
-        targets = recipe.lora_config_kwargs(None).get("target_modules")
+        lora = recipe.lora_config_kwargs(None)
+        targets = lora.get("target_modules")
         if targets is not None:
             config["lora_target_modules"] = [targets] if isinstance(targets, str) else targets
+        if lora.get("target_parameters"):
+            config["lora_target_parameters"] = lora["target_parameters"]
     if recipe.load_in_8bit:
         config["load_in_8bit"] = True
     if recipe.load_in_4bit:
@@ -154,7 +159,8 @@ def trainer_snippet(recipe: Recipe, num_gpus: int = 1, *, model: str = "MODEL",
         if bnb:
             lines.insert(0, "import torch")
     lines += [f"from transformers import {', '.join(imports)}", ""]
-    load = f'dtype="{recipe.dtype}", attn_implementation="{recipe.attn_implementation}"'
+    load = f'dtype="{recipe.dtype}"' + (f', attn_implementation="{recipe.attn_implementation}"'
+                                        if recipe.attn_implementation else "")
     if recipe.experts_implementation != "grouped_mm":  # transformers' default, and no argument for a dense model
         load += f', experts_implementation="{recipe.experts_implementation}"'
     if bnb:
