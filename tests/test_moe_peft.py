@@ -93,6 +93,21 @@ def test_moe_qlora_traces_with_the_experts_in_float32(tmp_path):
     assert any("quantizes nn.Linear layers only" in n and "cast to float32" in n for n in result.notes)
 
 
+@pytest.mark.slow
+def test_compiled_fp32_experts_take_transformers_fallback(tmp_path):
+    """Under torch.compile transformers runs non-bf16 experts through its own custom op (grouped_mm_fallback),
+    not torch's grouped product (a traceback of the compiled QLoRA trace before: the meta kernel's bf16 check);
+    outside a compiled trace the patch is gone."""
+    from transformers.integrations import moe
+
+    original = moe._can_use_grouped_mm
+    workload = load_workload(str(_model(tmp_path, MIXTRAL)), seq_len=SEQ)
+    recipe = Recipe.with_presets(peft="qlora", per_device_train_batch_size=1, gradient_checkpointing=False,
+                                 torch_compile=True).resolved(workload)
+    assert estimate_memory(workload, recipe, GPU).anatomy.peak_allocated > 0
+    assert moe._can_use_grouped_mm is original
+
+
 # -- what is trained, what is quantized: the real objects on the meta device -------------------------------------
 
 def _real_model(workload, recipe):

@@ -35,7 +35,7 @@ from anatomist.trace.autocast import cuda_autocast_policy
 from anatomist.trace.compiled import compile_blocks
 from anatomist.trace.cuda_model import cuda_code_paths, cuda_grouped_mm, fake_parameters, saved_on_host
 from anatomist.trace.cutting import traced_config
-from anatomist.trace.experts import build_kwargs, check_traceable
+from anatomist.trace.experts import build_kwargs, check_traceable, compiled_experts_path
 from anatomist.trace.inputs import cache_field, make_batch, rows_not_packed
 from anatomist.trace.keys import (
     Depth,
@@ -202,6 +202,8 @@ def _tracing(workload: Workload, recipe: ResolvedRecipe, tracer: StepTracer, fak
         modes.enter_context(fake_mode)
         if workload.is_moe and isinstance(fake_mode, FakeTensorMode):
             modes.enter_context(cuda_grouped_mm())  # the experts' products in float32 too, as on CUDA
+        if workload.is_moe and traced_compile(recipe):
+            modes.enter_context(compiled_experts_path())  # what transformers runs under dynamo
         for mode in (*observers, tracer, cuda_code_paths()):
             modes.enter_context(mode)
         yield
