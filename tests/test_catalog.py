@@ -59,6 +59,22 @@ def test_every_entry_names_its_hub_repo_and_sources():
         assert 0 < entry.tolerance <= 0.01, entry.name  # 1% at most: looser catches no mistyped field
 
 
+def test_a_checkpoint_dtype_is_recorded_only_where_the_config_names_none():
+    """`--dtype auto` of DeepSeek-V2-Lite and gpt-oss-20b loads their bf16 checkpoints in bfloat16, as
+    from_pretrained(dtype="auto") does from the checkpoint where the config names no dtype; a config with a dtype
+    keeps its own."""
+    from anatomist.workload import load_workload
+
+    recorded = {e.name for e in catalog_entries().values() if e.checkpoint_dtype is not None}
+    assert {"DeepSeek-V2-Lite", "gpt-oss-20b"} <= recorded
+    for name in recorded:
+        entry = catalog_entries()[name]
+        assert "torch_dtype" not in entry.config and "dtype" not in entry.config, name
+        assert entry.checkpoint_dtype in ("float32", "bfloat16", "float16") and entry.checkpoint_dtype_source, name
+        assert load_workload(name).config_dtype == entry.checkpoint_dtype
+    assert load_workload("bert-base-uncased").config_dtype == "float32"  # no dtype anywhere: float32
+
+
 @pytest.mark.parametrize("name", ENTRIES)
 def test_built_model_matches_the_published_parameter_count(name):
     from transformers import CONFIG_MAPPING

@@ -54,6 +54,11 @@ class CatalogEntry:
     """Anything a reader should know (text tower only, fields left out, ...)."""
     config: dict[str, Any]
     """The config.json fields, without the catalog's own key."""
+    checkpoint_dtype: str | None = None
+    """The dtype of the checkpoint's floating-point weights, where its config.json names none: what
+    `from_pretrained(dtype="auto")` then loads (transformers reads it from the checkpoint's first floating tensor)."""
+    checkpoint_dtype_source: str = ""
+    """Where `checkpoint_dtype` comes from."""
     defaults: dict[str, Any] = field(default_factory=dict)
     """Fields the config.json leaves to transformers' config class, spelled out where `anatomist
     models` shows them (it reads the JSON without transformers; the catalog test checks each)."""
@@ -233,7 +238,8 @@ def _entry(name: str, data: dict[str, Any]) -> CatalogEntry:
             name=name, hub_id=meta["hub_id"], parameters=int(meta["parameters"]),
             parameters_source=meta["parameters_source"], config_source=meta["config_source"],
             tolerance=float(meta.get("tolerance", DEFAULT_TOLERANCE)), note=meta.get("note", ""), config=config,
-            defaults=dict(meta.get("defaults", {})),
+            defaults=dict(meta.get("defaults", {})), checkpoint_dtype=meta.get("checkpoint_dtype"),
+            checkpoint_dtype_source=meta.get("checkpoint_dtype_source", ""),
         )
     except KeyError as exc:
         raise ValueError(f"catalog entry {name}: {METADATA_KEY} lacks {exc.args[0]!r}") from None

@@ -124,8 +124,33 @@ class Workload:
 
     @property
     def config_dtype(self) -> str:
-        """The dtype the config names, else float32: what `from_pretrained(dtype="auto")` loads the weights in."""
+        """What `from_pretrained(dtype="auto")` loads the weights in: the dtype the config names, else the
+        checkpoint's where the catalog records it (transformers reads the checkpoint's first floating tensor),
+        else float32."""
+        named = any(self.config_json.get(key) is not None for key in ("dtype", "torch_dtype"))
+        entry = find_entry(self.name) if self.source == "catalog" and not named else None
+        if entry is not None and entry.checkpoint_dtype is not None:
+            return entry.checkpoint_dtype
         return self.facts.config_dtype
+
+    def default_attention(self) -> str:
+        """The attention transformers builds this model's task with where none is asked for: SDPA, or eager where
+        the class has no SDPA (`model_facts.ModelFacts.eager_tasks`)."""
+        return "eager" if self.task in self.facts.eager_tasks else "sdpa"
+
+    def lora_default_targets(self) -> tuple[str, ...] | None:
+        """The modules PEFT's LoraConfig targets in this model when none are named, None where PEFT has no default
+        for it (`trace.peft_defaults`, asked once per config, task and peft version: the trace cache)."""
+        from anatomist.model_facts import LoraDefaults
+        from anatomist.trace import cache
+
+        def ask_peft() -> LoraDefaults:
+            from anatomist.trace.peft_defaults import default_targets
+
+            return LoraDefaults(targets=default_targets(self, PEFT_TASK_TYPES.get(self.task)))
+
+        key = ("lora-defaults", canonical_json(self.config_json), self.task, self.num_labels, self.trust_remote_code)
+        return cache.get_or_trace(key, ask_peft, LoraDefaults).targets
 
     def hidden_size(self) -> int:
         """The model's hidden size as transformers' `HfTrainerDeepSpeedConfig.trainer_config_finalize` finds it
@@ -147,19 +172,8 @@ class Workload:
                          "and --stage3-param-persistence-threshold")
 
     def weights_dtype(self, requested: str) -> str:
-        """The dtype the weights load in for `requested` ("auto": the config's).
-
-        Raises:
-            InputError: a dtype this model's code rejects (Mixture-of-Experts layers run their
-                experts through `grouped_mm`, which takes bf16 only).
-        """
-        dtype = self.config_dtype if requested == "auto" else requested
-        if self.is_moe and dtype != "bfloat16":
-            raise InputError(
-                f"{self.name}: its Mixture-of-Experts layers run grouped_mm, which takes bfloat16 weights only; "
-                f"--dtype {requested} would load them in {dtype}: use --dtype bfloat16"
-            )
-        return dtype
+        """The dtype the weights load in for `requested` ("auto": the checkpoint's, `config_dtype`)."""
+        return self.config_dtype if requested == "auto" else requested
 
     def build_model(self, attn_implementation: str = "sdpa", dtype: str = "auto",
                     experts_implementation: str | None = None, config: Any = None) -> Any:

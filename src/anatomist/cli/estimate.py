@@ -137,7 +137,7 @@ def render(result: Estimate) -> None:
         f"[bold]{w.name}[/] ({w.task}, {mem.parameters / 1e6:,.1f} M parameters), seq {w.seq_len}, "
         f"batch {result.recipe.per_device_train_batch_size} x {result.recipe.gradient_accumulation_steps} accumulation, "
         f"weights {result.recipe.dtype}{_autocast(result.recipe)}{_peft(result.recipe)}, "
-        f"checkpointing {result.recipe.checkpointing}, "
+        f"checkpointing {result.recipe.checkpointing}, {_attention(result)}, "
         f"sharding {_sharding(result.recipe, result.num_gpus)}, "
         f"{result.mode} on {devices(result.num_gpus, result.nodes)} x [bold]{result.gpu.name}[/] "
         f"({gib(result.gpu.memory_bytes)})"
@@ -201,6 +201,14 @@ def render_time(t: TimeAnatomy, *, several: bool = False) -> None:
     out.print("classes: " + ", ".join(f"{k} {v / t.step_s:.0%}" for k, v in t.classes_s.items()))
     said = f"{t.calibration}; {UNFITTED_TERMS}" if several else t.calibration
     out.print(said if t.calibrated else f"[yellow]{said}[/]")
+
+
+def _attention(result: Estimate) -> str:
+    """The attention kernel, and why where it is transformers' fallback for a model without SDPA."""
+    attention = result.recipe.attn_implementation
+    if attention == "eager" and result.workload.default_attention() == "eager":
+        return "attention eager (transformers' default: the model has no SDPA)"
+    return f"attention {attention}"
 
 
 def _autocast(recipe: Recipe) -> str:

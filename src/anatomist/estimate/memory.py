@@ -28,6 +28,7 @@ from anatomist.errors import InputError
 from anatomist.estimate.llm_notes import llm_notes
 from anatomist.estimate.loss_peak import loss_peak_note
 from anatomist.estimate.moe import moe_note
+from anatomist.estimate.peft_notes import peft_notes
 from anatomist.estimate.rules import BytesPerParamRule, bytes_per_param_rule
 from anatomist.estimate.sharding import ModelSize, as_deepspeed_runs, persistent_parameters, shard, sharding_notes
 from anatomist.estimate.traces import TRACE_BATCHES, Mode, StepTraces, affine, offloaded_bytes, step_traces
@@ -423,6 +424,7 @@ def _notes(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnatomy, r
     if recipe.use_liger_kernel and workload.config is not None:
         notes.append(_liger_note(workload, recipe))
     notes += llm_notes(workload, recipe)
+    notes += peft_notes(workload, recipe, model_plan(workload, recipe))
     moe = moe_note(workload, recipe)
     if moe is not None:
         notes.append(moe)

@@ -84,11 +84,12 @@ def trl_args(recipe: Recipe, seq_len: int) -> dict[str, Any]:
 
 def model_init_kwargs(recipe: Recipe) -> dict[str, Any]:
     """What TRL's trainers pass to from_pretrained (SFTConfig/DPOConfig.model_init_kwargs): the load dtype, the
-    attention kernel and, where not transformers' default, the experts' kernel. TRL dequantizes 4-bit weights to
+    attention kernel where the recipe names one, and, where not transformers' default, the experts' kernel. TRL dequantizes 4-bit weights to
     its `dtype` (get_quantization_config), so a 4-bit base is loaded in its compute dtype;
     `prepare_model_for_kbit_training` casts the rest to fp32 anyway."""
-    kwargs: dict[str, Any] = {"dtype": recipe.bnb_4bit_compute_dtype if recipe.load_in_4bit else recipe.dtype,
-                              "attn_implementation": recipe.attn_implementation}
+    kwargs: dict[str, Any] = {"dtype": recipe.bnb_4bit_compute_dtype if recipe.load_in_4bit else recipe.dtype}
+    if recipe.attn_implementation:  # unset: transformers' own pick for the model
+        kwargs["attn_implementation"] = recipe.attn_implementation
     if recipe.experts_implementation != "grouped_mm":  # transformers' default, and no argument for a dense model
         kwargs["experts_implementation"] = recipe.experts_implementation
     return kwargs
@@ -101,13 +102,15 @@ def lora_config(recipe: Recipe, task: str = "causal-lm") -> dict[str, Any] | Non
 
 def bnb_config(recipe: Recipe) -> dict[str, Any] | None:
     """transformers.BitsAndBytesConfig keyword arguments of a quantized base (None otherwise)."""
+    skipped = [n.strip() for n in (recipe.llm_int8_skip_modules or "").split(",") if n.strip()]
+    skip = {"llm_int8_skip_modules": skipped} if skipped else {}
     if recipe.load_in_8bit:
-        return {"load_in_8bit": True}
+        return {"load_in_8bit": True, **skip}
     if not recipe.load_in_4bit:
         return None
-    kwargs = {"load_in_4bit": True, "bnb_4bit_quant_type": recipe.bnb_4bit_quant_type,
-              "bnb_4bit_use_double_quant": recipe.bnb_4bit_use_double_quant,
-              "bnb_4bit_compute_dtype": recipe.bnb_4bit_compute_dtype}
+    kwargs: dict[str, Any] = {"load_in_4bit": True, "bnb_4bit_quant_type": recipe.bnb_4bit_quant_type,
+                              "bnb_4bit_use_double_quant": recipe.bnb_4bit_use_double_quant,
+                              "bnb_4bit_compute_dtype": recipe.bnb_4bit_compute_dtype, **skip}
     if recipe.fsdp != "none" or recipe.zero_stage == 3:  # the codes sharded with the rest: stored in the same float
         kwargs["bnb_4bit_quant_storage"] = recipe.bnb_4bit_compute_dtype  # dtype (bitsandbytes' FSDP-QLoRA guide)
     return kwargs
@@ -121,7 +124,7 @@ def trl_config(recipe: Recipe, *, model: str = "MODEL", seq_len: int = 1024,
     config: dict[str, Any] = {
         "model_name_or_path": model,
         "dtype": load.pop("dtype"),
-        "attn_implementation": load.pop("attn_implementation"),
+        **({"attn_implementation": attention} if (attention := load.pop("attn_implementation", None)) else {}),
         "dataset_name": "DATASET",
         "output_dir": "out",
         **trl_args(recipe, seq_len),
@@ -133,9 +136,12 @@ def trl_config(recipe: Recipe, *, model: str = "MODEL", seq_len: int = 1024,
     if recipe.peft != "none":
         config.update({"use_peft": True, "lora_r": recipe.lora_r, "lora_alpha": recipe.lora_alpha,
                        "lora_dropout": recipe.lora_dropout})
-        targets = recipe.lora_config_kwargs(None).get("target_modules")
+        lora = recipe.lora_config_kwargs(None)
+        targets = lora.get("target_modules")
         if targets is not None:
             config["lora_target_modules"] = [targets] if isinstance(targets, str) else targets
+        if lora.get("target_parameters"):
+            config["lora_target_parameters"] = lora["target_parameters"]
     if recipe.load_in_8bit:
         config["load_in_8bit"] = True
     if recipe.load_in_4bit:
@@ -205,7 +211,8 @@ def trainer_snippet(recipe: Recipe, num_gpus: int = 1, *, model: str = "MODEL",
         if bnb:
             lines.insert(0, "import torch")
     lines += [f"from transformers import {', '.join(imports)}", ""]
-    load = f'dtype="{recipe.dtype}", attn_implementation="{recipe.attn_implementation}"'
+    load = f'dtype="{recipe.dtype}"' + (f', attn_implementation="{recipe.attn_implementation}"'
+                                        if recipe.attn_implementation else "")
     if recipe.experts_implementation != "grouped_mm":  # transformers' default, and no argument for a dense model
         load += f', experts_implementation="{recipe.experts_implementation}"'
     if bnb:

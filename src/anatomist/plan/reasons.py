@@ -60,7 +60,8 @@ def _if_valid(label: str, recipe: ResolvedRecipe, **changes: object) -> list[tup
         return []
 
 
-def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[ResolvedRecipe], str], Alternatives]]:
+def _axes(space: SearchSpace, gpu: GPU, sdpa: bool = True) -> list[tuple[str, Callable[[ResolvedRecipe], str],
+                                                                        Alternatives]]:
 
     def method_alts(r: ResolvedRecipe) -> list[tuple[str, ResolvedRecipe]]:
         """The other methods, at their own precision nearest to `r`'s (QLoRA has one)."""
@@ -88,7 +89,8 @@ def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[ResolvedRec
             if spec.name != sharding_of(r, space.num_gpus) and runs_with(r.optim, spec.fsdp)
         ]
 
-    attn = ["eager", "sdpa"] + (["flash_attention_2"] if float(gpu.compute_capability) >= 8.0 else [])
+    # a model without SDPA (transformers' default is eager there) has no fused attention to compare with
+    attn = ["eager"] + (["sdpa"] + (["flash_attention_2"] if float(gpu.compute_capability) >= 8.0 else []) if sdpa else [])
     return [
         ("fine-tuning", method_of, method_alts),
         ("per-device batch x accumulation",
@@ -119,7 +121,7 @@ def explain(best: Candidate, evaluate: Evaluator, space: SearchSpace, objective:
     """One line per axis: the chosen value, why, and what each alternative would do."""
     reasons = []
     goal = "fastest" if objective == "throughput" else "smallest"
-    axes = [(axis, label, alternatives(best.recipe)) for axis, label, alternatives in _axes(space, evaluate.gpu)]
+    axes = [(axis, label, alternatives(best.recipe)) for axis, label, alternatives in _axes(space, evaluate.gpu, evaluate.workload.default_attention() == "sdpa")]
     every_alternative = [recipe for _, _, named in axes for _, recipe in named]
     prefetch(evaluate.workload, every_alternative, evaluate.gpu.compute_capability,  # traced side by side
              num_gpus=evaluate.num_gpus)

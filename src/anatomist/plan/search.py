@@ -8,7 +8,6 @@ nvidia-smi would show) is at most (1 - margin) x the GPU's memory.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,10 +124,6 @@ def _searched(workload: Workload, gpu: GPU, space: SearchSpace | None, objective
         InputError: bad margin/objective/cluster, or a space with no recipe.
     """
     space = (space or SearchSpace()).for_workload(workload.model_type, workload.task)
-    if workload.is_moe and space.precisions is None:
-        if not gpu.bf16:
-            raise InputError(f"{workload.name}: its Mixture-of-Experts layers need bfloat16 weights, which {gpu.name} lacks")
-        space = dataclasses.replace(space, precisions=("bf16-weights",))  # grouped_mm takes bf16 only
     limit = memory_limit_bytes(gpu, margin)
     if objective not in ("throughput", "memory"):
         raise InputError(f"--objective must be throughput or memory, got {objective!r}")

@@ -43,14 +43,16 @@ TRL_RECIPE_FIELDS = frozenset({"padding_free", "packing", "precompute_ref_log_pr
 """Recipe fields named as SFTConfig / DPOConfig name them, which TrainingArguments lacks: beside TrainingArguments'
 keys, one of them makes the file TRL's (read with TRL's defaults and trainer), not the Trainer's."""
 
-DIRECT = RECIPE_FIELDS - {"gradient_checkpointing", "tf32", "fsdp", "lora_target_modules"}
+LISTS = ("lora_target_modules", "lora_target_parameters", "llm_int8_skip_modules")
+"""Keys whose list (TRL ModelConfig's, BitsAndBytesConfig's) is a comma-separated Recipe field of the same name."""
+DIRECT = RECIPE_FIELDS - {"gradient_checkpointing", "tf32", "fsdp", *LISTS}
 """Keys whose value is the Recipe field of the same name: TrainingArguments' (per_device_train_batch_size,
 fp16, optim, ...), TRL ModelConfig's (dtype, attn_implementation, lora_r, load_in_4bit, ...) and anatomist's."""
 DEEPSPEED_CHECKED = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "fp16", "bf16")
 """The TrainingArguments values the Trainer fills DeepSpeed's "auto" with and checks the rest against."""
 HANDLED = frozenset({"gradient_checkpointing", "activation_checkpointing", "gradient_checkpointing_kwargs",
                      "activation_checkpointing_kwargs", "tf32", "fsdp", "fsdp_config",
-                     "deepspeed", "lora_target_modules", "use_peft", "use_bnb_nested_quant", "model_name_or_path",
+                     "deepspeed", *LISTS, "use_peft", "use_bnb_nested_quant", "model_name_or_path",
                      "max_length", "model_init_kwargs", *TRL_LEGACY})
 
 
@@ -271,10 +273,10 @@ def _model_config(data: dict[str, Any], kind: str, reading: Reading, file: str) 
     reading.skip_all("model_init_kwargs", kwargs, keep=tuple(read))
     if data.get("use_peft"):
         reading.set("peft", "lora", file, "use_peft")
-    targets = data.get("lora_target_modules")
-    if targets is not None:
-        reading.set("lora_target_modules", ",".join(targets) if isinstance(targets, list) else targets, file,
-                    "lora_target_modules")
+    for key in LISTS:
+        names = data.get(key)
+        if names is not None:
+            reading.set(key, ",".join(names) if isinstance(names, list) else names, file, key)
     if data.get("use_bnb_nested_quant") is not None:
         reading.set("bnb_4bit_use_double_quant", data["use_bnb_nested_quant"], file, "use_bnb_nested_quant")
     if kind == "TRL" and data.get("load_in_4bit") and "bnb_4bit_compute_dtype" not in data:
