@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python benchmarks/published/memory.py check          # predict every row, print the table
     PYTHONPATH=src python benchmarks/published/memory.py check --json   # the errors per regime, as JSON
+    PYTHONPATH=src python benchmarks/published/memory.py intervals      # write src/anatomist/data/memory_accuracy.toml
 
 memory.toml holds one row per published measurement (a peak allocated, a peak reserved or an nvidia-smi
 reading of one run), each with its source and the text it was read from. `check` estimates each run once
@@ -32,6 +33,7 @@ CONFIGS = HERE / "configs"
 QUANTITIES = ("peak_allocated", "peak_reserved", "device_total")
 UNIT_BYTES = {"bytes": 1, "MiB": 2**20, "GiB": 2**30, "MB": 10**6, "GB": 10**9}
 REGIMES = ("one GPU, full fine-tune", "adapters (LoRA, QLoRA)", "sharded (FSDP2, ZeRO)", "sharded, FSDP1 (not modelled)")
+"""anatomist.estimate.intervals.MEMORY_REGIMES, and the FSDP1 runs apart."""
 
 
 def load(path: Path = ROWS) -> dict[str, Any]:
@@ -48,15 +50,14 @@ def published_bytes(row: dict[str, Any]) -> int:
 
 
 def regime(row: dict[str, Any]) -> str:
-    """The row's regime, from its recipe and device count (an FSDP1 run apart)."""
-    recipe = row["recipe"]
+    """The row's regime, as the estimate names its own (`anatomist.estimate.intervals.memory_regime`), an FSDP1 run
+    apart."""
+    from anatomist.estimate.intervals import memory_regime
+    from anatomist.recipe import Recipe
+
     if row.get("fsdp_version") == 1:
         return REGIMES[3]
-    if row["num_gpus"] > 1 and (recipe.get("fsdp", "none") != "none" or recipe.get("zero_stage", 0)):
-        return REGIMES[2]
-    if recipe.get("peft", "none") != "none":
-        return REGIMES[1]
-    return REGIMES[0]
+    return memory_regime(Recipe.from_dict(row["recipe"], source=row["id"]), row["num_gpus"])[0]
 
 
 def precision(row: dict[str, Any]) -> str:
@@ -197,11 +198,35 @@ def versions() -> str:
             + ", ".join(libraries))
 
 
+FITTING_QUANTITIES = ("device_total", "peak_reserved")
+"""What decides whether a run fits: nvidia-smi's total, or the caching allocator's peak reserved (the same less the
+CUDA context)."""
+ACCURACY = Path(__file__).resolve().parents[2] / "src" / "anatomist" / "data" / "memory_accuracy.toml"
+
+
+def accuracy_table(results: list[dict[str, Any]], measured: str) -> str:
+    """data/memory_accuracy.toml's text: per regime, the errors of the rows that measured what decides fitting (FSDP1
+    rows left out), their GPUs and rows; read by anatomist.estimate.intervals."""
+    lines = ["# Written by `python benchmarks/published/memory.py intervals` (never by hand): the errors (predicted /",
+             "# measured - 1) of anatomist's device total on the published GPU runs of benchmarks/published/memory.toml",
+             "# that measured nvidia-smi's total or the peak reserved, per regime. anatomist.estimate.intervals reads it.",
+             f'measured = "{measured}"', ""]
+    for name, group in by([r for r in results if r["quantity"] in FITTING_QUANTITIES and r["regime"] != REGIMES[3]],
+                          "regime").items():
+        lines += [f'[regimes."{name}"]', "errors = [" + ", ".join(f"{r['error']:.4f}" for r in group) + "]",
+                  "gpus = [" + ", ".join(f'"{g}"' for g in dict.fromkeys(r["gpu"] for r in group)) + "]",
+                  "rows = [" + ", ".join(f'"{r["id"]}"' for r in group) + "]", ""]
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
-    if not argv or argv[0] != "check":
+    if not argv or argv[0] not in ("check", "intervals"):
         raise SystemExit(__doc__)
     results = check(load()["rows"], progress=lambda run: print(f"estimating {run}", file=sys.stderr, flush=True))
-    if "--json" in argv:
+    if argv[0] == "intervals":
+        ACCURACY.write_text(accuracy_table(results, versions()))
+        print(f"wrote {ACCURACY}", file=sys.stderr)
+    elif "--json" in argv:
         print(json.dumps({"versions": versions(), **report(results)}, indent=1))
     else:
         print(f"# memory.py check: {versions()}")

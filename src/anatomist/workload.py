@@ -128,7 +128,8 @@ class Workload:
         checkpoint's where the catalog records it (transformers reads the checkpoint's first floating tensor),
         else float32."""
         named = any(self.config_json.get(key) is not None for key in ("dtype", "torch_dtype"))
-        entry = find_entry(self.name) if self.source == "catalog" and not named else None
+        match = resolve(self.name) if self.source == "catalog" and not named else None
+        entry = match.entry if match is not None else None
         if entry is not None and entry.checkpoint_dtype is not None:
             return entry.checkpoint_dtype
         return self.facts.config_dtype

@@ -25,6 +25,7 @@ import numpy as np
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, GIB, TENSOR_CATEGORIES, MemoryAnatomy, MemoryCategory, Phase
 from anatomist.axes.liger import liger_note, liger_table
 from anatomist.errors import InputError
+from anatomist.estimate.intervals import Interval, Verdict, memory_interval
 from anatomist.estimate.llm_notes import llm_notes
 from anatomist.estimate.loss_peak import loss_peak_note
 from anatomist.estimate.moe import moe_note
@@ -56,22 +57,34 @@ class MemoryEstimate:
     limit_bytes: int
     """The GPU's memory less the margin kept free: what `fits` compares the device total with."""
     rule: BytesPerParamRule
+    interval: Interval
+    """The likely range of the device total (`intervals.memory_interval`: the errors of published GPU runs)."""
     phase_peaks: dict[str, int] = field(default_factory=dict)
     """Predicted peak allocated bytes of each phase."""
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def verdict(self) -> Verdict:
+        """fits (even the top of the interval), borderline, or does not fit (even its bottom)."""
+        return self.interval.verdict(self.limit_bytes)
+
     def to_dict(self) -> dict[str, Any]:
         return {
-            "memory": self.anatomy.to_dict(),
+            "memory": self.anatomy_dict(),
             "parameters": self.parameters,
             "trainable_parameters": self.trainable_parameters,
             "fits": self.fits,
+            "verdict": self.verdict,
             "max_batch_size": self.max_batch_size,
             "limit_bytes": self.limit_bytes,
             "bytes_per_param_rule": asdict(self.rule),
             "phase_peaks": self.phase_peaks,
             "notes": self.notes,
         }
+
+    def anatomy_dict(self) -> dict[str, Any]:
+        """The anatomy's figures, with the device total's interval (`memory.interval` of the JSON)."""
+        return {**self.anatomy.to_dict(), "interval": self.interval.to_dict()}
 
 
 @dataclass(slots=True)
@@ -233,6 +246,7 @@ def estimate_memory(
         limit_bytes=limit,
         max_batch_size=_largest_batch(workload, recipe, gpu, mode, num_gpus, limit, phases_at),
         rule=rule,
+        interval=memory_interval(anatomy.device_total, recipe, num_gpus),
         phase_peaks={str(p): v.allocated for p, v in phases.items()},
         notes=[*traces.notes, *_notes(workload, recipe, anatomy, rule, traces), *sharding_notes(recipe, num_gpus, mode)],
     )

@@ -47,7 +47,8 @@ def _compare(best: Candidate, alt_label: str, alt: Candidate, limit: int) -> str
         speed_txt = f"{abs(speed):.0%} {'faster' if speed > 0 else 'slower'}"
     mem_txt = f"{'+' if memory >= 0 else '-'}{_gib(abs(memory))}"
     if not alt.fits:
-        return f"{alt_label} would not fit ({_gib(alt.device_total)} > limit {_gib(limit)}; {speed_txt})"
+        return f"{alt_label} would not fit ({_gib(alt.device_total)}, up to {_gib(alt.device_total_high)} > limit " \
+               f"{_gib(limit)}; {speed_txt})"
     return f"{alt_label}: {speed_txt}, {mem_txt}"
 
 
@@ -154,9 +155,10 @@ def explain(best: Candidate, evaluate: Evaluator, space: SearchSpace, objective:
 def explain_infeasible(
     workload: Workload, gpu: GPU, space: SearchSpace, candidates: list[Candidate], limit: int, margin: float
 ) -> str:
-    """Why nothing fits: the smallest recipe's need, the shortfall, and what would fit."""
-    smallest = min(candidates, key=lambda c: c.device_total)
-    need = smallest.device_total
+    """Why nothing fits at the top of its memory interval: the smallest recipe's need there, the shortfall, and what
+    would fit."""
+    smallest = min(candidates, key=lambda c: c.device_total_high)
+    need = smallest.device_total_high
     options = []
     larger = smallest_fitting_gpu(need, margin, gpu)
     if larger is not None:
@@ -165,15 +167,16 @@ def explain_infeasible(
 
     sharded = smallest.recipe.replace(zero_stage=3, offload="cpu", fsdp="none").resolved(workload)
     for n in (2, 4, 8, 16, 32, 64):
-        total = estimate_memory(workload, sharded, gpu, num_gpus=n).anatomy.device_total
-        if total is not None and total <= limit:  # an estimate always has one
-            options.append(f"{n} GPUs with ZeRO-3 + CPU offload ({_gib(total)} per device; --gpus {n})")
+        total = estimate_memory(workload, sharded, gpu, num_gpus=n).interval.high
+        if total <= limit:
+            options.append(f"{n} GPUs with ZeRO-3 + CPU offload (up to {_gib(round(total))} per device; --gpus {n})")
             break
     if space.num_gpus == 1 and not any(c.recipe.offload != "none" for c in candidates):
         options.append("ZeRO offload (zero_stage 2/3 with offload cpu)")
     what = smallest.memory.anatomy
     return (
-        f"no recipe fits {gpu.name}: the smallest of {len(candidates)} needs {_gib(need)} "
+        f"no recipe fits {gpu.name}: the smallest of {len(candidates)} needs {_gib(smallest.device_total)}, up to "
+        f"{_gib(need)} at the top of its interval "
         f"(weights {_gib(what.weights)}, optimizer {_gib(what.optimizer_states)}, gradients {_gib(what.gradients)}, "
         f"activations {_gib(what.activations)}) but the limit is {_gib(limit)} "
         f"({_gib(gpu.memory_bytes)} less the {margin * 100:.3g}% margin): short by {_gib(need - limit)}. "

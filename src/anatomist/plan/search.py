@@ -2,8 +2,10 @@
 
 Memory comes from `estimate_memory` (fake-tensor traces, cached per trace-shaping fields, so
 batch size, accumulation and sharding variations are arithmetic); time from the time model
-(`communication.predict_time`). A recipe fits when its predicted device total (what
-nvidia-smi would show) is at most (1 - margin) x the GPU's memory.
+(`communication.predict_time`). A recipe fits when the top of its predicted device total's interval (what
+nvidia-smi would show, as far above the prediction as published GPU runs were: `estimate.intervals`) is at most
+(1 - margin) x the GPU's memory; among recipes the time model cannot rank the pick prefers headroom
+(`candidates.choose`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from anatomist.estimate.flops import recomputing_nothing
 from anatomist.estimate.memory import memory_limit_bytes
 from anatomist.estimate.traces import prefetch
 from anatomist.hardware import GPU
-from anatomist.plan.candidates import SPEED_TIE, Candidate, Evaluator, Objective, choose, pareto_front
+from anatomist.plan.candidates import SPEED_TIE, Candidate, Evaluator, Objective, choose, pareto_front, with_pick
 from anatomist.plan.reasons import explain, explain_infeasible
 from anatomist.plan.space import SearchSpace, can_offload_activations, enumerate_recipes, partial_variants
 from anatomist.recipe import ResolvedRecipe
@@ -167,18 +169,18 @@ def plan(
         _trace_ahead(evaluate, recipes)  # every trace, side by side
         candidates = [evaluate(r) for r in recipes]
         feasible = [c for c in candidates if c.fits]
-        variants = checkpointing_variants(recipes, choose(feasible, objective) if feasible else None, evaluate,
-                                          objective, space)
+        variants = checkpointing_variants(recipes, choose(feasible, objective, limit=limit) if feasible else None,
+                                          evaluate, objective, space)
         if variants:
             _trace_ahead(evaluate, variants)
             candidates += [evaluate(r) for r in variants]
             feasible = [c for c in candidates if c.fits]
         if not feasible:
             raise InputError(explain_infeasible(workload, gpu, space, candidates, limit, margin))
-        best = choose(feasible, objective)
+        best = choose(feasible, objective, limit=limit)
         best.reasons = explain(best, evaluate, space, objective, limit)
     calibrated = all(c.time.calibrated for c in candidates)
-    front = pareto_front(feasible)
+    front = with_pick(pareto_front(feasible), best)
     _, precision_notes = searchable_on(gpu)
     for c in front:
         if c is not best and not c.reasons:
@@ -262,7 +264,7 @@ def _fastest_of(recipes: list[ResolvedRecipe], evaluate: Evaluator) -> Candidate
             top = max(fitting)
         start += len(band)
     feasible = [evaluate(r) for r in recipes if r in evaluate.seen and evaluate(r).fits]
-    return choose(feasible, "throughput") if feasible else None
+    return choose(feasible, "throughput", limit=memory_limit_bytes(evaluate.gpu, evaluate.margin)) if feasible else None
 
 
 def _time_traced(recipes: list[ResolvedRecipe]) -> list[ResolvedRecipe]:
