@@ -130,6 +130,7 @@ def test_every_command_piped_through_cat_keeps_every_name_and_line_whole(tmp_pat
 
     small = _piped(f"estimate {llama} --gpu A100-80GB --seq-len 64 --memory-margin 0.9999", tmp_path)
     assert "largest batch that fits: none: even batch 1 does not fit" in small.stdout, small.stderr
+    assert "no change of batch, accumulation, checkpointing or optimizer fits; LoRA or QLoRA" in small.stdout
 
     plan = _piped(f"plan {llama} --gpu A100-80GB --seq-len 64 --global-batch-size 8 --optims adamw_torch_fused "
                   "--precisions bf16 --no-compile", tmp_path)

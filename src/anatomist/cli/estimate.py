@@ -183,7 +183,7 @@ def render(result: Estimate, change: str | None = None) -> None:
     rows.append(["device total (nvidia-smi)", gib(a.device_total), "", ""])
     columns = [Column(name="component"), Column(name="predicted", right=True), Column(name="share", right=True),
                Column(name="bytes/param rule", right=True)]
-    print_table(out, "Memory anatomy at the peak", columns, rows)
+    print_table(out, "Memory anatomy at the peak", columns, rows, total=True)
     word, colour = verdict(result)
     out.print(
         f"peak in [bold]{a.peak_phase}[/]: allocated {gib(a.peak_allocated)}, reserved {gib(a.peak_reserved)}, "

@@ -68,11 +68,12 @@ class Column:
 
 
 def print_table(out: Console, title: str, columns: Sequence[Column], rows: Sequence[Sequence[str]], *,
-                marked: Sequence[int] = (), mark: str = "*", caption: str | None = None) -> None:
+                marked: Sequence[int] = (), mark: str = "*", caption: str | None = None, total: bool = False) -> None:
     """A table on `out`: boxed at the terminal's width, or plain columns where `out` is not a terminal.
 
     Cells are plain text (no rich markup: a name like `[bold]` is printed as it is). `marked`: rows shown in bold
-    green on a terminal and behind `mark` in plain columns (the plan's top pick, the chosen cluster size)."""
+    green on a terminal and behind `mark` in plain columns (the plan's top pick, the chosen cluster size). `total`:
+    the last row is a total, set apart by a rule on a terminal."""
     chosen = set(marked)
     if not out.is_terminal:
         header = [c.name for c in columns]
@@ -90,5 +91,8 @@ def print_table(out: Console, title: str, columns: Sequence[Column], rows: Seque
         table.add_column(c.name, justify="right" if c.right else "left", overflow="fold",
                          no_wrap=c.whole, min_width=max(widest, len(c.name)) if c.whole else None)
     for i, row in enumerate(rows):
-        table.add_row(*(Text(cell) for cell in row), style="bold green" if i in chosen else None)
+        if total and i == len(rows) - 1:
+            table.add_section()
+        table.add_row(*(Text(cell) for cell in row), style="bold" if total and i == len(rows) - 1
+                      else "bold green" if i in chosen else None)
     out.print(table)

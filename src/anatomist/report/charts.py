@@ -85,6 +85,11 @@ def _label_width_in(labels: list[str]) -> float:
     return CHAR_IN * max((len(line) for t in labels for line in t.split("\n")), default=0)
 
 
+def _column_height_in(labels: list[str], fontsize: float = 8) -> float:
+    """Inches a column of `labels` (wrapped) takes, stacked as `_callouts` stacks them."""
+    return sum(len(t.split("\n")) for t in labels) * 1.45 * fontsize / 72
+
+
 def _title(fig: Figure, ax, title: str, sub: str | None, *, left_in: float = 0.0) -> None:  # type: ignore[no-untyped-def]
     """The chart's name in bold, and under it, smaller, what it is about (model, GPU...). The subtitle is
     wrapped to the width the axes is left with (`left_in`: what its labels take on its left), so it is
@@ -228,7 +233,8 @@ def throughput_vs_memory(results: list[RecipeResult]) -> Figure | None:
     named = range(len(rows)) if len(rows) <= MAX_NAMED_POINTS else front  # beyond that, the table names them
     labels = [_wrapped(name(rows[i])) for i in named]
     label_in = _label_width_in(labels)
-    fig = _figure(width_in=6.5 + label_in, height_in=4.6)
+    # tall enough that the column of labels fits beside the plot (title, axis and legend take ~1.9 in)
+    fig = _figure(width_in=6.5 + label_in, height_in=max(4.6, _column_height_in(labels) + 2.1))
     (ax,) = _with_label_columns(fig, 1, 6.0, label_in)
     ax.scatter([p[0] for p in points], [p[1] for p in points], s=36, color="#0072B2", alpha=0.6, label="recipe")
     ax.plot([points[i][0] for i in front], [points[i][1] for i in front], "-o", color="#D55E00",
@@ -256,7 +262,8 @@ def predicted_vs_measured(results: list[RecipeResult]) -> Figure | None:
     name = distinguishing(mem_rows)
     label_in = _label_width_in([_wrapped(name(r)) for r in mem_rows])
     plots = 2 if speed_rows else 1
-    fig = _figure(width_in=plots * (3.7 + label_in), height_in=4.4)
+    fig = _figure(width_in=plots * (3.7 + label_in),
+                  height_in=max(4.4, _column_height_in([_wrapped(name(r)) for r in mem_rows]) + 2.1))
     axes = _with_label_columns(fig, plots, 3.4, label_in)
     # mem_rows have both peaks (filtered above)
     mem_pairs = [tuple(cast(int, b) / GIB for b in comparable_peaks(r.predicted_memory, r.measured_memory)) for r in mem_rows]
