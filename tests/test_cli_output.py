@@ -90,6 +90,7 @@ def test_json_is_all_that_reaches_stdout(monkeypatch, capsys) -> None:
 # ---- every command through a pipe ---------------------------------------------------------------------------------
 
 BOX = set("┃│━─┏┓┗┛┡┩└┘├┤┼╇")
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def _piped(command: str, folder: Path) -> subprocess.CompletedProcess[str]:
@@ -109,7 +110,7 @@ def _config(folder: Path, name: str) -> Path:
     return write_config(folder, name)
 
 
-@pytest.mark.slow  # six fresh interpreters, one cold plan of a tiny model: ~40 s on 2 cores
+@pytest.mark.slow  # ten fresh interpreters, one cold plan of a tiny model: ~1 min on 2 idle cores
 def test_every_command_piped_through_cat_keeps_every_name_and_line_whole(tmp_path: Path) -> None:
     from anatomist.hardware import catalog as gpu_catalog
 
@@ -131,6 +132,7 @@ def test_every_command_piped_through_cat_keeps_every_name_and_line_whole(tmp_pat
     small = _piped(f"estimate {llama} --gpu A100-80GB --seq-len 64 --memory-margin 0.9999", tmp_path)
     assert "largest batch that fits: none: even batch 1 does not fit" in small.stdout, small.stderr
     assert "no change of batch, accumulation, checkpointing or optimizer fits; LoRA or QLoRA" in small.stdout
+    assert f"`anatomist plan {llama} --gpu A100-80GB --seq-len 64 --peft lora,qlora` searches the first" in small.stdout
 
     plan = _piped(f"plan {llama} --gpu A100-80GB --seq-len 64 --global-batch-size 8 --optims adamw_torch_fused "
                   "--precisions bf16 --no-compile", tmp_path)
@@ -145,6 +147,12 @@ def test_every_command_piped_through_cat_keeps_every_name_and_line_whole(tmp_pat
     check = _piped(f"check {llama} --gpu A100-80GB --seq-len 64", tmp_path)
     assert check.returncode == 0 and "anatomist pre-flight" in check.stdout, check.stderr
     _whole(check.stdout)
+
+    for command in ("models", "env", f"report {FIXTURES / 'plan_schema_example.json'} -o {tmp_path / 'r.html'}"):
+        piped = _piped(command, tmp_path)
+        assert piped.returncode == 0, piped.stderr
+        _whole(piped.stdout)
+    assert set(catalog_entries()) <= {line.split()[0] for line in _piped("models", tmp_path).stdout.splitlines()}
 
     profile = _piped(f"profile {_config(tmp_path, 'bert')} --seq-len 16 --steps 1", tmp_path)
     assert profile.returncode == 0, profile.stderr

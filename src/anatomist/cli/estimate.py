@@ -154,9 +154,13 @@ def what_would_fit(result: Estimate) -> str:
     if change is not None:
         found = Preflight(estimate=result, num_gpus=result.num_gpus, change=change, changed=changed)
         return f"smallest change that fits: {found.describe_change()}"
-    model = result.workload.repo_id or result.workload.name
-    return (f"no change of batch, accumulation, checkpointing or optimizer fits; LoRA or QLoRA, ZeRO-3 or FSDP over more GPUs, or a GPU with more memory may: `anatomist plan {model} "
-            f"--gpu {result.gpu.name} --peft lora,qlora` searches the first, `--gpus N` the second")
+    w = result.workload
+    devices = (f" --gpus {result.num_gpus // result.nodes}" + (f" --nodes {result.nodes}" if result.nodes > 1 else "")
+               if result.num_gpus > 1 else "")
+    plan = f"anatomist plan {w.repo_id or w.name} --gpu {result.gpu.name} --seq-len {w.seq_len}{devices}"
+    return (f"no change of batch, accumulation, checkpointing or optimizer fits; LoRA or QLoRA, sharding over more "
+            f"GPUs, or a GPU with more memory may: `{plan} --peft lora,qlora` searches the first, the same with more "
+            "--gpus the second")
 
 
 def render(result: Estimate, change: str | None = None) -> None:

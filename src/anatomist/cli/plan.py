@@ -258,9 +258,10 @@ def render(result: Plan) -> None:
     print_table(out, "Pareto front (throughput vs peak device memory)", columns, rows, marked=marked,
                 caption=f"every recipe above: {common}" if common else None)
     best = result.best
+    method, rest = summary(best.recipe, n).split(", ", 1)
     adapters = f" (r={best.recipe.lora_r})" if best.recipe.peft != "none" else ""
     out.print(
-        f"[bold]top pick[/]: {summary(best.recipe, n)}{adapters}: {gib(best.device_total)} of limit "
+        f"[bold]top pick[/]: {method}{adapters}, {rest}: {gib(best.device_total)} of limit "
         f"{gib(result.limit_bytes)}, {best.samples_per_second:.1f} samples/s predicted"
     )
     for reason in best.reasons:

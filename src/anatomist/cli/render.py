@@ -85,7 +85,7 @@ def print_table(out: Console, title: str, columns: Sequence[Column], rows: Seque
         lines = [title, plain_rows(header, cells, right)] + ([caption] if caption else [])
         out.print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)
         return
-    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
+    table = Table(title=title, title_justify="left")
     for i, c in enumerate(columns):
         widest = max((len(r[i]) for r in rows), default=0)
         table.add_column(c.name, justify="right" if c.right else "left", overflow="fold",
@@ -96,3 +96,5 @@ def print_table(out: Console, title: str, columns: Sequence[Column], rows: Seque
         table.add_row(*(Text(cell) for cell in row), style="bold" if total and i == len(rows) - 1
                       else "bold green" if i in chosen else None)
     out.print(table)
+    if caption:  # under the table, wrapped at the terminal's width, not the table's
+        out.print(caption, markup=False, highlight=False)
