@@ -177,3 +177,29 @@ def test_bench_writes_its_table_to_stdout_and_its_progress_to_stderr(tmp_path: P
                    if json.loads(line)["name"] == "needs-gpu")
     assert rows["needs-gpu"].endswith(skipped["reason"])  # the reason whole
     assert "bench: 1/2 first: ok" in bench.stderr and "bench: 2/2 needs-gpu: skipped" in bench.stderr
+
+
+def test_the_cluster_table_names_each_pick_by_what_differs(capsys) -> None:
+    """--max-nodes' table: each size's pick by the settings in which the picks differ, what they share said once."""
+    from types import SimpleNamespace
+
+    from anatomist.cli import plan as plan_cli
+    from anatomist.recipe import Recipe
+
+    def size(gpus: int, nodes: int, recipe: Recipe | None, chosen: object = None) -> SimpleNamespace:
+        best = None if recipe is None else SimpleNamespace(recipe=recipe, samples_per_second=2.0 * gpus,
+                                                           device_total=30 * 2**30)
+        return SimpleNamespace(num_gpus=gpus, nodes=nodes, best=best, plan=chosen, samples_per_gpu=2.0,
+                               why_not=None if recipe else "no sharding of --shardings runs on 1 GPU")
+
+    chosen = object()
+    base = Recipe(per_device_train_batch_size=2, bf16=True, use_liger_kernel=True)
+    clusters = [size(1, 1, None), size(2, 1, Recipe(**{**base.to_dict(), "zero_stage": 3}), chosen),
+                size(4, 1, Recipe(**{**base.to_dict(), "fsdp": "full_shard"}))]
+    plan_cli.render_clusters(clusters, chosen)  # type: ignore[arg-type]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["GPUs", "nodes", "samples/s", "per", "GPU", "device", "memory", "pick"]
+    assert lines[2].split()[:2] == ["1", "1"] and lines[2].endswith("no sharding of --shardings runs on 1 GPU")
+    assert lines[3].startswith("*") and lines[3].endswith("sharding zero3")  # the chosen size, marked
+    assert lines[4].endswith("sharding fsdp_full_shard")
+    assert lines[5].startswith("every pick: full fine-tuning, checkpointing off, bf16, ") and "Liger Kernel on" in lines[5]

@@ -110,13 +110,13 @@ def summary(recipe: Recipe, num_gpus: int = 1, facets: Sequence[Facet] = FACETS)
     return ", ".join(f.said(f.value(recipe, num_gpus)) for f in facets if f.said is not None)
 
 
-def shared(recipes: Sequence[Recipe], num_gpus: int = 1) -> str:
+def shared(recipes: Sequence[Recipe], num_gpus: int | Sequence[int] = 1) -> str:
     """What `recipes` (two or more) all have in common, said as `summary` says it: the line under a table whose
     columns are only what differs, so that nothing the recipes share (Liger on for all) goes unsaid."""
     if len(recipes) < 2:
         return ""
     same = [f for f in FACETS if f not in differing(recipes, num_gpus)]
-    return summary(recipes[0], num_gpus, same)
+    return summary(recipes[0], num_gpus if isinstance(num_gpus, int) else num_gpus[0], same)
 
 
 def recipe_from_dict(data: dict[str, Any]) -> Recipe | None:

@@ -222,7 +222,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render_clusters(clusters: list[Cluster], chosen: Plan) -> None:
-    """The cluster sizes planned (--max-nodes), the chosen one marked."""
+    """The cluster sizes planned (--max-nodes), the chosen one marked; each size's pick named by the settings in
+    which the picks differ, what they share said once under the table."""
+    picked = [c for c in clusters if c.best is not None]
+    recipes, sizes = [c.best.recipe for c in picked if c.best], [c.num_gpus for c in picked]
+    facets = differing(recipes, sizes)
     columns = [Column(name=n, right=True) for n in ("GPUs", "nodes", "samples/s", "per GPU", "device memory")]
     rows, marked = [], []
     for c in clusters:
@@ -232,9 +236,11 @@ def render_clusters(clusters: list[Cluster], chosen: Plan) -> None:
         if c.plan is chosen:
             marked.append(len(rows))
         rows.append([str(c.num_gpus), str(c.nodes), f"{c.best.samples_per_second:.1f}", f"{c.samples_per_gpu:.2f}",
-                     gib(c.best.device_total), summary(c.best.recipe, c.num_gpus)])
+                     gib(c.best.device_total), summary(c.best.recipe, c.num_gpus, facets)])
+    common = shared(recipes, sizes)
     print_table(console(), "cluster sizes (the most samples/s per GPU is chosen; its plan follows)",
-                [*columns, Column(name="pick")], rows, marked=marked)
+                [*columns, Column(name="pick")], rows, marked=marked,
+                caption=f"every pick: {common}" if common else None)
 
 
 def render(result: Plan) -> None:
