@@ -146,6 +146,8 @@ function showView() {
   for (const node of $$("[data-views]")) node.hidden = !node.dataset.views.split(" ").includes(current);
   for (const box of $$("details.group")) box.hidden = !$$(".field", box).some((f) => !f.hidden);
   $("#run").textContent = current === "plan" ? "Plan" : "Estimate";
+  const prompt = $("#answer .empty strong");
+  if (prompt) prompt.textContent = $("#run").textContent;
 }
 
 function fieldsOfView() {
