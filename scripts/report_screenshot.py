@@ -1,4 +1,5 @@
-"""Regenerate docs/report-screenshot.png: a report of real estimates + the labelled schema examples, in headless Chromium.
+"""Regenerate docs/report-screenshot.png: a report of real estimates and a real plan (docs/report-example/, what
+`anatomist estimate|plan ... --json` printed; the commands are in docs/report.md), in headless Chromium.
 
 Usage: python scripts/report_screenshot.py [OUT.png]   (needs chromium, chromium-driver, selenium)
 """
@@ -16,9 +17,9 @@ from selenium.webdriver.chrome.service import Service
 from anatomist.report import write_report
 
 ROOT = Path(__file__).resolve().parent.parent
-FIX = ROOT / "tests" / "fixtures"
-INPUTS = [FIX / "estimate_bert-large-uncased.json", FIX / "estimate_bert-large-uncased_fp16_gc.json",
-          FIX / "bench_schema_example.jsonl", FIX / "profile_schema_example.json"]
+EXAMPLE = ROOT / "docs" / "report-example"
+INPUTS = [EXAMPLE / "estimate_Llama-3.2-1B_liger.json", EXAMPLE / "estimate_Llama-3.2-1B.json",
+          EXAMPLE / "plan_Llama-3.2-1B.json"]
 
 
 def main(out: Path) -> None:
@@ -27,7 +28,7 @@ def main(out: Path) -> None:
         options = webdriver.ChromeOptions()
         for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--hide-scrollbars",
                     "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                    "--window-size=1150,1300", f"--user-data-dir={tmp}/profile"):
+                    "--window-size=1150,3500", f"--user-data-dir={tmp}/profile"):
             options.add_argument(arg)
         driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
         try:

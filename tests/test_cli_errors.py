@@ -29,7 +29,10 @@ import pytest
         (["estimate", "--offload", "cpu"], "offload=cpu needs DeepSpeed ZeRO"),
         (["estimate", "--recipe", "/nonexistent.yaml"], "recipe file '/nonexistent.yaml' does not exist"),
         (["estimate", "--recipe", "/"], "recipe file '/' is a folder, not a file"),
-        (["estimate", "--batch-size", "four"], "invalid int value"),
+        (["estimate", "--batch-size", "four"], "--batch-size: must be a whole number, got 'four'"),
+        (["estimate", "--batch-size", "100000000000000000000"],
+         r"--batch-size: must be at most 2\^31 - 1 = 2,147,483,647, got 100000000000000000000"),
+        (["plan", "gpt2", "--gpu", "T4", "--global-batch-size", "1e20"], "--global-batch-size: must be a whole number"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(cli, args, message):

@@ -34,8 +34,13 @@ class MemoryCategory(enum.StrEnum):
 
     @property
     def label(self) -> str:
-        """The seeds' name of the component, for tables and charts."""
+        """The component's name in tables and charts (the guide's name, where a newcomer can read it)."""
         return _CATEGORY_LABELS[self]
+
+    @property
+    def description(self) -> str:
+        """What the component holds, in a sentence (the page's tooltip, the docs)."""
+        return _CATEGORY_DESCRIPTIONS[self]
 
 
 _CATEGORY_LABELS = {
@@ -44,8 +49,20 @@ _CATEGORY_LABELS = {
     MemoryCategory.GRADIENTS: "gradients",
     MemoryCategory.ACTIVATIONS: "forward activations",
     MemoryCategory.TEMPORARY: "temporary buffers",
-    MemoryCategory.FUNCTIONALITY: "functionality-specific",
+    MemoryCategory.FUNCTIONALITY: "feature buffers",
     MemoryCategory.RUNTIME_OVERHEAD: "runtime overhead",
+}
+_CATEGORY_DESCRIPTIONS = {
+    MemoryCategory.WEIGHTS: "the model's parameters (and their half-precision copies under autocast)",
+    MemoryCategory.OPTIMIZER_STATES: "what the optimizer keeps per parameter: AdamW's two moments, fp32 master weights",
+    MemoryCategory.GRADIENTS: "one gradient per trained parameter",
+    MemoryCategory.ACTIVATIONS: "what the forward pass keeps for backward (less with gradient checkpointing)",
+    MemoryCategory.TEMPORARY: "short-lived tensors of one operation (a matmul's output before it is added, the loss's "
+                              "logits)",
+    MemoryCategory.FUNCTIONALITY: "buffers a feature in use keeps: cuBLAS's workspace, the fp16 loss scaler, DDP's "
+                                  "gradient buckets, ZeRO's and FSDP's communication buffers (the guide's "
+                                  "\"functionality-specific memory\")",
+    MemoryCategory.RUNTIME_OVERHEAD: "the CUDA context and the caching allocator's reserve beyond the live tensors",
 }
 
 

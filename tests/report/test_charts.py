@@ -41,7 +41,7 @@ def test_throughput_and_parity_from_bench(fixtures: Path) -> None:
     scatter = fig.axes[0].collections[0]
     assert sorted(y for _, y in scatter.get_offsets()) == [19.6, 24.9, 31.8]  # measured samples/s, ok rows only
     parity = charts.predicted_vs_measured(data.results)
-    assert len(parity.axes) == 2  # memory and samples/s
+    assert len(charts.plots(parity)) == 2  # memory and samples/s
 
 
 def test_no_data_no_chart(fixtures: Path) -> None:
@@ -70,5 +70,5 @@ def test_cpu_bench_rows_chart_their_peak_allocated(fixtures: Path, tmp_path: Pat
     xs = sorted(x for x, _ in fig.axes[0].collections[0].get_offsets())
     assert xs == pytest.approx(sorted(r.measured_memory["peak_allocated"] / 2**30 for r in ok))
     parity = charts.predicted_vs_measured(data.results)
-    assert parity is not None and len(parity.axes) == 1  # CPU rows carry no predicted time
+    assert parity is not None and len(charts.plots(parity)) == 1  # CPU rows carry no predicted time
     assert write_report(fixtures / "bench_cpu_seeds.jsonl", tmp_path / "cpu.html").exists()

@@ -19,7 +19,7 @@ def test_estimate_is_read_with_its_exact_bytes(fixtures: Path, estimate_json: di
     assert r.memory["weights"] == estimate_json["memory"]["weights"]
     assert r.memory["device_total"] == estimate_json["memory"]["device_total"]
     assert r.gpu_memory_bytes == estimate_json["gpu"]["memory_bytes"]
-    assert r.label == "bs4 adamw_torch"  # the batch size, and what differs from today's defaults (fused AdamW)
+    assert r.label == "bs4, adamw_torch"  # the batch size, and what differs from today's defaults (fused AdamW)
     assert data.notices == []
 
 
@@ -59,7 +59,7 @@ def test_plan_entries_are_pareto_and_best_is_marked(fixtures: Path) -> None:
     data = load(fixtures / "plan_schema_example.json")
     assert data.kinds == ["plan"]
     assert all(r.pareto for r in data.results)
-    assert sum(r.label.endswith("(best)") for r in data.results) == 1
+    assert sum(r.best for r in data.results) == 1
 
 
 def test_profile_classes(fixtures: Path) -> None:
@@ -115,5 +115,5 @@ def test_detect_kind_by_keys() -> None:
 def test_recipe_label_names_what_differs_from_the_defaults() -> None:
     recipe = {"per_device_train_batch_size": 8, "gradient_checkpointing": True, "fp16": True,
               "optim": "adafactor", "attn_implementation": "sdpa", "dataloader_pin_memory": False}
-    # sdpa is the default (not named); pin memory defaults to True, so False is "no-pin"
-    assert recipe_label(recipe) == "bs8 gc fp16 adafactor no-pin"
+    # sdpa is the default (not named); pin memory defaults to True, so False is "no pin"
+    assert recipe_label(recipe) == "bs8, ckpt, fp16, adafactor, no pin"

@@ -34,7 +34,7 @@ def test_cli_report_header_names_model_parameters_seq_batch_recipe_gpu(
         "parameters": "335.1 M",  # 335,143,938 in the estimate
         "seq_len": "512",
         "batch": "4 per device x 1 accumulation step(s)",
-        "recipe": "bs4 gc fp16 adamw_torch",
+        "recipe": "bs4, ckpt, fp16, adamw_torch",
         "gpu": "V100-16GB",
     }
 
@@ -48,7 +48,9 @@ def test_header_lists_what_differs_and_says_what_is_missing(tmp_path: Path, fixt
     assert about["gpu"] == "V100-16GB; A100-80GB; schema example, not measured"
     assert about["batch"] == "4, 16, 8, 32 per device x 1 accumulation step(s)"
     assert about["parameters"] == "335.1 M (not in the input for 4 of 6 results)"
-    assert about["recipe"].startswith("6 recipes: bs4 adamw_torch; bs16 adamw_torch; fp16+gc")
+    # the two estimates differ in batch and GPU, the bench rows in their GPU: each named by what sets it apart
+    assert about["recipe"].startswith("6 recipes: bs4 (V100-16GB, seq 512); bs16 (A100-80GB, seq 512); "
+                                      "fp16+gc (schema example, not measured)")
 
 
 def test_chart_title_names_model_and_gpu(estimate_json: dict) -> None:
@@ -61,7 +63,7 @@ def test_chart_comparing_gpus_says_which_result_ran_where(tmp_path: Path, estima
     results = load([estimate_json, _on_gpu(estimate_json, "A100-80GB", 85_899_345_920)]).results
     ax = charts.memory_anatomy(results).axes[0]
     assert ax.get_title(loc="left") == "bert-large-uncased (335.1 M parameters), seq 512, on V100-16GB vs A100-80GB"
-    assert [t.get_text() for t in ax.get_yticklabels()] == ["bs4 adamw_torch (V100-16GB)", "bs4 adamw_torch (A100-80GB)"]  # first input on top
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["bs4 (V100-16GB)", "bs4 (A100-80GB)"]  # first input on top
     # the page says it too: the chart's alt text and heading
     html = write_report([estimate_json, _on_gpu(estimate_json, "A100-80GB", 85_899_345_920)], tmp_path / "r.html").read_text()
     (image,) = read_tables(html).images
@@ -74,7 +76,7 @@ def test_chart_comparing_models_labels_each_result(estimate_json: dict) -> None:
     ax = charts.memory_anatomy(load([estimate_json, gpt2]).results).axes[0]
     assert ax.get_title(loc="left") == "bert-large-uncased vs gpt2-large, seq 512 vs 1024, on V100-16GB"
     assert [t.get_text() for t in ax.get_yticklabels()] == [
-        "bs4 adamw_torch (bert-large-uncased, seq 512)", "bs4 adamw_torch (gpt2-large, seq 1024)"]
+        "bs4 (bert-large-uncased, seq 512)", "bs4 (gpt2-large, seq 1024)"]
 
 
 def test_bench_rows_take_seq_len_from_their_workload(tmp_path: Path, fixtures: Path) -> None:

@@ -109,4 +109,4 @@ def test_estimate_report_shortcut(cli, tmp_path: Path) -> None:
     printed = json.loads(proc.stdout)  # --json stays clean: nothing else on stdout
     (row,) = read_tables(out.read_text()).tables["table-memory"]
     assert int(row["device_total"]) == printed["memory"]["device_total"]
-    assert row["label"] == "bs8 fp16"  # the Trainer's default batch of 8
+    assert row["label"] == "bs8, fp16"  # the Trainer's default batch of 8

@@ -84,7 +84,9 @@ def test_a_recipe_file_is_read_as_recipe_reads_it_and_its_notes_reach_the_page(l
     ({"model": "/etc/hostname"}, "model '/etc/hostname': the page takes a catalog name or a Hub id, not a path"),
     ({"model": "gpt2", "gpu": "a100"}, "'a100'"),
     ({"model": "gpt2", "fp16": "true", "bf16": "true"}, "fp16 and bf16 are mutually exclusive"),
-    ({"model": "gpt2", "seq_len": "-5"}, "seq_len must be greater than 0, got -5"),
+    ({"model": "gpt2", "seq_len": "-5"}, "Sequence length (seq_len) must be at least 1, got -5"),
+    ({"model": "gpt2", "per_device_train_batch_size": "100000000000000000000"},
+     "Batch per GPU (per_device_train_batch_size) must be at most 2^31 - 1 = 2,147,483,647"),
     ({"model": "gpt2", "config": "0123456789abcdef"}, "give a model name or upload a config.json, not both"),
     ({"config": "0123456789abcdef"}, "the config.json this link names is not on this server any more"),
     ({"model": "gpt2", "nope": "1"}, "unknown field 'nope' for the estimate view"),
@@ -110,12 +112,54 @@ def test_bad_input_is_http_400_with_one_line(live: LiveServer, params: dict[str,
     ("recipe", "bad.yaml", "per_device_train_batch_size: [\n", "bad.yaml:2:1: recipe file is not valid YAML"),
     ("recipe", "notes.txt", "a: 1", "notes.txt: a recipe file is JSON or YAML"),
     ("recipe", "x.json", "", "x.json is empty"),
+    ("config", "config.json", '{"per_device_train_batch_size": 4, "learning_rate": 2e-5, "output_dir": "out"}',
+     "config.json is not a model's config.json: it reads as a recipe file (TrainingArguments); upload it as the "
+     "recipe file instead"),
+    ("config", "config.json", '{"version": "1.0", "truncation": null, "added_tokens": []}',
+     "config.json is not a model's config.json (it has no model_type; its keys: added_tokens, truncation, version)"),
+    ("lengths", "lengths.txt", "512\n300\nabc\n", "line 3 is 'abc', not a positive whole number of tokens"),
     ("cat", "x.json", "{}", "unknown upload kind 'cat'"),
 ])
 def test_bad_uploads_are_refused_with_one_line(live: LiveServer, kind: str, name: str, text: str, message: str) -> None:
     reply = live.upload(kind, name, text)
     assert reply.status == 400 and message in reply.body["error"], reply.body
     assert "/tmp" not in reply.body["error"] and "anatomist-web-" not in reply.body["error"]
+
+
+def test_a_bad_value_names_its_field_for_the_page_to_point_at(live: LiveServer) -> None:
+    reply = live.request("POST", "/api/run", {"view": "plan", "model": "gpt2", "gpu": "T4", "global_batch_size": "0"})
+    assert reply.status == 400 and reply.body == {
+        "error": "Global batch (global_batch_size) must be at least 1, got 0", "field": "global_batch_size"}
+
+
+def test_an_internal_error_is_one_line_with_what_to_try_and_its_traceback_logged(live: LiveServer, monkeypatch,
+                                                                              caplog) -> None:  # type: ignore[no-untyped-def]
+    from anatomist.web import service
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("a bug in the library")
+
+    monkeypatch.setattr(service, "run_view", broken)
+    with caplog.at_level("ERROR", logger="anatomist.web"):
+        reply, _ = live.run({"view": "estimate", "model": "gpt2", "gpu": "T4", "seq_len": "77"})
+    assert reply.status == 500
+    error = reply.body["error"]
+    assert "\n" not in error and "a bug in the library" not in error and "Traceback" not in error
+    assert error.startswith("the server could not compute this (an internal error, logged on the server): try "
+                            "another setting, or run `anatomist estimate --gpu=T4 --seq-len=77 gpt2` on your own machine")
+    assert any("a bug in the library" in (r.exc_text or str(r.exc_info)) for r in caplog.records)
+
+
+def test_the_icon_and_a_lengths_file(live: LiveServer) -> None:
+    icon = live.request("GET", "/favicon.ico")
+    assert icon.status == 200 and icon.headers["content-type"].startswith("image/svg+xml") and b"<svg" in icon.body
+    lengths = live.upload("lengths", "my lengths.txt", "120\n64\n200\n")
+    assert lengths.status == 200 and lengths.body["name"] == "my_lengths.txt"
+    reply, _ = live.run({"view": "estimate", "config": _config_id(live), "gpu": "A100-80GB", "seq_len": "128",
+                         "trainer": "sft", "padding_free": "true", "attn_implementation": "flash_attention_2",
+                         "lengths": lengths.body["id"]})
+    assert reply.status == 200, reply.body
+    assert "--lengths=my_lengths.txt" in reply.body["view"]["command"]
 
 
 def test_uploads_and_requests_are_size_limited(live: LiveServer) -> None:

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
@@ -53,28 +54,40 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in SUBCOMMAND_MODULES:
         importlib.import_module(f"anatomist.cli.{name}").register(sub)
+    for command in sub.choices.values():
+        command.add_argument("--verbose", action="store_true",
+                             help="also show what the libraries anatomist runs say (their warnings, the profiler's "
+                                  "own lines), kept off the screen otherwise")
     return parser
 
 
 @contextlib.contextmanager
-def command_settings(*, allow_network: bool = False) -> Iterator[None]:
-    """The process-wide settings of one command (COMMAND_ENVIRONMENT, QUIET_LOGGERS, GC_THRESHOLDS),
-    undone when it ends: `main` called in a process that does more (a test, a server) leaves it as it was.
-    With `allow_network` (--allow-network) the Hub may be asked: HF_HUB_OFFLINE is unset for the command."""
+def command_settings(*, allow_network: bool = False, verbose: bool = False) -> Iterator[None]:
+    """The process-wide settings of one command (COMMAND_ENVIRONMENT, QUIET_LOGGERS, GC_THRESHOLDS, other
+    packages' Python warnings ignored), undone when it ends: `main` called in a process that does more (a test, a
+    server) leaves it as it was. With `allow_network` (--allow-network) the Hub may be asked: HF_HUB_OFFLINE is
+    unset for the command. With `verbose` (--verbose) the libraries' warnings and loggers are left as they are."""
     saved_env = {name: os.environ.get(name) for name in COMMAND_ENVIRONMENT}
     for name, setting in COMMAND_ENVIRONMENT.items():
-        os.environ.setdefault(name, setting)
+        if not (verbose and name == "TRANSFORMERS_VERBOSITY"):
+            os.environ.setdefault(name, setting)
     if allow_network:
         os.environ.pop("HF_HUB_OFFLINE", None)
-    loggers = [logging.getLogger(name) for name in QUIET_LOGGERS]
+    loggers = [] if verbose else [logging.getLogger(name) for name in QUIET_LOGGERS]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     thresholds = gc.get_threshold()
     gc.set_threshold(*GC_THRESHOLDS)
+    caught = warnings.catch_warnings()
+    caught.__enter__()
+    if not verbose:  # transformers' FutureWarnings of the TrainingArguments a profile builds, torch's UserWarnings...
+        warnings.filterwarnings("ignore")
+        warnings.filterwarnings("default", module=r"anatomist(\.|$)")  # anatomist's own are meant for the user
     try:
         yield
     finally:
+        caught.__exit__(None, None, None)
         gc.set_threshold(*thresholds)
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
@@ -93,7 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from anatomist.cli.common import stdout_for_json_only  # the subcommand's module imported it already
 
-    with command_settings(allow_network=bool(getattr(args, "allow_network", False))), \
+    with command_settings(allow_network=bool(getattr(args, "allow_network", False)),
+                          verbose=bool(getattr(args, "verbose", False))), \
             stdout_for_json_only(bool(getattr(args, "json", False))):
         try:
             return int(args.handler(args) or 0)

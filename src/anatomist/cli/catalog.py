@@ -7,7 +7,7 @@ import argparse
 from rich.table import Table
 
 from anatomist.cli.common import print_json
-from anatomist.cli.render import console, gib, plain_rows
+from anatomist.cli.render import Column, console, gib, plain_rows, print_table
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,21 +28,17 @@ def run_gpus(args: argparse.Namespace) -> int:
     gpus = list(catalog().values())
     local = detect_local_gpu()
     if args.json:
-        rows = [{**g.to_dict(), "aliases": list(g.aliases), "nvml_names": list(g.nvml_names), "source": g.source,
-                 "cuda_context_source": g.cuda_context_source} for g in gpus]
-        print_json({"gpus": rows, "detected": local.to_dict() if local else None})
+        listed = [{**g.to_dict(), "aliases": list(g.aliases), "nvml_names": list(g.nvml_names), "source": g.source,
+                   "cuda_context_source": g.cuda_context_source} for g in gpus]
+        print_json({"gpus": listed, "detected": local.to_dict() if local else None})
         return 0
-    table = Table(title="GPU catalog (dense peaks; sources in data/gpus.toml)", title_justify="left")
-    for column in ("name", "memory", "fp32", "tf32", "fp16", "bf16", "bandwidth", "CUDA context"):
-        table.add_column(column, justify="left" if column == "name" else "right")
-    for g in gpus:
-        table.add_row(
-            g.name, gib(g.memory_bytes), f"{g.fp32_tflops:g}", f"{g.tf32_tflops:g}" if g.tf32 else "-",
-            f"{g.fp16_tflops:g}", f"{g.bf16_tflops:g}" if g.bf16 else "-", f"{g.bandwidth_gbps:g} GB/s",
-            gib(g.cuda_context_bytes) + (" *" if _assumed(g.cuda_context_source) else ""),
-        )
+    columns = [Column(name="name", whole=True)] + [Column(name=c, right=True) for c in
+                                                   ("memory", "fp32", "tf32", "fp16", "bf16", "bandwidth", "CUDA context")]
+    rows = [[g.name, gib(g.memory_bytes), f"{g.fp32_tflops:g}", f"{g.tf32_tflops:g}" if g.tf32 else "-",
+             f"{g.fp16_tflops:g}", f"{g.bf16_tflops:g}" if g.bf16 else "-", f"{g.bandwidth_gbps:g} GB/s",
+             gib(g.cuda_context_bytes) + (" *" if _assumed(g.cuda_context_source) else "")] for g in gpus]
     out = console()
-    out.print(table)
+    print_table(out, "GPU catalog (dense peaks; sources in data/gpus.toml)", columns, rows)
     out.print("TFLOP/s, dense. " + (f"Detected here: {local.name}" if local else "No NVIDIA GPU detected here (NVML)."))
     if any(_assumed(g.cuda_context_source) for g in gpus):
         out.print("* CUDA context assumed, not measured on that GPU (data/gpus.toml says why)")

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import re
 import sys
+import tempfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -19,22 +22,43 @@ if TYPE_CHECKING:
     from anatomist.recipe_files import RecipeFile
 
 
+INT_MAX = 2**31 - 1
+"""The largest whole number a flag takes (a C int, what the libraries below count in): a batch of 10**20 is
+said to be too large where it is given, not turned into an anatomy of exabytes."""
+
+
+def whole_number(text: str) -> int:
+    """argparse's `type` for a count: a whole number of at most INT_MAX (its lower bound is the field's own check,
+    said by the library with the field's name).
+
+    Raises:
+        argparse.ArgumentTypeError: not a whole number, or above INT_MAX (argparse says it with the flag's name).
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value > INT_MAX:
+        raise argparse.ArgumentTypeError(f"must be at most 2^31 - 1 = {INT_MAX:,}, got {text}")
+    return value
+
+
 def add_model_flags(parser: argparse.ArgumentParser, *, model_required: bool = True, data_flags: bool = True) -> None:
     """MODEL and what shapes its inputs; `data_flags`: the data's lengths too (what the prediction reads)."""
     if model_required:
         parser.add_argument("model", metavar="MODEL", help="catalog name, Hub id in the local cache, or path")
-    parser.add_argument("--seq-len", type=int, default=None, metavar="N", help="tokens per sample (default 512)")
+    parser.add_argument("--seq-len", type=whole_number, default=None, metavar="N", help="tokens per sample (default 512)")
     parser.add_argument("--task", default=None, choices=["sequence-classification", "causal-lm", "seq2seq-lm", "masked-lm"])
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code from the Hub")
     parser.add_argument("--allow-network", action="store_true", help="let transformers ask the Hub for the config")
     if not data_flags:
         return
     data = parser.add_argument_group("the data's lengths (padding-free training and packing; the cost of padding)")
-    data.add_argument("--avg-seq-len", type=int, default=None, metavar="N",
+    data.add_argument("--avg-seq-len", type=whole_number, default=None, metavar="N",
                       help="mean tokens per example (at most --seq-len, the maximum length)")
     data.add_argument("--lengths", default=None, metavar="FILE",
                       help="token count of every example: one integer per line, or a JSON list")
-    data.add_argument("--prompt-len", type=int, default=None, metavar="N",
+    data.add_argument("--prompt-len", type=whole_number, default=None, metavar="N",
                       help="DPO: tokens of each prompt, which the loss does not score (default 0: every token)")
 
 
@@ -42,9 +66,9 @@ def add_devices_flags(parser: argparse.ArgumentParser, gpus_help: str) -> None:
     """--gpus, and the machines they are spread over (--nodes, --network)."""
     from anatomist.estimate.communication import default_network, networks
 
-    parser.add_argument("--gpus", type=int, default=None, metavar="N",
+    parser.add_argument("--gpus", type=whole_number, default=None, metavar="N",
                         help=f"{gpus_help}; with --nodes, the GPUs of one node")
-    parser.add_argument("--nodes", type=int, default=None, metavar="N",
+    parser.add_argument("--nodes", type=whole_number, default=None, metavar="N",
                         help="machines the GPUs are spread over (default: the --recipe file's num_machines, else 1)")
     parser.add_argument("--network", default=None, metavar="NAME",
                         help=f"the network between the nodes (default {default_network()}; known: {', '.join(networks())})")
@@ -161,6 +185,36 @@ def calibration_from_args(args: argparse.Namespace, gpu: GPU) -> Calibration:
     from anatomist.estimate.calibration import calibration_for
 
     return calibration_for(gpu, args.calibration)
+
+
+NATIVE_LOG_LINE = re.compile(r"^[A-Z]*:?\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)? +\d+:\d+ +\w+\.(cpp|cc|h):\d+\] ")
+"""A line a C++ library logs straight onto the process's stderr (Kineto, torch.profiler's back end:
+"USDT:2026-11-27 13:37:25 3193:3193 SyncActivityProfilerHandler.cpp:52] profiler_start")."""
+
+
+@contextlib.contextmanager
+def native_log_lines_kept_off(verbose: bool) -> Iterator[None]:
+    """Within the block, lines C++ libraries write to file descriptor 2 (NATIVE_LOG_LINE) are dropped, the rest
+    of stderr passed on when the block ends; with `verbose`, nothing is touched. Python's sys.stderr cannot catch
+    them: they are written below it."""
+    if verbose:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().decode(errors="replace").splitlines(keepends=True)
+                    if not NATIVE_LOG_LINE.match(line)]
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()
 
 
 @contextlib.contextmanager

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from rich.table import Table
-
 from anatomist.anatomy import MemoryCategory, TimeAnatomy
 from anatomist.axes.shardings import sharding_of
 from anatomist.cli.common import (
@@ -25,7 +23,7 @@ from anatomist.cli.common import (
     warn,
 )
 from anatomist.cli.recipe_flags import add_recipe_flags, recipe_file_from_args, recipe_from_args
-from anatomist.cli.render import console, devices, gib
+from anatomist.cli.render import Column, console, devices, gib, print_table
 from anatomist.errors import InputError
 from anatomist.estimate.communication import UNFITTED_TERMS, adds_device_terms, describe_network
 from anatomist.hardware import GPU, get_gpu
@@ -44,8 +42,9 @@ SEEDS_RECIPE = {"per_device_train_batch_size": 4}
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("estimate", help="predict the memory (and time) of one step, offline")
     p.add_argument("model", metavar="MODEL", nargs="?", default=None,
-                   help=f"catalog name, Hub id in the local cache, or path (default: the seeds' case, {DEFAULT_MODEL} "
-                        f"at batch {SEEDS_RECIPE['per_device_train_batch_size']})")
+                   help=f"catalog name, Hub id in the local cache, or path (default: the example of the "
+                        f"Transformers guide 'Model training anatomy', {DEFAULT_MODEL} at batch "
+                        f"{SEEDS_RECIPE['per_device_train_batch_size']})")
     add_model_flags(p, model_required=False)
     add_recipe_flags(p)
     p.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME", help=f"target GPU (default {DEFAULT_GPU}; 'local' = detected)")
@@ -116,10 +115,11 @@ def _given(*values: Any) -> Any:
 def run(args: argparse.Namespace) -> int:
     with tracing_progress():
         result = build_estimate(args)
+        change = what_would_fit(result) if not args.json and result.memory.max_batch_size == 0 else None
     if args.json:
         print_json(result.to_dict())
     else:
-        render(result)
+        render(result, change)
     if args.report:
         from anatomist.report import write_report  # noqa: PLC0415 - optional until the report exists
 
@@ -127,7 +127,49 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def render(result: Estimate) -> None:
+RULE_SOURCE = ('bytes per parameter of the weights, gradients and optimizer states, the rule of thumb of the '
+               'Transformers guide "Model training anatomy"')
+"""What the table's rule column is, said once under it (estimate/rules.py has the figures)."""
+
+
+VERDICT_WORDS = {"fits": ("fits", "green"), "borderline": ("borderline: inside the interval", "yellow"),
+                 "does not fit": ("does not fit", "red")}
+"""How each verdict (`intervals.Verdict`) is said and coloured."""
+
+
+def verdict(result: Estimate) -> tuple[str, str]:
+    """(the word, its colour) of whether the recipe fits the usable memory at the top of its interval, is
+    borderline (the limit inside it) or does not fit: one place to say it, on the terminal and on the page."""
+    return VERDICT_WORDS[result.memory.verdict]
+
+
+def largest_batch(result: Estimate) -> str:
+    """The largest per-device batch that fits, or, where none does, that said plainly."""
+    n = result.memory.max_batch_size
+    return str(n) if n > 0 else "none: even batch 1 does not fit"
+
+
+def what_would_fit(result: Estimate) -> str:
+    """Where even batch 1 does not fit: the smallest change that does, searched as `anatomist check` searches it
+    (the batch and accumulation that keep the effective batch, gradient checkpointing, the optimizer), else what
+    else to try. Traces what that search needs (seconds); asked only where nothing fits."""
+    from anatomist.measure.preflight import SEARCHED_FIELDS, Preflight, smallest_change
+
+    change, changed, _ = smallest_change(result, result.num_gpus, SEARCHED_FIELDS)
+    if change is not None:
+        found = Preflight(estimate=result, num_gpus=result.num_gpus, change=change, changed=changed)
+        return f"smallest change that fits: {found.describe_change()}"
+    w = result.workload
+    devices = (f" --gpus {result.num_gpus // result.nodes}" + (f" --nodes {result.nodes}" if result.nodes > 1 else "")
+               if result.num_gpus > 1 else "")
+    plan = f"anatomist plan {w.repo_id or w.name} --gpu {result.gpu.name} --seq-len {w.seq_len}{devices}"
+    return (f"no change of batch, accumulation, checkpointing or optimizer fits; LoRA or QLoRA, sharding over more "
+            f"GPUs, or a GPU with more memory may: `{plan} --peft lora,qlora` searches the first, the same with more "
+            "--gpus the second")
+
+
+def render(result: Estimate, change: str | None = None) -> None:
+    """The estimate as the terminal (or a pipe) shows it; `change`: what would fit where nothing does."""
     out = console()
     mem = result.memory
     a = mem.anatomy
@@ -142,64 +184,52 @@ def render(result: Estimate) -> None:
         f"{result.mode} on {devices(result.num_gpus, result.nodes)} x [bold]{result.gpu.name}[/] "
         f"({gib(result.gpu.memory_bytes)})"
     )
-    table = Table(title="Memory anatomy at the peak", title_justify="left")
-    table.add_column("component")
-    table.add_column("predicted", justify="right")
-    table.add_column("share", justify="right")
-    table.add_column("seeds' rule", justify="right")
     rule = mem.rule
     rule_col = {c: rule.describe(c.value) for c in (MemoryCategory.WEIGHTS, MemoryCategory.OPTIMIZER_STATES,
                                                    MemoryCategory.GRADIENTS)}
-    for category in MemoryCategory:
-        value = a.category_bytes(category)
-        table.add_row(category.label, gib(value), f"{value / a.device_total:.0%}", rule_col.get(category, ""))
-    table.add_section()
-    table.add_row("[bold]device total[/] (nvidia-smi)", f"[bold]{gib(a.device_total)}[/]", "", "")
-    out.print(table)
+    rows = [[c.label, gib(a.category_bytes(c)), f"{a.category_bytes(c) / a.device_total:.0%}", rule_col.get(c, "")]
+            for c in MemoryCategory]
+    rows.append(["device total (nvidia-smi)", gib(a.device_total), "", ""])
+    columns = [Column(name="component"), Column(name="predicted", right=True), Column(name="share", right=True),
+               Column(name="bytes/param rule", right=True)]
+    print_table(out, "Memory anatomy at the peak", columns, rows, total=True)
+    word, colour = verdict(result)
     out.print(
         f"peak in [bold]{a.peak_phase}[/]: allocated {gib(a.peak_allocated)}, reserved {gib(a.peak_reserved)}, "
         f"device {gib(a.device_total)} (likely {gib(mem.interval.low)} to {gib(mem.interval.high)}) of "
         f"{gib(mem.limit_bytes)} usable ({gib(result.gpu.memory_bytes)} less the {result.margin:.0%} margin): "
-        f"{VERDICT_STYLE[mem.verdict]}; largest batch that fits: [bold]{mem.max_batch_size}[/]"
+        f"[{colour}]{word}[/]; largest batch that fits: [bold]{largest_batch(result)}[/]"
     )
-    out.print(f"memory interval: {mem.interval.basis}" if mem.interval.validated
-              else f"[yellow]memory interval: {mem.interval.basis}[/]")
+    out.print(f"memory interval: {mem.interval.basis}", style=None if mem.interval.validated else "yellow",
+              markup=False)
+    if change:
+        out.print(change, markup=False)
     if rule.total_bytes is not None:
         per_param = f"{rule.total_per_param:g} B/param = " if rule.total_per_param is not None else ""
-        out.print(f"seeds' rule: {per_param}{gib(rule.total_bytes)} + activations")
+        out.print(f"bytes/param rule: {per_param}{gib(rule.total_bytes)} + activations ({RULE_SOURCE})")
     if result.moe is not None:
         lo, hi = result.moe.peak_range_bytes
         peak = f"{gib(lo)} allocated, the same" if lo == hi else f"{gib(lo)} to {gib(hi)} allocated"
         out.print(f"MoE peak for any routing: {peak} from balanced ({result.moe.balanced_tokens_per_expert:,.0f} "
                   f"tokens per expert) to one expert receiving every token ({result.moe.max_tokens_per_expert:,})")
     for note in mem.notes:
-        out.print(f"  - {note}")
+        out.print(f"  - {note}", markup=False)
     if result.time is not None:
         render_time(result.time, several=adds_device_terms(result.recipe, result.num_gpus))
     if result.nodes > 1:
-        out.print(describe_network(result.num_gpus, result.nodes, result.network, result.gpu))
-
-
-VERDICT_STYLE = {"fits": "[green]fits[/]", "borderline": "[yellow]borderline: inside the interval[/]",
-                 "does not fit": "[red]does not fit[/]"}
-"""How the text says each verdict (`intervals.Verdict`)."""
+        out.print(describe_network(result.num_gpus, result.nodes, result.network, result.gpu), markup=False)
 
 
 def render_time(t: TimeAnatomy, *, several: bool = False) -> None:
     """The predicted step time, its split by phase and by operation class; `several`: devices or offload
     add terms the calibration's error does not cover."""
     out = console()
-    table = Table(title="Time anatomy of one step (roofline)", title_justify="left")
-    table.add_column("step time", justify="right")
-    table.add_column("samples/s", justify="right")
-    table.add_column("tokens/s", justify="right")
-    table.add_column("TFLOP/s", justify="right")
-    table.add_column("MFU", justify="right")
-    table.add_column("HFU", justify="right")  # with gradient checkpointing's recomputation
     interval = f" +-{t.error_median_pct:.0f}%" if t.error_median_pct is not None else ""
-    table.add_row(f"{t.step_s * 1e3:,.1f} ms{interval}", f"{t.samples_per_second:,.1f}", f"{t.tokens_per_second:,.0f}",
-                  f"{t.flops_per_step / t.step_s / 1e12:,.1f}", f"{t.mfu:.0%}", f"{t.hfu:.0%}")
-    out.print(table)
+    # HFU: with gradient checkpointing's recomputation
+    columns = [Column(name=n, right=True) for n in ("step time", "samples/s", "tokens/s", "TFLOP/s", "MFU", "HFU")]
+    row = [f"{t.step_s * 1e3:,.1f} ms{interval}", f"{t.samples_per_second:,.1f}", f"{t.tokens_per_second:,.0f}",
+           f"{t.flops_per_step / t.step_s / 1e12:,.1f}", f"{t.mfu:.0%}", f"{t.hfu:.0%}"]
+    print_table(out, "Time anatomy of one step (roofline)", columns, [row])
     phases = [f"{k} {v * 1e3:,.1f} ms ({v / t.step_s:.0%})" for k, v in t.phases_s.items()]
     if t.hidden_communication_s:
         phases.append(f"and {t.hidden_communication_s * 1e3:,.1f} ms of collectives hidden behind compute")

@@ -7,11 +7,9 @@ import functools
 import sys
 from typing import TYPE_CHECKING, Any
 
-from rich.table import Table
-
 from anatomist.axes.optimizers import DEFAULT_SEARCH, OPTIMIZERS
-from anatomist.axes.precisions import FULL_PRECISIONS, precision_of
-from anatomist.axes.shardings import SHARDING_NAMES, sharding_of
+from anatomist.axes.precisions import FULL_PRECISIONS
+from anatomist.axes.shardings import SHARDING_NAMES
 from anatomist.cli.common import (
     add_cache_flag,
     add_calibration_flag,
@@ -25,15 +23,17 @@ from anatomist.cli.common import (
     refuse_cce_before_ampere,
     tracing_progress,
     warn,
+    whole_number,
 )
 from anatomist.cli.recipe_flags import recipe_file_from_args
-from anatomist.cli.render import console, devices, gib
+from anatomist.cli.render import Column, console, devices, gib, print_table
 from anatomist.errors import InputError
 from anatomist.hardware import get_gpu
 from anatomist.plan.emit import TARGETS, launch_commands, launch_warnings, write
 from anatomist.plan.emit import render as render_emit
 from anatomist.plan.space import SearchSpace, method_of
 from anatomist.recipe import TRAINERS, Recipe
+from anatomist.recipe_labels import differing, shared, summary
 from anatomist.workload import load_workload
 
 if TYPE_CHECKING:
@@ -51,24 +51,27 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a recipe file as `estimate --recipe` reads it (TrainingArguments, TRL, accelerate, DeepSpeed, "
                         "axolotl, LLaMA-Factory): the fields it sets are held fixed, the rest searched")
     p.add_argument("--gpu", required=True, metavar="NAME", help="target GPU (see `anatomist gpus`)")
-    p.add_argument("--global-batch-size", type=int, default=None, metavar="N",
+    p.add_argument("--global-batch-size", type=whole_number, default=None, metavar="N",
                    help="samples per optimizer step over all GPUs (default: any batch, no accumulation)")
     add_devices_flags(p, "data-parallel GPUs (adds ZeRO 1/2/3 and FSDP; default: the --recipe file's, else 1)")
-    p.add_argument("--max-nodes", type=int, default=None, metavar="N",
+    p.add_argument("--max-nodes", type=whole_number, default=None, metavar="N",
                    help="choose the cluster: plan 1, 2, 4 ... --gpus GPUs on one node (default 8), then 2 ... N whole "
                         "nodes, and pick the size with the most samples/s per GPU")
-    p.add_argument("--objective", choices=["throughput", "memory"], default="throughput")
+    search = p.add_argument_group("what the plan searches")
+    search.add_argument("--objective", choices=["throughput", "memory"], default="throughput",
+                        help="the top pick: the fastest that fits (throughput, default) or the smallest (memory)")
     add_margin_flag(p)
-    p.add_argument("--optims", default=",".join(DEFAULT_SEARCH), metavar="A,B",
-                   help=f"optimizers to search (default {','.join(DEFAULT_SEARCH)}; known: {', '.join(OPTIMIZERS)})")
-    p.add_argument("--precisions", default=None, metavar="A,B",
-                   help=f"precisions to search (default: all the GPU supports; known: {', '.join(FULL_PRECISIONS)})")
-    p.add_argument("--shardings", default=None, metavar="A,B",
-                   help=f"sharding options to search where they run (default: all those of the GPU count; known: "
-                        f"{', '.join(SHARDING_NAMES)})")
-    p.add_argument("--no-compile", action="store_true", help="do not consider torch.compile")
-    p.add_argument("--no-liger-kernel", action="store_true",
-                   help="do not consider Liger Kernel (searched by default for the causal LMs whose kernels anatomist traces)")
+    search.add_argument("--optims", default=",".join(DEFAULT_SEARCH), metavar="A,B",
+                        help=f"optimizers to search (default {','.join(DEFAULT_SEARCH)}; known: {', '.join(OPTIMIZERS)})")
+    search.add_argument("--precisions", default=None, metavar="A,B",
+                        help=f"precisions to search (default: all the GPU supports; known: {', '.join(FULL_PRECISIONS)})")
+    search.add_argument("--shardings", default=None, metavar="A,B",
+                        help=f"sharding options to search where they run (default: all those of the GPU count; known: "
+                             f"{', '.join(SHARDING_NAMES)})")
+    search.add_argument("--no-compile", action="store_true", help="do not consider torch.compile")
+    search.add_argument("--no-liger-kernel", action="store_true",
+                        help="do not consider Liger Kernel (searched by default for the causal LMs whose kernels "
+                             "anatomist traces)")
     llm = p.add_argument_group("the trainer (kept as given, not searched)")
     llm.add_argument("--trainer", choices=TRAINERS, default=None,
                      help="transformers' Trainer (default), TRL's SFTTrainer (sft) or DPOTrainer (dpo)")
@@ -79,8 +82,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     peft = p.add_argument_group("parameter-efficient fine-tuning (searched only when asked: it changes what is trained)")
     peft.add_argument("--peft", default="", metavar="lora,qlora",
                       help="also search LoRA adapters (bf16/fp32 base) and/or QLoRA (4-bit NF4 base)")
-    peft.add_argument("--lora-r", type=int, default=None, metavar="N", help="LoRA rank (default 16)")
-    peft.add_argument("--lora-alpha", type=int, default=None, metavar="N", help="LoRA alpha (default 32)")
+    peft.add_argument("--lora-r", type=whole_number, default=None, metavar="N", help="LoRA rank (default 16)")
+    peft.add_argument("--lora-alpha", type=whole_number, default=None, metavar="N", help="LoRA alpha (default 32)")
     peft.add_argument("--lora-dropout", type=float, default=None, metavar="P", help="LoRA dropout (default 0)")
     peft.add_argument("--lora-target-modules", default=None, metavar="A,B|all-linear",
                       help="modules to adapt (default: PEFT's for the architecture)")
@@ -220,73 +223,56 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe(recipe: Recipe, num_gpus: int, liger: bool = False) -> list[str]:
-    """The table's cells of `recipe`; `liger`: with the Liger column (when the plan searched it)."""
-    return [
-        method_of(recipe),
-        f"{recipe.per_device_train_batch_size} x {recipe.gradient_accumulation_steps}",
-        recipe.checkpointing,
-        precision_of(recipe),
-        recipe.optim,
-        "on" if recipe.torch_compile else "off",
-        sharding_of(recipe, num_gpus),
-    ] + (["on" if recipe.use_liger_kernel else "off"] if liger else [])
-
-
 def render_clusters(clusters: list[Cluster], chosen: Plan) -> None:
-    """The cluster sizes planned (--max-nodes), the chosen one marked."""
-    out = console()
-    if not out.is_terminal:
-        out.width = 150
-    table = Table(title="cluster sizes (the most samples/s per GPU is chosen; its plan follows)", title_justify="left")
-    for col in ("GPUs", "nodes", "samples/s", "per GPU", "device memory", "pick"):
-        table.add_column(col, justify="left" if col == "pick" else "right")
+    """The cluster sizes planned (--max-nodes), the chosen one marked; each size's pick named by the settings in
+    which the picks differ, what they share said once under the table."""
+    picked = [c for c in clusters if c.best is not None]
+    recipes, sizes = [c.best.recipe for c in picked if c.best], [c.num_gpus for c in picked]
+    facets = differing(recipes, sizes)
+    columns = [Column(name=n, right=True) for n in ("GPUs", "nodes", "samples/s", "per GPU", "device memory")]
+    rows, marked = [], []
     for c in clusters:
         if c.best is None:
-            table.add_row(str(c.num_gpus), str(c.nodes), "-", "-", "-", f"[dim]{c.why_not}[/]")
+            rows.append([str(c.num_gpus), str(c.nodes), "-", "-", "-", c.why_not or ""])
             continue
-        mark = "[bold green]" if c.plan is chosen else ""
-        method, batch, ckpt, precision, optim, compiled, sharding = _describe(c.best.recipe, c.num_gpus)
-        pick = f"{method}, {batch}, ckpt {ckpt}, {precision}, {optim}, compile {compiled}, {sharding}"
-        cells = [str(c.num_gpus), str(c.nodes), f"{c.best.samples_per_second:.1f}", f"{c.samples_per_gpu:.2f}",
-                 gib(c.best.device_total), pick]
-        table.add_row(*[f"{mark}{x}" for x in cells])
-    out.print(table)
+        if c.plan is chosen:
+            marked.append(len(rows))
+        rows.append([str(c.num_gpus), str(c.nodes), f"{c.best.samples_per_second:.1f}", f"{c.samples_per_gpu:.2f}",
+                     gib(c.best.device_total), summary(c.best.recipe, c.num_gpus, facets)])
+    common = shared(recipes, sizes)
+    print_table(console(), "cluster sizes (the most samples/s per GPU is chosen; its plan follows)",
+                [*columns, Column(name="pick")], rows, marked=marked,
+                caption=f"every pick: {common}" if common else None)
 
 
 def render(result: Plan) -> None:
     out = console()
-    if not out.is_terminal:
-        out.width = 150  # piped: do not wrap the table at 80 columns
     w, gpu = result.workload, result.gpu
     gb = result.space.global_batch_size
+    n = result.space.num_gpus
     out.print(
-        f"[bold]{w.name}[/] seq {w.seq_len} on {devices(result.space.num_gpus, result.space.nodes)} x [bold]{gpu.name}[/] "
+        f"[bold]{w.name}[/] seq {w.seq_len} on {devices(n, result.space.nodes)} x [bold]{gpu.name}[/] "
         f"({gib(gpu.memory_bytes)}), global batch {gb if gb else 'any'}, objective {result.objective}: "
         f"{len(result.candidates)} candidates, {len(result.feasible)} fit"
     )
-    table = Table(title="Pareto front (throughput vs peak device memory)", title_justify="left")
-    liger = len(result.space.liger_options or ()) > 1
-    for col in ("method", "batch x accum", "ckpt", "precision", "optim", "compile", "sharding") + (("liger",) if liger else ()):
-        table.add_column(col)
-    table.add_column("device memory", justify="right")
-    table.add_column("samples/s", justify="right")
-    for c in result.pareto:
-        mark = "[bold green]" if c is result.best else ""
-        cells = _describe(c.recipe, result.space.num_gpus, liger) + [gib(c.device_total), f"{c.samples_per_second:.1f}"]
-        table.add_row(*[f"{mark}{x}" for x in cells])
-    out.print(table)
+    # the columns: what differs among the front's recipes (and the batch); the rest is the same for all, said below
+    facets = differing([c.recipe for c in result.pareto], n)
+    rows = [[f.value(c.recipe, n) for f in facets] + [gib(c.device_total), f"{c.samples_per_second:.1f}"]
+            for c in result.pareto]
+    columns = [Column(name=f.header) for f in facets] + [Column(name="device memory", right=True),
+                                                         Column(name="samples/s", right=True)]
+    marked = [i for i, c in enumerate(result.pareto) if c is result.best]
+    common = shared([c.recipe for c in result.pareto], n)
+    print_table(out, "Pareto front (throughput vs peak device memory)", columns, rows, marked=marked,
+                caption=f"every recipe above: {common}" if common else None)
     best = result.best
-    method, batch, ckpt, precision, optim, compiled, sharding = _describe(best.recipe, result.space.num_gpus)
-    adapters = f" (r={best.recipe.lora_r})" if method != "full" else ""
-    kernels = ", Liger Kernel" if best.recipe.use_liger_kernel else ""
+    method, rest = summary(best.recipe, n).split(", ", 1)
+    adapters = f" (r={best.recipe.lora_r})" if best.recipe.peft != "none" else ""
     out.print(
-        f"[bold]top pick[/]: {method} fine-tuning{adapters}, batch {batch}, checkpointing {ckpt}, {precision}, "
-        f"{optim}{kernels}, compile {compiled}, "
-        f"sharding {sharding}, attention {best.recipe.attn_implementation}: {gib(best.device_total)} of limit "
+        f"[bold]top pick[/]: {method}{adapters}, {rest}: {gib(best.device_total)} of limit "
         f"{gib(result.limit_bytes)}, {best.samples_per_second:.1f} samples/s predicted"
     )
     for reason in best.reasons:
-        out.print(f"  - {reason}")
+        out.print(f"  - {reason}", markup=False)
     for note in result.notes:
-        out.print(f"  * {note}")
+        out.print(f"  * {note}", markup=False)

@@ -5,11 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from rich.table import Table
-
-from anatomist.cli.common import add_model_flags, print_json
+from anatomist.cli.common import add_model_flags, native_log_lines_kept_off, print_json, whole_number
 from anatomist.cli.recipe_flags import add_recipe_flags, recipe_file_from_args, recipe_from_args
-from anatomist.cli.render import console
+from anatomist.cli.render import Column, console, print_table
 from anatomist.workload import load_workload
 
 if TYPE_CHECKING:
@@ -20,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="profile real training steps: time and FLOPs by operation class")
     add_model_flags(p, data_flags=False)
     add_recipe_flags(p)
-    p.add_argument("--steps", type=int, default=3, metavar="N", help="profiled steps after one warm-up step (default 3)")
+    p.add_argument("--steps", type=whole_number, default=3, metavar="N", help="profiled steps after one warm-up step (default 3)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout, nothing else")
     p.set_defaults(handler=run)
 
@@ -33,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
                              trust_remote_code=args.trust_remote_code, allow_network=args.allow_network)
     from anatomist.measure.profile import profile_training  # torch.profiler: only when profiling
 
-    result = profile_training(workload, recipe, steps=args.steps)
+    with native_log_lines_kept_off(args.verbose):
+        result = profile_training(workload, recipe, steps=args.steps)
     if args.json:
         print_json(result.to_dict())
     else:
@@ -48,23 +47,17 @@ def render(r: ProfileResult) -> None:
               f"{r.achieved_tflops:,.4f} TFLOP/s achieved"
               + (f", MFU {r.mfu:.1%}, HFU {r.hfu:.1%}" if r.mfu is not None and r.hfu is not None
                  else " (MFU, HFU: no GPU)"))
-    table = Table(title="Operation classes", title_justify="left")
-    for col in ("class", "FLOPs", "time"):
-        table.add_column(col, justify="left" if col == "class" else "right")
-    for cls, v in r.classes.items():
-        table.add_row(cls, f"{v['flops_pct']:.2f}%", f"{v['time_pct']:.1f}%")
-    out.print(table)
+    print_table(out, "Operation classes",
+                [Column(name="class"), Column(name="FLOPs", right=True), Column(name="time", right=True)],
+                [[cls, f"{v['flops_pct']:.2f}%", f"{v['time_pct']:.1f}%"] for cls, v in r.classes.items()])
     p = r.phases
     ratio = p["backward_s"] / p["forward_s"] if p["forward_s"] > 0 else float("nan")
     out.print(f"phases: forward {p['forward_s'] * 1e3:,.1f} ms, backward {p['backward_s'] * 1e3:,.1f} ms "
               f"({ratio:.2f}x forward), optimizer {p['optimizer_s'] * 1e3:,.1f} ms")
-    top = Table(title="Top operations (self time)", title_justify="left")
-    for col in ("op", "class", "time"):
-        top.add_column(col, justify="right" if col == "time" else "left")
-    for op in r.top_ops:
-        top.add_row(op["name"], op["class"], f"{op['time_pct']:.1f}%")
-    out.print(top)
+    print_table(out, "Top operations (self time)",
+                [Column(name="op", whole=True), Column(name="class"), Column(name="time", right=True)],
+                [[op["name"], op["class"], f"{op['time_pct']:.1f}%"] for op in r.top_ops])
     if r.unknown_ops:
-        out.print(f"unknown ops (counted as other): {', '.join(r.unknown_ops)}")
+        out.print(f"unknown ops (counted as other): {', '.join(r.unknown_ops)}", markup=False)
     for note in r.notes:
-        out.print(f"  - {note}")
+        out.print(f"  - {note}", markup=False)

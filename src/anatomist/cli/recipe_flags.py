@@ -25,12 +25,43 @@ import argparse
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from anatomist.cli.common import whole_number
 from anatomist.recipe import Recipe, field_kinds
 
 if TYPE_CHECKING:
     from anatomist.recipe_files import RecipeFile
 
 METAVARS = {int: "N", float: "X", str: "TEXT"}
+
+RECIPE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("batch and memory savers", ("per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
+                                 "checkpoint_every", "checkpoint_offload", "activation_offloading", "max_grad_norm")),
+    ("precision", ("dtype", "fp16", "bf16", "tf32")),
+    ("optimizer", ("optim",)),
+    ("kernels and compilation", ("attn_implementation", "experts_implementation", "torch_compile", "use_liger_kernel",
+                                 "cut_cross_entropy")),
+    ("trainer (transformers' Trainer, TRL's SFT and DPO)", ("trainer", "padding_free", "packing",
+                                                            "precompute_ref_log_probs")),
+    ("parameter-efficient fine-tuning (PEFT, bitsandbytes)", (
+        "peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit", "load_in_8bit",
+        "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype")),
+    ("sharding over GPUs (DeepSpeed ZeRO, PyTorch FSDP)", (
+        "zero_stage", "offload", "fsdp", "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+        "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_param_persistence_threshold")),
+    ("data loading", ("dataloader_num_workers", "dataloader_pin_memory")),
+)
+"""The recipe's fields by what they are about: the sections of `--help` and of the page's "advanced" part. A
+field in none of them (one added to Recipe since) is listed under OTHER_GROUP, so none is ever left out."""
+OTHER_GROUP = "other recipe fields"
+
+
+def recipe_groups() -> list[tuple[str, list[dataclasses.Field]]]:
+    """(title, the Recipe fields) of each RECIPE_GROUPS group, in its order, then OTHER_GROUP's where any."""
+    by_name = {f.name: f for f in dataclasses.fields(Recipe)}
+    groups = [(title, [by_name[n] for n in names if n in by_name]) for title, names in RECIPE_GROUPS]
+    listed = {n for _, names in RECIPE_GROUPS for n in names}
+    other = [f for f in dataclasses.fields(Recipe) if f.name not in listed]
+    return [(t, fs) for t, fs in groups if fs] + ([(OTHER_GROUP, other)] if other else [])
 
 
 def flag_name(field: str) -> str:
@@ -45,19 +76,24 @@ def add_recipe_flags(parser: argparse.ArgumentParser) -> None:
                        help="YAML or JSON: these keys, or a TrainingArguments, TRL (trl sft --config), "
                             "accelerate config, DeepSpeed, axolotl or LLaMA-Factory file as you have it")
     kinds = field_kinds()
-    for field in dataclasses.fields(Recipe):
-        kind = kinds[field.name]
-        names = [flag_name(field.name), *field.metadata.get("aliases", ())]
-        help_text = _help(field)
-        if kind.type is bool:
-            group.add_argument(*names, dest=field.name, default=None, action=argparse.BooleanOptionalAction,
-                               help=help_text)
-        elif kind.choices is not None:
-            group.add_argument(*names, dest=field.name, default=None, type=kind.type, choices=kind.choices,
-                               metavar="|".join(map(str, kind.choices)), help=help_text)
-        else:
-            group.add_argument(*names, dest=field.name, default=None, type=kind.type,
-                               metavar=field.metadata.get("metavar", METAVARS[kind.type]), help=help_text)
+    for title, fields in recipe_groups():
+        group = parser.add_argument_group(f"recipe: {title}")
+        for field in fields:
+            _add_flag(group, field, kinds[field.name])
+
+
+def _add_flag(group: argparse._ArgumentGroup, field: dataclasses.Field, kind: Any) -> None:
+    """The flag of one Recipe field."""
+    names = [flag_name(field.name), *field.metadata.get("aliases", ())]
+    help_text = _help(field)
+    if kind.type is bool:
+        group.add_argument(*names, dest=field.name, default=None, action=argparse.BooleanOptionalAction, help=help_text)
+    elif kind.choices is not None:
+        group.add_argument(*names, dest=field.name, default=None, type=kind.type, choices=kind.choices,
+                           metavar="|".join(map(str, kind.choices)), help=help_text)
+    else:
+        group.add_argument(*names, dest=field.name, default=None, type=whole_number if kind.type is int else kind.type,
+                           metavar=field.metadata.get("metavar", METAVARS[kind.type]), help=help_text)
 
 
 def _help(field: dataclasses.Field) -> str:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from anatomist.recipe_labels import differing, label, recipe_from_dict
 from anatomist.report.load import RecipeResult, ReportData
 
 MISSING = "not in the input"
@@ -36,7 +37,8 @@ def describe(data: ReportData) -> list[Field]:
     gpus = _distinct(r.gpu_name for r in results)
     if data.profile_device and data.profile_device not in gpus:
         gpus.append(f"{data.profile_device} (profile)")
-    labels = _distinct(r.label for r in results)
+    name = distinguishing(results)
+    labels = _distinct(name(r) for r in results)
     recipes = (labels[0] if len(labels) == 1 else f"{len(labels)} recipes: {'; '.join(labels)}") if labels else MISSING
     return [
         Field(key="model", label="Model", text=_listed(_distinct(r.model for r in results if r.model != "?"))),
@@ -67,17 +69,24 @@ def subtitle(results: list[RecipeResult]) -> str:
 
 
 def distinguishing(results: list[RecipeResult]) -> Callable[[RecipeResult], str]:
-    """A function giving each result's label plus what sets it apart from the others drawn with
-    it: "bs4 (gpt2, A100-80GB)" when models and GPUs differ, just "bs4" when they do not."""
+    """A function naming each result among the others drawn with it: a bench row by its name, an estimate or a
+    plan entry by the recipe settings in which they differ (`recipe_labels.differing`: "bs2, Liger" beside "bs2,
+    no Liger"), and each by the model, GPU or sequence length where those differ ("bs4 (gpt2, A100-80GB)")."""
+    parsed = {id(r): recipe for r in results if not r.named and r.recipe
+              and (recipe := recipe_from_dict(r.recipe)) is not None}
+    known = [(r, parsed[id(r)]) for r in results if id(r) in parsed]
+    facets = differing([recipe for _, recipe in known], [r.num_gpus for r, _ in known])
     attributes: list[Callable[[RecipeResult], object]] = [lambda r: r.model, lambda r: r.gpu_name,
                                                            lambda r: r.seq_len and f"seq {r.seq_len}"]
-    differing = [a for a in attributes if len({a(r) for r in results}) > 1]
+    differ = [a for a in attributes if len({a(r) for r in results}) > 1]
 
-    def label(result: RecipeResult) -> str:
-        extra = [str(a(result)) for a in differing if a(result)]
-        return f"{result.label} ({', '.join(extra)})" if extra else result.label
+    def name(result: RecipeResult) -> str:
+        recipe = parsed.get(id(result))
+        base = label(recipe, facets, result.num_gpus) if recipe is not None else result.label
+        extra = [str(a(result)) for a in differ if a(result)]
+        return base + (f" ({', '.join(extra)})" if extra else "") + (" (top pick)" if result.best else "")
 
-    return label
+    return name
 
 
 def format_parameters(count: int) -> str:

@@ -17,7 +17,7 @@ from typing import Any, cast
 
 from anatomist import __version__
 from anatomist.anatomy import GIB, MemoryCategory
-from anatomist.report.about import describe
+from anatomist.report.about import describe, distinguishing
 from anatomist.report.charts import OP_CLASS_ORDER, pareto_front
 from anatomist.report.load import RecipeResult, ReportData, comparable_peaks, peak_bytes
 
@@ -43,8 +43,8 @@ h1{margin-bottom:.2em}h2{margin-top:1.8em;border-bottom:1px solid #ddd;padding-b
 .notices p{margin:.3em 0}
 img.chart{max-width:100%;height:auto;display:block;margin:.5em 0}
 .missing{color:#666;font-style:italic}
-table{border-collapse:collapse;font-size:.8em;margin:.5em 0 1em}
-th,td{border:1px solid #ddd;padding:.25em .6em}th{background:#f4f4f4}
+table{border-collapse:collapse;font-size:.8em;margin:.5em 0 1em;max-width:100%}
+th,td{border:1px solid #ddd;padding:.25em .5em}th{background:#f4f4f4;font-weight:600;vertical-align:bottom}
 td.num{text-align:right;font-variant-numeric:tabular-nums}
 tr.failed td{color:#a33}
 details summary{cursor:pointer;color:#0072B2}
@@ -126,18 +126,23 @@ def _source(path: str) -> str:
 
 
 def _memory_table(results: list[RecipeResult]) -> str:
+    """The memory chart's numbers; the columns every row shares a value in (model, GPU, source) are left out: the
+    header above says them, and the table fits the page's width."""
+    name = distinguishing(results)
     keys = [c.value for c in MemoryCategory] + ["peak_allocated", "peak_reserved", "device_total"]
-    header = ["recipe", "model", "device", "source", *[c.label for c in MemoryCategory],
-              "peak allocated", "peak reserved", "device total", "peak phase", "GPU capacity"]
+    described = [("model", lambda r: r.model), ("GPU", lambda r: r.gpu_name or ""), ("source", lambda r: r.memory_source)]
+    shown = [(h, get) for h, get in described if len({get(r) for r in results}) > 1]
+    header = ["recipe", *[h for h, _ in shown], *[c.label for c in MemoryCategory],
+              "peak allocated", "peak reserved", "device total", "peak phase", "usable (GPU less margin)", "GPU capacity"]
     rows = []
     for i, r in enumerate(results):
         mem = r.memory or {}
-        cells = [f"<td>{escape(r.label)}</td><td>{escape(r.model)}</td><td>{escape(r.gpu_name or '')}</td>"
-                 f"<td>{r.memory_source}</td>"]
+        cells = [f"<td>{escape(name(r))}</td>"] + [f"<td>{escape(get(r))}</td>" for _, get in shown]
         cells += [_num(k, mem.get(k), _gib(mem.get(k))) for k in keys]
         cells.append(f"<td>{escape(str(mem.get('peak_phase', '')))}</td>")
+        cells.append(_num("limit_bytes", r.limit_bytes, _gib(r.limit_bytes)))
         cells.append(_num("gpu_memory_bytes", r.gpu_memory_bytes, _gib(r.gpu_memory_bytes)))
-        rows.append(f'<tr data-row="{i}" data-label="{escape(r.label)}">{"".join(cells)}</tr>')
+        rows.append(f'<tr data-row="{i}" data-label="{escape(name(r))}">{"".join(cells)}</tr>')
     return _table("table-memory", header, rows)
 
 
@@ -145,11 +150,12 @@ def _throughput_table(results: list[RecipeResult]) -> str:
     rows_in = [r for r in results if r.samples_per_second and peak_bytes(r.memory) is not None]
     front = set(pareto_front([(cast(int, peak_bytes(r.memory)), float(r.samples_per_second or 0)) for r in rows_in]))  # rows_in have one
     rows = []
+    name = distinguishing(rows_in)
     for i, r in enumerate(rows_in):
         peak = peak_bytes(r.memory)
         sps = r.samples_per_second
         rows.append(
-            f'<tr data-row="{i}" data-label="{escape(r.label)}"><td>{escape(r.label)}</td>'
+            f'<tr data-row="{i}" data-label="{escape(name(r))}"><td>{escape(name(r))}</td>'
             + _num("device_total", peak, _gib(peak))
             + _num("samples_per_second", sps, f"{sps:.2f}")
             + f"<td>{'yes' if i in front else ''}</td></tr>"
@@ -165,11 +171,13 @@ def _pct_error(predicted: float | None, measured: float | None) -> str:
 
 def _parity_table(results: list[RecipeResult]) -> str:
     rows = []
-    for i, r in enumerate(x for x in results if None not in comparable_peaks(x.predicted_memory, x.measured_memory)):
+    compared = [x for x in results if None not in comparable_peaks(x.predicted_memory, x.measured_memory)]
+    name = distinguishing(compared)
+    for i, r in enumerate(compared):
         p, m = comparable_peaks(r.predicted_memory, r.measured_memory)
         ps, ms = r.predicted_samples_per_second, r.measured_samples_per_second
         rows.append(
-            f'<tr data-row="{i}" data-label="{escape(r.label)}"><td>{escape(r.label)}</td>'
+            f'<tr data-row="{i}" data-label="{escape(name(r))}"><td>{escape(name(r))}</td>'
             + _num("predicted_device_total", p, _gib(p)) + _num("measured_device_total", m, _gib(m))
             + f'<td class="num">{_pct_error(p, m)}</td>'
             + _num("predicted_samples_per_second", ps, "" if ps is None else f"{ps:.2f}")

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from anatomist.anatomy import MemoryCategory
 from anatomist.errors import InputError
-from anatomist.recipe import Recipe
+from anatomist.recipe_labels import labels, recipe_from_dict
 
 RESULTS_SCHEMA_VERSION = 1
 """The bench results schema this report reads (the header line's "anatomist_results" value)."""
@@ -55,7 +55,12 @@ class RecipeResult:
     """One recipe's numbers, whichever command produced them."""
 
     label: str
-    """Short name shown on the charts ("bs4 fp16 gc")."""
+    """Its own name: a bench row's; for an estimate or a plan entry, its recipe named by what it switches on
+    ("bs4, fp16, ckpt"). Where several are drawn together, `about.distinguishing` names each by what differs."""
+    named: bool = False
+    """The label is the name the suite gave the row (kept as it is); else it comes from the recipe."""
+    best: bool = False
+    """The plan's top pick."""
     model: str
     recipe: dict[str, Any]
     status: str
@@ -66,6 +71,9 @@ class RecipeResult:
     seq_len: int | None = None
     gpu_name: str | None = None
     gpu_memory_bytes: int | None = None
+    limit_bytes: int | None = None
+    """The usable memory that decides "fits": the capacity less the margin (estimate and plan say it)."""
+    num_gpus: int = 1
     predicted_memory: dict[str, Any] | None = None
     measured_memory: dict[str, Any] | None = None
     predicted_samples_per_second: float | None = None
@@ -230,6 +238,8 @@ def _from_estimate(obj: dict[str, Any], notices: list[str]) -> RecipeResult:
         seq_len=_int(obj.get("seq_len")),
         gpu_name=gpu.get("name"),
         gpu_memory_bytes=gpu.get("memory_bytes"),
+        limit_bytes=_int(obj.get("limit_bytes")),
+        num_gpus=_int(obj.get("num_gpus")) or 1,
         predicted_memory=_memory(obj.get("memory"), "estimate", notices),
         predicted_samples_per_second=time.get("samples_per_second"),
     )
@@ -248,12 +258,12 @@ def _add_plan(data: ReportData, obj: dict[str, Any]) -> None:
     for entry in entries:
         recipe = entry.get("recipe") or {}
         time = entry.get("time") or {}
-        label = recipe_label(recipe) + (" (best)" if entry == best else "")
         data.results.append(RecipeResult(
-            label=label, model=str(obj.get("model", entry.get("model", "?"))), recipe=recipe, status="predicted",
+            label=recipe_label(recipe), best=entry == best, model=str(obj.get("model", entry.get("model", "?"))), recipe=recipe, status="predicted",
             reason="; ".join(entry.get("reasons") or []) or None,
             parameters=_int(obj.get("parameters")), seq_len=_int(obj.get("seq_len")),
             gpu_name=gpu.get("name"), gpu_memory_bytes=gpu.get("memory_bytes"),
+            limit_bytes=_int(obj.get("limit_bytes")), num_gpus=_int(obj.get("num_gpus")) or 1,
             predicted_memory=_memory(entry.get("memory"), "plan entry", data.notices),
             predicted_samples_per_second=time.get("samples_per_second"),
             pareto=True,
@@ -325,6 +335,8 @@ def _from_bench_row(row: dict[str, Any], index: int, notices: list[str]) -> Reci
     processes = _int(row.get("num_processes")) or 1
     return RecipeResult(
         label=label if processes == 1 else f"{label} x{processes}",  # measured and predicted per process
+        named=bool(row.get("name")),
+        num_gpus=processes,
         model=str(row.get("model", "?")),
         recipe=recipe,
         status=status,
@@ -362,38 +374,10 @@ def _memory(mem: Any, where: str, notices: list[str], *, quiet: bool = False) ->
     return out
 
 
-_SHORT = {
-    "per_device_train_batch_size": "bs{}",
-    "gradient_accumulation_steps": "ga{}",
-    "gradient_checkpointing": "gc",
-    "checkpoint_every": "gc1in{}",
-    "checkpoint_offload": "gc-offload",
-    "activation_offloading": "act-offload",
-    "fp16": "fp16",
-    "bf16": "bf16",
-    "tf32": "tf32",
-    "optim": "{}",
-    "attn_implementation": "{}",
-    "experts_implementation": "{}",
-    "torch_compile": "compile",
-    "dataloader_num_workers": "workers{}",
-    "dataloader_pin_memory": "pin",
-    "zero_stage": "zero{}",
-    "offload": "offload-{}",
-    "max_grad_norm": "clip{}",
-}
-
-
 def recipe_label(recipe: dict[str, Any]) -> str:
-    """A short label naming the batch size and every knob that differs from the Recipe defaults."""
-    defaults = Recipe().to_dict()
-    parts = [f"bs{recipe.get('per_device_train_batch_size', defaults['per_device_train_batch_size'])}"]
-    for key, fmt in _SHORT.items():
-        if key == "per_device_train_batch_size" or key not in recipe or recipe[key] == defaults.get(key):
-            continue
-        value = recipe[key]
-        if isinstance(value, bool):
-            parts.append(fmt if value else f"no-{fmt}")
-        else:
-            parts.append(fmt.format(value))
-    return " ".join(parts)
+    """A recipe object of a result file named by its batch and what it switches on ("bs4, fp16, ckpt"); the
+    keys of an older or foreign file, which this version cannot read as a Recipe, as "key=value"."""
+    parsed = recipe_from_dict(recipe) if recipe else None
+    if parsed is not None:
+        return labels([parsed])[0]
+    return " ".join(f"{k}={v}" for k, v in recipe.items() if k in ("per_device_train_batch_size", "optim"))

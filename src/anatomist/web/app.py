@@ -1,6 +1,7 @@
 """The page's HTTP routes (Starlette): the static page, its schema, uploads, jobs, charts and files.
 
     GET  /                                   the page (static/index.html; its state is the URL query)
+    GET  /favicon.ico                        the page's icon (static/favicon.svg)
     GET  /api/schema                         fields, model and GPU catalogs, memory categories
     POST /api/uploads                        {"kind": "config"|"recipe", "name", "text"} -> {"id", "name", "kind"}
     GET  /api/uploads/{id}                   {"id", "name", "kind"} of an upload a link names
@@ -37,7 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from anatomist.errors import InputError
 from anatomist.web import capture, service
-from anatomist.web.form import parse
+from anatomist.web.form import FieldError, parse
 from anatomist.web.jobs import Busy, Job, JobRunner
 from anatomist.web.uploads import MAX_UPLOAD_BYTES, UploadStore
 
@@ -83,6 +84,7 @@ def create_app(*, allow_network: bool = False, allowed_hosts: list[str] | None =
 
     routes = [
         Route("/", lambda request: FileResponse(STATIC / "index.html")),
+        Route("/favicon.ico", lambda request: FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")),
         Route("/api/schema", _with(state, schema)),
         Route("/api/uploads", _with(state, upload), methods=["POST"]),
         Route("/api/uploads/{upload_id}", _with(state, upload_info)),
@@ -107,6 +109,8 @@ def _with(state: State, handler: Any) -> Any:
             return await handler(state, request)
         except _TooLarge as exc:
             return _error(str(exc), 413)
+        except FieldError as exc:
+            return JSONResponse({"error": str(exc), "field": exc.field}, status_code=400)
         except InputError as exc:
             return _error(str(exc), 400)
         except Busy as exc:
@@ -147,7 +151,8 @@ async def run(state: State, request: Request) -> Response:
     fields = await run_in_threadpool(service.fields)
     form = parse(params, fields)
     job = state.jobs.submit(form.key(), lambda progress: service.run_view(
-        form, state.uploads, allow_network=state.allow_network, progress=progress))
+        form, state.uploads, allow_network=state.allow_network, progress=progress),
+        command=service.command_of(form, state.uploads))
     await state.jobs.wait(job, INLINE_WAIT_S)
     return _job_response(job)
 
@@ -241,7 +246,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-    return _error("the server could not answer this (an internal error, logged on the server)", 500)
+    return _error("the server could not answer this (an internal error, logged on the server): reload the page and "
+                  "try again; if it fails again, the server's log says what failed", 500)
 
 
 class _SecurityHeaders:

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from anatomist.cli.common import INT_MAX
 from anatomist.errors import InputError
 
 View = Literal["estimate", "plan"]
@@ -27,8 +28,18 @@ multi a set of choices (`--optims a,b`), upload the id of an uploaded file."""
 
 MAX_VALUE_CHARS = 300
 """Longest value a field takes (a Hub id is at most 96 characters, a module list rarely 100)."""
-_INT = re.compile(r"[+-]?\d{1,12}")
+QUESTION = "question"
+"""The group of the fields the page asks first (model, GPU, method, trainer, length, batch, GPUs, nodes)."""
+_INT = re.compile(r"[+-]?\d+")
 _UPLOAD_ID = re.compile(r"[0-9a-f]{16}")
+
+
+class FieldError(InputError):
+    """A bad value of one field: the message names the field and its limit; `field` lets the page point at it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -36,56 +47,86 @@ class Field:
     """One input of the page."""
 
     name: str
-    """The URL key: the CLI flag's destination."""
+    """The URL key: the CLI flag's destination (a TrainingArguments name for a recipe field)."""
     flag: str | None
     """The CLI flag (`--seq-len`); None for what service.py places itself (the model, the uploads)."""
     kind: Kind
     help: str
-    section: str
-    """Where the page shows it: model, common, recipe (estimate) or search (plan)."""
+    label: str
+    """What the page calls it ("Batch per GPU"); the name and the help are its tooltip."""
+    group: str
+    """QUESTION (asked first), else the title of its group under "advanced" (the CLI's help groups)."""
     choices: tuple[Any, ...] | None = None
+    choice_labels: tuple[str, ...] | None = None
+    """What the page shows for each choice, in the same order ("full fine-tuning" for none)."""
     default: Any = None
     """What applies when the field is left empty (shown as a placeholder, or checked)."""
     views: tuple[str, ...] = VIEWS
+    minimum: float | None = None
+    """The smallest value taken (an int or float field)."""
+    maximum: float | None = None
+    """The largest value taken (an int field: INT_MAX where not set)."""
+    below_maximum: bool = False
+    """The maximum itself is refused (a share: [0, 1))."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "flag": self.flag, "kind": self.kind, "help": self.help, "section": self.section,
-                "choices": list(self.choices) if self.choices is not None else None, "default": self.default,
-                "views": list(self.views)}
+        maximum = self.maximum if self.maximum is not None or self.kind != "int" else INT_MAX
+        return {"name": self.name, "flag": self.flag, "kind": self.kind, "help": self.help, "label": self.label,
+                "group": self.group, "choices": list(self.choices) if self.choices is not None else None,
+                "choice_labels": list(self.choice_labels) if self.choice_labels is not None else None,
+                "default": self.default, "views": list(self.views), "minimum": self.minimum, "maximum": maximum,
+                "below_maximum": self.below_maximum}
 
     def parse(self, text: str) -> Any:
-        """The typed value of `text` (a non-empty string from the URL or the form)."""
+        """The typed value of `text` (a non-empty string from the URL or the form).
+
+        Raises:
+            FieldError: a value of the wrong kind or past its limits, said with the field's label, name and limit.
+        """
         if len(text) > MAX_VALUE_CHARS:
-            raise InputError(f"{self.name}: at most {MAX_VALUE_CHARS} characters, got {len(text)}")
+            raise self._error(f"must be at most {MAX_VALUE_CHARS} characters long, got {len(text)}")
         if self.kind == "int":
             if not _INT.fullmatch(text):
-                raise InputError(f"{self.name} must be a whole number, got {text!r}")
-            return int(text)
+                raise self._error(f"must be a whole number, got {text!r}")
+            return self._bounded(int(text), text)
         if self.kind == "float":
             try:
                 value = float(text)
             except ValueError:
                 value = math.nan
             if not math.isfinite(value):
-                raise InputError(f"{self.name} must be a number, got {text!r}")
-            return value
+                raise self._error(f"must be a number, got {text!r}")
+            return self._bounded(value, text)
         if self.kind in ("bool", "flag"):
             if text not in ("true", "false"):
-                raise InputError(f"{self.name} must be true or false, got {text!r}")
+                raise self._error(f"must be true or false, got {text!r}")
             return text == "true"
         if self.kind == "choice":
             return self._choice(text)
         if self.kind == "multi":
             return tuple(self._choice(part.strip()) for part in text.split(",") if part.strip())
         if self.kind == "upload" and not _UPLOAD_ID.fullmatch(text):
-            raise InputError(f"{self.name}: not an upload id: {text!r}")
+            raise self._error(f"must be the id of an uploaded file, got {text!r}")
         return text
+
+    def _bounded(self, value: float, text: str) -> float:
+        maximum = self.maximum if self.maximum is not None or self.kind != "int" else INT_MAX
+        if self.minimum is not None and value < self.minimum:
+            raise self._error(f"must be at least {self.minimum:g}, got {text}")
+        if maximum is not None and (value > maximum or (self.below_maximum and value >= maximum)):
+            limit = "2^31 - 1 = 2,147,483,647" if maximum == INT_MAX else f"{maximum:g}"
+            said = f"below {limit}" if self.below_maximum else f"at most {limit}"
+            raise self._error(f"must be {said}, got {text}")
+        return value
 
     def _choice(self, text: str) -> Any:
         by_text = {str(c): c for c in self.choices or ()}
         if text not in by_text:
-            raise InputError(f"{self.name}: unknown value {text!r}; known: {', '.join(by_text)}")
+            raise self._error(f"must be one of {', '.join(by_text)}; got {text!r}")
         return by_text[text]
+
+    def _error(self, said: str) -> FieldError:
+        return FieldError(self.name, f"{self.label} ({self.name}) {said}")
 
     def argv(self, value: Any) -> list[str]:
         """The CLI flags for `value` (`--flag=value` keeps a value starting with '-' a value)."""
@@ -134,7 +175,7 @@ def parse(params: Mapping[str, Any], fields: Iterable[Field]) -> Form:
         if raw is None or (isinstance(raw, str) and not raw.strip()):
             continue
         if not isinstance(raw, (str, int, float, bool)):
-            raise InputError(f"{name}: expected a string, got {type(raw).__name__}")
+            raise FieldError(name, f"{name}: expected a string, got {type(raw).__name__}")
         text = str(raw).lower() if isinstance(raw, bool) else str(raw).strip()
         value = known[name].parse(text)
         if value != ():

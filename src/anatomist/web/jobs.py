@@ -30,7 +30,8 @@ MAX_KEPT = 64
 """Finished jobs kept with their answers (a plan's view is ~100 KB)."""
 MAX_WAITING = 8
 """Jobs queued or running at once; more is refused (HTTP 503) rather than queued for minutes."""
-INTERNAL_ERROR = "the server could not compute this (an internal error, logged on the server)"
+INTERNAL_ERROR = ("the server could not compute this (an internal error, logged on the server): try another setting, "
+                  "or run `{command}` on your own machine, where the traceback says what failed")
 
 Status = Literal["queued", "running", "done", "error"]
 Work = Callable[[Callable[[int, int], None]], dict[str, Any]]
@@ -81,9 +82,10 @@ class JobRunner:
         self._warm: Future[None] | None = None
         self._closed = False
 
-    def submit(self, key: str, work: Work) -> Job:
+    def submit(self, key: str, work: Work, command: str = "anatomist ...") -> Job:
         """The job for `key`: the one queued, running or done, else a new one queued (an error is never
-        reused: what it depended on, an upload, the Hub, may be there now).
+        reused: what it depended on, an upload, the Hub, may be there now). `command`: the command line the
+        request means, which an internal error advises to run.
 
         Raises:
             Busy: MAX_WAITING jobs are queued or running.
@@ -99,7 +101,7 @@ class JobRunner:
             self._jobs[job.id] = job
             self._by_key[key] = job
             self._forget_old()
-            job.future = self._executor.submit(self._run, job, work)
+            job.future = self._executor.submit(self._run, job, work, command)
             return job
 
     def warm_up(self, work: Callable[[], None]) -> None:
@@ -134,7 +136,7 @@ class JobRunner:
         self._closed = True
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def _run(self, job: Job, work: Work) -> None:
+    def _run(self, job: Job, work: Work, command: str) -> None:
         job.status, job.started_s = "running", time.monotonic()
 
         def progress(done: int, total: int) -> None:
@@ -147,7 +149,7 @@ class JobRunner:
             job.error, job.status = str(exc), "error"
         except Exception:  # noqa: BLE001 - one generic line for the page, the traceback in the server's log
             log.exception("job %s (%s) failed", job.id, job.key)
-            job.error, job.status, job.internal = INTERNAL_ERROR, "error", True
+            job.error, job.status, job.internal = INTERNAL_ERROR.format(command=command), "error", True
         finally:
             job.finished_s = time.monotonic()
 

@@ -1,4 +1,4 @@
-"""Uploaded files: a model's config.json and a recipe file, kept by content so a link can name them.
+"""Uploaded files: a model's config.json, a recipe file, the data's lengths, kept by content so a link can name them.
 
 An upload is text, at most MAX_UPLOAD_BYTES, stored under an id made from its content (the same
 file uploaded again gets the same id, so a shared link works again on a restarted server once the
@@ -28,8 +28,10 @@ MAX_UPLOADS = 128
 """Uploads kept at once (at most 32 MiB); the oldest is forgotten first."""
 RECIPE_SUFFIXES = (".json", ".yaml", ".yml")
 
-Kind = Literal["config", "recipe"]
-KINDS: tuple[str, ...] = ("config", "recipe")
+Kind = Literal["config", "recipe", "lengths"]
+KINDS: tuple[str, ...] = ("config", "recipe", "lengths")
+WHAT = {"config": "config.json", "recipe": "recipe file", "lengths": "file of lengths"}
+"""How a message names an upload of each kind."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -64,7 +66,7 @@ class UploadStore:
                              f"{MAX_UPLOAD_BYTES // 1024} KiB")
         if not text.strip():
             raise InputError(f"{name or 'the file'} is empty")
-        shown = "config.json" if kind == "config" else _safe_name(name)
+        shown = "config.json" if kind == "config" else _safe_name(name, RECIPE_SUFFIXES if kind == "recipe" else None)
         digest = hashlib.sha256(f"{kind}\0{shown}\0{text}".encode()).hexdigest()[:16]
         with self._lock:
             if digest in self._uploads:
@@ -93,9 +95,8 @@ class UploadStore:
         """
         upload = self.find(upload_id)
         if upload is None or upload.kind != kind:
-            what = "config.json" if kind == "config" else "recipe file"
-            raise InputError(f"the {what} this link names is not on this server any more (it restarted or "
-                             f"forgot it): upload it again")
+            raise InputError(f"the {WHAT.get(kind, 'file')} this link names is not on this server any more (it "
+                             f"restarted or forgot it): upload it again")
         return upload
 
     def forget(self, upload_id: str) -> None:
@@ -112,9 +113,10 @@ class UploadStore:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _safe_name(name: str) -> str:
-    """The base name of an uploaded recipe file, letters, digits, `._-` only, with a JSON or YAML suffix."""
-    base = re.sub(r"[^A-Za-z0-9._-]", "_", Path(name or "recipe.json").name).lstrip(".") or "recipe.json"
-    if not base.lower().endswith(RECIPE_SUFFIXES):
+def _safe_name(name: str, suffixes: tuple[str, ...] | None) -> str:
+    """The base name of an uploaded file, letters, digits, `._-` only; with one of `suffixes` where given (a
+    recipe file is JSON or YAML)."""
+    base = re.sub(r"[^A-Za-z0-9._-]", "_", Path(name or "upload.txt").name).lstrip(".") or "upload.txt"
+    if suffixes and not base.lower().endswith(suffixes):
         raise InputError(f"{base}: a recipe file is JSON or YAML (.json, .yaml, .yml)")
     return base[-100:]

@@ -5,7 +5,7 @@
 
 const GIB = 2 ** 30;
 const POLL_MS = 250;
-const state = { schema: null, job: null, timer: null, uploads: { config: null, recipe: null }, pick: 0 };
+const state = { schema: null, job: null, timer: null, uploads: {}, pick: 0 };
 
 const $ = (selector, root = document) => root.querySelector(selector);
 const $$ = (selector, root = document) => Array.from(root.querySelectorAll(selector));
@@ -46,7 +46,10 @@ async function api(path, options = {}) {
   return body;
 }
 
-// ---- the form ---------------------------------------------------------------------------------
+// ---- the form ----------------------------------------------------------------------------------
+// The question comes first (model, GPU, method, trainer, length, batch, GPUs, nodes), then the button; every
+// other option is under "advanced", in the groups of the CLI's --help. Labels are words; the field's name (the
+// TrainingArguments name, the URL's key) and its help are its tooltip.
 
 function view() { return $("input[name=view]:checked").value; }
 
@@ -57,31 +60,38 @@ function fieldId(field) {
 function defaultText(field) {
   const d = field.default;
   if (d === null || d === undefined) return field.kind === "choice" || field.kind === "bool" ? "by the model" : "";
+  if (field.kind === "bool") return d ? "on" : "off";
+  if (field.kind === "choice" && field.choice_labels) return field.choice_labels[field.choices.indexOf(d)] ?? String(d);
   return Array.isArray(d) ? d.join(", ") : String(d);
+}
+
+function choiceText(field, i) {
+  return field.choice_labels ? field.choice_labels[i] : String(field.choices[i]);
 }
 
 function buildInput(field) {
   const id = fieldId(field);
-  const common = { id, name: field.name, "data-name": field.name, "data-kind": field.kind, title: field.help };
+  const common = { id, name: field.name, "data-name": field.name, "data-kind": field.kind };
   switch (field.kind) {
     case "bool":
-      return el("select", common, el("option", { value: "", text: `(default: ${defaultText(field)})` }),
-        el("option", { value: "true", text: "true" }), el("option", { value: "false", text: "false" }));
+      return el("select", common, el("option", { value: "", text: `${defaultText(field)} (default)` }),
+        el("option", { value: "true", text: "on" }), el("option", { value: "false", text: "off" }));
     case "choice":
-      return el("select", common, el("option", { value: "", text: `(default: ${defaultText(field)})` }),
-        field.choices.map((c) => el("option", { value: String(c), text: String(c) })));
+      return el("select", common, el("option", { value: "", text: `${defaultText(field)} (default)` }),
+        field.choices.map((c, i) => el("option", { value: String(c), text: choiceText(field, i) })));
     case "flag":
       return el("input", { ...common, type: "checkbox" });
     case "multi": {
       const defaults = new Set((field.default || []).map(String));
-      return el("span", { ...common, class: "multi", role: "group" },
-        field.choices.map((c) => el("label", {}, el("input", {
+      return el("span", { ...common, class: "multi", role: "group", "aria-label": field.label },
+        field.choices.map((c, i) => el("label", {}, el("input", {
           type: "checkbox", value: String(c), checked: defaults.has(String(c)), "data-default": defaults.has(String(c)) ? "1" : "0",
-        }), ` ${c}`)));
+        }), ` ${choiceText(field, i)}`)));
     }
     case "upload":
       return el("span", { ...common, class: "upload" },
-        el("input", { type: "file", accept: ".json,.yaml,.yml", id: `${id}-file`, "aria-label": field.name }),
+        el("input", { type: "file", accept: field.name === "lengths" ? ".txt,.json,.csv" : ".json,.yaml,.yml",
+          id: `${id}-file`, "aria-label": field.label }),
         el("span", { class: "upload-name", id: `${id}-name` }),
         el("button", { type: "button", class: "link", id: `${id}-clear`, hidden: true, text: "remove" }));
     default: {
@@ -93,25 +103,40 @@ function buildInput(field) {
   }
 }
 
+function tooltip(field) {
+  const limits = [field.minimum !== null ? `at least ${field.minimum}` : null,
+    field.maximum !== null ? `${field.below_maximum ? "below" : "at most"} ${field.maximum.toLocaleString("en-US")}` : null]
+    .filter(Boolean).join(", ");
+  return `${field.name}${field.flag ? ` (${field.flag})` : ""}: ${field.help}${limits ? ` Takes ${limits}.` : ""}`;
+}
+
+function buildField(field) {
+  const question = field.group === "question";
+  return el("div", { class: `field field-${field.kind}`, "data-views": field.views.join(" "), "data-field": field.name,
+    title: tooltip(field) },
+    el("label", { for: fieldId(field) }, field.label, question ? null : el("code", { class: "name", text: field.name })),
+    buildInput(field),
+    question ? null : el("small", { class: "help", text: field.help }));
+}
+
 function buildForm(schema) {
+  const groups = new Map();
   for (const field of schema.fields) {
-    const section = $(`#section-${field.section}`);
-    const label = field.kind === "upload" ? (field.name === "config" ? "or upload config.json" : "recipe file") : field.name;
-    const wrapper = el("div", { class: `field field-${field.kind}`, "data-views": field.views.join(" ") },
-      el("label", { for: fieldId(field) }, el("code", { text: label })),
-      buildInput(field),
-      el("small", { class: "help", text: field.help }));
-    section.append(wrapper);
+    if (field.group === "question") { $("#question").append(buildField(field)); continue; }
+    if (!groups.has(field.group)) {
+      const box = el("div", { class: "group-fields" });
+      $("#groups").append(el("details", { class: "group", "data-group": field.group }, el("summary", { text: field.group }), box));
+      groups.set(field.group, box);
+    }
+    groups.get(field.group).append(buildField(field));
   }
-  $("#model-list").replaceChildren(...schema.models.map((m) =>
-    el("option", { value: m.name, label: `${m.family}, ${(m.parameters / 1e9).toFixed(2)}B parameters (${m.hub_id})` })));
+  $("#model-list").replaceChildren(...schema.models.map((m) => el("option", { value: m.name, label: m.about })));
   $("#gpu-list").replaceChildren(...schema.gpus.map((g) =>
     el("option", { value: g.name, label: `${gib(g.memory_bytes)}${g.aliases.length ? ", " + g.aliases.join(", ") : ""}` })));
-  for (const kind of ["config", "recipe"]) {
-    const field = schema.fields.find((f) => f.name === kind);
+  for (const field of schema.fields.filter((f) => f.kind === "upload")) {
     const id = fieldId(field);
-    $(`#${id}-file`).addEventListener("change", (event) => upload(kind, id, event.target));
-    $(`#${id}-clear`).addEventListener("click", () => setUpload(kind, id, null));
+    $(`#${id}-file`).addEventListener("change", (event) => upload(field.name, id, event.target));
+    $(`#${id}-clear`).addEventListener("click", () => setUpload(field.name, id, null));
   }
   showView();
 }
@@ -119,8 +144,10 @@ function buildForm(schema) {
 function showView() {
   const current = view();
   for (const node of $$("[data-views]")) node.hidden = !node.dataset.views.split(" ").includes(current);
-  for (const node of $$("fieldset[data-view]")) node.hidden = node.dataset.view !== current;
+  for (const box of $$("details.group")) box.hidden = !$$(".field", box).some((f) => !f.hidden);
   $("#run").textContent = current === "plan" ? "Plan" : "Estimate";
+  const prompt = $("#answer .empty strong");
+  if (prompt) prompt.textContent = $("#run").textContent;
 }
 
 function fieldsOfView() {
@@ -148,9 +175,15 @@ function writeForm(params) {
   const wanted = params.view === "plan" ? "plan" : "estimate";
   $(`input[name=view][value=${wanted}]`).checked = true;
   showView();
+  let advanced = false;
+  for (const group of $$("details.group")) group.open = false;
   for (const field of fieldsOfView()) {
     const input = document.getElementById(fieldId(field));
     const value = params[field.name] ?? "";
+    if (value !== "" && field.group !== "question") {  // a link that sets an advanced option shows its group
+      advanced = true;
+      input.closest("details.group").open = true;
+    }
     if (field.kind === "flag") input.checked = value === "true";
     else if (field.kind === "multi") {
       const chosen = value === "" ? null : new Set(value.split(","));
@@ -158,6 +191,7 @@ function writeForm(params) {
     } else if (field.kind === "upload") setUpload(field.name, fieldId(field), value ? { id: value, name: null } : null);
     else input.value = value;
   }
+  $("#advanced").open = advanced;
 }
 
 function setUpload(kind, id, upload) {
@@ -211,7 +245,7 @@ async function run(params, { push = true } = {}) {
     follow(await api("/api/run", { method: "POST", body: JSON.stringify(params) }));
   } catch (error) {
     hideStatus();
-    showError(error.message);
+    showError(error.message, error.body && error.body.field);
   }
 }
 
@@ -254,15 +288,27 @@ function hideStatus() {
   $("#answer").classList.remove("stale");
 }
 
-function showError(message) {
+function showError(message, field = null) {
   const box = $("#error");
   box.textContent = message;
   box.hidden = false;
+  if (!field) return;
+  const wrapper = $$(`.field[data-field="${field}"]`).find((f) => !f.hidden);
+  if (!wrapper) return;
+  wrapper.classList.add("invalid");
+  if (wrapper.closest("#advanced")) {
+    $("#advanced").open = true;
+    wrapper.closest("details.group").open = true;
+  }
+  const input = $("input, select", wrapper);
+  if (input) input.setAttribute("aria-invalid", "true");
 }
 
 function clearError() {
   $("#error").hidden = true;
   $("#error").textContent = "";
+  for (const f of $$(".field.invalid")) f.classList.remove("invalid");
+  for (const i of $$("[aria-invalid]")) i.removeAttribute("aria-invalid");
 }
 
 // ---- the answer -------------------------------------------------------------------------------
@@ -290,33 +336,39 @@ function renderEstimate(job, v) {
   const peft = recipe.peft !== "none" ? `, ${recipe.peft} (r=${recipe.lora_r})` : "";
   const autocast = recipe.fp16 ? " + fp16 autocast" : recipe.bf16 ? " + bf16 autocast" : "";
   const mem = r.memory;
-  const verdict = r.fits ? "fits" : "does not fit";
-  const table = el("table", { id: "table-anatomy" },
-    el("thead", {}, el("tr", {}, ["component", "predicted", "share", "seeds' rule"].map((h) => el("th", { text: h })))),
+  const devices = r.nodes > 1 ? `${r.nodes} nodes x ${r.num_gpus / r.nodes}` : String(r.num_gpus);
+  const table = el("div", { class: "scroll" }, el("table", { id: "table-anatomy" },
+    el("thead", {}, el("tr", {}, el("th", { text: "component" }), el("th", { class: "num", text: "predicted" }),
+      el("th", { class: "num", text: "share" }),
+      el("th", { text: "bytes/param rule", title: v.rule_source }))),
     el("tbody", {}, v.anatomy.map((row) => el("tr", { "data-key": row.key },
-      el("td", {}, el("span", { class: "swatch", "data-category": row.key }), row.label),
+      el("td", { title: row.description }, el("span", { class: "swatch", "data-category": row.key }), row.label),
       el("td", { class: "num", "data-key": row.key, "data-value": String(row.bytes), text: gib(row.bytes) }),
       el("td", { class: "num", text: pct(row.share) }),
       el("td", { class: "rule", text: row.rule })))),
     el("tfoot", {}, el("tr", {}, el("th", { text: "device total (nvidia-smi)" }),
       el("th", { class: "num", "data-key": "device_total", "data-value": String(mem.device_total), text: gib(mem.device_total) }),
-      el("th", {}), el("th", {}))));
+      el("th", {}), el("th", {})))));
   for (const swatch of $$(".swatch", table)) {
     const category = state.schema.categories.find((c) => c.key === swatch.dataset.category);
     swatch.style.background = category ? category.colour : "#999";
   }
+  const fits = v.verdict === "fits";
   return el("article", { id: "estimate" },
     el("h2", { id: "summary", text: `${r.model} (${r.task}, ${num(r.parameters / 1e6)} M parameters), seq ${r.seq_len}, ` +
       `batch ${recipe.per_device_train_batch_size} x ${recipe.gradient_accumulation_steps} accumulation, ` +
-      `weights ${recipe.dtype}${autocast}${peft}, ${r.mode} on ${r.gpu.name} (${gib(r.gpu.memory_bytes)})` }),
-    el("p", { id: "verdict", class: r.fits ? "fits" : "no-fit", "data-fits": String(r.fits), "data-max-batch": String(r.max_batch_size) },
-      el("strong", { text: verdict }),
+      `weights ${recipe.dtype}${autocast}${peft}, ${r.mode} on ${devices} x ${r.gpu.name} (${gib(r.gpu.memory_bytes)})` }),
+    el("p", { id: "verdict", class: fits ? "fits" : "no-fit", "data-fits": String(r.fits), "data-verdict": v.verdict,
+      "data-max-batch": String(r.max_batch_size) },
+      el("strong", { text: v.verdict }),
       `: ${gib(mem.device_total)} on the device at the peak, of ${gib(r.limit_bytes)} usable (${gib(r.gpu.memory_bytes)} less the ` +
       `${pct(r.memory_margin)} margin). Peak in `, el("strong", { id: "peak-phase", text: mem.peak_phase }),
       `: allocated ${gib(mem.peak_allocated)}, reserved ${gib(mem.peak_reserved)}. Largest batch that fits: `,
-      el("strong", { id: "max-batch", text: String(r.max_batch_size) }), "."),
-    chart(job, "memory", "Memory anatomy of the step's peak, by component, against the GPU's capacity"),
+      el("strong", { id: "max-batch", text: v.largest_batch }), "."),
+    v.change ? el("p", { id: "change", class: "change", text: v.change }) : null,
+    chart(job, "memory", "Memory anatomy of the step's peak, by component, against the GPU's capacity and the usable limit"),
     table,
+    el("p", { class: "rule-note", text: `bytes/param rule: ${v.rule_source}.` }),
     notesList("notes", [...r.notes, ...v.messages]),
     r.time ? renderTime(r.time) : el("p", { text: "Inference: no time prediction (training steps only)." }));
 }
@@ -331,7 +383,7 @@ function bars(id, parts, total) {
 function renderTime(t) {
   const section = el("section", { id: "time" },
     el("h3", { text: "Time anatomy of one step (roofline)" }),
-    el("table", { id: "table-time" },
+    el("div", { class: "scroll" }, el("table", { id: "table-time" },
       el("thead", {}, el("tr", {}, ["step time", "samples/s", "tokens/s", "TFLOP/s", "MFU", "HFU"].map((h) => el("th", { text: h })))),
       el("tbody", {}, el("tr", {},
         el("td", { class: "num", "data-key": "step_s", "data-value": String(t.step_s), text: `${num(t.step_s * 1e3)} ms` }),
@@ -339,46 +391,44 @@ function renderTime(t) {
         el("td", { class: "num", text: num(t.tokens_per_second, 0) }),
         el("td", { class: "num", text: num(t.flops_per_step / t.step_s / 1e12) }),
         el("td", { class: "num", text: pct(t.mfu) }),
-        el("td", { class: "num", text: pct(t.hfu) })))),
+        el("td", { class: "num", text: pct(t.hfu) }))))),
     el("h4", { text: "by phase" }), bars("phases", t.phases_s, t.step_s),
     el("h4", { text: "by operation class" }), bars("classes", t.classes_s, t.step_s),
-    el("p", { class: t.calibrated ? "" : "warning", text: t.calibrated ? "time factors: calibrated" :
-      "Time figures are uncalibrated: the efficiency factors are placeholders, not measured on a GPU; a ranking, not a measurement." }));
+    el("p", { id: "calibration", class: t.calibrated ? "rule-note" : "warning", text: t.calibration }));
   for (const fill of $$(".bar-fill", section)) fill.style.width = pct(Number(fill.dataset.share));
   return section;
 }
 
 function renderPlan(job, v) {
   const r = v.result;
-  const table = el("table", { id: "table-pareto" },
-    el("thead", {}, el("tr", {}, ["", "method", "batch x accum", "ckpt", "precision", "optim", "compile", "sharding",
-      "device memory", "samples/s"].map((h) => el("th", { text: h })))),
-    el("tbody", {}, v.picks.map((p, i) => el("tr", { "data-pick": String(i), class: p.best ? "best" : "" },
+  const devices = r.nodes > 1 ? `${r.nodes} nodes x ${r.num_gpus / r.nodes}` : String(r.num_gpus);
+  const table = el("div", { class: "scroll" }, el("table", { id: "table-pareto" },
+    el("thead", {}, el("tr", {}, el("th", {}), v.columns.map((c) => el("th", { "data-key": c.key, text: c.header })),
+      el("th", { class: "num", text: "device memory" }), el("th", { class: "num", text: "samples/s" }))),
+    el("tbody", {}, v.picks.map((p, i) => el("tr", { "data-pick": String(i), "data-label": p.label, class: p.best ? "best" : "" },
       el("td", {}, el("input", { type: "radio", name: "pick", value: String(i), checked: i === state.pick,
-        "aria-label": `pick ${i}`, onchange: () => selectPick(job, v, i) })),
-      el("td", { text: p.method + (p.best ? " (top pick)" : "") }),
-      el("td", { text: p.batch }), el("td", { text: p.checkpointing ? "on" : "off" }), el("td", { text: p.precision }),
-      el("td", { text: p.optim }), el("td", { text: p.compile ? "on" : "off" }), el("td", { text: p.sharding }),
+        "aria-label": `pick ${p.label}`, onchange: () => selectPick(job, v, i) })),
+      v.columns.map((c, k) => el("td", { "data-key": c.key, text: p.cells[c.key] + (p.best && k === 0 ? " (top pick)" : "") })),
       el("td", { class: "num", "data-key": "device_total", "data-value": String(p.device_total), text: gib(p.device_total) }),
-      el("td", { class: "num", "data-key": "samples_per_second", "data-value": String(p.samples_per_second), text: num(p.samples_per_second) })))));
+      el("td", { class: "num", "data-key": "samples_per_second", "data-value": String(p.samples_per_second), text: num(p.samples_per_second) }))))));
   return el("article", { id: "plan" },
-    el("h2", { id: "summary", text: `${r.model} seq ${r.seq_len} on ${r.num_gpus} x ${r.gpu.name} (${gib(r.gpu.memory_bytes)}), ` +
+    el("h2", { id: "summary", text: `${r.model} seq ${r.seq_len} on ${devices} x ${r.gpu.name} (${gib(r.gpu.memory_bytes)}), ` +
       `global batch ${r.global_batch_size || "any"}, objective ${r.objective}: ${r.candidates} candidates, ${r.feasible} fit` }),
     chart(job, "throughput", "Throughput against peak device memory of every Pareto recipe"),
     el("h3", { text: "Pareto front (throughput vs peak device memory)" }),
     table,
+    v.shared ? el("p", { id: "shared", class: "rule-note", text: `Every recipe above: ${v.shared}.` }) : null,
     el("div", { id: "pick" }, renderPick(v)),
-    chart(job, "memory", "Memory anatomy of each Pareto recipe"),
+    chart(job, "memory", "Memory anatomy of each Pareto recipe, against the GPU's capacity and the usable limit"),
     notesList("notes", [...r.notes, ...v.messages]));
 }
 
 function renderPick(v) {
   const p = v.picks[state.pick];
   return el("div", {},
-    el("h3", { text: p.best ? "Top pick" : `Pick ${state.pick}` }),
-    el("p", { id: "pick-summary", text: `${p.method} fine-tuning, batch ${p.batch}, checkpointing ${p.checkpointing ? "on" : "off"}, ` +
-      `${p.precision}, ${p.optim}, compile ${p.compile ? "on" : "off"}, sharding ${p.sharding}, attention ${p.attention}: ` +
-      `${gib(p.device_total)} of limit ${gib(v.result.limit_bytes)}, ${num(p.samples_per_second)} samples/s predicted` }),
+    el("h3", { text: p.best ? "Top pick" : `Pick: ${p.label}` }),
+    el("p", { id: "pick-summary", text: `${p.summary}: ${gib(p.device_total)} of limit ${gib(v.result.limit_bytes)}, ` +
+      `${num(p.samples_per_second)} samples/s predicted` }),
     el("ul", { id: "reasons" }, p.reasons.map((reason) => el("li", { text: reason }))));
 }
 
@@ -389,7 +439,7 @@ function selectPick(job, v, i) {
 }
 
 function renderFiles(job, v) {
-  const what = v.kind === "plan" ? (v.picks[state.pick].best ? "the top pick" : `pick ${state.pick}`) : "this recipe";
+  const what = v.kind === "plan" ? (v.picks[state.pick].best ? "the top pick" : v.picks[state.pick].label) : "this recipe";
   const list = el("div", { id: "file-list" });
   return el("section", { id: "files" },
     el("h3", { text: `Files to train ${what}` }),
