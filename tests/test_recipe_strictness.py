@@ -8,6 +8,7 @@ truth for what a real file sets is the file, read here with yaml/json.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -184,6 +185,11 @@ def test_memory_settings_not_modelled_yet_are_refused_never_predicted_as_somethi
     ("ds.json", '{"zero_optimization": {"stage": 2}, "sequence_parallel_size": 4}', "sequence_parallel_size=4 is not"),
     ("ds.json", '{"zero_optimization": {"stage": 2}, "fp16": {"enabled": true, "fp16_master_weights_and_grads": true}}',
      "fp16.fp16_master_weights_and_grads=True is not modelled yet"),
+    # DeepSpeed's ZenFlow, and an optimizer of its own whose states are not Adam's
+    ("ds.json", '{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {"topk_ratio": '
+                '0.1}}}', "zero_optimization.zenflow={'topk_ratio': 0.1} is not modelled yet (DeepSpeed's ZenFlow"),
+    ("ds.json", '{"optimizer": {"type": "Lamb"}, "zero_optimization": {"stage": 1}}',
+     "optimizer.type='Lamb' is not modelled yet (an optimizer anatomist does not model"),
 ])
 def test_each_unmodelled_setting_is_one_line(tmp_path: Path, name: str, text: str, message: str) -> None:
     path = tmp_path / name
@@ -413,3 +419,95 @@ def test_an_fsdp_version_is_taken_exactly_where_accelerate_takes_it(version, tmp
             read_recipe_file(path)
     else:
         assert taken == version and read_recipe_file(path).recipe.fsdp == "full_shard"
+
+
+# -- DeepSpeed's top level and compile section, as DeepSpeed reads them -------------------------------------------
+
+def _deepspeed_takes(config: dict) -> bool:
+    import contextlib
+    import io
+
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            DeepSpeedConfig(config)
+    except Exception:  # DeepSpeedConfigError, pydantic's ValidationError
+        return False
+    return True
+
+
+def test_the_removed_features_are_the_installed_deepspeed_s() -> None:
+    """DeepSpeed refuses the keys of features it removed with a message of its own (runtime/config.py); the table
+    anatomist keeps (scripts/deepspeed_keys.py) is the installed release's, message for message less the link."""
+    import deepspeed
+    from deepspeed.runtime import config as runtime_config
+
+    from anatomist.recipe_files.known import deepspeed_release, deepspeed_removed
+
+    if deepspeed.__version__ != deepspeed_release():
+        pytest.skip(f"the table is deepspeed {deepspeed_release()}'s")
+    for section, name in (("top_level", "_REMOVED_TOP_LEVEL_CONFIG_KEYS"), ("zero_optimization", "_REMOVED_ZERO_CONFIG_KEYS")):
+        live = getattr(runtime_config, name)
+        assert deepspeed_removed(section) == {key: message.split(" See http")[0].strip() for key, message in live.items()}
+
+
+@pytest.mark.parametrize(("config", "key"), [
+    ({"train_micro_batch_size_per_gpu": 1, "sparse_attention": {"mode": "fixed"}}, "sparse_attention"),
+    ({"train_micro_batch_size_per_gpu": 1, "amp": {"enabled": True}}, "amp"),
+    ({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "mics_shard_size": 8}},
+     "zero_optimization.mics_shard_size"),
+])
+def test_a_removed_feature_is_refused_as_deepspeed_refuses_it(tmp_path: Path, config: dict, key: str) -> None:
+    assert not _deepspeed_takes(config)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(InputError, match=rf"^{re.escape(str(path))}: {re.escape(key)}: .* has been removed.* "
+                                         r"\(deepspeed [\d.]+ refuses it\)$"):
+        read_recipe_file(path)
+
+
+def test_a_top_level_key_deepspeed_ignores_is_named_and_only_a_typo_refused(tmp_path: Path) -> None:
+    """DeepSpeed reads its top level key by key and ignores the rest: a key it ignores is named as not modelled (the
+    ImageNet example's cuda_visible_devices), one a letter or two off a key it reads is refused, for DeepSpeed would
+    ignore it and train without what was meant."""
+    path = tmp_path / "ds.json"
+    ignored = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}, "cuda_visible_devices": 1,
+               "monitor_config": {"enabled": True}}
+    assert _deepspeed_takes(ignored)
+    path.write_text(json.dumps(ignored))
+    source = read_recipe_file(path)
+    assert source.recipe.zero_stage == 1
+    assert {"cuda_visible_devices", "monitor_config"} <= set(source.not_modelled)
+    path.write_text(json.dumps({**ignored, "optimiser": {"type": "AdamW"}}))
+    with pytest.raises(InputError, match=r"unknown key optimiser \(did you mean optimizer\?\).*it would ignore it"):
+        read_recipe_file(path)
+
+
+@pytest.mark.parametrize(("compile_section", "taken"), [({"deepcompile": False}, True),
+                                                        ({"disable": False, "backend": "inductor"}, False)])
+def test_the_compile_section_is_held_to_deepspeed_s_model(tmp_path: Path, compile_section: dict, taken: bool) -> None:
+    """deepspeed 0.19's CompileConfig forbids keys it lacks: the `disable`/`backend` of older releases (axolotl's
+    zero1_torch_compile.json) are refused by it and by anatomist."""
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}, "compile": compile_section}
+    assert _deepspeed_takes(config) == taken
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    if taken:
+        assert read_recipe_file(path).recipe.zero_stage == 1
+    else:
+        with pytest.raises(InputError, match=r"unknown key compile.disable: not a key of DeepSpeed's compile section"):
+            read_recipe_file(path)
+
+
+@pytest.mark.parametrize(("kind", "read"), [("AdamW", True), ("Adam", True), ("adamw", True), ("OneBitAdam", False),
+                                            ("Lamb", False), ("Adagrad", False)])
+def test_a_deepspeed_optimizer_is_read_only_where_its_states_are_adam_s(tmp_path: Path, kind: str, read: bool) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"optimizer": {"type": kind, "params": {"lr": 1e-5}}, "zero_optimization": {"stage": 2}}))
+    if read:
+        assert read_recipe_file(path).recipe.zero_stage == 2
+    else:
+        with pytest.raises(InputError, match=f"optimizer.type={kind!r} is not modelled yet"):
+            read_recipe_file(path)
+

@@ -27,14 +27,18 @@ UNMODELLED: dict[str, str] = {
     "knowledge_distillation": "knowledge distillation against a teacher's logits: it would be predicted without them",
     "grokfast": "Grokfast's moving average of every gradient: it would be predicted without it",
     "expert_parallel": "expert parallel: it would be predicted as plain data parallel",
+    "optimizer": "an optimizer anatomist does not model: its states would be predicted as AdamW's",
+    "zenflow": "DeepSpeed's ZenFlow (the gradients' most important columns updated on the GPU beside the offloaded "
+               "optimizer): it would be predicted as plain optimizer offload",
 }
 """Setting -> what it changes and how a prediction that ignored it would be wrong."""
 
 
-def refuse_unmodelled(setting: str, file: str, key: str, value: Any, instead: str = "") -> None:
-    """InputError naming `file`'s `key` when `value` turns `setting` on (a size of 1 or an off value does not);
-    `instead`: a modelled setting of the same tool that does nearly the same, offered before removing it."""
-    if is_off(value) or (isinstance(value, int) and not isinstance(value, bool) and value <= 1):
+def refuse_unmodelled(setting: str, file: str, key: str, value: Any, instead: str = "", *, size: bool = True) -> None:
+    """InputError naming `file`'s `key` when `value` turns `setting` on (an off value does not, nor, where `value` is
+    a `size` of parallel ranks, 1); `instead`: a modelled setting of the same tool that does nearly the same, offered
+    before removing it."""
+    if is_off(value) or (size and isinstance(value, int) and not isinstance(value, bool) and value <= 1):
         return
     raise InputError(f"{file}: {key}={value!r} is not modelled yet ({UNMODELLED[setting]}); "
                      f"{f'use {instead} or ' if instead else ''}remove it to estimate without it")
