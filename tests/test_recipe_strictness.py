@@ -190,6 +190,9 @@ def test_memory_settings_not_modelled_yet_are_refused_never_predicted_as_somethi
                 '0.1}}}', "zero_optimization.zenflow={'topk_ratio': 0.1} is not modelled yet (DeepSpeed's ZenFlow"),
     ("ds.json", '{"optimizer": {"type": "Lamb"}, "zero_optimization": {"stage": 1}}',
      "optimizer.type='Lamb' is not modelled yet (an optimizer anatomist does not model"),
+    # accelerate's FSDP ignored modules (kept whole on every rank)
+    ("acc.yaml", "distributed_type: FSDP\nfsdp_config:\n  fsdp_ignored_modules: model.visual\n",
+     "fsdp_config.fsdp_ignored_modules='model.visual' is not modelled yet (FSDP's ignored modules"),
 ])
 def test_each_unmodelled_setting_is_one_line(tmp_path: Path, name: str, text: str, message: str) -> None:
     path = tmp_path / name
@@ -511,3 +514,23 @@ def test_a_deepspeed_optimizer_is_read_only_where_its_states_are_adam_s(tmp_path
         with pytest.raises(InputError, match=f"optimizer.type={kind!r} is not modelled yet"):
             read_recipe_file(path)
 
+
+def test_an_fsdp_key_accelerate_reads_without_a_launch_option_is_known(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """accelerate launch has no --fsdp_ignored_modules option, but the environment it prepares reads the key from the
+    config (utils/launch.py: FSDP_IGNORED_MODULES): no typo. Unset, it reads; set, the modules stay whole on every
+    rank, which is not modelled."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    path = tmp_path / "fsdp.yaml"
+    config = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "num_processes": 2,
+              "fsdp_config": {"fsdp_version": 2, "fsdp_ignored_modules": "model.visual"}}
+    path.write_text(yaml.safe_dump(config))
+    args, *_ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "x.py"]))
+    assert prepare_multi_gpu_env(args)["FSDP_IGNORED_MODULES"] == "model.visual"
+    with pytest.raises(InputError, match="fsdp_config.fsdp_ignored_modules='model.visual' is not modelled yet"):
+        read_recipe_file(path)
+    config["fsdp_config"]["fsdp_ignored_modules"] = None
+    path.write_text(yaml.safe_dump(config))
+    assert read_recipe_file(path).recipe.fsdp == "full_shard"

@@ -30,6 +30,7 @@ UNMODELLED: dict[str, str] = {
     "optimizer": "an optimizer anatomist does not model: its states would be predicted as AdamW's",
     "zenflow": "DeepSpeed's ZenFlow (the gradients' most important columns updated on the GPU beside the offloaded "
                "optimizer): it would be predicted as plain optimizer offload",
+    "fsdp_ignored_modules": "FSDP's ignored modules (kept whole on every rank): they would be predicted sharded",
 }
 """Setting -> what it changes and how a prediction that ignored it would be wrong."""
 
