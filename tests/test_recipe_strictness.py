@@ -193,6 +193,32 @@ def test_memory_settings_not_modelled_yet_are_refused_never_predicted_as_somethi
     # accelerate's FSDP ignored modules (kept whole on every rank)
     ("acc.yaml", "distributed_type: FSDP\nfsdp_config:\n  fsdp_ignored_modules: model.visual\n",
      "fsdp_config.fsdp_ignored_modules='model.visual' is not modelled yet (FSDP's ignored modules"),
+    # axolotl: reward models, frozen subsets, LISA, modules trained beside the adapter, DoRA, fp8, BitNet, a GPTQ base
+    ("ax.yml", "base_model: x\nreward_model: true\n", "reward_model=True is not modelled yet (reward modelling"),
+    ("ax.yml", "base_model: x\nprocess_reward_model: true\n", "process_reward_model=True is not modelled yet (reward"),
+    ("ax.yml", "base_model: x\nunfrozen_parameters: ['^lm_head.*']\n", "unfrozen_parameters=['^lm_head.*'] is not"),
+    ("ax.yml", "base_model: x\nlisa_n_layers: 1\nlisa_step_interval: 20\n", "lisa_n_layers=1 is not modelled yet"),
+    ("ax.yml", "base_model: x\nadapter: lora\nlora_modules_to_save: [lm_head]\n",
+     "lora_modules_to_save=['lm_head'] is not modelled yet (whole modules trained beside the adapter"),
+    ("ax.yml", "base_model: x\nadapter: lora\npeft_use_dora: true\n", "peft_use_dora=True is not modelled yet (DoRA"),
+    ("ax.yml", "base_model: x\nfp8: true\n", "fp8=True is not modelled yet (FP8 training"),
+    ("ax.yml", "base_model: x\nuse_onebitllms: true\n", "use_onebitllms=True is not modelled yet (BitNet"),
+    ("ax.yml", "base_model: x\ngptq: true\n", "gptq=True is not modelled yet (a base model quantized ahead"),
+    ("ax.yml", "base_model: x\nplugins: [axolotl.integrations.llm_compressor.LLMCompressorPlugin]\n",
+     "plugins='axolotl.integrations.llm_compressor.LLMCompressorPlugin' is not modelled yet (sparse fine-tuning"),
+    # LLaMA-Factory: optimizers of its own, LLaMA Pro, DoRA, modules trained beside LoRA, fp8, Unsloth
+    *[("lf.yaml", f"stage: sft\nfinetuning_type: full\n{key}: true\n", f"{key}=True is not modelled yet (an optimizer")
+      for key in ("use_galore", "use_apollo", "use_badam", "use_adam_mini", "use_muon")],
+    ("lf.yaml", "stage: sft\nfinetuning_type: lora\nuse_llama_pro: true\n", "use_llama_pro=True is not modelled yet"),
+    ("lf.yaml", "stage: sft\nfinetuning_type: lora\nuse_dora: true\n", "use_dora=True is not modelled yet (DoRA"),
+    ("lf.yaml", "stage: sft\nfinetuning_type: lora\nadditional_target: embed_tokens\n",
+     "additional_target='embed_tokens' is not modelled yet (whole modules"),
+    ("lf.yaml", "stage: sft\nfinetuning_type: lora\nfp8: true\n", "fp8=True is not modelled yet (FP8"),
+    ("lf.yaml", "stage: sft\nfinetuning_type: lora\nuse_unsloth: true\n", "use_unsloth=True is not modelled yet"),
+    # TRL's ModelConfig: modules trained beside the adapter, DoRA (read only with use_peft, as get_peft_config)
+    ("sft.yaml", "max_length: 512\nuse_peft: true\nlora_modules_to_save: [lm_head]\n",
+     "lora_modules_to_save=['lm_head'] is not modelled yet"),
+    ("sft.yaml", "max_length: 512\nuse_peft: true\nuse_dora: true\n", "use_dora=True is not modelled yet (DoRA"),
 ])
 def test_each_unmodelled_setting_is_one_line(tmp_path: Path, name: str, text: str, message: str) -> None:
     path = tmp_path / name
