@@ -3,8 +3,10 @@ its numbers (anatomist.deepspeed_bounds reads them where deepspeed is not instal
 
 DeepSpeed validates its sections with pydantic models that forbid extra keys (deepspeed/runtime/
 config_utils.py DeepSpeedConfigModel: extra="forbid"): zero_optimization, its offload_param /
-offload_optimizer, bf16 and fp16. Its top level is read key by key (runtime/config.py
-get_*(param_dict)) with the names in the constants modules; those names are collected here.
+offload_optimizer, bf16, fp16 and compile. Its top level is read key by key (runtime/config.py
+get_*(param_dict)) with the names in the constants modules; those names are collected here. The keys of features
+it has removed, which it refuses with a message of its own (runtime/config.py _reject_removed_config_keys), are kept
+with that message ("removed").
 
     python scripts/deepspeed_keys.py
 """
@@ -16,6 +18,8 @@ import json
 from pathlib import Path
 
 import deepspeed
+from deepspeed.compile.config import CompileConfig
+from deepspeed.runtime import config as runtime_config
 from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig, DeepSpeedZeroOffloadParamConfig
@@ -28,7 +32,16 @@ READ_IN_LOOPS = ("tensorboard", "wandb", "csv_monitor", "comet", "amp")
 OUT = Path(__file__).resolve().parents[1] / "src/anatomist/data/deepspeed_keys.json"
 SECTIONS = {"zero_optimization": DeepSpeedZeroConfig, "zero_optimization.offload_param": DeepSpeedZeroOffloadParamConfig,
             "zero_optimization.offload_optimizer": DeepSpeedZeroOffloadOptimizerConfig, "bf16": DeepSpeedBF16Config,
-            "bfloat16": DeepSpeedBF16Config, "fp16": DeepSpeedFP16Config}
+            "bfloat16": DeepSpeedBF16Config, "fp16": DeepSpeedFP16Config, "compile": CompileConfig}
+REMOVED = {"top_level": "_REMOVED_TOP_LEVEL_CONFIG_KEYS", "zero_optimization": "_REMOVED_ZERO_CONFIG_KEYS"}
+"""runtime/config.py's tables of removed keys and the message DeepSpeed refuses each with, by section."""
+
+
+def removed_keys() -> dict[str, dict[str, str]]:
+    """The removed keys DeepSpeed refuses, by section, with its message less the link to its tracker."""
+    return {section: {key: message.split(" See http")[0].strip()
+                      for key, message in getattr(runtime_config, name, {}).items()}
+            for section, name in REMOVED.items()}
 
 
 def model_keys(model: type) -> list[str]:
@@ -71,7 +84,8 @@ def main() -> None:
     root = Path(deepspeed.__file__).parent
     data = {"_source": f"scripts/deepspeed_keys.py, deepspeed {deepspeed.__version__}",
             "top_level": top_level_keys(root), **{name: model_keys(model) for name, model in SECTIONS.items()},
-            "bounds": read_models({name: model for name, model in SECTIONS.items() if name != "bfloat16"})}
+            "bounds": read_models({name: model for name, model in SECTIONS.items() if name != "bfloat16"}),
+            "removed": removed_keys()}
     OUT.write_text(json.dumps(data, indent=1) + "\n")
 
 

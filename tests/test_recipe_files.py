@@ -276,3 +276,14 @@ def test_a_recipe_is_read_from_a_pipe(tmp_path: Path):
     recipe = read_recipe_file(fifo)
     writer.join()
     assert recipe.fields == {"gradient_checkpointing": True, "bf16": True}
+
+
+def test_a_refusal_names_the_file_s_own_key_not_a_field_its_name_spells(tmp_path: Path) -> None:
+    """The line adds the file's own key for a Recipe field the message names (axolotl's optimizer for optim); a field
+    whose name the file's name happens to hold (fsdp in muon-pretrain-fsdp2.yaml) is not named by the message."""
+    path = tmp_path / "muon-pretrain-fsdp2.yaml"
+    path.write_text("base_model: x\noptimizer: muon\nfsdp_version: 2\nfsdp_config:\n  reshard_after_forward: true\n")
+    with pytest.raises(InputError) as error:
+        read_recipe_file(path)
+    assert str(error.value).startswith(f"{path}: unknown optim 'muon'")
+    assert str(error.value).endswith("(from optimizer)")

@@ -8,6 +8,7 @@ truth for what a real file sets is the file, read here with yaml/json.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -184,6 +185,40 @@ def test_memory_settings_not_modelled_yet_are_refused_never_predicted_as_somethi
     ("ds.json", '{"zero_optimization": {"stage": 2}, "sequence_parallel_size": 4}', "sequence_parallel_size=4 is not"),
     ("ds.json", '{"zero_optimization": {"stage": 2}, "fp16": {"enabled": true, "fp16_master_weights_and_grads": true}}',
      "fp16.fp16_master_weights_and_grads=True is not modelled yet"),
+    # DeepSpeed's ZenFlow, and an optimizer of its own whose states are not Adam's
+    ("ds.json", '{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {"topk_ratio": '
+                '0.1}}}', "zero_optimization.zenflow={'topk_ratio': 0.1} is not modelled yet (DeepSpeed's ZenFlow"),
+    ("ds.json", '{"optimizer": {"type": "Lamb"}, "zero_optimization": {"stage": 1}}',
+     "optimizer.type='Lamb' is not modelled yet (an optimizer anatomist does not model"),
+    # accelerate's FSDP ignored modules (kept whole on every rank)
+    ("acc.yaml", "distributed_type: FSDP\nfsdp_config:\n  fsdp_ignored_modules: model.visual\n",
+     "fsdp_config.fsdp_ignored_modules='model.visual' is not modelled yet (FSDP's ignored modules"),
+    # axolotl: reward models, frozen subsets, LISA, modules trained beside the adapter, DoRA, fp8, BitNet, a GPTQ base
+    ("ax.yml", "base_model: x\nreward_model: true\n", "reward_model=True is not modelled yet (reward modelling"),
+    ("ax.yml", "base_model: x\nprocess_reward_model: true\n", "process_reward_model=True is not modelled yet (reward"),
+    ("ax.yml", "base_model: x\nunfrozen_parameters: ['^lm_head.*']\n", "unfrozen_parameters=['^lm_head.*'] is not"),
+    ("ax.yml", "base_model: x\nlisa_n_layers: 1\nlisa_step_interval: 20\n", "lisa_n_layers=1 is not modelled yet"),
+    ("ax.yml", "base_model: x\nadapter: lora\nlora_modules_to_save: [lm_head]\n",
+     "lora_modules_to_save=['lm_head'] is not modelled yet (whole modules trained beside the adapter"),
+    ("ax.yml", "base_model: x\nadapter: lora\npeft_use_dora: true\n", "peft_use_dora=True is not modelled yet (DoRA"),
+    ("ax.yml", "base_model: x\nfp8: true\n", "fp8=True is not modelled yet (FP8 training"),
+    ("ax.yml", "base_model: x\nuse_onebitllms: true\n", "use_onebitllms=True is not modelled yet (BitNet"),
+    ("ax.yml", "base_model: x\ngptq: true\n", "gptq=True is not modelled yet (a base model quantized ahead"),
+    ("ax.yml", "base_model: x\nplugins: [axolotl.integrations.llm_compressor.LLMCompressorPlugin]\n",
+     "plugins='axolotl.integrations.llm_compressor.LLMCompressorPlugin' is not modelled yet (sparse fine-tuning"),
+    # LLaMA-Factory: optimizers of its own, LLaMA Pro, DoRA, modules trained beside LoRA, fp8, Unsloth
+    *[("lf.yaml", f"stage: sft\nfinetuning_type: full\n{key}: true\n", f"{key}=True is not modelled yet (an optimizer")
+      for key in ("use_galore", "use_apollo", "use_badam", "use_adam_mini", "use_muon")],
+    ("lf.yaml", "stage: sft\nfinetuning_type: lora\nuse_llama_pro: true\n", "use_llama_pro=True is not modelled yet"),
+    ("lf.yaml", "stage: sft\nfinetuning_type: lora\nuse_dora: true\n", "use_dora=True is not modelled yet (DoRA"),
+    ("lf.yaml", "stage: sft\nfinetuning_type: lora\nadditional_target: embed_tokens\n",
+     "additional_target='embed_tokens' is not modelled yet (whole modules"),
+    ("lf.yaml", "stage: sft\nfinetuning_type: lora\nfp8: true\n", "fp8=True is not modelled yet (FP8"),
+    ("lf.yaml", "stage: sft\nfinetuning_type: lora\nuse_unsloth: true\n", "use_unsloth=True is not modelled yet"),
+    # TRL's ModelConfig: modules trained beside the adapter, DoRA (read only with use_peft, as get_peft_config)
+    ("sft.yaml", "max_length: 512\nuse_peft: true\nlora_modules_to_save: [lm_head]\n",
+     "lora_modules_to_save=['lm_head'] is not modelled yet"),
+    ("sft.yaml", "max_length: 512\nuse_peft: true\nuse_dora: true\n", "use_dora=True is not modelled yet (DoRA"),
 ])
 def test_each_unmodelled_setting_is_one_line(tmp_path: Path, name: str, text: str, message: str) -> None:
     path = tmp_path / name
@@ -413,3 +448,115 @@ def test_an_fsdp_version_is_taken_exactly_where_accelerate_takes_it(version, tmp
             read_recipe_file(path)
     else:
         assert taken == version and read_recipe_file(path).recipe.fsdp == "full_shard"
+
+
+# -- DeepSpeed's top level and compile section, as DeepSpeed reads them -------------------------------------------
+
+def _deepspeed_takes(config: dict) -> bool:
+    import contextlib
+    import io
+
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            DeepSpeedConfig(config)
+    except Exception:  # DeepSpeedConfigError, pydantic's ValidationError
+        return False
+    return True
+
+
+def test_the_removed_features_are_the_installed_deepspeed_s() -> None:
+    """DeepSpeed refuses the keys of features it removed with a message of its own (runtime/config.py); the table
+    anatomist keeps (scripts/deepspeed_keys.py) is the installed release's, message for message less the link."""
+    import deepspeed
+    from deepspeed.runtime import config as runtime_config
+
+    from anatomist.recipe_files.known import deepspeed_release, deepspeed_removed
+
+    if deepspeed.__version__ != deepspeed_release():
+        pytest.skip(f"the table is deepspeed {deepspeed_release()}'s")
+    for section, name in (("top_level", "_REMOVED_TOP_LEVEL_CONFIG_KEYS"), ("zero_optimization", "_REMOVED_ZERO_CONFIG_KEYS")):
+        live = getattr(runtime_config, name)
+        assert deepspeed_removed(section) == {key: message.split(" See http")[0].strip() for key, message in live.items()}
+
+
+@pytest.mark.parametrize(("config", "key"), [
+    ({"train_micro_batch_size_per_gpu": 1, "sparse_attention": {"mode": "fixed"}}, "sparse_attention"),
+    ({"train_micro_batch_size_per_gpu": 1, "amp": {"enabled": True}}, "amp"),
+    ({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "mics_shard_size": 8}},
+     "zero_optimization.mics_shard_size"),
+])
+def test_a_removed_feature_is_refused_as_deepspeed_refuses_it(tmp_path: Path, config: dict, key: str) -> None:
+    assert not _deepspeed_takes(config)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(InputError, match=rf"^{re.escape(str(path))}: {re.escape(key)}: .* has been removed.* "
+                                         r"\(deepspeed [\d.]+ refuses it\)$"):
+        read_recipe_file(path)
+
+
+def test_a_top_level_key_deepspeed_ignores_is_named_and_only_a_typo_refused(tmp_path: Path) -> None:
+    """DeepSpeed reads its top level key by key and ignores the rest: a key it ignores is named as not modelled (the
+    ImageNet example's cuda_visible_devices), one a letter or two off a key it reads is refused, for DeepSpeed would
+    ignore it and train without what was meant."""
+    path = tmp_path / "ds.json"
+    ignored = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}, "cuda_visible_devices": 1,
+               "monitor_config": {"enabled": True}}
+    assert _deepspeed_takes(ignored)
+    path.write_text(json.dumps(ignored))
+    source = read_recipe_file(path)
+    assert source.recipe.zero_stage == 1
+    assert {"cuda_visible_devices", "monitor_config"} <= set(source.not_modelled)
+    path.write_text(json.dumps({**ignored, "optimiser": {"type": "AdamW"}}))
+    with pytest.raises(InputError, match=r"unknown key optimiser \(did you mean optimizer\?\).*it would ignore it"):
+        read_recipe_file(path)
+
+
+@pytest.mark.parametrize(("compile_section", "taken"), [({"deepcompile": False}, True),
+                                                        ({"disable": False, "backend": "inductor"}, False)])
+def test_the_compile_section_is_held_to_deepspeed_s_model(tmp_path: Path, compile_section: dict, taken: bool) -> None:
+    """deepspeed 0.19's CompileConfig forbids keys it lacks: the `disable`/`backend` of older releases (axolotl's
+    zero1_torch_compile.json) are refused by it and by anatomist."""
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}, "compile": compile_section}
+    assert _deepspeed_takes(config) == taken
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    if taken:
+        assert read_recipe_file(path).recipe.zero_stage == 1
+    else:
+        with pytest.raises(InputError, match=r"unknown key compile.disable: not a key of DeepSpeed's compile section"):
+            read_recipe_file(path)
+
+
+@pytest.mark.parametrize(("kind", "read"), [("AdamW", True), ("Adam", True), ("adamw", True), ("OneBitAdam", False),
+                                            ("Lamb", False), ("Adagrad", False)])
+def test_a_deepspeed_optimizer_is_read_only_where_its_states_are_adam_s(tmp_path: Path, kind: str, read: bool) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"optimizer": {"type": kind, "params": {"lr": 1e-5}}, "zero_optimization": {"stage": 2}}))
+    if read:
+        assert read_recipe_file(path).recipe.zero_stage == 2
+    else:
+        with pytest.raises(InputError, match=f"optimizer.type={kind!r} is not modelled yet"):
+            read_recipe_file(path)
+
+
+def test_an_fsdp_key_accelerate_reads_without_a_launch_option_is_known(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """accelerate launch has no --fsdp_ignored_modules option, but the environment it prepares reads the key from the
+    config (utils/launch.py: FSDP_IGNORED_MODULES): no typo. Unset, it reads; set, the modules stay whole on every
+    rank, which is not modelled."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    path = tmp_path / "fsdp.yaml"
+    config = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "num_processes": 2,
+              "fsdp_config": {"fsdp_version": 2, "fsdp_ignored_modules": "model.visual"}}
+    path.write_text(yaml.safe_dump(config))
+    args, *_ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "x.py"]))
+    assert prepare_multi_gpu_env(args)["FSDP_IGNORED_MODULES"] == "model.visual"
+    with pytest.raises(InputError, match="fsdp_config.fsdp_ignored_modules='model.visual' is not modelled yet"):
+        read_recipe_file(path)
+    config["fsdp_config"]["fsdp_ignored_modules"] = None
+    path.write_text(yaml.safe_dump(config))
+    assert read_recipe_file(path).recipe.fsdp == "full_shard"

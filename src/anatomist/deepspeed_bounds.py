@@ -34,6 +34,7 @@ MODELS = {
                                             "DeepSpeedZeroOffloadOptimizerConfig"),
     "bf16": ("deepspeed.runtime.precision_config", "DeepSpeedBF16Config"),
     "fp16": ("deepspeed.runtime.precision_config", "DeepSpeedFP16Config"),
+    "compile": ("deepspeed.compile.config", "CompileConfig"),
 }
 """The ds_config sections DeepSpeed validates with a pydantic model: (module, class)."""
 LIMITS = ("gt", "ge", "lt", "le")

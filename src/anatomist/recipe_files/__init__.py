@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -132,8 +133,9 @@ def _recipe(fields: dict, reading: Reading, file: str) -> Recipe:
         message = str(exc)
         if not message.startswith(file):
             message = f"{file}: {message}"
+        said = message.removeprefix(file)  # the file's own name (muon-pretrain-fsdp2.yaml) names no field
         keys = [o.key for name, o in ((n, reading.origin_of(n)) for n in fields)
-                if o is not None and o.key != name and name in message]
+                if o is not None and o.key != name and re.search(rf"\b{re.escape(name)}\b", said)]
         raise InputError(message + (f" (from {', '.join(keys)})" if keys else "")) from None
 
 

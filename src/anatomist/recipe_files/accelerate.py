@@ -8,7 +8,8 @@ devices), not the batch: that comes from the flags, or the defaults.
 Read as strictly as accelerate reads it: a top-level key ClusterConfig lacks is refused
 (`ClusterConfig.from_yaml_file`: "had unknown keys"), and so is a key of a section that is no
 `accelerate launch` option once accelerate prefixes it (launch.py `_validate_launch_command`:
-fsdp_config.x -> --fsdp_x): accelerate would set it and nothing would read it. Settings that
+fsdp_config.x -> --fsdp_x), nor an argument the environment it prepares reads (utils/launch.py:
+fsdp_ignored_modules): accelerate would set it and nothing would read it. Settings that
 change memory but are not modelled yet are refused, never predicted as something else:
 tensor, context and sequence parallel and hybrid (replicated) sharding in `parallelism_config`,
 activation offload (`fsdp_activation_checkpointing_offload`). FSDP's CPU offload (`fsdp_offload_params`)
@@ -50,12 +51,31 @@ def looks_like_accelerate(data: dict[str, Any]) -> bool:
 
 @cache
 def launch_options() -> frozenset[str]:
-    """The options of `accelerate launch` (its parser's destinations); empty where accelerate is not installed."""
+    """What `accelerate launch` reads of a section's keys: its parser's options, and the attributes of its arguments
+    the environment it prepares reads without an option (utils/launch.py: getattr(args, "fsdp_ignored_modules", None));
+    empty where accelerate is not installed."""
     try:
         from accelerate.commands.launch import launch_command_parser
+        from accelerate.utils import launch as environment
     except ImportError:
         return frozenset()
-    return frozenset(action.dest for action in launch_command_parser()._actions)
+    return frozenset({action.dest for action in launch_command_parser()._actions} | _arguments_read(environment))
+
+
+def _arguments_read(module: Any) -> set[str]:
+    """The attributes of `args` that `module`'s source reads: `args.x` and `getattr(args, "x", ...)`."""
+    import ast
+    import inspect
+
+    names = set()
+    for node in ast.walk(ast.parse(inspect.getsource(module))):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "args":
+            names.add(node.attr)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and len(node.args) >= 2 and isinstance(node.args[0], ast.Name) and node.args[0].id == "args"
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            names.add(node.args[1].value)
+    return names
 
 
 def _check_keys(data: dict[str, Any], file: str) -> None:
@@ -97,11 +117,12 @@ def read_accelerate(data: dict[str, Any], reading: Reading, file: str) -> None:
     engine = str(data.get("distributed_type", "NO")).upper()
     if engine not in ENGINES:
         raise InputError(f"{file}: distributed_type={engine} is not one anatomist models; known: {', '.join(ENGINES)}")
+    if isinstance(data.get("parallelism_config"), dict):  # the parallelism, before a key of its sections it names
+        _parallelism(data["parallelism_config"], file)
     _check_keys(data, file)
     defaults = cluster_defaults()
     for key, value in data.items():
         if key == "parallelism_config":
-            _parallelism(value or {}, file)
             reading.skip(key, value, {})
         elif key == "mixed_precision":
             _precision(value, reading, file)
@@ -179,6 +200,8 @@ def _fsdp(section: dict[str, Any], reading: Reading, file: str) -> None:
     fsdp_offload(reading, section.get("fsdp_offload_params"), file, f"{prefix}.fsdp_offload_params")
     refuse_unmodelled("activation_offload", file, f"{prefix}.fsdp_activation_checkpointing_offload",
                       section.get("fsdp_activation_checkpointing_offload"))
+    refuse_unmodelled("fsdp_ignored_modules", file, f"{prefix}.fsdp_ignored_modules",
+                      section.get("fsdp_ignored_modules"), size=False)
     if section.get("fsdp_activation_checkpointing"):
         reading.set("gradient_checkpointing", True, file, f"{prefix}.fsdp_activation_checkpointing")
     reading.skip_all(prefix, section, keep=("fsdp_version", "fsdp_reshard_after_forward", "fsdp_sharding_strategy",

@@ -23,15 +23,16 @@ data/framework_fields.json names) and what its loader does with them:
   (utils/schemas/validation.py; before 0.12 "offload" was Unsloth's checkpointing);
 - deepspeed (a ds_config path or mapping, read as the Trainer reads it), fsdp (a strategy list) with
   fsdp_config (keys with or without "fsdp_"), fsdp_version;
-- tensor_parallel_size, context_parallel_size, dp_replicate_size above 1, and qat (torchao's fake quantization):
-  not modelled, refused;
+- tensor_parallel_size, context_parallel_size, dp_replicate_size above 1, qat (torchao's fake quantization), and
+  UNMODELLED_KEYS (reward models, frozen subsets, LISA, modules trained beside an adapter, DoRA, fp8, BitNet, a GPTQ
+  base): not modelled, refused;
 - rl: dpo and ipo run TRL's DPOTrainer (core/builders/rl.py; AxolotlDPOTrainer changes no memory: tokenizing, an
   empty_cache after each step), read as trainer dpo with precompute_ref_log_probs; with an adapter the policy with
   its adapters disabled is the reference (train.py setup_reference_model: rl_adapter_ref_model, which docs/rlhf.qmd
   offers to load a second model, is no schema key, so validate_config drops it). The other trainers (orpo, kto,
   simpo, grpo, gdpo, ebft) are refused: their reference, pairing or generation are not modelled.
 - plugins: the CutCrossEntropyPlugin is cut_cross_entropy (`_cut_cross_entropy`); the other memory-changing ones
-  (PLUGINS: Spectrum, knowledge distillation, Grokfast, expert parallel) are refused, any other named as not
+  (PLUGINS: Spectrum, knowledge distillation, Grokfast, expert parallel, LLM Compressor's sparsity) are refused, any other named as not
   modelled; axolotl.integrations.liger.LigerPlugin
   (integrations/liger/plugin.py) passes each liger_* flag to Liger's apply_liger_kernel_to_<model type>;
   liger_rope, liger_rms_norm, liger_glu_activation (or its old name liger_swiglu) and
@@ -65,13 +66,23 @@ PARALLEL = {"tensor_parallel_size": "tensor_parallel", "context_parallel_size": 
             "sequence_parallel_degree": "context_parallel", "dp_replicate_size": "hybrid_shard"}
 OFFLOADING = {"offload": True, "offload_disk": "disk"}
 """gradient_checkpointing's deprecated values -> the activation_offloading axolotl runs for them (validation.py)."""
+UNMODELLED_KEYS = {"reward_model": "reward_model", "process_reward_model": "reward_model",
+                   "unfrozen_parameters": "partial_training", "lora_modules_to_save": "modules_to_save",
+                   "peft_use_dora": "dora", "fp8": "fp8", "use_onebitllms": "bitnet", "gptq": "prequantized"}
+"""Keys that change memory in a way not modelled -> the `unmodelled` setting they turn on: reward_model and
+process_reward_model train a sequence/token classification head on pairs (core/builders: RewardTrainer, PRMTrainer);
+unfrozen_parameters freezes every parameter but those it matches (train.py freeze_layers_except); lora_modules_to_save
+trains whole copies of the modules it names; peft_use_dora is PEFT's use_dora; fp8 sets accelerate's mixed precision
+to fp8 (utils/trainer.py); use_onebitllms swaps the linear layers for onebitllms' BitNet ones (loaders/model.py); gptq
+loads a GPTQ-quantized base."""
 PREFERENCE = {"dpo": "dpo", "ipo": "dpo"}
 """axolotl's rl -> the trainer that runs it (IPO: DPOTrainer with loss_type ipo, a loss of the same memory)."""
 LIGER_PLUGIN = "axolotl.integrations.liger"
 CCE_PLUGIN = "axolotl.integrations.cut_cross_entropy"
 PLUGINS = {"axolotl.integrations.spectrum": "spectrum",
            "axolotl.integrations.kd": "knowledge_distillation", "axolotl.integrations.grokfast": "grokfast",
-           "axolotl.integrations.expert_parallel": "expert_parallel"}
+           "axolotl.integrations.expert_parallel": "expert_parallel",
+           "axolotl.integrations.llm_compressor": "sparse_masks"}
 """axolotl's plugins (integrations/) that change memory in a way not modelled -> the `unmodelled` setting they are."""
 LIGER_FLAGS = ("liger_rope", "liger_rms_norm", "liger_rms_norm_gated", "liger_layer_norm", "liger_swiglu",
                "liger_glu_activation", "liger_cross_entropy", "liger_fused_linear_cross_entropy", "liger_use_token_scaling")
@@ -101,6 +112,10 @@ def read_axolotl(data: dict[str, Any], reading: Reading, file: str) -> None:
                                  "(axolotl would ignore it)")
         if key in PARALLEL:
             refuse_unmodelled(PARALLEL[key], file, key, value)
+        if key in UNMODELLED_KEYS:
+            refuse_unmodelled(UNMODELLED_KEYS[key], file, key, value, size=False)
+        if key == "lisa_n_layers" and data.get("lisa_step_interval"):  # LISA: a few layers trained at a time
+            refuse_unmodelled("partial_training", file, key, value, size=False)
         if key == "qat" and value:
             raise InputError(f"{file}: qat is not modelled yet (quantization-aware training: torchao's fake-quantized "
                              "copies of the weights and activations, which backward keeps, would be predicted "

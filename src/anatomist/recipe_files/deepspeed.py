@@ -8,13 +8,14 @@ own, defaults included: transformers' `HfTrainerDeepSpeedConfig.trainer_config_p
 refuses a mismatch, and so does this reader.
 
 Read as strictly as DeepSpeed reads it, and no more: its sections (zero_optimization and its offload_param /
-offload_optimizer, bf16, fp16) are pydantic models that forbid extra keys and bound their numbers (the installed
-deepspeed's bounds: deepspeed_bounds.py; "auto" is its default), and a top-level key
-DeepSpeed never reads is refused too (it would ignore `zero_optimisation`, and train without
-ZeRO); keys starting with "_" are comments (LLaMA-Factory's `_comment`). The keys are in
+offload_optimizer, bf16, fp16, compile) are pydantic models that forbid extra keys and bound their numbers (the
+installed deepspeed's bounds: deepspeed_bounds.py; "auto" is its default), the keys of features it removed it refuses
+with a message of its own (`sparse_attention`), and a top-level key it never reads that is a typo of one it reads is
+refused too (it would ignore `zero_optimisation`, and train without ZeRO); any other top-level key it ignores, and
+it is named as not modelled; keys starting with "_" are comments (LLaMA-Factory's `_comment`). The keys are in
 data/deepspeed_keys.json (known.py). bf16 master weights and optimizer states are read (ZeRO's partitions in
-bf16: estimate/sharding.py); fp16 master weights, tensor and sequence parallel change memory and are not
-modelled yet: refused (unmodelled.py).
+bf16: estimate/sharding.py); fp16 master weights, tensor and sequence parallel, ZenFlow and an optimizer of its own
+other than Adam/AdamW change memory and are not modelled yet: refused (unmodelled.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ from typing import Any
 from anatomist.axes.shardings import DEEPSPEED_SETTINGS
 from anatomist.deepspeed_bounds import deepspeed_bounds
 from anatomist.errors import InputError
-from anatomist.recipe_files.known import deepspeed_keys, refuse_unknown
+from anatomist.recipe_files.known import (
+    TYPO_RATIO,
+    closest,
+    deepspeed_keys,
+    deepspeed_release,
+    deepspeed_removed,
+    refuse_unknown,
+)
 from anatomist.recipe_files.reading import Reading, zero_offload
 from anatomist.recipe_files.unmodelled import refuse_unmodelled
 
@@ -49,16 +57,28 @@ PRECISION_UNMODELLED = {"bf16": (), "bfloat16": (), "fp16": ("fp16_master_weight
 
 
 def _check_keys(data: dict[str, Any], file: str) -> None:
-    """DeepSpeed's own refusals (pydantic's extra="forbid"), and a top-level key it never reads."""
-    refuse_unknown([k for k in data if not k.startswith("_")], deepspeed_keys("top_level"), file,
-                   "a DeepSpeed config (deepspeed 0.19 reads no such key)")
-    sections = [(name, data.get(name)) for name in ("zero_optimization", "bf16", "bfloat16", "fp16")]
+    """DeepSpeed's own refusals (a removed feature's key; pydantic's extra="forbid"), and a top-level key it never
+    reads that is a typo of one it reads (it would ignore `zero_optimisation` and train without ZeRO); another key it
+    never reads (`cuda_visible_devices`) it ignores, and so is named as not modelled."""
+    for part, keys in (("top_level", data), ("zero_optimization", data.get("zero_optimization"))):
+        for key, message in deepspeed_removed(part).items():
+            if isinstance(keys, dict) and key in keys:
+                where = key if part == "top_level" else f"{part}.{key}"
+                raise InputError(f"{file}: {where}: {message} (deepspeed {deepspeed_release()} refuses it)")
+    known = deepspeed_keys("top_level")
+    for key in data:
+        near = None if key in known or key.startswith("_") else closest(key, known, TYPO_RATIO)
+        if near:
+            raise InputError(f"{file}: unknown key {key} (did you mean {near}?): not a key of a DeepSpeed config "
+                             f"(deepspeed {deepspeed_release()} reads no such key: it would ignore it)")
+    sections = [(name, data.get(name)) for name in ("zero_optimization", "bf16", "bfloat16", "fp16", "compile")]
     zero = data.get("zero_optimization")
     if isinstance(zero, dict):
         sections += [(f"zero_optimization.{n}", zero.get(n)) for n in ("offload_param", "offload_optimizer")]
     for name, section in sections:
         if isinstance(section, dict):
-            refuse_unknown(section, deepspeed_keys(name), file, f"DeepSpeed's {name} section (DeepSpeed refuses it too)",
+            refuse_unknown(section, deepspeed_keys(name), file,
+                           f"DeepSpeed's {name} section (deepspeed {deepspeed_release()} refuses it too)",
                            prefix=f"{name}.")
             _check_bounds("bf16" if name == "bfloat16" else name, section, file)
 
@@ -95,10 +115,26 @@ def read_deepspeed(data: dict[str, Any], reading: Reading, file: str, *, match_d
         elif key in PARALLEL:
             _parallel(key, value, file)
             reading.skip(key, value)
+        elif key == "optimizer":
+            _optimizer(value, file)
+            reading.skip(key, value)
         elif key != "train_batch_size" and not key.startswith("_"):
             reading.skip(key, value)
     if "train_batch_size" in data:
         _world_size(data["train_batch_size"], reading, file)
+
+
+ADAM = ("adam", "adamw")
+"""DeepSpeed's optimizers whose states are Adam's, as it names them (lower case: runtime/config.py get_optimizer_name;
+FusedAdam, or DeepSpeedCPUAdam under offload): what ZeRO's optimizer step is modelled as (estimate/sharding.py)."""
+
+
+def _optimizer(section: Any, file: str) -> None:
+    """DeepSpeed's own optimizer, which the Trainer then uses in the place of its `optim`: Adam or AdamW is read as the
+    ZeRO step's Adam; another (Lamb, OneBitAdam, Adagrad, Lion, Muon, a torch.optim class) is refused."""
+    kind = section.get("type") if isinstance(section, dict) else None
+    if kind is not None and str(kind).lower() not in ADAM:
+        refuse_unmodelled("optimizer", file, "optimizer.type", kind, size=False)
 
 
 def _parallel(key: str, value: Any, file: str) -> None:
@@ -137,6 +173,7 @@ def _zero(section: Any, reading: Reading, file: str, put: Any) -> None:
     if stage not in (0, 1, 2, 3):
         raise InputError(f"{file}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
     put("zero_stage", stage, "zero_optimization.stage")
+    refuse_unmodelled("zenflow", file, "zero_optimization.zenflow", section.get("zenflow"), size=False)
     optimizer, param = section.get("offload_optimizer") or {}, section.get("offload_param") or {}
     keys = ("zero_optimization.offload_optimizer.device", "zero_optimization.offload_param.device")
     put("offload", zero_offload(stage, optimizer.get("device"), param.get("device"), file, keys), keys[0])

@@ -11,7 +11,8 @@ The tables of names that are not read from installed packages live in data/:
 - recipe_fields.json: TrainingArguments, TRL's SFTConfig/DPOConfig/ORPOConfig/ModelConfig/ScriptArguments
   and the alignment handbook's argument classes, as released over the last two years
   (scripts/historical_fields.py reads them from the wheels and the handbook's history);
-- deepspeed_keys.json: the keys of a ds_config (scripts/deepspeed_keys.py, from deepspeed 0.19);
+- deepspeed_keys.json: the keys of a ds_config and those of the features DeepSpeed removed and refuses
+  (scripts/deepspeed_keys.py, from deepspeed 0.19);
 - framework_fields.json: axolotl's and LLaMA-Factory's config keys (scripts/framework_fields.py, from their
   schemas at a named commit: neither is a dependency).
 """
@@ -51,9 +52,26 @@ def deepspeed_keys(section: str) -> frozenset[str]:
     return frozenset(_table("deepspeed_keys.json").get(section, ()))
 
 
-def closest(key: str, known: Iterable[str]) -> str | None:
-    """The known key nearest `key` (difflib's ratio >= 0.6, argparse's own cut-off), or None."""
-    matches = difflib.get_close_matches(key, list(known), n=1)
+def deepspeed_removed(section: str) -> dict[str, str]:
+    """The keys of removed features DeepSpeed refuses at the top level ("top_level") or in "zero_optimization", each
+    with DeepSpeed's own message (runtime/config.py _reject_removed_config_keys)."""
+    return dict(_table("deepspeed_keys.json").get("removed", {}).get(section, {}))
+
+
+def deepspeed_release() -> str:
+    """The deepspeed release data/deepspeed_keys.json was read from."""
+    return str(_table("deepspeed_keys.json")["_source"]).rsplit(" ", 1)[-1]
+
+
+TYPO_RATIO = 0.85
+"""difflib's ratio from which an unknown key is a typo of a known one where the tool would ignore it silently: one or
+two letters off a long name (zero_optimisation: 0.94, optimiser: 0.89), not another word (comms_config against
+ds_config: 0.76)."""
+
+
+def closest(key: str, known: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The known key nearest `key` (difflib's ratio >= `cutoff`, by default 0.6, argparse's own), or None."""
+    matches = difflib.get_close_matches(key, list(known), n=1, cutoff=cutoff)
     return matches[0] if matches else None
 
 

@@ -15,6 +15,8 @@ which refuses a key none of them has; so does this reader. What LLaMA-Factory do
 - gradient checkpointing is on unless disable_gradient_checkpointing (model/model_utils/checkpointing.py);
 - flash_attn: auto (the model's default), disabled (eager), sdpa, fa2;
 - cutoff_len (2048) is the tokens per sample; deepspeed names a ds_config, read as the Trainer reads it;
+- GaLore, APOLLO, BAdam, Adam-mini, Muon, LLaMA Pro, DoRA, additional_target, fp8 and Unsloth change memory in ways
+  not modelled: refused (UNMODELLED_KEYS);
 - enable_liger_kernel (model/model_utils/liger_kernel.py) calls Liger's apply_liger_kernel_to_<model type>() with
   its defaults in the sft and pt stages (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy): what
   TrainingArguments.use_liger_kernel applies.
@@ -27,6 +29,7 @@ from typing import Any
 from anatomist.errors import InputError
 from anatomist.recipe_files.known import TRAINER_CLASSES, framework_fields, historical_fields, refuse_unknown
 from anatomist.recipe_files.reading import Reading
+from anatomist.recipe_files.unmodelled import refuse_unmodelled
 
 MARKERS = ("finetuning_type", "stage", "template", "cutoff_len", "lora_target", "quantization_bit")
 """Keys only a LLaMA-Factory file has (neither TrainingArguments nor TRL nor axolotl names them)."""
@@ -36,8 +39,21 @@ OWN = {"model_name_or_path", "finetuning_type", "stage", "lora_rank", "lora_alph
 """The LLaMA-Factory keys read here; its TrainingArguments keys go to the TrainingArguments reader."""
 ATTENTION = {"auto": None, "disabled": "eager", "sdpa": "sdpa", "fa2": "flash_attention_2"}
 """flash_attn (extras/constants.py AttentionFunction) -> Recipe.attn_implementation (None: the model's default)."""
+UNMODELLED_KEYS = {"use_galore": "optimizer", "use_apollo": "optimizer", "use_badam": "optimizer",
+                   "use_adam_mini": "optimizer", "use_muon": "optimizer", "use_llama_pro": "partial_training",
+                   "use_dora": "dora", "additional_target": "modules_to_save", "fp8": "fp8", "use_unsloth": "unsloth"}
+"""Keys that change memory in a way not modelled -> the `unmodelled` setting they turn on (hparams/finetuning_args.py:
+GaLore, APOLLO, BAdam, Adam-mini and Muon replace the optimizer; LLaMA Pro trains only its expanded blocks;
+additional_target trains whole modules beside LoRA; model_args.py / training_args.py: Unsloth's model, fp8)."""
 STAGES = ("sft", "pt")
-"""Stages trained as one causal-LM model; rm, ppo, dpo and kto add a value head or reference/reward models."""
+"""Stages trained as one causal-LM model, through the Trainer's loss."""
+OTHER_STAGES = {"rm": "a value head scoring pairs of sequences (train/rm)",
+                "ppo": "generation with a value head, a reward and a reference model (train/ppo)",
+                "dpo": "its own DPO trainer: every logit upcast to fp32 and a reference model's log-probabilities "
+                       "(train/dpo)",
+                "kto": "its own KTO trainer: every logit upcast to fp32 and a reference model's log-probabilities "
+                       "(train/kto)"}
+"""The other stages (hparams/finetuning_args.py `stage`) and what their trainers add that is not modelled."""
 
 
 def looks_like_llamafactory(data: dict[str, Any]) -> bool:
@@ -53,11 +69,14 @@ def read_llamafactory(data: dict[str, Any], reading: Reading, file: str) -> None
                    "LLaMA-Factory's arguments (HfArgumentParser refuses it too)")
     stage = data.get("stage", "sft")
     if stage not in STAGES:
-        raise InputError(f"{file}: stage={stage!r} is not modelled (it adds a reward, value or reference model); "
-                         f"modelled: {', '.join(STAGES)}")
+        what = OTHER_STAGES.get(stage, "a stage LLaMA-Factory does not have")
+        raise InputError(f"{file}: stage={stage!r} is not modelled ({what}); modelled: {', '.join(STAGES)}")
     method = data.get("finetuning_type", "lora")
     if method not in ("lora", "full"):
         raise InputError(f"{file}: finetuning_type={method!r} is not modelled; modelled: lora, full")
+    for key, value in data.items():
+        if key in UNMODELLED_KEYS:
+            refuse_unmodelled(UNMODELLED_KEYS[key], file, key, value, size=False)
     read_trainer({k: v for k, v in data.items() if k in training and k not in OWN}, reading, file)
     if data.get("model_name_or_path"):
         reading.set("model", data["model_name_or_path"], file, "model_name_or_path")

@@ -58,6 +58,9 @@ HANDLED = frozenset({"gradient_checkpointing", "activation_checkpointing", "grad
 
 PARALLEL_FIELDS = {"tp_size": "tensor_parallel"}
 """TrainingArguments' tp_size (4.50-4.51): memory anatomist does not model yet."""
+PEFT_UNMODELLED = {"lora_modules_to_save": "modules_to_save", "use_dora": "dora"}
+"""TRL ModelConfig's LoRA settings that change memory in a way not modelled (get_peft_config passes them to
+LoraConfig: modules_to_save, use_dora)."""
 PARALLELISM_SIZES = {"tp_size": "tensor_parallel", "cp_size": "context_parallel", "sp_size": "sequence_parallel",
                      "dp_replicate_size": "hybrid_shard"}
 """accelerate's ParallelismConfig sizes, as TrainingArguments.parallelism_config (4.57+) holds them."""
@@ -184,6 +187,9 @@ def _trl_defaults(data: dict[str, Any], schema: dict[str, Any], reading: Reading
 def _unmodelled(data: dict[str, Any], file: str) -> None:
     for key, setting in PARALLEL_FIELDS.items():
         refuse_unmodelled(setting, file, key, data.get(key))
+    if data.get("use_peft"):
+        for key, setting in PEFT_UNMODELLED.items():
+            refuse_unmodelled(setting, file, key, data.get(key), size=False)
     config = data.get("parallelism_config")
     if isinstance(config, dict):
         for key, setting in PARALLELISM_SIZES.items():

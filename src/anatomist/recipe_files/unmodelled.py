@@ -27,14 +27,34 @@ UNMODELLED: dict[str, str] = {
     "knowledge_distillation": "knowledge distillation against a teacher's logits: it would be predicted without them",
     "grokfast": "Grokfast's moving average of every gradient: it would be predicted without it",
     "expert_parallel": "expert parallel: it would be predicted as plain data parallel",
+    "reward_model": "reward modelling (a score head trained on pairs of sequences): it would be predicted as a language "
+                    "model's fine-tuning",
+    "partial_training": "training a chosen subset of the weights, the rest frozen: it would be predicted with the "
+                        "recipe's trainable set (every weight, or the adapter's)",
+    "modules_to_save": "whole modules trained beside the adapter (their gradients and optimizer states): they would be "
+                       "predicted frozen",
+    "dora": "DoRA (a magnitude vector and the norm of each adapted weight, computed every step): it would be predicted "
+            "as plain LoRA",
+    "optimizer": "an optimizer anatomist does not model: its states would be predicted as AdamW's",
+    "fp8": "FP8 training (float8 matmuls and their scales): it would be predicted in the autocast dtype",
+    "bitnet": "BitNet's ternary linear layers (onebitllms, weights and activations quantized in each forward): they "
+              "would be predicted as plain linear layers",
+    "prequantized": "a base model quantized ahead of training (GPTQ): its weights would be predicted in the load dtype",
+    "sparse_masks": "sparse fine-tuning (LLM Compressor's modifiers keep a mask beside each weight they target): it "
+                    "would be predicted without the masks",
+    "unsloth": "Unsloth's patched model (its own kernels and checkpointing): it would be predicted as transformers' model",
+    "zenflow": "DeepSpeed's ZenFlow (the gradients' most important columns updated on the GPU beside the offloaded "
+               "optimizer): it would be predicted as plain optimizer offload",
+    "fsdp_ignored_modules": "FSDP's ignored modules (kept whole on every rank): they would be predicted sharded",
 }
 """Setting -> what it changes and how a prediction that ignored it would be wrong."""
 
 
-def refuse_unmodelled(setting: str, file: str, key: str, value: Any, instead: str = "") -> None:
-    """InputError naming `file`'s `key` when `value` turns `setting` on (a size of 1 or an off value does not);
-    `instead`: a modelled setting of the same tool that does nearly the same, offered before removing it."""
-    if is_off(value) or (isinstance(value, int) and not isinstance(value, bool) and value <= 1):
+def refuse_unmodelled(setting: str, file: str, key: str, value: Any, instead: str = "", *, size: bool = True) -> None:
+    """InputError naming `file`'s `key` when `value` turns `setting` on (an off value does not, nor, where `value` is
+    a `size` of parallel ranks, 1); `instead`: a modelled setting of the same tool that does nearly the same, offered
+    before removing it."""
+    if is_off(value) or (size and isinstance(value, int) and not isinstance(value, bool) and value <= 1):
         return
     raise InputError(f"{file}: {key}={value!r} is not modelled yet ({UNMODELLED[setting]}); "
                      f"{f'use {instead} or ' if instead else ''}remove it to estimate without it")
