@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,20 @@ def test_memory_bars_are_the_categories_in_gib(fixtures: Path, estimate_json: di
     assert capacity == estimate_json["gpu"]["memory_bytes"] / GIB
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert "optimizer states" in labels and any("V100-16GB" in t for t in labels)
+
+
+def test_a_predicted_total_carries_its_likely_range(estimate_json: dict, tmp_path: Path) -> None:
+    """The estimate's memory.interval is drawn as a whisker over the total bar; the capacity line stays."""
+    total = estimate_json["memory"]["device_total"]
+    estimate_json["memory"]["interval"] = {"low": total / 1.15, "high": total / 0.9, "validated": True, "basis": "x"}
+    path = tmp_path / "estimate.json"
+    path.write_text(json.dumps(estimate_json))
+    fig = charts.memory_anatomy(load(path).results)
+    ax = fig.axes[0]
+    whisker, capacity = ax.get_lines()
+    assert list(whisker.get_xdata()) == [total / 1.15 / GIB, total / 0.9 / GIB]
+    assert capacity.get_xdata()[0] == estimate_json["gpu"]["memory_bytes"] / GIB
+    assert any("likely range" in t.get_text() for t in fig.legends[0].get_texts())
 
 
 def test_throughput_and_parity_from_bench(fixtures: Path) -> None:

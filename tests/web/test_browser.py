@@ -144,6 +144,8 @@ def test_the_short_form_answers_and_its_link_keeps_it(browser: Any, live: LiveSe
     assert summary.startswith("uploaded llama config.json (causal-lm, ") and "batch 4 x 1" in summary
     assert ", lora (r=16)" in summary and "on 2 x A100-80GB" in summary
     assert _js(d, "return document.getElementById('verdict').dataset.verdict;") == "fits"
+    assert " (likely " in _text(d, "verdict")  # the device total's range, from the published runs' errors
+    assert _text(d, "interval").startswith("Memory interval: not validated: no published GPU run of plain data")
     assert int(_text(d, "max-batch")) > 4
     anatomy = _anatomy(d)
     assert sum(v for k, v in anatomy.items() if k != "device_total") == anatomy["device_total"]
@@ -280,6 +282,8 @@ def test_a_plan_on_the_page_labels_its_recipes_by_what_differs(browser: Any, liv
     _click(d, "button[data-target=trainer]")
     _until(lambda: d.find_elements("css selector", "a[data-file='training_args.json']"), "the TrainingArguments file", 30, d)
     kwargs = json.loads(_download(d, downloads, "training_args.json").read_text())
+    if "deepspeed" in kwargs:  # under ZeRO: the ds_config it names is offered beside it
+        assert d.find_elements("css selector", f"a[data-file='{kwargs.pop('deepspeed')}']")
     from transformers import TrainingArguments
 
     assert set(kwargs) <= set(TrainingArguments.__dataclass_fields__) and kwargs["bf16"] is True

@@ -179,10 +179,16 @@ def memory_anatomy(results: list[RecipeResult]) -> Figure | None:
         ax.barh(ys, widths, left=lefts, height=0.62, color=CATEGORY_COLOURS[category],
                 label=category.label, edgecolor="white", linewidth=0.5)
         lefts = [a + w for a, w in zip(lefts, widths, strict=True)]
-    for y, total in zip(ys, lefts, strict=True):
-        ax.annotate(f"{total:.2f}", (total, y), textcoords="offset points", xytext=(3, -3), fontsize=8)
+    ranges = [_likely_range(r) for r in rows]
+    legend = "likely range of a prediction (the published runs' errors)"
+    for y, total, likely in zip(ys, lefts, ranges, strict=True):
+        if likely is not None:
+            ax.plot(likely, (y, y), color="black", linewidth=1.2, marker="|", markersize=9, label=legend)
+            legend = "_nolegend_"
+        ax.annotate(f"{total:.2f}", (max(total, likely[1] if likely else 0), y), textcoords="offset points",
+                    xytext=(3, -3), fontsize=8)
     _limit_lines(ax, rows)
-    right = max([*lefts, *(c / GIB for c, _, _ in _capacities(rows))])
+    right = max([*lefts, *(hi for _, hi in filter(None, ranges)), *(c / GIB for c, _, _ in _capacities(rows))])
     ax.set_xlim(0, right * 1.1)  # room for the totals written past the longest bar
     ax.set_yticks(ys, labels, fontsize=8.5)
     ax.set_xlabel("GiB on the device at the step's peak")
@@ -190,6 +196,15 @@ def memory_anatomy(results: list[RecipeResult]) -> Figure | None:
     ax.grid(axis="y", visible=False)
     fig.legend(loc="outside lower center", ncols=4, frameon=False, fontsize=8.5)
     return fig
+
+
+def _likely_range(row: RecipeResult) -> tuple[float, float] | None:
+    """The likely range in GiB of a predicted device total (the estimate's `memory.interval`), None for a
+    measured one or an input without it."""
+    interval = (row.memory or {}).get("interval") if row.memory_source == "predicted" else None
+    if not isinstance(interval, dict) or not {"low", "high"} <= interval.keys():
+        return None
+    return interval["low"] / GIB, interval["high"] / GIB
 
 
 def _capacities(rows: list[RecipeResult]) -> list[tuple[int, int | None, str]]:

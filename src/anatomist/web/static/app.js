@@ -353,18 +353,21 @@ function renderEstimate(job, v) {
     const category = state.schema.categories.find((c) => c.key === swatch.dataset.category);
     swatch.style.background = category ? category.colour : "#999";
   }
-  const fits = v.verdict === "fits";
+  const verdictClass = { fits: "fits", "does not fit": "no-fit" }[r.verdict] || "borderline";
+  const likely = mem.interval ? ` (likely ${gib(mem.interval.low)} to ${gib(mem.interval.high)})` : "";
   return el("article", { id: "estimate" },
     el("h2", { id: "summary", text: `${r.model} (${r.task}, ${num(r.parameters / 1e6)} M parameters), seq ${r.seq_len}, ` +
       `batch ${recipe.per_device_train_batch_size} x ${recipe.gradient_accumulation_steps} accumulation, ` +
       `weights ${recipe.dtype}${autocast}${peft}, ${r.mode} on ${devices} x ${r.gpu.name} (${gib(r.gpu.memory_bytes)})` }),
-    el("p", { id: "verdict", class: fits ? "fits" : "no-fit", "data-fits": String(r.fits), "data-verdict": v.verdict,
+    el("p", { id: "verdict", class: verdictClass, "data-fits": String(r.fits), "data-verdict": v.verdict,
       "data-max-batch": String(r.max_batch_size) },
       el("strong", { text: v.verdict }),
-      `: ${gib(mem.device_total)} on the device at the peak, of ${gib(r.limit_bytes)} usable (${gib(r.gpu.memory_bytes)} less the ` +
+      `: ${gib(mem.device_total)}${likely} on the device at the peak, of ${gib(r.limit_bytes)} usable (${gib(r.gpu.memory_bytes)} less the ` +
       `${pct(r.memory_margin)} margin). Peak in `, el("strong", { id: "peak-phase", text: mem.peak_phase }),
       `: allocated ${gib(mem.peak_allocated)}, reserved ${gib(mem.peak_reserved)}. Largest batch that fits: `,
       el("strong", { id: "max-batch", text: v.largest_batch }), "."),
+    mem.interval ? el("p", { id: "interval", class: mem.interval.validated ? "interval" : "interval unvalidated",
+      text: `Memory interval: ${mem.interval.basis}.` }) : null,
     v.change ? el("p", { id: "change", class: "change", text: v.change }) : null,
     chart(job, "memory", "Memory anatomy of the step's peak, by component, against the GPU's capacity and the usable limit"),
     table,
