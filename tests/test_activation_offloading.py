@@ -101,6 +101,7 @@ def test_not_modelled_under_fsdp():
         Recipe(fsdp="full_shard", activation_offloading=True)
 
 
+@pytest.mark.slow  # a full-depth trace (14 s)
 def test_copied_bytes_extrapolate_to_the_full_model(tiny_model):
     """What a micro-batch copies to the host, from the cuts at batches 2 and 3, is what the full model's trace at
     another batch copies (6 layers, batch 5: neither traced). 256 tokens: at 64, RMSNorm's fp32 [batch, tokens, 1]

@@ -136,6 +136,7 @@ def test_saved_for_backward_matches_a_real_inductor_step(tiny_model) -> None:
         assert traced == pytest.approx(saved_bytes(compile_blocks), rel=0.03), compile_blocks
 
 
+@pytest.mark.slow  # two compiles (15 s)
 def test_a_trace_reusing_another_trace_s_compiled_graphs_is_the_one_a_fresh_compile_gives(tiny_model) -> None:
     """The graphs compiled for one trace serve the next trace of the same recipe in the process (`KEPT_GRAPHS`: a
     plan's worker traces a recipe at two depths), and must give the trace a compile of its own gives, allocation by

@@ -393,6 +393,7 @@ def test_run_follows_the_plan_records_seconds_and_copies_after_each_unit(scripts
     assert copies == [["row", "probe"]]  # copied once a unit is done (the cut one has no marker)
 
 
+@pytest.mark.slow  # runs validate.sh end to end (25 s)
 def test_plan_flag_resumes_from_the_devices_results_and_runs_nothing(tmp_path: Path) -> None:
     out = tmp_path / "H100-80GB-HBM3"
     out.mkdir()

@@ -198,6 +198,7 @@ def test_with_torch_compile_it_is_refused_in_one_line_unless_the_blocks_checkpoi
     assert result["memory"]["peak_allocated"] > 0 and result["time"]["step_s"] > 0
 
 
+@pytest.mark.slow  # a full plan search (45 s on 2 cores)
 def test_a_plan_holding_liger_and_checkpointing_searches_compile_too(cli, llama, tmp_path):
     """The plan's compiled candidates of a held Liger recipe are checkpointed, so modelled; their model FLOPs are
     read from the eager step without checkpointing (a compiled one would not be modelled: it stopped the plan)."""

@@ -93,7 +93,7 @@ def test_cli_json(cli, model_dir: Path) -> None:
     assert data["device"].startswith("cpu") and data["top_ops"]
 
 
-@pytest.mark.parametrize("peft", ["lora", "qlora"])
+@pytest.mark.parametrize("peft", ["lora", pytest.param("qlora", marks=pytest.mark.slow)])
 def test_the_profiled_step_trains_the_adapters(tiny_model, monkeypatch: pytest.MonkeyPatch, peft: str) -> None:
     """--peft lora / qlora profile get_peft_model's adapters (over bitsandbytes' 4-bit base for qlora), as a user
     makes them: the optimizer steps the parameters PEFT leaves trainable. Before, the step trained every weight of a

@@ -28,6 +28,9 @@ RECIPES = {
     "LoRA": Recipe(dtype="float32", fsdp="full_shard", bf16=True, peft="lora"),
     "CPU offload": Recipe(dtype="float32", fsdp="full_shard", bf16=True, offload="cpu"),
 }
+NAMES = [name if name in ("fp32 full_shard", "bf16 shard_grad_op, checkpointing, accumulation")
+         else pytest.param(name, marks=pytest.mark.slow) for name in RECIPES]
+"""The recipes each test takes: two in the default run (a test file's budget), all with the slow tests."""
 
 
 def _traced(workload, recipe, part, world, batch=2):
@@ -45,7 +48,7 @@ def _assert_same_rank(got, want):
 
 
 @pytest.mark.parametrize("part", ["forward-backward", "optimizer"])
-@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("name", NAMES)
 def test_a_derived_rank_is_the_traced_one(tiny_model, name, part):
     workload = load_workload(str(tiny_model("llama")), seq_len=32)
     recipe = RECIPES[name].resolved(workload)
@@ -57,7 +60,7 @@ def test_a_derived_rank_is_the_traced_one(tiny_model, name, part):
 
 
 @pytest.mark.parametrize("world", [4, 16])
-@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("name", NAMES)
 def test_a_rank_at_the_larger_batch_is_derived_from_another_world(tiny_model, name, world):
     """At 16 ranks the vocabulary's 1,000 rows are padded: the batch derivation holds all the same."""
     workload = load_workload(str(tiny_model("llama")), seq_len=32)
