@@ -32,6 +32,18 @@ def test_allocator_reuses_cached_blocks_and_never_releases():
     assert a.reserved == (22 << 20)  # cached, not given back
 
 
+def test_allocator_keeps_each_streams_cached_blocks_apart():
+    """A block freed on one stream is not handed to a request of another (CUDACachingAllocator's pools are keyed
+    by stream): the second stream reserves a segment of its own; the first reuses its block."""
+    a = CachingAllocator()
+    block = a.malloc(30 << 20)
+    a.free(block)
+    a.malloc(30 << 20, stream=1)
+    assert a.reserved == 60 << 20
+    a.malloc(30 << 20)
+    assert a.reserved == 60 << 20 and a.allocated == 60 << 20
+
+
 def test_allocator_releases_free_segments_before_oom():
     a = CachingAllocator(capacity_bytes=30 << 20)
     a.free(a.malloc(15 << 20))  # a 16 MiB segment, now free

@@ -10,8 +10,11 @@ settings: no expandable segments, no max_split_size):
   kMinBlockSize 512, kSmallSize 1 MiB, kSmallBuffer 2 MiB, kLargeBuffer 20 MiB,
   kMinLargeAlloc 10 MiB, kRoundLarge 2 MiB.
 
-Known limitations: one stream only; no `roundup_power2_divisions`; blocks freed while a
-different stream uses them are treated as free at once.
+Streams: each cached block belongs to the stream it was first allocated on, and a free block is handed out
+again only to a request of that stream (the allocator's pools are keyed by stream), so what FSDP2 allocates on
+its all-gather and reduce-scatter streams is reserved apart from what the compute stream frees. Known
+limitations: no `roundup_power2_divisions`; blocks freed while a different stream uses them are treated as free
+at once (FSDP2 keeps its buffers alive until the stream that uses them is done, so few are).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class _Block:
     size: int
     small: bool
     segment: int
+    stream: int = 0
     prev: _Block | None = None
     next: _Block | None = None
     allocated: bool = False
@@ -67,20 +71,22 @@ class CachingAllocator:
     peak_reserved: int = 0
     oom: bool = False
     """True once a request could not be served even after releasing cached segments."""
-    _pools: dict[bool, list[tuple[int, int, _Block]]] = field(default_factory=lambda: {True: [], False: []})
+    _pools: dict[tuple[int, bool], list[tuple[int, int, _Block]]] = field(default_factory=dict)
+    """The free blocks by (stream, small), by size then address."""
     _segments: dict[int, tuple[int, _Block]] = field(default_factory=dict)  # id -> (size, first block)
     _next_addr: int = 0
     _seg_ids: itertools.count = field(default_factory=itertools.count)
 
-    def malloc(self, nbytes: int) -> _Block:
+    def malloc(self, nbytes: int, stream: int = 0) -> _Block:
+        """A block of `nbytes` for a request on `stream` (0: the compute stream)."""
         size = round_size(nbytes)
         small = size <= SMALL_SIZE_BYTES
-        block = self._take_free(size, small)
+        block = self._take_free(size, small, stream)
         if block is None:
-            block = self._new_segment(size, small)
+            block = self._new_segment(size, small, stream)
         remaining = block.size - size
         if (small and remaining >= MIN_BLOCK_BYTES) or (not small and remaining > SMALL_SIZE_BYTES):
-            rest = _Block(block.addr + size, remaining, small, block.segment, block, block.next)
+            rest = _Block(block.addr + size, remaining, small, block.segment, block.stream, block, block.next)
             if block.next is not None:
                 block.next.prev = rest
             block.next = rest
@@ -112,29 +118,29 @@ class CachingAllocator:
 
     # -- pools --------------------------------------------------------------------
     def _insert_free(self, block: _Block) -> None:
-        bisect.insort(self._pools[block.small], (block.size, block.addr, block))
+        bisect.insort(self._pools.setdefault((block.stream, block.small), []), (block.size, block.addr, block))
 
     def _remove_free(self, block: _Block) -> None:
-        pool = self._pools[block.small]
+        pool = self._pools[(block.stream, block.small)]
         i = bisect.bisect_left(pool, (block.size, block.addr))
         del pool[i]
 
-    def _take_free(self, size: int, small: bool) -> _Block | None:
-        pool = self._pools[small]
+    def _take_free(self, size: int, small: bool, stream: int) -> _Block | None:
+        pool = self._pools.get((stream, small), [])
         i = bisect.bisect_left(pool, (size, -1))
         if i == len(pool):
             return None
         block = pool.pop(i)[2]
         return block
 
-    def _new_segment(self, size: int, small: bool) -> _Block:
+    def _new_segment(self, size: int, small: bool, stream: int) -> _Block:
         seg_bytes = segment_size(size)
         if self.capacity_bytes is not None and self.reserved + seg_bytes > self.capacity_bytes:
             self._release_free_segments()
             if self.reserved + seg_bytes > self.capacity_bytes:
                 self.oom = True
         seg = next(self._seg_ids)
-        block = _Block(self._next_addr, seg_bytes, small, seg)
+        block = _Block(self._next_addr, seg_bytes, small, seg, stream)
         self._next_addr += seg_bytes
         self._segments[seg] = (seg_bytes, block)
         self.reserved += seg_bytes
@@ -143,9 +149,9 @@ class CachingAllocator:
 
     def _release_free_segments(self) -> None:
         """What the allocator does before reporting OOM: give back wholly free segments."""
-        for small in (True, False):
+        for pool_key, pool in self._pools.items():
             keep = []
-            for entry in self._pools[small]:
+            for entry in pool:
                 block = entry[2]
                 seg_bytes, _ = self._segments[block.segment]
                 if block.prev is None and block.next is None and block.size == seg_bytes:
@@ -153,4 +159,4 @@ class CachingAllocator:
                     del self._segments[block.segment]
                 else:
                     keep.append(entry)
-            self._pools[small] = keep
+            self._pools[pool_key] = keep

@@ -42,6 +42,12 @@ class Allocation:
     """The ATen op that made it ("" for registered tensors)."""
     host: bool = False
     """In host memory, not the device's (FSDP's CPU offload): left out of the curves."""
+    stream: int = 0
+    """The CUDA stream it is allocated on (COMPUTE_STREAM, or FSDP2's ALL_GATHER_STREAM / REDUCE_SCATTER_STREAM):
+    the allocator model keeps each stream's cached blocks apart."""
+
+
+COMPUTE_STREAM, ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM = 0, 1, 2
 
 
 @dataclass(slots=True)
@@ -166,7 +172,7 @@ def curves_of(trace: Trace) -> Curves:
             continue
         category = index[allocation.category]
         if event.nbytes > 0:
-            blocks[event.alloc_id] = allocator.malloc(event.nbytes)
+            blocks[event.alloc_id] = allocator.malloc(event.nbytes, allocation.stream)
             size = round_size(event.nbytes)
             current[category] += size
             live += size

@@ -22,7 +22,13 @@ parameters, gradients and optimizer state, the unsharded parameters of the units
 - CPU offload (`CPUOffloadPolicy`): the sharded parameters, gradients, optimizer state and the
   optimizer step live on the host: left out of the device's count.
 
-What a trace on the CPU mesh does not show: the CUDA streams. FSDP2 all-gathers the next unit on
+Streams, as FSDP2 allocates on them (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): the
+all-gather output of forward and pre-backward on its all-gather copy-in stream (`get_all_gather_streams`),
+the reduce-scatter's output on its reduce-scatter stream, the reduce-scatter's input on the compute stream.
+Each allocation carries its stream, and the allocator model keeps each stream's cached blocks apart: this is
+what the reserved memory of a sharded step holds beyond a single pool's.
+
+What a trace on the CPU mesh does not show of the streams: their timing. FSDP2 all-gathers the next unit on
 its own stream while the current one computes (implicit forward prefetch); on the CPU the units run
 one after another, so in forward one unit's parameters are unsharded at a time (PyTorch's
 FSDPMemTracker on a CPU step counts the same); in backward FSDP2 prefetches explicitly, and both
@@ -49,7 +55,7 @@ from anatomist.axes.precisions import autocast_dtype
 from anatomist.axes.shardings import RESHARD_AFTER_FORWARD
 from anatomist.errors import InputError
 from anatomist.recipe import ResolvedRecipe
-from anatomist.trace.records import Allocation, Event
+from anatomist.trace.records import ALL_GATHER_STREAM, COMPUTE_STREAM, REDUCE_SCATTER_STREAM, Allocation, Event
 from anatomist.trace.tracer import DEVICE_QUERY, StepTracer
 
 _c10d = torch.ops.c10d
@@ -250,17 +256,23 @@ class ShardedStepTracer(StepTracer):
             return args[0]  # the fake kernel makes a new tensor where the real one waits on its input
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func is _c10d._allgather_base_.default:
-            self._label(args[0], MemoryCategory.FUNCTIONALITY)
+            self._label(args[0], MemoryCategory.FUNCTIONALITY, ALL_GATHER_STREAM)
         elif func is _c10d._reduce_scatter_base_.default:
-            self._label(args[1], MemoryCategory.FUNCTIONALITY)
+            self._label(args[1], MemoryCategory.FUNCTIONALITY, COMPUTE_STREAM)  # allocated before it switches streams
+            self._label(args[0], None, REDUCE_SCATTER_STREAM)  # the reduced shards
         if self.offload and self.phase is Phase.OPTIMIZER:  # CPUOffloadPolicy: the step runs on the host
             for t in _tensors(out):
                 self._to_host(t)
         return out
 
-    def _label(self, tensor: torch.Tensor, category: MemoryCategory) -> None:
+    def _label(self, tensor: torch.Tensor, category: MemoryCategory | None, stream: int) -> None:
+        """`tensor`'s storage is a collective's buffer, allocated on FSDP2's `stream`; of `category` unless settled."""
         entry = self._live.get(tensor.untyped_storage()._cdata)
-        if entry is not None and not self.trace.allocations[entry[0]].fixed:
+        if entry is None:
+            return
+        allocation = self.trace.allocations[entry[0]]
+        allocation.stream = stream
+        if category is not None and not allocation.fixed:
             self.set_category(entry[0], category)
 
     # -- storages FSDP resizes: the unsharded parameters -----------------------------------
