@@ -198,3 +198,14 @@ def test_deepspeed_mixed_precision_is_the_zero_papers_arithmetic(stage, per_para
         offloaded = shard(peak, Recipe(zero_stage=stage, bf16=True, offload="cpu"), size, 4, "train", Phase.BACKWARD)
         assert offloaded.categories[C.OPTIMIZER_STATES] == offloaded.categories[C.GRADIENTS] == 0
         assert offloaded.categories[C.WEIGHTS] == (0 if stage == 3 else 2 * n)  # stage 3 offloads parameters too
+
+
+def test_nccl_buffers_are_on_the_device_of_every_rank_of_several():
+    """NVIDIA/nccl issue #964 (4 x A100, NVLink, through PyTorch): 544 MB for a group of 2, 688 MB for more."""
+    from anatomist.estimate.memory import outside_allocator_bytes
+    from anatomist.hardware import get_gpu
+
+    gpu = get_gpu("A100-80GB")
+    assert outside_allocator_bytes(gpu, 1) == gpu.cuda_context_bytes
+    assert outside_allocator_bytes(gpu, 2) == gpu.cuda_context_bytes + 544 * 2**20
+    assert outside_allocator_bytes(gpu, 16) == gpu.cuda_context_bytes + 688 * 2**20

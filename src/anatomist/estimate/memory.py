@@ -234,7 +234,7 @@ def estimate_memory(
     traces = step_traces(workload, recipe, gpu.compute_capability, mode, num_gpus=num_gpus)
     phases_at = _phase_peaks(workload, recipe, gpu, traces, mode, num_gpus)
     phases = phases_at(recipe.per_device_train_batch_size)
-    anatomy = _anatomy(phases, gpu)
+    anatomy = _anatomy(phases, gpu, num_gpus)
     assert anatomy.device_total is not None  # a prediction always has one
     parameters, trainable = traces.parameters, traces.trainable_parameters
     rule = bytes_per_param_rule(recipe, parameters, mode, trainable if recipe.peft != "none" else None)
@@ -248,7 +248,8 @@ def estimate_memory(
         rule=rule,
         interval=memory_interval(anatomy.device_total, recipe, num_gpus),
         phase_peaks={str(p): v.allocated for p, v in phases.items()},
-        notes=[*traces.notes, *_notes(workload, recipe, anatomy, rule, traces), *sharding_notes(recipe, num_gpus, mode)],
+        notes=[*traces.notes, *_notes(workload, recipe, anatomy, rule, traces), *sharding_notes(recipe, num_gpus, mode),
+               *_nccl_note(num_gpus)],
     )
 
 
@@ -337,12 +338,24 @@ def _model_size(workload: Workload, recipe: ResolvedRecipe, traces: StepTraces) 
                                persistent=persistent_parameters(plan.parameter_numels, threshold))
 
 
-def _anatomy(phases: dict[Phase, PhasePeak], gpu: GPU) -> MemoryAnatomy:
-    """The categories at the highest phase peak; the allocator's reserve and the CUDA context on top."""
+NCCL_BYTES = {2: 544 * 2**20, 3: 688 * 2**20}
+"""What NCCL holds on each GPU outside PyTorch's allocator once a process group of 2 (or of 3 and more) devices
+has run a collective: 544 and 688 MB, measured through PyTorch on 4 x A100 with NVLink (NVIDIA/nccl issue #964).
+NCCL's maintainers say it grows with the channels (more to reach an H100's NVLink bandwidth) and the GPUs, not
+beyond two nodes (issue #986): the A100 figures stand for every GPU; a data-parallel step uses one communicator."""
+
+
+def outside_allocator_bytes(gpu: GPU, num_gpus: int) -> int:
+    """Device memory that no allocator statistic shows: the CUDA context and, on several devices, NCCL's buffers."""
+    return gpu.cuda_context_bytes + (NCCL_BYTES[min(num_gpus, 3)] if num_gpus > 1 else 0)
+
+
+def _anatomy(phases: dict[Phase, PhasePeak], gpu: GPU, num_gpus: int) -> MemoryAnatomy:
+    """The categories at the highest phase peak; the allocator's reserve, the CUDA context and NCCL on top."""
     peak_phase = max(phases, key=lambda p: phases[p].allocated)
     peak = phases[peak_phase]
     peak_reserved = max(p.reserved for p in phases.values())
-    device_total = peak_reserved + gpu.cuda_context_bytes
+    device_total = peak_reserved + outside_allocator_bytes(gpu, num_gpus)
     return MemoryAnatomy(
         weights=peak.categories[MemoryCategory.WEIGHTS],
         optimizer_states=peak.categories[MemoryCategory.OPTIMIZER_STATES],
@@ -366,7 +379,7 @@ def _largest_batch(workload: Workload, recipe: ResolvedRecipe, gpu: GPU, mode: M
     accumulation beyond the 2 micro-batches a trace runs) share the search."""
 
     def total_at(b: int) -> int:
-        return max(p.reserved for p in phases_at(b).values()) + gpu.cuda_context_bytes
+        return max(p.reserved for p in phases_at(b).values()) + outside_allocator_bytes(gpu, num_gpus)
 
     shape = recipe.replace(per_device_train_batch_size=1, gradient_accumulation_steps=min(recipe.gradient_accumulation_steps, 2))
     key = (workload.trace_key(), shape, gpu.compute_capability, gpu.cuda_context_bytes, num_gpus, mode, limit)
@@ -394,6 +407,14 @@ def _max_batch_size(total_at: Any, capacity: int) -> int:
         else:
             hi = mid
     return lo
+
+
+def _nccl_note(num_gpus: int) -> list[str]:
+    if num_gpus < 2:
+        return []
+    nccl = NCCL_BYTES[min(num_gpus, 3)]
+    return [f"runtime overhead: includes NCCL's own buffers, {nccl / 2**30:.2f} GiB per GPU (measured on A100s with "
+            "NVLink, NVIDIA/nccl issue #964; more channels, as on H100, take more)"]
 
 
 def _notes(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnatomy, rule: BytesPerParamRule,
