@@ -136,6 +136,7 @@ def test_fsdp_row_runs_on_two_cpu_processes_is_stored_and_resumed(tmp_path: Path
 
     # --resume: the stored row is reused, nothing launched, nothing appended
     before = results.read_bytes()
+    capsys.readouterr()  # the first run's table, on stdout
     assert main([*argv, "--resume", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["rows"] == [row]
     assert results.read_bytes() == before  # a launched row is appended, whatever its status
