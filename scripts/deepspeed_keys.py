@@ -1,4 +1,5 @@
-"""Regenerate src/anatomist/data/deepspeed_keys.json: the keys a ds_config may hold, from the installed deepspeed.
+"""Regenerate src/anatomist/data/deepspeed_keys.json: the keys a ds_config may hold, and the bounds DeepSpeed puts on
+its numbers (anatomist.deepspeed_bounds reads them where deepspeed is not installed), from the installed deepspeed.
 
 DeepSpeed validates its sections with pydantic models that forbid extra keys (deepspeed/runtime/
 config_utils.py DeepSpeedConfigModel: extra="forbid"): zero_optimization, its offload_param /
@@ -18,6 +19,8 @@ import deepspeed
 from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig, DeepSpeedZeroOffloadParamConfig
+
+from anatomist.deepspeed_bounds import read_models
 
 READ_IN_LOOPS = ("tensorboard", "wandb", "csv_monitor", "comet", "amp")
 """Top-level keys read through a loop or a dict literal, which the scan below does not see: monitor/config.py
@@ -67,7 +70,8 @@ def _dict_name(node: ast.expr) -> bool:
 def main() -> None:
     root = Path(deepspeed.__file__).parent
     data = {"_source": f"scripts/deepspeed_keys.py, deepspeed {deepspeed.__version__}",
-            "top_level": top_level_keys(root), **{name: model_keys(model) for name, model in SECTIONS.items()}}
+            "top_level": top_level_keys(root), **{name: model_keys(model) for name, model in SECTIONS.items()},
+            "bounds": read_models({name: model for name, model in SECTIONS.items() if name != "bfloat16"})}
     OUT.write_text(json.dumps(data, indent=1) + "\n")
 
 

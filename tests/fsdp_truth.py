@@ -161,7 +161,7 @@ def measure(config: str, seq_len: int, batch: int, case: dict[str, Any]) -> dict
     accelerator = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), mixed_precision=mixed,
                                         is_main_process=True, device=torch.device("cpu"))
     torch.manual_seed(0)
-    model = workload.build_model("sdpa", "float32")
+    model = workload.build_model(case.get("attn_implementation", "sdpa"), "float32")
     if case.get("lora"):  # LoRA as PEFT's FSDP guide runs it: adapters on the model, then the Trainer wraps it
         from peft import LoraConfig, get_peft_model
 
@@ -226,7 +226,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--backend", choices=["fake", "gloo"], required=True)
-    parser.add_argument("cases", help="JSON list of {name, fsdp, bf16, accumulation, gradient_checkpointing, lora}")
+    parser.add_argument("cases", help="JSON list of {name, fsdp, bf16, accumulation, gradient_checkpointing, lora, "
+                                      "attn_implementation}")
     args = parser.parse_args()
     cases = json.loads(args.cases)
     if args.backend == "fake":

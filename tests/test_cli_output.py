@@ -7,15 +7,15 @@ import subprocess
 import sys
 
 from anatomist.cli import catalog, render
-from anatomist.model_catalog import catalog_entries
+from anatomist.model_catalog import catalog_aliases, catalog_entries
 
 
 def test_models_piped_lists_every_name_whole(cli) -> None:
-    result = cli("models")  # captured: not a terminal
-    lines = result.stdout.splitlines()
-    assert lines[0].split() == ["name", "Hub", "id", "family", "parameters", "layers", "context", "MoE"]
-    names = [line.split()[0] for line in lines[1:]]
-    assert names == list(catalog_entries())
+    result = cli("models")  # captured: not a terminal; the aliases follow after a blank line
+    models, aliases = (block.splitlines() for block in result.stdout.split("\n\n"))
+    assert models[0].split() == ["name", "Hub", "id", "family", "parameters", "layers", "context", "MoE"]
+    assert [line.split()[0] for line in models[1:]] == list(catalog_entries())
+    assert [line.split()[0] for line in aliases[1:]] == list(catalog_aliases())
     assert "…" not in result.stdout and "┃" not in result.stdout
 
 
@@ -31,6 +31,8 @@ def test_models_in_an_80_column_terminal_keeps_every_name_whole(monkeypatch) -> 
     assert max(len(line) for line in lines) <= 80
     for name in catalog_entries():
         assert any(f" {name} " in line for line in lines), name
+    for hub_id in catalog_aliases():  # the alias table is drawn without edge padding to hold the longest
+        assert any(f"│{hub_id} " in line for line in lines), hub_id
 
 
 def test_a_reader_that_goes_away_is_not_an_error() -> None:

@@ -67,6 +67,7 @@ BATCH, SEQ_LEN, BLOCKS = 5, 32, 5
 TRUTH = Path(__file__).with_name("fsdp_truth.py")
 CASES = {
     "fp32": {"fsdp": "full_shard"},
+    "fp32+eager": {"fsdp": "full_shard", "attn_implementation": "eager"},
     "bf16+accumulation": {"fsdp": "full_shard", "bf16": True, "accumulation": 2},
     "shard_grad_op+checkpointing": {"fsdp": "shard_grad_op", "gradient_checkpointing": True},
     "lora+bf16": {"fsdp": "full_shard", "bf16": True, "lora": True},
@@ -81,6 +82,7 @@ CATEGORIES = {
 
 def _recipe(case: dict) -> Recipe:
     return Recipe(per_device_train_batch_size=BATCH, dtype="float32", optim="adamw_torch", fsdp=case["fsdp"],
+                  attn_implementation=case.get("attn_implementation", "sdpa"),
                   bf16=case.get("bf16", False), gradient_accumulation_steps=case.get("accumulation", 1),
                   gradient_checkpointing=case.get("gradient_checkpointing", False),
                   peft="lora" if case.get("lora") else "none")  # r=16, alpha 32, no dropout: fsdp_truth.py's
@@ -150,6 +152,17 @@ def test_world_2_real_processes_over_gloo(tiny_model):
     measured = _measured(llama.path, 2, "gloo", ["fp32"])
     assert len(measured["fp32"]) == 2  # every rank measured
     _check(llama.workload, "fp32", 2, measured["fp32"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "backend"), [(8, "fake"), (2, "gloo")])
+def test_an_untied_output_head_that_holds_the_peak(tmp_path, world, backend):
+    """A 32,000-token vocabulary and an output head of its own (Llama's `tie_word_embeddings: false`): the peak is
+    the head's backward, with its weight gathered whole (the head and final norm are one FSDP unit)."""
+    config = write_config(tmp_path, "llama", hidden_size=256, intermediate_size=688, num_attention_heads=4,
+                          num_key_value_heads=4, num_hidden_layers=4, vocab_size=32000, tie_word_embeddings=False)
+    workload = load_workload(str(config), seq_len=SEQ_LEN)
+    _check(workload, "fp32+eager", world, _measured(config, world, backend, ["fp32+eager"])["fp32+eager"])
 
 
 @pytest.fixture(scope="module", params=[(8, "fake"), (2, "gloo")], ids=["8-fake", "2-gloo"])

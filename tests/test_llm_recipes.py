@@ -50,7 +50,8 @@ def test_lengths_are_truncated_to_the_maximum_as_the_trainers_truncate(tmp_path)
 @pytest.mark.parametrize(("text", "message"), [
     ("12\nabc\n", r"line 2 is 'abc', not a positive whole number"),
     ("12\n0\n", r"line 2 is '0'"),
-    ("", r"no lengths in it"),
+    ("", r"is empty"),
+    ("[]", r"no lengths in it"),
     ("[3, -1]", r"entry 2 is -1"),
 ])
 def test_bad_lengths_file_names_the_line(tmp_path, text, message):

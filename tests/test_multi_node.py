@@ -119,7 +119,7 @@ def test_the_accelerate_config_and_every_node_s_command_are_what_accelerate_read
     read = read_recipe_file(path)  # and read back by anatomist as a recipe file: 16 devices on 2 nodes
     assert (read.num_gpus, read.nodes) == (16, 2)
     assert not {"num_machines", "main_process_ip", "main_process_port", "machine_rank"} & set(read.not_modelled)
-    commands = launch_commands("accelerate", path, 16, 2)
+    commands = launch_commands(ZERO3, "accelerate", path, 16, 2)
     assert len(commands) == 2
     for rank, command in enumerate(commands):
         words = shlex.split(command)
@@ -131,12 +131,12 @@ def test_the_accelerate_config_and_every_node_s_command_are_what_accelerate_read
 def test_other_targets_launch_with_torchrun() -> None:
     from torch.distributed.run import get_args_parser
 
-    for rank, command in enumerate(launch_commands("deepspeed", "ds_config.json", 16, 2)):
+    for rank, command in enumerate(launch_commands(ZERO3, "deepspeed", "ds_config.json", 16, 2)):
         words = shlex.split(command)
         assert words[0] == "torchrun"
         args = get_args_parser().parse_args(words[1:])
         assert (args.nnodes, args.nproc_per_node, args.node_rank, args.master_addr) == ("2", "8", rank, MAIN_NODE)
-    assert launch_commands("accelerate", "a.yaml", 8, 1) == []  # one node: `accelerate launch` as usual
+    assert launch_commands(ZERO3, "accelerate", "a.yaml", 8, 1) == []  # one node: `accelerate launch` as usual
 
 
 def test_cli_counts_gpus_per_node(tiny_model, cli) -> None:

@@ -27,12 +27,12 @@ def test_trainer_kwargs_construct_training_arguments(name: str, tmp_path: Path) 
 
     recipe = RECIPES[name]
     path = tmp_path / "args.json"
-    written = write(recipe, "trainer", path)
+    write(recipe, "trainer", path)
     kwargs = json.loads(path.read_text())
     assert set(kwargs) <= set(TrainingArguments.__dataclass_fields__)
-    # fp16/bf16/tf32/compile/fsdp need a GPU (or a process group) to construct: check those by
+    # fp16/bf16/tf32/compile/fsdp/deepspeed need a GPU (or a process group) to construct: check those by
     # value, and construct the rest for real on this CPU-only machine.
-    gpu_only = {"fp16", "bf16", "tf32", "torch_compile", "fsdp"}
+    gpu_only = {"fp16", "bf16", "tf32", "torch_compile", "fsdp", "deepspeed"}
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
                              **{k: v for k, v in kwargs.items() if k not in gpu_only})
     assert args.per_device_train_batch_size == recipe.per_device_train_batch_size
@@ -40,9 +40,13 @@ def test_trainer_kwargs_construct_training_arguments(name: str, tmp_path: Path) 
     assert args.gradient_checkpointing == recipe.gradient_checkpointing
     assert args.optim.value == recipe.optim
     assert kwargs["fp16"] == recipe.fp16 and kwargs["bf16"] == recipe.bf16
-    snippet = written[1].read_text()
+    snippet = path.with_suffix(".py").read_text()
     compile(snippet, "snippet.py", "exec")  # valid Python
     assert ("deepspeed=" in snippet) == bool(recipe.zero_stage)
+    if recipe.zero_stage:  # the ds_config written beside, and named by both
+        ds = path.with_name("args.ds_config.json")
+        assert kwargs["deepspeed"] == ds.name and f"deepspeed={ds.name!r}" in snippet
+        assert json.loads(ds.read_text())["zero_optimization"]["stage"] == recipe.zero_stage
 
 
 @pytest.mark.parametrize("recipe", [Recipe(fsdp="full_shard", bf16=True),
@@ -146,7 +150,9 @@ def test_the_snippet_loads_the_model_in_the_planned_dtype(tmp_path: Path) -> Non
                  and getattr(n.func, "attr", "") == "from_pretrained"]
         assert len(calls) == 1
         kwargs = {k.arg: ast.literal_eval(k.value) for k in calls[0].keywords}
-        assert kwargs == {"dtype": dtype, "attn_implementation": "sdpa"}
+        assert kwargs == {"dtype": dtype}  # attention unset: transformers' own choice, as the recipe leaves it
+        resolved = trainer_snippet(recipe.replace(attn_implementation="sdpa"), model="m", task="causal-lm")
+        assert 'attn_implementation="sdpa"' in resolved
         assert ast.literal_eval(calls[0].args[0]) == "meta-llama/Llama-3.1-8B"
         assert "AutoModelForCausalLM" in text
 

@@ -16,6 +16,7 @@ import yaml
 
 from anatomist.errors import InputError
 from anatomist.recipe_files import read_recipe_file
+from anatomist.workload import load_workload
 
 DATA = Path(__file__).parent / "data"
 
@@ -157,9 +158,10 @@ def test_memory_settings_not_modelled_yet_are_refused_never_predicted_as_somethi
     autotp = DATA / "llamafactory/examples/deepspeed/ds_z2_autotp_config.json"
     assert _error(cli, autotp).startswith(f"{autotp}: tensor_parallel.autotp_size=2 is not modelled yet (tensor "
                                           "parallel: it would be predicted as plain data parallel)")
-    bf16_states = _with(DATA / "axolotl/deepspeed_configs/zero3_bf16.json", tmp_path / "ds.json",
-                        {"bf16": {"enabled": True, "bf16_optimizer_states": True}})
-    assert _error(cli, bf16_states).startswith(f"{bf16_states}: bf16.bf16_optimizer_states=True is not modelled yet")
+    fp16_master = _with(DATA / "axolotl/deepspeed_configs/zero3_bf16.json", tmp_path / "ds.json",
+                        {"bf16": {"enabled": False}, "fp16": {"enabled": True, "fp16_master_weights_and_grads": True}})
+    assert _error(cli, fp16_master).startswith(f"{fp16_master}: fp16.fp16_master_weights_and_grads=True is not "
+                                               "modelled yet")
     tp = _with(DATA / "trl/fsdp2.yaml", tmp_path / "tp.yaml",
                {"parallelism_config": {"parallelism_config_dp_shard_size": 4, "parallelism_config_tp_size": 2}})
     ClusterConfig.from_yaml_file(str(tp))  # a key accelerate reads
@@ -219,3 +221,195 @@ def test_fsdp_offload_in_training_arguments_is_fsdp_s_cpu_offload(text: str, tmp
     path.write_text(text)
     r = read_recipe_file(path).recipe
     assert (r.fsdp, r.offload) == ("full_shard", "cpu")
+
+
+# -- DeepSpeed's bounds, as the installed DeepSpeed has them -----------------------------------------------------
+
+def _live_models() -> dict[str, type]:
+    import importlib
+
+    from anatomist.deepspeed_bounds import MODELS
+
+    return {section: getattr(importlib.import_module(module), name) for section, (module, name) in MODELS.items()}
+
+
+def test_anatomist_s_deepspeed_bounds_are_the_installed_deepspeed_s_field_by_field() -> None:
+    """Every bounded number of DeepSpeed's validated sections, read off its pydantic models' own metadata (not
+    through anatomist's reader): the same key, type and limits in what anatomist checks against. A DeepSpeed release
+    that moves a bound fails here until data/deepspeed_keys.json is written again (scripts/deepspeed_keys.py)."""
+    import annotated_types
+    import deepspeed
+
+    from anatomist.deepspeed_bounds import deepspeed_bounds, shipped
+
+    bounds = deepspeed_bounds()
+    assert bounds.version == deepspeed.__version__
+    for section, model in _live_models().items():
+        expected = {}
+        for name, info in model.model_fields.items():
+            limits = tuple((limit, getattr(m, limit)) for m in info.metadata for limit in ("gt", "ge", "lt", "le")
+                           if isinstance(m, getattr(annotated_types, limit.capitalize())))
+            for key in {name, info.alias} - {None}:
+                if limits:
+                    expected[key] = ("int" if info.annotation is int else "float", limits)
+        got = {key: (b.type, b.limits) for key, b in bounds.sections[section].items()}
+        assert got == expected, section
+    version, _ = shipped()
+    assert version == deepspeed.__version__, "data/deepspeed_keys.json is another release's: run scripts/deepspeed_keys.py"
+
+
+PROBES = (-1, 0, 1, 2.5, 5e8, 1e9, True, False, "500", "5e8", " 7 ", "auto", None, [1])
+
+
+@pytest.mark.parametrize("key", ["reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                                 "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                                 "stage3_param_persistence_threshold", "sub_group_size"])
+def test_a_zero_value_is_taken_exactly_where_deepspeed_takes_it(key: str, tmp_path: Path) -> None:
+    """DeepSpeed's own DeepSpeedZeroConfig against anatomist's reader, value by value: each accepts what the other
+    does, and reads the same number (5e8 -> 500000000; "auto" is DeepSpeed's default, or the Trainer's fill)."""
+    import deepspeed
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    path = tmp_path / "ds.json"
+    for value in PROBES:
+        try:
+            taken = getattr(DeepSpeedZeroConfig(stage=3, **{key: value}), key.removeprefix("stage3_"))
+        except ValidationError:
+            taken = None
+        path.write_text(json.dumps({"zero_optimization": {"stage": 3, key: value}}))
+        try:
+            read = read_recipe_file(path).recipe
+        except InputError as error:
+            assert taken is None, (key, value, str(error))
+            assert str(error).startswith(f"{path}: zero_optimization.{key} must be ")
+            assert f"(deepspeed {deepspeed.__version__} refuses {value!r})" in str(error)
+            continue
+        assert taken is not None, (key, value)
+        if value != "auto" and hasattr(read, key):
+            assert getattr(read, key) == taken, (key, value)
+
+
+def test_offload_ratios_are_bounded_as_deepspeed_bounds_them(tmp_path: Path) -> None:
+    from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        DeepSpeedZeroOffloadOptimizerConfig(device="cpu", ratio=1.5)
+    DeepSpeedZeroOffloadOptimizerConfig(device="cpu", ratio=0.3)
+    path = tmp_path / "ds.json"
+    for ratio, refused in ((1.5, True), (0.3, False)):
+        path.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu",
+                                                                                           "ratio": ratio}}}))
+        if refused:
+            with pytest.raises(InputError, match=r"offload_optimizer.ratio must be a number >= 0 and <= 1"):
+                read_recipe_file(path)
+        else:
+            assert read_recipe_file(path).recipe.offload == "cpu"
+
+
+TRANSFORMERS_ZERO3 = DATA / "transformers/ds_config_zero3.json"
+
+
+def test_transformers_zero3_config_is_refused_as_the_installed_deepspeed_refuses_it(cli, tiny_model) -> None:
+    """transformers' own test config sets reduce_bucket_size 0, which deepspeed 0.19.8 refuses (gt=0): so does
+    anatomist, naming the release; under a release without that bound the file is read (next test)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    zero = json.loads(TRANSFORMERS_ZERO3.read_text())["zero_optimization"]
+    bound = DeepSpeedZeroConfig.model_fields["reduce_bucket_size"].metadata
+    if not any(getattr(m, "gt", None) == 0 for m in bound):
+        pytest.skip("this deepspeed takes reduce_bucket_size 0")
+    with pytest.raises(ValidationError, match="reduce_bucket_size"):
+        DeepSpeedZeroConfig(**zero)
+    import deepspeed
+
+    assert _error(cli, TRANSFORMERS_ZERO3) == (
+        f"{TRANSFORMERS_ZERO3}: zero_optimization.reduce_bucket_size must be a whole number > 0 (deepspeed "
+        f"{deepspeed.__version__} refuses 0)")
+    result = cli("estimate", str(tiny_model("llama")), "--reduce-bucket-size", "0", "--zero-stage", "3", "--gpu",
+                 "A100-80GB")
+    assert result.returncode == 2 and "reduce_bucket_size must be a whole number > 0" in result.stderr
+
+
+def test_under_a_deepspeed_that_takes_a_zero_reduce_bucket_there_is_no_bucket(
+        tiny_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """deepspeed 0.19.5 declares reduce_bucket_size ge=0 (runtime/zero/config.py at tag v0.19.5). Its stage3.py
+    then allocates the bucket as torch.empty(reduce_bucket_size) (no bytes) and, since no gradient fits in it
+    (`__add_grad_to_ipg_bucket`), reduces each gradient on its own from its own storage once the next one arrives:
+    the estimate holds no bucket. Here the installed release is taken to be 0.19.5, its bounds kept in the cache as
+    deepspeed_bounds keeps an installed release's."""
+    from anatomist import deepspeed_bounds as module
+    from anatomist.anatomy import MemoryCategory
+    from anatomist.estimate.memory import estimate_memory
+    from anatomist.hardware import get_gpu
+
+    monkeypatch.setenv("ANATOMIST_CACHE_DIR", str(tmp_path / "cache"))
+    _, table = module.shipped()
+    table["zero_optimization"]["reduce_bucket_size"] = {"type": "int", "limits": [["ge", 0]]}
+    kept = tmp_path / "cache" / "deepspeed-bounds" / "deepspeed-0.19.5.json"
+    kept.parent.mkdir(parents=True)
+    kept.write_text(json.dumps(table))
+    monkeypatch.setattr(module, "installed_version", lambda: "0.19.5")
+    module.deepspeed_bounds.cache_clear()
+    try:
+        source = read_recipe_file(TRANSFORMERS_ZERO3)
+        assert (source.recipe.zero_stage, source.recipe.reduce_bucket_size, source.recipe.offload) == (3, 0, "cpu")
+        workload = load_workload(str(tiny_model("llama")), seq_len=32)
+
+        def functionality(bucket: int) -> int:
+            recipe = source.recipe.replace(reduce_bucket_size=bucket).resolved(workload)
+            memory = estimate_memory(workload, recipe, get_gpu("A100-80GB"), num_gpus=2)
+            return memory.anatomy.category_bytes(MemoryCategory.FUNCTIONALITY)
+
+        # fp16: one bucket of 1,000 two-byte gradients more than none
+        assert functionality(1_000) - functionality(0) == 1_000 * 2
+    finally:
+        module.deepspeed_bounds.cache_clear()
+
+
+def test_an_installed_deepspeed_of_another_release_is_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from anatomist import deepspeed_bounds as module
+
+    shipped = module.deepspeed_bounds().sections
+    monkeypatch.setenv("ANATOMIST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(module, "installed_version", lambda: "0.0.0+other")
+    module.deepspeed_bounds.cache_clear()
+    try:
+        bounds = module.deepspeed_bounds()  # read off the installed models (the same classes as the shipped table's)
+        assert bounds.version == "0.0.0+other" and bounds.sections == shipped
+        kept = tmp_path / "deepspeed-bounds" / "deepspeed-0.0.0+other.json"
+        assert kept.is_file()
+        module.deepspeed_bounds.cache_clear()
+        monkeypatch.setattr(module, "_read_installed", lambda: pytest.fail("read again"))
+        assert module.deepspeed_bounds().sections == shipped  # from the file kept
+    finally:
+        module.deepspeed_bounds.cache_clear()
+
+
+@pytest.mark.parametrize("version", [3, "two"])
+def test_an_fsdp_version_is_taken_exactly_where_accelerate_takes_it(version, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """accelerate launch hands fsdp_version to its plugin through FSDP_VERSION, read with int(): 3 is taken (and
+    runs FSDP1's code, as any version but 2), "two" stops it. anatomist takes and refuses the same."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    path = tmp_path / "fsdp.yaml"
+    path.write_text(yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP",
+                                    "num_processes": 2, "fsdp_config": {"fsdp_version": version,
+                                                                        "fsdp_reshard_after_forward": "FULL_SHARD"}}))
+    args, *_ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "x.py"]))
+    for key, value in prepare_multi_gpu_env(args).items():
+        monkeypatch.setenv(key, value)
+    try:
+        taken = FullyShardedDataParallelPlugin().fsdp_version
+    except ValueError:
+        taken = None
+    if taken is None:
+        with pytest.raises(InputError, match="fsdp_config.fsdp_version must be a whole number"):
+            read_recipe_file(path)
+    else:
+        assert taken == version and read_recipe_file(path).recipe.fsdp == "full_shard"

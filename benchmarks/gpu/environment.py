@@ -15,7 +15,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-PACKAGES = ("anatomist", "torch", "transformers", "accelerate", "datasets", "bitsandbytes", "peft", "nvidia-ml-py")
+PACKAGES = ("anatomist", "torch", "transformers", "accelerate", "datasets", "bitsandbytes", "liger-kernel", "peft",
+            "nvidia-ml-py")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -94,5 +95,9 @@ def versions() -> dict[str, str | None]:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             out[name] = None
+    if out["anatomist"] is None:  # validate.sh runs the working tree through PYTHONPATH: nothing is installed
+        from anatomist import __version__
+
+        out["anatomist"] = f"{__version__} (source tree)"
     out["cuda"] = torch_cuda_version()
     return out

@@ -7,8 +7,10 @@
 #   benchmarks/gpu/fetch_wheels.sh NAME==VERSION…  # others (no dependencies are fetched: name each)
 #
 # Defaults: datasets and the two dependencies the GPU image lacks (the bench worker builds a
-# datasets.Dataset, as the seeds do), and bitsandbytes for the 8-bit Adam rows (43 MB: the
-# working tree and carried paths together must stay under 64 MiB). datasets 5.2 needs
+# datasets.Dataset, as the seeds do), bitsandbytes for the 8-bit Adam and QLoRA rows (42 MB) and
+# liger-kernel 0.8.5 (the version anatomist's Liger model follows; pure Python, its Triton is the
+# image's) for the Liger rows: 43 MB in all, and the working tree and carried paths together must
+# stay under 64 MiB. datasets 5.2 needs
 # pyarrow >= 24: if the GPU machine's is older, add pyarrow (about 40 MB) and leave out bitsandbytes.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -16,7 +18,7 @@ py=${PYTHON:-python3}
 if (( $# )); then
   wanted=("$@")
 else
-  wanted=(datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 bitsandbytes==0.50.2)
+  wanted=(datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 bitsandbytes==0.50.2 liger-kernel==0.8.5)
 fi
 platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \

@@ -2,12 +2,15 @@
 
   a  runtime overhead: CUDA context, cuBLAS / cuDNN / SDPA first use, allocator (overhead.py)
   b  `pytest -m gpu`: tests/test_gpu.py, one row per case (pytest_rows.py)
-  c  `anatomist bench`: the seeds' suite on bert-large-uncased, one row per unit, then the
-     suites other issues add (suites.toml), skipped with the reason while they do not exist
+  c  `anatomist bench`: the suites of suites.toml, one row per unit: the guide's bert-large rows
+     (seeds), the memory of today's LLM recipes (llama-1b.yaml), the suites other issues add
+     (skipped with the reason while they do not exist)
   d  forward + backward alone over a grid of batch sizes and sequence lengths (fwd_bwd.py)
   e  `anatomist calibrate` on part c's rows: the time calibration of this device
 
 Parts use the real command line (`python -m anatomist ...`) and fresh processes, as a user would.
+Each unit has a priority (plan.py: 1 first, 2 then, 3 the rest) and its expected seconds on a GPU:
+an estimate, worked out beside it, until a GPU measures it.
 """
 
 from __future__ import annotations
@@ -15,17 +18,14 @@ from __future__ import annotations
 import json
 import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from results import quantity
 from runner import Context, Finished, Outcome, Unit, run_child, timed_out
 
-SEEDS_DRY_RUN_ROWS = ("fp16",)
-"""A dry run's seeds row: skipped on the CPU for needing CUDA, so the CLI, its --json rows and
-their conversion run end to end without a worker (a CPU row takes ~30 s of a 2-core CPU and
-is what tests/test_bench_cli.py covers; the conversion of measured figures is unit-tested)."""
 FWD_BWD_MODELS = ("bert-large-uncased", "gpt2", "Llama-3.2-1B")
 """An encoder (the seeds' model) and two decoders (learned positions, GQA + RoPE): catalog configs."""
 FWD_BWD_GRID = {"batches": "1,4,16", "seq_lens": "128,512,1024,2048"}
@@ -64,7 +64,10 @@ def run_overhead(ctx: Context, unit: Unit, attempt: str, timeout_s: float) -> Ou
 
 
 def overhead_units(ctx: Context) -> list[Unit]:
-    return [Unit(part="a", name="overhead", expected_s=60, cap_s=300, run=run_overhead)]
+    # Expected: a fresh Python importing torch and transformers (~6 s), CUDA's context and the first
+    # cuBLAS / cuDNN / SDPA calls (~10 s), bert-base built at random and two training steps (~10 s), its
+    # prediction traced on the CPU (~10 s), 8 allocator probes (~1 s): ~40 s, 60 s with room.
+    return [Unit(part="a", name="overhead", expected_s=60, cap_s=300, run=run_overhead, priority=2)]
 
 
 # -- b: pytest -m gpu ---------------------------------------------------------------------------
@@ -86,7 +89,9 @@ def run_pytest(ctx: Context, unit: Unit, attempt: str, timeout_s: float) -> Outc
 
 
 def pytest_units(ctx: Context) -> list[Unit]:
-    return [Unit(part="b", name="pytest-gpu", expected_s=240, cap_s=540, run=run_pytest)]
+    # Expected: 15 cases, each a prediction of a 6-layer model (~4 s) and a fresh Python measuring two steps
+    # on the GPU (~6 s), ~150 s, and pytest's start (~10 s).
+    return [Unit(part="b", name="pytest-gpu", expected_s=180, cap_s=540, run=run_pytest)]
 
 
 # -- c: anatomist bench -------------------------------------------------------------------------
@@ -102,6 +107,49 @@ def bench_row_to_quantities(row: dict[str, Any]) -> dict[str, dict[str, float | 
     return out
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SuiteHook:
+    """One suite of suites.toml (its header says what each key means)."""
+
+    name: str
+    why: str = ""
+    file: str | None = None
+    priority: int = 3
+    dry_run_rows: tuple[str, ...] = ()
+    row_s: float = 45.0
+    """A row's expected seconds on a GPU where suites.toml gives none: an estimate."""
+    row_s_of: dict[str, float] = field(default_factory=dict)
+    row_priority: dict[str, int] = field(default_factory=dict)
+    """Rows whose priority is not the suite's."""
+
+    def expected_s(self, row: str) -> float:
+        return float(self.row_s_of.get(row, self.row_s))
+
+
+HOOK_KEYS = {"name", "why", "file", "priority", "dry_run_rows", "row_s", "row_s_of", "row_priority"}
+
+
+def suite_hooks(path: Path) -> list[SuiteHook]:
+    """The suites of `path` (suites.toml), in its order.
+
+    Raises:
+        ValueError: an entry without a name, or with a key suites.toml does not describe.
+    """
+    hooks = []
+    for i, entry in enumerate(tomllib.loads(path.read_text()).get("suite", []), start=1):
+        unknown = sorted(set(entry) - HOOK_KEYS)
+        if "name" not in entry or unknown:
+            raise ValueError(f"{path}: suite {i} needs a name and takes only {', '.join(sorted(HOOK_KEYS))}"
+                             + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+        hooks.append(SuiteHook(name=str(entry["name"]), why=str(entry.get("why", "")), file=entry.get("file"),
+                               priority=int(entry.get("priority", 3)),
+                               dry_run_rows=tuple(entry.get("dry_run_rows", ())),
+                               row_s=float(entry.get("row_s", 45.0)),
+                               row_s_of={str(k): float(v) for k, v in entry.get("row_s_of", {}).items()},
+                               row_priority={str(k): int(v) for k, v in entry.get("row_priority", {}).items()}))
+    return hooks
+
+
 def run_bench_row(ctx: Context, unit: Unit, attempt: str, timeout_s: float, *, suite: str, row: str) -> Outcome:
     cmd = [ctx.python, "-m", "anatomist", "bench", "--suite", suite, "--rows", row, "--resume",
            "--results", str(ctx.bench_results), "--json"]
@@ -111,46 +159,51 @@ def run_bench_row(ctx: Context, unit: Unit, attempt: str, timeout_s: float, *, s
     if finished.returncode != 0:
         return Outcome(status="error", note=f"anatomist bench exited with {finished.returncode}: "
                                             f"{finished.last_error_line()}")
+    statuses = []
     for bench_row in json.loads(finished.stdout)["rows"]:
         status = bench_row["status"] if bench_row["status"] in ("ok", "oom", "error", "skipped") else "error"
+        statuses.append((status, bench_row.get("reason")))
         ctx.log.row(part="c", unit=unit.name, attempt=attempt, name=unit.name, status=status, mode=ctx.mode,
                     reason=bench_row.get("reason"), quantities=bench_row_to_quantities(bench_row),
                     details={"recipe": bench_row.get("recipe"), "device": bench_row.get("device"),
                              "model": bench_row.get("model"), "notes": bench_row.get("notes"),
                              "time": (bench_row.get("measured") or {}).get("time"),
                              "cuda_context_bytes": (bench_row.get("measured") or {}).get("cuda_context_bytes")})
+    if statuses and all(status == "skipped" for status, _ in statuses):
+        # not run here (no CUDA, a package missing): its seconds say nothing of a real run (plan.py)
+        return Outcome(status="skipped", note=statuses[0][1])
     return Outcome(status="ok")
 
 
-def skipped_unit(part: str, name: str, reason: str) -> Unit:
+def skipped_unit(part: str, name: str, reason: str, *, priority: int = 3) -> Unit:
     def run(ctx: Context, unit: Unit, attempt: str, timeout_s: float) -> Outcome:
         ctx.log.row(part=part, unit=name, attempt=attempt, name=name, status="skipped", mode=ctx.mode, reason=reason)
         return Outcome(status="skipped", note=reason)
 
-    return Unit(part=part, name=name, expected_s=0, cap_s=60, run=run)
+    return Unit(part=part, name=name, expected_s=0, cap_s=60, run=run, priority=priority)
 
 
-def bench_suite_units(ctx: Context, suite: str, rows: list[str]) -> list[Unit]:
-    return [Unit(part="c", name=f"{suite}/{row}", expected_s=45, cap_s=300,
-                 run=partial(run_bench_row, suite=suite, row=row)) for row in rows]
+def bench_suite_units(hook: SuiteHook, source: str, rows: list[str]) -> list[Unit]:
+    return [Unit(part="c", name=f"{hook.name}/{row}", expected_s=hook.expected_s(row), cap_s=300,
+                 run=partial(run_bench_row, suite=source, row=row), priority=hook.row_priority.get(row, hook.priority))
+            for row in rows]
 
 
 def bench_units(ctx: Context) -> list[Unit]:
     from anatomist.bench.suites import load_suite, shipped_suites
 
-    seeds = [r.name for r in load_suite("seeds").rows]
-    units = bench_suite_units(ctx, "seeds", list(SEEDS_DRY_RUN_ROWS) if ctx.dry_run else seeds)
-    hooks = tomllib.loads((ctx.here / "suites.toml").read_text()).get("suite", [])
-    for hook in hooks:
-        name, why = str(hook["name"]), str(hook.get("why", ""))
-        exists = name in shipped_suites() or (ctx.repo / name).is_file()
-        if not exists:
-            units.append(skipped_unit("c", name, f"suite {name!r} ({why}) does not exist in this anatomist yet"))
-        elif ctx.dry_run:
-            units.append(skipped_unit("c", name, f"dry-run: suite {name!r} exists; its rows run on a GPU only"))
+    units = []
+    for hook in suite_hooks(ctx.here / "suites.toml"):
+        source = str(ctx.repo / hook.file) if hook.file else hook.name
+        if not (Path(source).is_file() if hook.file else hook.name in shipped_suites()):
+            units.append(skipped_unit("c", hook.name, f"suite {hook.name!r} ({hook.why}) does not exist in this "
+                                                      "anatomist yet", priority=hook.priority))
+        elif ctx.dry_run and not hook.dry_run_rows:
+            units.append(skipped_unit("c", hook.name, f"dry-run: suite {hook.name!r} exists; its rows run on a GPU "
+                                                      "only", priority=hook.priority))
         else:
-            source = str(ctx.repo / name) if (ctx.repo / name).is_file() else name
-            units.extend(bench_suite_units(ctx, name, [r.name for r in load_suite(source).rows]))
+            rows = list(hook.dry_run_rows) if ctx.dry_run else [r.name for r in load_suite(source).rows]
+            units.extend(bench_suite_units(hook, source, rows))
     return units
 
 
@@ -167,6 +220,9 @@ def fwd_bwd_units(ctx: Context) -> list[Unit]:
         return [Unit(part="d", name="tiny-llama", expected_s=60, cap_s=300,
                      run=partial(run_fwd_bwd, model=str(folder), grid=grid))]
     grid = ["--batches", FWD_BWD_GRID["batches"], "--seq-lens", FWD_BWD_GRID["seq_lens"]]
+    # Expected: a fresh Python (~6 s), the model built twice (one per attention kernel, ~5-10 s each), up to
+    # 24 cells of 5 passes each (a few seconds in all on a GPU), and where predicted (fp32-autocast) one
+    # estimate a cell (~4 s each once the first has filled the trace cache): ~120 s.
     return [Unit(part="d", name=f"{model}/{weights}", expected_s=120, cap_s=420,
                  run=partial(run_fwd_bwd, model=model, grid=[*grid, "--weights", weights]))
             for model in FWD_BWD_MODELS for weights in FWD_BWD_WEIGHTS]
@@ -212,7 +268,9 @@ def run_calibrate(ctx: Context, unit: Unit, attempt: str, timeout_s: float) -> O
 
 
 def calibrate_units(ctx: Context) -> list[Unit]:
-    return [Unit(part="e", name="calibrate", expected_s=30, cap_s=180, run=run_calibrate)]
+    # Expected: one time estimate per bench row (about 35 rows, ~2 s each from the trace cache the rows
+    # filled) and the fit: ~90 s. It fits the rows part c has: it waits for them.
+    return [Unit(part="e", name="calibrate", expected_s=90, cap_s=300, run=run_calibrate, after=("c",))]
 
 
 PARTS = {

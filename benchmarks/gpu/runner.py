@@ -35,6 +35,7 @@ class Budget:
     total_s: float | None
     """None: no limit."""
     start_s: float = field(default_factory=time.monotonic)
+    """time.monotonic() at the start of the command the budget counts from."""
 
     def remaining_s(self) -> float:
         if self.total_s is None:
@@ -89,11 +90,16 @@ class Unit:
     part: str
     name: str
     expected_s: float
-    """A guess (not measured on a GPU yet) of its duration: it starts only with this much left."""
+    """Its duration on a GPU as estimated before any GPU ran it (plan.py uses what a GPU measured once one has):
+    it starts only with this much left."""
     cap_s: float
     """Its hard limit: killed after this, and recorded as an error."""
     run: Callable[[Context, Unit, str, float], Outcome]
     """(context, this unit, attempt id, timeout in seconds) -> outcome; writes its own rows."""
+    priority: int = 3
+    """1 first, 2 then, 3 the rest (plan.py): lower runs earlier."""
+    after: tuple[str, ...] = ()
+    """Parts whose pending units must all have run before this one starts (the calibration waits for the bench)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -39,6 +39,9 @@ class ModelFacts:
     """The experts kernel the config itself names (transformers then runs it whatever is asked)."""
     kernel_tasks: tuple[str, ...]
     """The tasks whose model class runs its experts through transformers' kernels (`trace.experts`)."""
+    eager_tasks: tuple[str, ...] = ()
+    """The tasks whose model class has no SDPA attention (`_supports_sdpa` False: DeBERTa-v2, gpt-oss): transformers
+    builds them with eager attention where none is asked for (`get_correct_attn_implementation`)."""
 
 
 def facts_of(config: Any) -> ModelFacts:
@@ -54,8 +57,16 @@ def facts_of(config: Any) -> ModelFacts:
         max_positions=context_length(field, str(config.model_type)), config_dtype=_config_dtype(config),
         vocab_size=int(text.vocab_size), experts=experts,
         experts_implementation=getattr(config, "_experts_implementation", None),
-        kernel_tasks=_kernel_tasks(config) if experts else (),
+        kernel_tasks=_kernel_tasks(config) if experts else (), eager_tasks=_eager_tasks(config),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class LoraDefaults:
+    """What PEFT's LoraConfig targets in a model when `target_modules` is unset (`trace.peft_defaults`)."""
+
+    targets: tuple[str, ...] | None
+    """The module names PEFT picks, None where it finds none (no default for the model type)."""
 
 
 def _default_task(config: Any) -> str:
@@ -102,3 +113,10 @@ def _kernel_tasks(config: Any) -> tuple[str, ...]:
     module uses the `use_experts_implementation` decorator)."""
     classes = {task: task_model_class(config, task) for task in TASKS}
     return tuple(t for t, cls in classes.items() if cls is not None and cls._can_set_experts_implementation())  # type: ignore[attr-defined]
+
+
+def _eager_tasks(config: Any) -> tuple[str, ...]:
+    """Tasks whose class has no SDPA attention: transformers' default (`attn_implementation=None`) tries SDPA and
+    falls back to eager there. A class not known here (remote code) is left to SDPA, as before."""
+    classes = {task: task_model_class(config, task) for task in TASKS}
+    return tuple(t for t, cls in classes.items() if cls is not None and not getattr(cls, "_supports_sdpa", False))

@@ -25,6 +25,7 @@ from anatomist.axes.liger import check_liger
 from anatomist.axes.optimizers import OPTIMIZERS, optimizer, runs_with
 from anatomist.axes.precisions import HALF_DTYPES
 from anatomist.axes.shardings import DEEPSPEED_SETTINGS, FSDP_STAGES, deepspeed_values, trainer_fsdp_arguments
+from anatomist.deepspeed_bounds import deepspeed_bounds
 from anatomist.errors import InputError
 from anatomist.trainer_defaults import trainer_defaults
 
@@ -48,6 +49,10 @@ LOAD_DTYPES: tuple[str, ...] = get_args(LoadDtype)
 PEFT_METHODS: tuple[str, ...] = get_args(Peft)
 QUANT_TYPES: tuple[str, ...] = get_args(QuantType)
 TRAINERS: tuple[str, ...] = get_args(Trainer)
+DPO_BETA = 0.1
+"""DPOConfig.beta as anatomist's DPO step computes it (trl 1.16's default); it scales the loss, not its memory."""
+DPO_LOSS_TYPE = "sigmoid"
+"""DPOConfig.loss_type as anatomist's DPO step computes it (trl 1.16's default: -logsigmoid(beta x the margin))."""
 
 
 QLORA_PRESET: dict[str, Any] = {"load_in_4bit": True, "bnb_4bit_use_double_quant": True,
@@ -55,6 +60,18 @@ QLORA_PRESET: dict[str, Any] = {"load_in_4bit": True, "bnb_4bit_use_double_quant
 """What `peft="qlora"` means in practice (Dettmers et al. 2023, "QLoRA", sec. 3: NF4 with double
 quantization, bf16 compute; PEFT's prepare_model_for_kbit_training turns on gradient checkpointing):
 filled in by `Recipe.with_presets` where the user is silent."""
+LORA_FALLBACK_TARGETS = "all-linear"
+"""The LoRA targets of a recipe that names none, for a model PEFT has no default for (its
+TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING lacks the model type, or transformers 5's fused experts leave
+its default nothing to match): PEFT's own shorthand for every linear layer but the output head, what the QLoRA
+paper trains (Dettmers et al. 2023, sec. 4: "LoRA on all linear transformer block layers") and what axolotl's
+lora_target_linear and LLaMA-Factory's lora_target: all set."""
+CLASSIFIER_HEADS = "classifier,score"
+"""What a quantized sequence classifier keeps unquantized where the recipe does not say (llm_int8_skip_modules): the
+heads PEFT trains in full (PeftModelForSequenceClassification's modules_to_save). transformers' bitsandbytes skips
+only the module of the model's last parameter, which for an encoder is `classifier.bias`: its classifier is quantized,
+and PEFT's requires_grad on the 4-bit weight then fails ("only Tensors of floating point dtype can require
+gradients"); QLoRA users of classifiers pass this skip list."""
 CCE_NEEDS_HALF_WEIGHTS = ("cut_cross_entropy needs the weights in bfloat16 or float16 (--dtype bfloat16): Cut "
                           "Cross-Entropy's backward takes half-precision hidden states and head weights")
 """Why Cut Cross-Entropy refuses float32 weights (cce_backward_kernel asserts bf16/fp16 hidden states and head)."""
@@ -120,9 +137,9 @@ class Recipe:
         "tf32", "Allow TF32 tensor cores for fp32 matrix products; Ampere or newer.", when_none=False)
     optim: str = _trainer_default("optim", "Optimizer, as TrainingArguments.optim names it (axes/optimizers.py).",
                                   choices=tuple(OPTIMIZERS))
-    attn_implementation: AttnImplementation = _field(
-        "sdpa", "Attention kernel (the model's; transformers' default sdpa): eager keeps the [b, heads, s, s] "
-        "probabilities, sdpa and flash_attention_2 do not.")
+    attn_implementation: AttnImplementation | None = _field(
+        None, "Attention kernel: eager keeps the [b, heads, s, s] probabilities, sdpa and flash_attention_2 do not; "
+        "unset: transformers' own choice for the model, sdpa where it supports it, else eager.")
     experts_implementation: ExpertsImplementation = _field(
         "grouped_mm", "Mixture-of-Experts kernel, as from_pretrained(experts_implementation=...); no effect on dense "
         "models. grouped_mm (transformers' default) runs a layer's routed tokens as grouped matrix products; "
@@ -151,12 +168,22 @@ class Recipe:
     lora_dropout: float = _field(
         0.0, "Dropout on each adapter's input (PEFT's default 0): above 0 it keeps a mask and a copy.")
     lora_target_modules: str | None = _field(
-        None, "Comma-separated module names, or all-linear; unset: PEFT's default for the architecture.",
-        metavar="A,B|all-linear")
+        None, "Comma-separated module names, or all-linear; unset: PEFT's default for the architecture, or all-linear "
+        "where PEFT has none (said in the notes).", metavar="A,B|all-linear")
+    lora_target_parameters: str | None = _field(
+        None, "Comma-separated parameter names that LoRA adapts directly (PEFT's target_parameters): the fused 3D "
+        "expert weights of a Mixture of Experts, which are not nn.Linear modules, e.g. "
+        "mlp.experts.gate_up_proj,mlp.experts.down_proj. Each forward adds the adapters' product to the whole weight "
+        "(a temporary the size of the experts of one layer).", metavar="A,B")
     load_in_4bit: bool = _field(
         False, "BitsAndBytesConfig(load_in_4bit=True): the base's linear weights as packed 4-bit codes.")
     load_in_8bit: bool = _field(
         False, "BitsAndBytesConfig(load_in_8bit=True): the base's linear weights as int8 with row scales.")
+    llm_int8_skip_modules: str | None = _field(
+        None, "Comma-separated modules bitsandbytes leaves unquantized, 4-bit or 8-bit alike (BitsAndBytesConfig's "
+        "llm_int8_skip_modules: they replace transformers' own, the output head); unset: transformers' own, and for "
+        "a sequence classifier its head too (classifier,score), which PEFT trains in full and a 4-bit weight could "
+        "not.", metavar="A,B")
     bnb_4bit_quant_type: QuantType = _field(
         "nf4", "4-bit data type: nf4 (QLoRA's NormalFloat) or fp4; the same memory.")
     bnb_4bit_use_double_quant: bool = _field(
@@ -212,6 +239,13 @@ class Recipe:
     stage3_param_persistence_threshold: int | None = _field(
         None, "DeepSpeed ZeRO-3: parameters of at most this many elements stay whole on every device; unset: the "
         "Trainer's auto, 10 x hidden_size.", metavar="N")
+    bf16_master_weights_and_grads: bool = _field(
+        False, "DeepSpeed bf16.bf16_master_weights_and_grads: ZeRO keeps its master weights and gradient partitions "
+        "in bf16, not fp32 (2 B/param less per partition); DeepSpeed needs --offload cpu for it unless the optimizer "
+        "states are bf16 too (--bf16-optimizer-states).")
+    bf16_optimizer_states: bool = _field(
+        False, "DeepSpeed bf16.bf16_optimizer_states: the optimizer's states on ZeRO's partitions in bf16, not fp32 "
+        "(AdamW: 4 B/param less per partition); needs --bf16-master-weights-and-grads.")
 
     def __post_init__(self) -> None:
         if self.per_device_train_batch_size <= 0:
@@ -248,7 +282,7 @@ class Recipe:
                              "custom ops, which the compiled blocks' trace cannot run): leave one off, or turn "
                              "gradient_checkpointing on (its blocks are predicted as eager code)")
         optimizer(self.optim)  # raises for one anatomist does not model
-        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        if self.attn_implementation is not None and self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise InputError(
                 f"unknown attn_implementation {self.attn_implementation!r}; "
                 f"known: {', '.join(ATTN_IMPLEMENTATIONS)}"
@@ -293,11 +327,27 @@ class Recipe:
             raise InputError(f"unknown bnb_4bit_quant_type {self.bnb_4bit_quant_type!r}; known: {', '.join(QUANT_TYPES)}")
         if self.max_grad_norm < 0:
             raise InputError(f"max_grad_norm must be >= 0, got {self.max_grad_norm}")
-        for name in DEEPSPEED_SETTINGS:
+        for name in DEEPSPEED_SETTINGS:  # within DeepSpeed's own bounds (deepspeed_bounds.py): what it refuses
             value = getattr(self, name)
-            if value is not None and value < 0 or (name == "reduce_bucket_size" and value == 0):
-                raise InputError(f"{name} must be {'> 0' if name == 'reduce_bucket_size' else '>= 0'}, got {value}")
+            refusal = None if value is None else deepspeed_bounds().refusal("zero_optimization", name, value)
+            if refusal:
+                raise InputError(f"{name} {refusal}")
         self._check_llm_fields()
+        self._check_deepspeed_precision()
+
+    def _check_deepspeed_precision(self) -> None:
+        """DeepSpeed's bf16 master weights and optimizer states, where DeepSpeed 0.19 takes them (`runtime/config.py`
+        `_do_error_check`, `runtime/base_optimizer.py` `_configure_master_weights`)."""
+        for name in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+            if getattr(self, name) and not (self.zero_stage and self.bf16):
+                raise InputError(f"{name} is a setting of DeepSpeed ZeRO's bf16 mode: it needs zero_stage 1, 2 or 3 and "
+                                 "bf16=True (DeepSpeed's bf16.enabled)")
+        if self.bf16_optimizer_states and not self.bf16_master_weights_and_grads:
+            raise InputError("bf16_optimizer_states needs bf16_master_weights_and_grads=True too (DeepSpeed refuses "
+                             "bf16 optimizer states over fp32 master weights)")
+        if self.bf16_master_weights_and_grads and not self.bf16_optimizer_states and self.offload == "none":
+            raise InputError("bf16_master_weights_and_grads with fp32 optimizer states runs only with ZeRO-Offload "
+                             "(DeepSpeed: offload cpu): add --offload cpu, or --bf16-optimizer-states")
 
     def _check_llm_fields(self) -> None:
         """The trainer, padding-free and packing fields (issue 23): combinations the tools themselves refuse."""
@@ -310,7 +360,7 @@ class Recipe:
             what = "packing" if self.packing else "padding_free"
             raise InputError(f"{what}: sequences flattened into one row need an attention that takes packed "
                              f"position_ids (TRL: FlashAttention 2 or 3): use --attn-implementation flash_attention_2, "
-                             f"not {self.attn_implementation}")
+                             f"not {self.attn_implementation or 'the model default (sdpa or eager)'}")
         if self.trainer == "dpo" and self.padding_free:
             raise InputError("DPOTrainer (trl 1.16) has no padding-free training: its padding_free falls back to "
                              "padding; leave padding_free and packing off with --trainer dpo")
@@ -357,6 +407,9 @@ class Recipe:
         names = [n.strip() for n in (self.lora_target_modules or "").split(",") if n.strip()]
         if names:  # none: PEFT's default targets for the architecture
             kwargs["target_modules"] = "all-linear" if names == ["all-linear"] else names
+        parameters = [n.strip() for n in (self.lora_target_parameters or "").split(",") if n.strip()]
+        if parameters:
+            kwargs["target_parameters"] = parameters
         return kwargs
 
     @property
@@ -390,7 +443,9 @@ class Recipe:
         return cls(**{**preset, **given})
 
     def resolved(self, workload: Workload) -> ResolvedRecipe:
-        """This recipe settled for `workload`: its load dtype concrete ("auto" -> the config's) and, under
+        """This recipe settled for `workload`: its load dtype concrete ("auto" -> the checkpoint's), its attention
+        (unset -> transformers' choice for the model), its LoRA targets where PEFT has no default for the model
+        (unset -> LORA_FALLBACK_TARGETS), a quantized classifier's head (unset -> CLASSIFIER_HEADS) and, under
         DeepSpeed, its buffer sizes (unset -> "auto" as the Trainer fills it, or DeepSpeed's default).
 
         Raises:
@@ -410,6 +465,12 @@ class Recipe:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         if self.zero_stage:  # DeepSpeed's buffer sizes, "auto" filled as the Trainer fills it
             values |= deepspeed_values(workload.hidden_size(), {n: values[n] for n in DEEPSPEED_SETTINGS})
+        values["attn_implementation"] = self.attn_implementation or workload.default_attention()
+        if self.peft != "none" and self.lora_target_modules is None and self.lora_target_parameters is None \
+                and workload.lora_default_targets() is None:
+            values["lora_target_modules"] = LORA_FALLBACK_TARGETS
+        if self.quantized and self.llm_int8_skip_modules is None and workload.task == "sequence-classification":
+            values["llm_int8_skip_modules"] = CLASSIFIER_HEADS
         return ResolvedRecipe(**{**values, "dtype": workload.weights_dtype(self.dtype)})
 
     def to_dict(self) -> dict[str, Any]:
@@ -485,11 +546,13 @@ class Recipe:
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ResolvedRecipe(Recipe):
     """A Recipe settled for one model (`Recipe.resolved`): its `dtype` is float32, bfloat16 or float16,
-    never "auto". The estimator, the tracer and the time model take only this."""
+    never "auto", and its `attn_implementation` is set. The estimator, the tracer and the time model take only this."""
+
+    attn_implementation: AttnImplementation = None  # type: ignore[assignment]  # Recipe's None resolved: set
 
     def __post_init__(self) -> None:
-        if self.dtype == "auto":
-            raise TypeError("a ResolvedRecipe has a concrete dtype: make it with recipe.resolved(workload)")
+        if self.dtype == "auto" or self.attn_implementation is None:
+            raise TypeError("a ResolvedRecipe has a concrete dtype and attention: make it with recipe.resolved(workload)")
         Recipe.__post_init__(self)
 
 

@@ -81,6 +81,8 @@ def read_lengths(path: str, max_len: int) -> TokenStats:
     if not file.is_file():
         raise InputError(f"--lengths {path!r}: no such file")
     text = file.read_text()
+    if not text.strip():
+        raise InputError(f"--lengths {path!r} is empty")
     values: list[int] = []
     if text.lstrip().startswith("["):
         try:

@@ -1,7 +1,8 @@
 """Workload: which model (config only, never weights), which task head, which inputs.
 
 MODEL resolves, in this order, from a local directory or config.json, the shipped catalog
-(`anatomist models`, by file name or Hub id), and the local Hugging Face cache. The network is
+(`anatomist models`, by file name or Hub id, or through an alias: an instruct variant or re-upload whose config the
+catalog entry stands in for, said in the estimate's notes), and the local Hugging Face cache. The network is
 used only when the caller passes `allow_network=True`; remote model code runs only with
 `trust_remote_code=True`.
 
@@ -28,7 +29,7 @@ from typing import Any, Literal
 
 from anatomist.config_fields import ESTIMATOR_FIELDS, LAYER_FIELDS
 from anatomist.errors import InputError
-from anatomist.model_catalog import METADATA_KEY, catalog_entries, find_entry
+from anatomist.model_catalog import METADATA_KEY, catalog_entries, close_names, resolve
 from anatomist.model_facts import TASKS, ModelFacts
 from anatomist.token_stats import TokenStats, read_lengths, stats_from_mean
 
@@ -67,6 +68,10 @@ class Workload:
     """The data's token statistics (--avg-seq-len, --lengths; issue 23): what padding-free training processes."""
     prompt_len: int = 0
     """Tokens of each sequence's prompt, which a preference loss does not score (--prompt-len; DPO)."""
+    hub_id: str | None = None
+    """The Hub repo MODEL means, where the catalog resolved it (an alias's own id, not the entry's); else None."""
+    config_note: str | None = None
+    """Which config stands in for MODEL when it is not the repo's own (a catalog alias), for the notes; else None."""
     _trace_key: tuple[Any, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -83,9 +88,8 @@ class Workload:
 
     @property
     def repo_id(self) -> str:
-        """What `from_pretrained` takes: the catalog entry's Hub repo, else the name given."""
-        entry = find_entry(self.name) if self.source == "catalog" else None
-        return entry.hub_id if entry else self.name
+        """What `from_pretrained` takes: the Hub repo the catalog resolved MODEL to, else the name given."""
+        return self.hub_id or self.name
 
     def trace_key(self) -> tuple[Any, ...]:
         """What decides the model a trace builds and the inputs it feeds: the caches' key (the
@@ -120,8 +124,34 @@ class Workload:
 
     @property
     def config_dtype(self) -> str:
-        """The dtype the config names, else float32: what `from_pretrained(dtype="auto")` loads the weights in."""
+        """What `from_pretrained(dtype="auto")` loads the weights in: the dtype the config names, else the
+        checkpoint's where the catalog records it (transformers reads the checkpoint's first floating tensor),
+        else float32."""
+        named = any(self.config_json.get(key) is not None for key in ("dtype", "torch_dtype"))
+        match = resolve(self.name) if self.source == "catalog" and not named else None
+        entry = match.entry if match is not None else None
+        if entry is not None and entry.checkpoint_dtype is not None:
+            return entry.checkpoint_dtype
         return self.facts.config_dtype
+
+    def default_attention(self) -> str:
+        """The attention transformers builds this model's task with where none is asked for: SDPA, or eager where
+        the class has no SDPA (`model_facts.ModelFacts.eager_tasks`)."""
+        return "eager" if self.task in self.facts.eager_tasks else "sdpa"
+
+    def lora_default_targets(self) -> tuple[str, ...] | None:
+        """The modules PEFT's LoraConfig targets in this model when none are named, None where PEFT has no default
+        for it (`trace.peft_defaults`, asked once per config, task and peft version: the trace cache)."""
+        from anatomist.model_facts import LoraDefaults
+        from anatomist.trace import cache
+
+        def ask_peft() -> LoraDefaults:
+            from anatomist.trace.peft_defaults import default_targets
+
+            return LoraDefaults(targets=default_targets(self, PEFT_TASK_TYPES.get(self.task)))
+
+        key = ("lora-defaults", canonical_json(self.config_json), self.task, self.num_labels, self.trust_remote_code)
+        return cache.get_or_trace(key, ask_peft, LoraDefaults).targets
 
     def hidden_size(self) -> int:
         """The model's hidden size as transformers' `HfTrainerDeepSpeedConfig.trainer_config_finalize` finds it
@@ -143,19 +173,8 @@ class Workload:
                          "and --stage3-param-persistence-threshold")
 
     def weights_dtype(self, requested: str) -> str:
-        """The dtype the weights load in for `requested` ("auto": the config's).
-
-        Raises:
-            InputError: a dtype this model's code rejects (Mixture-of-Experts layers run their
-                experts through `grouped_mm`, which takes bf16 only).
-        """
-        dtype = self.config_dtype if requested == "auto" else requested
-        if self.is_moe and dtype != "bfloat16":
-            raise InputError(
-                f"{self.name}: its Mixture-of-Experts layers run grouped_mm, which takes bfloat16 weights only; "
-                f"--dtype {requested} would load them in {dtype}: use --dtype bfloat16"
-            )
-        return dtype
+        """The dtype the weights load in for `requested` ("auto": the checkpoint's, `config_dtype`)."""
+        return self.config_dtype if requested == "auto" else requested
 
     def build_model(self, attn_implementation: str = "sdpa", dtype: str = "auto",
                     experts_implementation: str | None = None, config: Any = None) -> Any:
@@ -211,6 +230,10 @@ class _Found:
     source: str
     code_folder: str | None = None
     built: Any = None
+    hub_id: str | None = None
+    """The Hub repo the catalog resolved MODEL to."""
+    note: str | None = None
+    """Which catalog config stands in for MODEL, where an alias resolved it."""
 
 
 def load_workload(
@@ -288,7 +311,7 @@ def _workload(model: str, found: _Found, *, seq_len: int | None, task: Task | No
         raise InputError(f"seq_len {seq_len} is above {model}'s maximum of {limit} positions")
     return Workload(name=model, config_json=found.data, facts=facts, task=chosen_task, seq_len=seq_len,
                     source=found.source, trust_remote_code=trust_remote_code, code_folder=found.code_folder,
-                    built_config=built)
+                    built_config=built, hub_id=found.hub_id, config_note=found.note)
 
 
 def _facts(found: _Found, trust_remote_code: bool) -> tuple[ModelFacts, Any]:
@@ -314,18 +337,23 @@ def _find_config(model: str, *, trust_remote_code: bool, allow_network: bool) ->
     if path.exists():
         file = path / "config.json" if path.is_dir() else path
         return _Found(_read_json(file, path), str(file), "local", code_folder=str(file.parent))
-    entry = find_entry(model)
-    if entry is not None:
-        return _Found(_checked(dict(entry.config), f"catalog entry {entry.name}"), f"catalog entry {entry.name}",
-                      "catalog")
+    match = resolve(model)
+    if match is not None:
+        own = _in_hf_cache(match.hub_id) if match.alias else None  # an alias's own file beats a stand-in
+        if own is not None:
+            return _Found(_read_json(own, own), match.hub_id, "hf-cache", code_folder=str(own.parent),
+                          hub_id=match.hub_id)
+        where = f"catalog entry {match.entry.name}"
+        return _Found(_checked(dict(match.entry.config), where), where, "catalog", hub_id=match.hub_id,
+                      note=match.note(model))
     cached = _in_hf_cache(model)
     if cached is not None:
         return _Found(_read_json(cached, cached), model, "hf-cache", code_folder=str(cached.parent))
     if allow_network:
         return _from_hub(model, trust_remote_code)
-    close = difflib.get_close_matches(model.lower(), [n.lower() for n in catalog_names()], n=3, cutoff=0.4)
-    names = {n.lower(): n for n in catalog_names()}
-    hint = f"; did you mean {', '.join(names[c] for c in close)}?" if close else ""
+    close = close_names(model)
+    hint = (f"; did you mean {', '.join(close)}? (all: `anatomist models`)" if close
+            else "; `anatomist models` lists the catalog")
     where = "the Hub" if allow_network else "the local HF cache (pass --allow-network to ask the Hub)"
     raise InputError(f"unknown model {model!r}: not a path, not in the catalog, not in {where}{hint}")
 
@@ -333,8 +361,11 @@ def _find_config(model: str, *, trust_remote_code: bool, allow_network: bool) ->
 def _read_json(file: Path, given: Path) -> dict[str, Any]:
     if not file.is_file():
         raise InputError(f"{given}: no config.json there")
+    text = file.read_text()
+    if not text.strip():
+        raise InputError(f"model config {str(file)!r} is empty")
     try:
-        data = json.loads(file.read_text())
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(f"{file}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(data, dict):

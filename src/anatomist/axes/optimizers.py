@@ -52,6 +52,26 @@ class QuantizedState:
     """What unquantized moments are stored in: fp32 (bitsandbytes), or the parameter's dtype (torchao)."""
     step_tensor: bool = False
     """Whether the step counter is an fp32 tensor per parameter (torchao) rather than a Python int (bitsandbytes)."""
+    shared_table_entries: int = 256
+    """fp32 values of each shared code table (bitsandbytes' `name2qmap`)."""
+
+    def quantizes(self, numel: int) -> bool:
+        """Whether a parameter of `numel` elements keeps quantized moments (else unquantized ones)."""
+        return self.bits < 32 and numel >= self.min_elements and (
+            not self.whole_blocks or numel % self.block_size == 0)
+
+    def state_bytes(self, numel: int, element_bytes: int) -> int:
+        """Bytes of the state of one parameter of `numel` elements of `element_bytes` each: its two moments and
+        their scales and tables, its step tensor, and the shared code tables (counted with it: they exist once per
+        optimizer as soon as one parameter is quantized)."""
+        if not self.quantizes(numel):
+            moment = numel * (element_bytes if self.small_dtype == "param" and self.bits < 32 else 4)
+            shared = 0
+        else:
+            moment = numel * self.bits // 8 + 4 * -(-numel // self.block_size) + 4 * self.code_table_entries
+            shared = 4 * self.shared_table_entries * self.shared_code_tables
+        return 2 * moment + shared + (4 if self.step_tensor else 0)
+
 
 
 Builder = Callable[[list[Any]], "torch.optim.Optimizer"]
@@ -83,11 +103,28 @@ class OptimizerSpec:
     """Whether its step runs on FSDP2's sharded parameters (DTensors). transformers' Adafactor does not: its
     factored moments are plain tensors, and its step mixes them with the DTensor gradients, which PyTorch refuses
     (seen tracing its real step under `fully_shard`)."""
+    flat_moments: int = 2
+    """Moments the optimizer keeps per element of a one-dimensional parameter, in the parameter's dtype, where it
+    keeps unquantized ones: DeepSpeed ZeRO hands it one flat partition per parameter group (estimate/sharding.py).
+    AdamW 2; SGD with momentum 1; transformers' Adafactor 1 (a 1-D parameter's second moment is not factored,
+    `Adafactor._get_options`, and beta1 is None by default, so no first moment)."""
+    fp32_moments: bool = False
+    """Whether it keeps its unquantized moments in fp32 whatever the parameter's dtype (transformers' Adafactor casts
+    half-precision gradients to fp32 and keeps its state so), rather than in the parameter's."""
     imports: tuple[str, ...] = ()
     """Modules `build` imports, which the tracer imports before the step (`driver.trace_step`): a module's
     first import runs its top-level code, and tensors made there under the tracer (transformers.optimization
     imports peft and bitsandbytes, whose constants are tensors) would count as the step's allocations in
     whichever trace imported it first, and be left fake in the module."""
+
+
+    def flat_state_bytes(self, numel: int, element_bytes: int) -> int:
+        """Bytes of the state this optimizer keeps for one flat 1-D parameter of `numel` elements of `element_bytes`
+        each: what it holds over a DeepSpeed ZeRO partition. A step counter that is a 0-d tensor (fused AdamW's) is
+        left out: 4 bytes per parameter group."""
+        if self.quantized_state is not None:
+            return self.quantized_state.state_bytes(numel, element_bytes)
+        return self.flat_moments * numel * (4 if self.fp32_moments else element_bytes)
 
 
 def _torch_adamw(**kwargs: Any) -> Builder:
@@ -144,7 +181,8 @@ _SPECS = (
                   searched=True),
     OptimizerSpec(name="adafactor", description="transformers' Adafactor: factored second moment",
                   build=_adafactor, state_bytes_per_param=None, half_state_bytes_per_param=None, searched=True,
-                  runs_on_fsdp2=False, imports=("transformers.optimization",)),
+                  runs_on_fsdp2=False, flat_moments=1, fp32_moments=True,
+                  imports=("transformers.optimization",)),
     OptimizerSpec(name="adamw_bnb_8bit", description="bitsandbytes AdamW8bit: blockwise 8-bit moments",
                   build=_quantized_adam(BNB_8BIT), state_bytes_per_param=2, half_state_bytes_per_param=2,
                   package="bitsandbytes", searched=True, quantized_state=BNB_8BIT),
@@ -160,7 +198,7 @@ _SPECS = (
     OptimizerSpec(name="paged_adamw_32bit", description="bitsandbytes PagedAdamW32bit: fp32 moments in unified memory",
                   build=_quantized_adam(QuantizedState(bits=32)), state_bytes_per_param=8, half_state_bytes_per_param=8,
                   package="bitsandbytes", quantized_state=QuantizedState(bits=32)),
-    OptimizerSpec(name="sgd", description="torch.optim.SGD with momentum 0.9", build=_sgd,
+    OptimizerSpec(name="sgd", description="torch.optim.SGD with momentum 0.9", build=_sgd, flat_moments=1,
                   state_bytes_per_param=4, half_state_bytes_per_param=2, trainer_kwargs={"optim_args": "momentum=0.9"}),
 )
 OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in _SPECS}

@@ -76,9 +76,9 @@ def open_results(path: str | Path, *, create: bool = True) -> ResultsFile:
     p = Path(path)
     if p.is_dir():
         raise InputError(f"results path {str(p)!r} is a directory; give a file name such as results.jsonl")
+    if not create and (not p.exists() or not p.read_bytes().strip()):
+        raise InputError(f"results file {str(p)!r} {'is empty' if p.exists() else 'does not exist'}")
     if not p.exists() or p.stat().st_size == 0:
-        if not create:
-            raise InputError(f"results file {str(p)!r} does not exist")
         p.parent.mkdir(parents=True, exist_ok=True)
         new = {"anatomist_results": SCHEMA_VERSION, "format": "one JSON row per line, see docs/bench.md"}
         with p.open("w", encoding="utf-8") as fh:

@@ -102,6 +102,8 @@ def load_suite(name_or_path: str) -> Suite:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise InputError(f"{where}: not valid YAML: {str(exc).splitlines()[0]}") from None
+    if data is None:  # nothing but blanks and comments
+        raise InputError(f"suite file {where!r} is empty")
     return _suite_from_dict(data, where)
 
 

@@ -54,33 +54,50 @@ def _assumed(source: str) -> bool:
 
 
 def run_models(args: argparse.Namespace) -> int:
-    from anatomist.model_catalog import catalog_entries, summarize
+    from anatomist.model_catalog import catalog_aliases, catalog_entries, summarize
 
     rows = [summarize(entry) for entry in catalog_entries().values()]
+    aliases = list(catalog_aliases().values())
     if args.json:
-        print_json({"models": [r.to_dict() for r in rows]})
+        print_json({"models": [r.to_dict() for r in rows],
+                    "aliases": [{"name": a.name, "hub_id": a.hub_id, "config": a.config, "kind": a.kind,
+                                 "differs": a.differs, "source": a.source} for a in aliases]})
         return 0
     header = ["name", "Hub id", "family", "parameters", "layers", "context", "MoE"]
     cells = [[r.name, r.hub_id, r.family, _count(r.parameters),
               f"{r.layers}+{r.decoder_layers}" if r.decoder_layers is not None else str(r.layers),
               f"{r.context_length:,}" if r.context_length else "-",
               f"{r.experts_per_token}/{r.experts}" if r.is_moe else "-"] for r in rows]
+    alias_header = ["alias", "config", "kind"]  # an alias is its Hub id: re-uploads share the repo name
+    alias_cells = [[a.hub_id, a.config, a.kind] for a in aliases]
     out = console()
-    if not out.is_terminal:  # piped or redirected: every name whole, no box drawing
+    if not out.is_terminal:  # piped or redirected: every name whole, no box drawing; the aliases after a blank line
         out.print(plain_rows(header, cells), markup=False, soft_wrap=True)
+        out.print()
+        out.print(plain_rows(alias_header, alias_cells), markup=False, soft_wrap=True)
         return 0
     wide = out.width >= 120  # the Hub ids fit beside the rest; in 80 columns the names come first
-    table = Table(title="Model catalog (config.json only, no weights; sources in data/models)", title_justify="left")
+    out.print(_table("Model catalog (config.json only, no weights; sources in data/models)", header, cells, wide))
+    out.print("parameters: as published (tied weights once); layers: encoder+decoder; MoE: experts per token/routed"
+              + ("" if wide else "; Hub ids: anatomist models --json, or a wider terminal"))
+    out.print(_table("Aliases: names estimated with a catalog config (sources in data/model_aliases.toml)",
+                     alias_header, alias_cells, wide, pad_edge=False))  # 80 columns hold the longest Hub id
+    out.print("alias: a Hub id (its name alone works too, where no other model has it); kind: what it is to the "
+              "catalog model; the estimate's notes say what its own config.json sets otherwise")
+    return 0
+
+
+def _table(title: str, header: list[str], cells: list[list[str]], wide: bool, pad_edge: bool = True) -> Table:
+    """A catalog table, its "Hub id" column only where the terminal is wide enough."""
+    table = Table(title=title, title_justify="left", pad_edge=pad_edge)
     for column in header:
         if column != "Hub id" or wide:
-            table.add_column("params" if column == "parameters" else column, no_wrap=column in ("name", "family"),
+            table.add_column("params" if column == "parameters" else column,
+                             no_wrap=column in ("name", "family", "alias", "config"),
                              justify="right" if column in ("parameters", "layers", "context") else "left")
     for row in cells:
         table.add_row(*(c for c, name in zip(row, header, strict=True) if name != "Hub id" or wide))
-    out.print(table)
-    out.print("parameters: as published (tied weights once); layers: encoder+decoder; MoE: experts per token/routed"
-              + ("" if wide else "; Hub ids: anatomist models --json, or a wider terminal"))
-    return 0
+    return table
 
 
 def _count(n: int) -> str:

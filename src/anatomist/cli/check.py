@@ -1,8 +1,9 @@
 """`anatomist check MODEL --recipe FILE`: will it fit? An exit code for CI and job schedulers.
 
-Exit 0: the recipe fits (the pre-flight table on stdout). Exit 3: it does not; stderr says the
-prediction, the limit and the smallest change that fits (`anatomist.measure.preflight`, "refuse"'s
-search: the batch/accumulation pairs that keep the effective batch, then checkpointing and the
+Exit 0: the recipe fits, or is borderline (the limit inside its memory interval: stderr says so and what would fit
+even at the top of the interval); the pre-flight table on stdout. Exit 3: it does not fit, even at the bottom of its
+interval; stderr says the prediction, the limit and the smallest change that fits (`anatomist.measure.preflight`,
+"refuse"'s search: the batch/accumulation pairs that keep the effective batch, then checkpointing and the
 optimizer). Exit 2: bad input, one line.
 """
 
@@ -58,5 +59,4 @@ def run(args: argparse.Namespace) -> int:
         print(result.table())
     if not result.fits:
         print(result.refusal(), file=sys.stderr)
-        return NOT_FITTING_EXIT
-    return 0
+    return NOT_FITTING_EXIT if result.refused else 0

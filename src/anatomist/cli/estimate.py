@@ -137,7 +137,7 @@ def render(result: Estimate) -> None:
         f"[bold]{w.name}[/] ({w.task}, {mem.parameters / 1e6:,.1f} M parameters), seq {w.seq_len}, "
         f"batch {result.recipe.per_device_train_batch_size} x {result.recipe.gradient_accumulation_steps} accumulation, "
         f"weights {result.recipe.dtype}{_autocast(result.recipe)}{_peft(result.recipe)}, "
-        f"checkpointing {result.recipe.checkpointing}, "
+        f"checkpointing {result.recipe.checkpointing}, {_attention(result)}, "
         f"sharding {_sharding(result.recipe, result.num_gpus)}, "
         f"{result.mode} on {devices(result.num_gpus, result.nodes)} x [bold]{result.gpu.name}[/] "
         f"({gib(result.gpu.memory_bytes)})"
@@ -156,13 +156,14 @@ def render(result: Estimate) -> None:
     table.add_section()
     table.add_row("[bold]device total[/] (nvidia-smi)", f"[bold]{gib(a.device_total)}[/]", "", "")
     out.print(table)
-    fits = "[green]fits[/]" if mem.fits else "[red]does not fit[/]"
     out.print(
         f"peak in [bold]{a.peak_phase}[/]: allocated {gib(a.peak_allocated)}, reserved {gib(a.peak_reserved)}, "
-        f"device {gib(a.device_total)} of {gib(mem.limit_bytes)} usable "
-        f"({gib(result.gpu.memory_bytes)} less the {result.margin:.0%} margin): {fits}; "
-        f"largest batch that fits: [bold]{mem.max_batch_size}[/]"
+        f"device {gib(a.device_total)} (likely {gib(mem.interval.low)} to {gib(mem.interval.high)}) of "
+        f"{gib(mem.limit_bytes)} usable ({gib(result.gpu.memory_bytes)} less the {result.margin:.0%} margin): "
+        f"{VERDICT_STYLE[mem.verdict]}; largest batch that fits: [bold]{mem.max_batch_size}[/]"
     )
+    out.print(f"memory interval: {mem.interval.basis}" if mem.interval.validated
+              else f"[yellow]memory interval: {mem.interval.basis}[/]")
     if rule.total_bytes is not None:
         per_param = f"{rule.total_per_param:g} B/param = " if rule.total_per_param is not None else ""
         out.print(f"seeds' rule: {per_param}{gib(rule.total_bytes)} + activations")
@@ -177,6 +178,11 @@ def render(result: Estimate) -> None:
         render_time(result.time, several=adds_device_terms(result.recipe, result.num_gpus))
     if result.nodes > 1:
         out.print(describe_network(result.num_gpus, result.nodes, result.network, result.gpu))
+
+
+VERDICT_STYLE = {"fits": "[green]fits[/]", "borderline": "[yellow]borderline: inside the interval[/]",
+                 "does not fit": "[red]does not fit[/]"}
+"""How the text says each verdict (`intervals.Verdict`)."""
 
 
 def render_time(t: TimeAnatomy, *, several: bool = False) -> None:
@@ -201,6 +207,14 @@ def render_time(t: TimeAnatomy, *, several: bool = False) -> None:
     out.print("classes: " + ", ".join(f"{k} {v / t.step_s:.0%}" for k, v in t.classes_s.items()))
     said = f"{t.calibration}; {UNFITTED_TERMS}" if several else t.calibration
     out.print(said if t.calibrated else f"[yellow]{said}[/]")
+
+
+def _attention(result: Estimate) -> str:
+    """The attention kernel, and why where it is transformers' fallback for a model without SDPA."""
+    attention = result.recipe.attn_implementation
+    if attention == "eager" and result.workload.default_attention() == "eager":
+        return "attention eager (transformers' default: the model has no SDPA)"
+    return f"attention {attention}"
 
 
 def _autocast(recipe: Recipe) -> str:

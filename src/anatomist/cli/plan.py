@@ -69,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-compile", action="store_true", help="do not consider torch.compile")
     p.add_argument("--no-liger-kernel", action="store_true",
                    help="do not consider Liger Kernel (searched by default for the causal LMs whose kernels anatomist traces)")
-    llm = p.add_argument_group("the trainer (issue 23: kept as given, not searched)")
+    llm = p.add_argument_group("the trainer (kept as given, not searched)")
     llm.add_argument("--trainer", choices=TRAINERS, default=None,
                      help="transformers' Trainer (default), TRL's SFTTrainer (sft) or DPOTrainer (dpo)")
     llm.add_argument("--precompute-ref-log-probs", action="store_true", default=None,
@@ -201,16 +201,18 @@ def run(args: argparse.Namespace) -> int:
     if args.emit and args.output:
         space = result.space
         written = write(result.best.recipe, args.emit, args.output, space.num_gpus, model=result.workload.repo_id,
-                        task=result.workload.task, seq_len=result.workload.seq_len, nodes=space.nodes)
+                        task=result.workload.task, seq_len=result.workload.seq_len, nodes=space.nodes,
+                        prompt_len=result.workload.prompt_len)
         print(f"wrote {', '.join(map(str, written))}", file=sys.stderr)
-        for rank, command in enumerate(launch_commands(args.emit, args.output, space.num_gpus, space.nodes)):
-            print(f"node {rank}: {command}", file=sys.stderr)
+        commands = launch_commands(result.best.recipe, args.emit, args.output, space.num_gpus, space.nodes)
+        for rank, command in enumerate(commands):
+            print(f"{'run' if space.nodes == 1 else f'node {rank}'}: {command}", file=sys.stderr)
     if args.json:
         print_json(result.to_dict() | ({"clusters": [c.to_dict() for c in clusters]} if clusters else {}))
     elif args.emit and not args.output:
         sys.stdout.write(render_emit(result.best.recipe, args.emit, result.space.num_gpus,
                                      model=result.workload.repo_id, seq_len=result.workload.seq_len,
-                                     nodes=result.space.nodes))
+                                     nodes=result.space.nodes, prompt_len=result.workload.prompt_len))
     else:
         if clusters:
             render_clusters(clusters, result)

@@ -134,11 +134,14 @@ def load_calibration(path: str | Path, gpu: GPU | None = None) -> Calibration:
     """
     p = Path(path)
     try:
-        raw = tomllib.loads(p.read_text())
+        text = p.read_text()
+        raw = tomllib.loads(text)
     except FileNotFoundError:
         raise InputError(f"calibration file {str(p)!r} does not exist") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, IsADirectoryError) as exc:
         raise InputError(f"{p}: not a calibration file ({exc})") from None
+    if not raw:  # nothing but blanks and comments
+        raise InputError(f"calibration file {str(p)!r} is empty")
     if "time_model_version" in raw:  # another version's factors have other names or meanings: say that first
         _check_version(raw, str(p))
     factors = _factors(raw, str(p))

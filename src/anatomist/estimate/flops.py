@@ -29,6 +29,7 @@ from typing import Any, cast
 import numpy as np
 
 from anatomist.anatomy import STEP_PHASES, OpClass, Phase, StepFlops
+from anatomist.estimate.sharding import as_deepspeed_runs
 from anatomist.estimate.traces import TRACE_BATCHES, TRACE_DEPTHS, affine, step_traces
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace import cache
@@ -135,8 +136,9 @@ def step_ops(workload: Workload, recipe: ResolvedRecipe, compute_capability: str
     """Op records of one micro-batch (forward, backward) and one optimizer step, at full depth: from
     the cuts of the estimator's plan (`traces.step_traces`), or a cut as deep as the model; of one
     device's step (`keys.one_device`: a rank computes what one device does on its micro-batch; what
-    sharding adds is the communication model's). The result is shared: do not change it."""
-    recipe = one_device(recipe)
+    sharding adds is the communication model's; under DeepSpeed, its step as the engine runs it:
+    `sharding.as_deepspeed_runs`). The result is shared: do not change it."""
+    recipe = as_deepspeed_runs(one_device(recipe))
     key = (part_key(workload, recipe, "forward-backward", None, recipe.per_device_train_batch_size, compute_capability),
            part_key(workload, recipe, "optimizer", None, 1, compute_capability))
     return _STEP_OPS.get(key, lambda: _step_ops(workload, recipe, compute_capability))

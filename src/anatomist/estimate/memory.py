@@ -15,6 +15,7 @@ can make the real ratio a little smaller).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
@@ -24,11 +25,13 @@ import numpy as np
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, GIB, TENSOR_CATEGORIES, MemoryAnatomy, MemoryCategory, Phase
 from anatomist.axes.liger import liger_note, liger_table
 from anatomist.errors import InputError
+from anatomist.estimate.intervals import Interval, Verdict, memory_interval
 from anatomist.estimate.llm_notes import llm_notes
 from anatomist.estimate.loss_peak import loss_peak_note
 from anatomist.estimate.moe import moe_note
+from anatomist.estimate.peft_notes import peft_notes
 from anatomist.estimate.rules import BytesPerParamRule, bytes_per_param_rule
-from anatomist.estimate.sharding import ModelSize, persistent_parameters, shard, sharding_notes
+from anatomist.estimate.sharding import ModelSize, as_deepspeed_runs, persistent_parameters, shard, sharding_notes
 from anatomist.estimate.traces import TRACE_BATCHES, Mode, StepTraces, affine, offloaded_bytes, step_traces
 from anatomist.hardware import GPU
 from anatomist.recipe import ResolvedRecipe
@@ -54,22 +57,34 @@ class MemoryEstimate:
     limit_bytes: int
     """The GPU's memory less the margin kept free: what `fits` compares the device total with."""
     rule: BytesPerParamRule
+    interval: Interval
+    """The likely range of the device total (`intervals.memory_interval`: the errors of published GPU runs)."""
     phase_peaks: dict[str, int] = field(default_factory=dict)
     """Predicted peak allocated bytes of each phase."""
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def verdict(self) -> Verdict:
+        """fits (even the top of the interval), borderline, or does not fit (even its bottom)."""
+        return self.interval.verdict(self.limit_bytes)
+
     def to_dict(self) -> dict[str, Any]:
         return {
-            "memory": self.anatomy.to_dict(),
+            "memory": self.anatomy_dict(),
             "parameters": self.parameters,
             "trainable_parameters": self.trainable_parameters,
             "fits": self.fits,
+            "verdict": self.verdict,
             "max_batch_size": self.max_batch_size,
             "limit_bytes": self.limit_bytes,
             "bytes_per_param_rule": asdict(self.rule),
             "phase_peaks": self.phase_peaks,
             "notes": self.notes,
         }
+
+    def anatomy_dict(self) -> dict[str, Any]:
+        """The anatomy's figures, with the device total's interval (`memory.interval` of the JSON)."""
+        return {**self.anatomy.to_dict(), "interval": self.interval.to_dict()}
 
 
 @dataclass(slots=True)
@@ -231,6 +246,7 @@ def estimate_memory(
         limit_bytes=limit,
         max_batch_size=_largest_batch(workload, recipe, gpu, mode, num_gpus, limit, phases_at),
         rule=rule,
+        interval=memory_interval(anatomy.device_total, recipe, num_gpus),
         phase_peaks={str(p): v.allocated for p, v in phases.items()},
         notes=[*traces.notes, *_notes(workload, recipe, anatomy, rule, traces), *sharding_notes(recipe, num_gpus, mode)],
     )
@@ -291,8 +307,9 @@ def _phase_peaks(workload: Workload, recipe: ResolvedRecipe, gpu: GPU, traces: S
     model = _Model(traces)
     # The traces' keys name the model's peaks at any batch: recipes that share the traces share them.
     passes: Part = "forward-backward" if mode == "train" else "inference"
-    traced = (part_key(workload, recipe, passes, None, 0, gpu.compute_capability, num_gpus),
-              part_key(workload, recipe, "optimizer", None, 1, gpu.compute_capability, num_gpus)
+    run = as_deepspeed_runs(recipe)  # what was traced (`step_traces`)
+    traced = (part_key(workload, run, passes, None, 0, gpu.compute_capability, num_gpus),
+              part_key(workload, run, "optimizer", None, 1, gpu.compute_capability, num_gpus)
               if mode == "train" else None)
 
     def peak_at(phase: Phase, b: int) -> PhasePeak:
@@ -307,15 +324,17 @@ def _phase_peaks(workload: Workload, recipe: ResolvedRecipe, gpu: GPU, traces: S
 
 
 def _model_size(workload: Workload, recipe: ResolvedRecipe, traces: StepTraces) -> ModelSize:
-    """What the arithmetic of `sharding.shard` needs of the model: its parameters, the trainable ones' bytes (data
-    parallelism's buckets) and, under ZeRO-3, the persistent ones and the largest block's."""
-    plan = model_plan(workload, recipe)
+    """What the arithmetic of `sharding.shard` needs of the model: its parameters, the trainable ones' bytes as the
+    step runs them (data parallelism's buckets, ZeRO's gradients) and, under ZeRO-3, the persistent ones and the
+    largest block's."""
+    plan = model_plan(workload, as_deepspeed_runs(recipe))
+    size = ModelSize(parameters=traces.parameters, trainable=traces.trainable_parameters,
+                     trainable_bytes=plan.trainable_bytes)
     if recipe.zero_stage < 3:
-        return ModelSize(parameters=traces.parameters, trainable=traces.trainable_parameters,
-                         trainable_bytes=plan.trainable_bytes)
+        return size
     threshold = recipe.stage3_param_persistence_threshold or 0
-    return ModelSize(parameters=traces.parameters, trainable=traces.trainable_parameters, block=plan.block_parameters,
-                     persistent=persistent_parameters(plan.parameter_numels, threshold))
+    return dataclasses.replace(size, block=plan.block_parameters,
+                               persistent=persistent_parameters(plan.parameter_numels, threshold))
 
 
 def _anatomy(phases: dict[Phase, PhasePeak], gpu: GPU) -> MemoryAnatomy:
@@ -379,7 +398,8 @@ def _max_batch_size(total_at: Any, capacity: int) -> int:
 
 def _notes(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnatomy, rule: BytesPerParamRule,
            traces: StepTraces) -> list[str]:
-    notes = list(rule.explain(anatomy, recipe))
+    notes = [workload.config_note] if workload.config_note else []  # a catalog alias: which config stands in
+    notes += rule.explain(anatomy, recipe)
     loss = loss_peak_note(workload, recipe, anatomy, traces)
     if loss is not None:
         notes.append(loss)
@@ -418,6 +438,7 @@ def _notes(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnatomy, r
     if recipe.use_liger_kernel and workload.config is not None:
         notes.append(_liger_note(workload, recipe))
     notes += llm_notes(workload, recipe)
+    notes += peft_notes(workload, recipe, model_plan(workload, recipe))
     moe = moe_note(workload, recipe)
     if moe is not None:
         notes.append(moe)

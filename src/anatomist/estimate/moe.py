@@ -95,11 +95,14 @@ def moe_note(workload: Workload, recipe: ResolvedRecipe) -> str | None:
     per_token, experts = counts
     tokens = recipe.per_device_train_batch_size * workload.seq_len
     rows = tokens * per_token
-    kept = "all experts' weights are kept (and trained)"
+    kept = "all experts' weights are kept" + (" (and trained)" if recipe.peft == "none" else "")
     if kernel == OWN_CODE:
         return (f"Mixture of Experts: {kept}; the experts run {kernel} (not one of transformers' experts kernels), "
                 "traced as written: its tensor sizes do not depend on the routing, or the trace would have failed")
+    copies = (f"; batched_mm copies the expert weights of each of the {rows:,} routed rows, {rows:,} copies of one "
+              "expert's weights per layer kept for backward (meant for decoding a few tokens: grouped_mm, "
+              "transformers' default, reads the weights in place)" if kernel == "batched_mm" else "")
     return (f"Mixture of Experts ({kernel}): balanced routing assumed, as the auxiliary loss aims ({tokens:,} "
             f"tokens x top-{per_token} / {experts} experts = {rows / experts:,.0f} tokens per expert and layer); "
             f"{kernel} runs all {rows:,} routed rows whatever the split, so a skewed one, up to an expert receiving "
-            f"every token, keeps the same memory and costs time only (not modelled); {kept}")
+            f"every token, keeps the same memory and costs time only (not modelled); {kept}{copies}")

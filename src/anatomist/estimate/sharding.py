@@ -10,20 +10,35 @@ neither the Trainer nor accelerate changes, the `.grad` tensors are a second cop
 gradients size"). So each device holds one more copy of the trainable gradients throughout the step
 (`ddp_bucket_bytes`), counted as functionality-specific memory.
 
-PyTorch FSDP is not here: its step is traced per rank (trace/sharded.py). DeepSpeed cannot run on
-this machine's CPU build, so ZeRO stays an arithmetic model over one device's trace: ZeRO partitions
-whole categories across the N data-parallel devices (Rajbhandari et al. 2020, "ZeRO: Memory
-Optimizations Toward Training Trillion Parameter Models", section 5): stage 1 the optimizer states,
-stage 2 also the gradients, stage 3 also the weights.
-
-DeepSpeed with fp16/bf16 does not run autocast over fp32 weights, as the Trainer alone does: it casts
-the model to the half dtype and keeps the fp32 master weights inside the optimizer (the paper's
-"mixed-precision Adam": 2 + 2 + K bytes per parameter, K = 12 = fp32 weights, momentum and variance).
-So on the device: weights 2 B/param, gradients in the half dtype (DeepSpeed's default gradient
-accumulation dtype is the model's: deepspeed 0.19 `engine.get_data_types`), optimizer states = the
-traced states + 4 B/param of master weights (/N from stage 1). With fp32, the traced categories are
-DeepSpeed's and are only divided. Under LoRA/QLoRA the gradients, master weights and states are the
-trainable (adapter) parameters' only, and a 4-/8-bit base keeps its traced codes (it is not recast).
+PyTorch FSDP is not here: its step is traced per rank (trace/sharded.py). DeepSpeed ZeRO is arithmetic over one
+device's trace of the step as the engine runs it (`as_deepspeed_runs`): ZeRO partitions whole categories across
+the N data-parallel devices (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", section 5): stage 1 the optimizer states, stage 2 also the gradients, stage 3 also the weights.
+Each rule follows deepspeed 0.19.8 and is checked against DeepSpeed's own ZeRO optimizer running the Trainer's step
+on a CPU gloo group, measured by PyTorch's MemTracker (tests/test_deepspeed_accuracy.py):
+- With fp16/bf16 the engine casts the module to that dtype and runs it without autocast: weights, activations and
+  gradients are pure half precision whatever the load dtype (`runtime/engine.py` `_cast_module_mixed_precision`).
+  Without, it runs the module as loaded.
+- Master weights: every ZeRO stage copies this device's partition of the trainable parameters into a flat fp32
+  tensor per parameter group, whatever the load dtype and precision, fp32 weights included (`stage_1_and_2.py`
+  `single_partition_of_fp32_groups`, `.clone().to(master_weights_and_grads_dtype)`; `stage3.py`
+  `fp32_partitioned_groups_flat`): 4 B x trainable/N; 2 B with bf16_master_weights_and_grads.
+- Optimizer states: the optimizer the Trainer built is handed those flat partitions as its parameters, so its
+  state is that of one 1-D fp32 tensor of trainable/N elements (`OptimizerSpec.flat_state_bytes`: AdamW 8 B, SGD
+  4 B, Adafactor 4 B, since a 1-D tensor's second moment is not factored; the low-bit ones' blocks), in bf16 with
+  bf16_optimizer_states (which needs bf16 master weights: `base_optimizer.py` `_configure_master_weights`, where
+  bf16 master weights with fp32 states also need ZeRO-Offload).
+- Gradients: ZeRO's gradient partitions are in its gradient-accumulation dtype, which is fp16/bf16 where that mode is
+  on and fp32 where not, bf16-loaded weights included (`engine.get_data_types`: grad_accum_dtype unset; the
+  parameters' own .grad stay in their dtype until reduced). Stage 1 keeps them whole.
+  Stage 2 reduces them into a flat partition of trainable/N elements made at the first reduction of a gradient of
+  this device's partition (`copy_grads_in_partition`) and held until the step: at the passes' peak, early in
+  backward, counted as the traced gradients / N (known limitation: on the device whose partition holds the output
+  head the partition can exist from just after the head's backward, up to 2 B x trainable/N more). Stage 3 keeps a
+  flat buffer of its partition from start-up (`grad_partitions_flat_buffer`). In the step, each parameter group's
+  gradient is copied into the master dtype (`.to(fp32)`, freed after its group's step; stage 3 by sub-groups of
+  sub_group_size elements): 4 B x trainable/N more where the gradients are half.
+- The step's temporaries cover this device's partition in the master dtype: the traced step's, over N, in fp32.
 
 DeepSpeed's buffers (deepspeed 0.19.8, sized from the recipe's ZeRO values, "auto" filled as the
 Trainer fills it: `Recipe.resolved`; each is functionality-specific memory unless said):
@@ -51,7 +66,7 @@ host. From stage 1 the optimizer step's temporaries cover this device's partitio
 reserve keeps its ratio to the allocated peak.
 
 Known limitations: the gradient buckets on their way to the host under offload, and the pinned
-staging buffers, are not added. NOT validated on a GPU (DeepSpeed needs CUDA or oneCCL).
+staging buffers, are not added. NOT validated on a GPU; checked against DeepSpeed's CPU accelerator over gloo.
 """
 
 from __future__ import annotations
@@ -60,6 +75,7 @@ import math
 from dataclasses import dataclass
 
 from anatomist.anatomy import MemoryCategory, Phase
+from anatomist.axes.optimizers import optimizer
 from anatomist.axes.shardings import RESHARD_AFTER_FORWARD
 from anatomist.recipe import Recipe, ResolvedRecipe
 from anatomist.trace.allocator import round_size
@@ -67,6 +83,10 @@ from anatomist.trace.records import PhasePeak
 
 HALF_BYTES = 2
 MASTER_WEIGHT_BYTES = 4
+HALF_DTYPE_OF = {"fp16": "float16", "bf16": "bfloat16"}
+ZERO_SUB_GROUP_ELEMENTS = 10**9
+"""DeepSpeed's sub_group_size default (`DeepSpeedZeroConfig`), which the Trainer leaves: ZeRO-3 steps its partition
+in sub-groups of at most this many elements, each with its own fp32 gradient."""
 
 
 def ddp_bucket_bytes(trainable_bytes: int) -> int:
@@ -92,6 +112,11 @@ class ModelSize:
     trainable_bytes: int = 0
     """Bytes of the trainable parameters in their dtypes (data parallelism's gradient buckets)."""
 
+    @property
+    def trainable_element_bytes(self) -> int:
+        """Bytes per element of the trainable parameters as the step runs them."""
+        return round(self.trainable_bytes / self.trainable) if self.trainable else MASTER_WEIGHT_BYTES
+
 
 def persistent_parameters(numels: tuple[int, ...], threshold: int) -> int:
     """Elements of the parameters ZeRO-3 keeps whole: those of at most `threshold` elements
@@ -111,43 +136,76 @@ def shard(peak: PhasePeak, recipe: ResolvedRecipe, model: ModelSize, num_gpus: i
         categories = dict(peak.categories)
         categories[MemoryCategory.FUNCTIONALITY] += buckets
         return PhasePeak(allocated=peak.allocated + buckets, reserved=peak.reserved + buckets, categories=categories)
-    n = max(num_gpus, 1)
-    p, t = model.parameters, model.trainable
-    categories = dict(peak.categories)
-    mixed = recipe.mixed_precision != "no"
-    quantized = recipe.load_in_4bit or recipe.load_in_8bit  # the base's codes are not recast to the half dtype
-    if mixed and not quantized:  # DeepSpeed's mixed-precision layout: the whole module cast to the half dtype
-        categories[MemoryCategory.WEIGHTS] = HALF_BYTES * p
-    weight_bytes = categories[MemoryCategory.WEIGHTS] / max(p, 1)
-    grad_bytes = HALF_BYTES if mixed else 4
-    if mixed:  # gradients in the half dtype, fp32 master weights of the trainable parameters in the optimizer
-        categories[MemoryCategory.GRADIENTS] = categories[MemoryCategory.GRADIENTS] // 2
-        categories[MemoryCategory.OPTIMIZER_STATES] += MASTER_WEIGHT_BYTES * t
-    categories[MemoryCategory.OPTIMIZER_STATES] //= n
-    if phase is Phase.OPTIMIZER:  # the step's temporaries cover this device's partition only
-        categories[MemoryCategory.TEMPORARY] //= n
-    categories[MemoryCategory.FUNCTIONALITY] += buffer_bytes(recipe, grad_bytes)
-    if stage == 2:
-        categories[MemoryCategory.GRADIENTS] //= n
-    if stage == 3:
-        partitioned = p - model.persistent
-        kept = max(recipe.stage3_max_reuse_distance or 0, model.block) + (recipe.stage3_prefetch_bucket_size or 0)
-        gathered = min(partitioned, kept)
-        on_host = 0 if recipe.offload == "none" else math.ceil(partitioned / n)
-        categories[MemoryCategory.WEIGHTS] = round(
-            weight_bytes * (math.ceil(partitioned / n) - on_host + model.persistent + gathered))
-        categories[MemoryCategory.GRADIENTS] = grad_bytes * math.ceil(t / n)  # the flat partitions, always there
-    if recipe.offload in ("cpu", "nvme"):
-        categories[MemoryCategory.OPTIMIZER_STATES] = 0
-        if phase is Phase.OPTIMIZER:  # the step runs on the host
-            categories[MemoryCategory.TEMPORARY] = 0
-        if stage >= 2:
-            categories[MemoryCategory.GRADIENTS] = 0
+    categories = _zero_categories(dict(peak.categories), recipe, model, max(num_gpus, 1), phase)
     allocated = sum(categories.values())
     # The caching allocator's reserve is kept in proportion: most of it is segments of the
     # categories that sharding shrinks.
     reserved = round(allocated * peak.reserved / peak.allocated) if peak.allocated else 0
     return PhasePeak(allocated=allocated, reserved=max(reserved, allocated), categories=categories)
+
+
+def _zero_categories(categories: dict[MemoryCategory, int], recipe: ResolvedRecipe, model: ModelSize, n: int,
+                     phase: Phase) -> dict[MemoryCategory, int]:
+    """One device's categories under ZeRO, from one device's traced step as DeepSpeed runs it (`as_deepspeed_runs`:
+    weights and gradients already in the engine's dtype). The module docstring says what each rule follows."""
+    stage, offloaded = recipe.zero_stage, recipe.offload != "none"
+    part = -(-model.trainable // n)  # this device's elements of the flat partitions of the trainable parameters
+    grad_bytes = HALF_BYTES if recipe.mixed_precision != "no" else MASTER_WEIGHT_BYTES  # ZeRO's gradient partitions
+    master_bytes = HALF_BYTES if recipe.bf16_master_weights_and_grads else MASTER_WEIGHT_BYTES
+    categories[MemoryCategory.OPTIMIZER_STATES] = 0 if offloaded else zero_optimizer_bytes(recipe, part)
+    if phase is Phase.OPTIMIZER:
+        # The step runs over this device's partition, in the master dtype; offloaded, on the host.
+        step = categories[MemoryCategory.TEMPORARY] * master_bytes // (model.trainable_element_bytes * n)
+        categories[MemoryCategory.TEMPORARY] = 0 if offloaded else step
+    categories[MemoryCategory.FUNCTIONALITY] += buffer_bytes(recipe, grad_bytes)
+    if stage == 2 and phase is Phase.OPTIMIZER:  # the flat gradient partition the step reads
+        categories[MemoryCategory.GRADIENTS] = grad_bytes * part
+    elif stage == 2:  # at the passes' peak, what has been reduced into the partition so far
+        categories[MemoryCategory.GRADIENTS] //= n
+    if stage == 3:
+        categories[MemoryCategory.GRADIENTS] = grad_bytes * part  # the flat partitions, made at start-up
+        categories[MemoryCategory.WEIGHTS] = _stage3_weight_bytes(categories[MemoryCategory.WEIGHTS], recipe, model, n,
+                                                                  gathered=phase is not Phase.OPTIMIZER)
+    if phase is Phase.OPTIMIZER and not offloaded and master_bytes != grad_bytes:
+        categories[MemoryCategory.GRADIENTS] += master_bytes * min(part, ZERO_SUB_GROUP_ELEMENTS)
+    if offloaded and stage >= 2:
+        categories[MemoryCategory.GRADIENTS] = 0
+    return categories
+
+
+def _stage3_weight_bytes(traced: int, recipe: ResolvedRecipe, model: ModelSize, n: int, *, gathered: bool) -> int:
+    """ZeRO-3's weights on one device: its partition of the parameters (none under offload_param), those kept whole,
+    and in forward and backward the gathered ones (module docstring; backward's last module releases them before the
+    step), in the dtype of the traced weights."""
+    weight_bytes = traced / max(model.parameters, 1)
+    partitioned = model.parameters - model.persistent
+    kept = max(recipe.stage3_max_reuse_distance or 0, model.block) + (recipe.stage3_prefetch_bucket_size or 0)
+    on_device = 0 if recipe.offload != "none" else math.ceil(partitioned / n)
+    return round(weight_bytes * (on_device + model.persistent + (min(partitioned, kept) if gathered else 0)))
+
+
+def zero_optimizer_bytes(recipe: ResolvedRecipe, part: int) -> int:
+    """What ZeRO's optimizer holds on one device for a partition of `part` elements: the master weights (fp32, or
+    bf16 with bf16_master_weights_and_grads) and the optimizer's state over them (fp32, or bf16 with
+    bf16_optimizer_states), whatever dtype the model was loaded in."""
+    master_bytes = HALF_BYTES if recipe.bf16_master_weights_and_grads else MASTER_WEIGHT_BYTES
+    state_bytes = HALF_BYTES if recipe.bf16_optimizer_states else MASTER_WEIGHT_BYTES
+    return master_bytes * part + optimizer(recipe.optim).flat_state_bytes(part, state_bytes)
+
+
+def as_deepspeed_runs(recipe: ResolvedRecipe) -> ResolvedRecipe:
+    """`recipe`'s step as DeepSpeed runs it, which is what is traced for a ZeRO recipe: with fp16 or bf16 the engine
+    casts every floating-point parameter to that dtype (deepspeed 0.19.8 `runtime/engine.py`
+    `_configure_distributed_model`, `_cast_module_mixed_precision`) and the step runs without autocast (accelerate
+    leaves mixed precision to DeepSpeed: the Trainer opens none), so weights, activations and gradients are those of
+    pure half-precision training whatever the load dtype. Known limitations: the engine also casts PEFT's fp32 LoRA
+    adapters to the half dtype, which the trace keeps in fp32 with their inputs' fp32 copies (a 5-block Llama's LoRA
+    step under ZeRO-2 predicted 9% high against DeepSpeed's own); a 4-/8-bit base keeps its traced layout, and the
+    fp32 copies prepare_model_for_kbit_training makes stay fp32 here."""
+    if recipe.zero_stage == 0 or recipe.mixed_precision == "no" or recipe.quantized:
+        return recipe
+    return recipe.replace(dtype=HALF_DTYPE_OF[recipe.mixed_precision], fp16=False, bf16=False,
+                          bf16_master_weights_and_grads=False, bf16_optimizer_states=False)  # shard()'s, not the trace's
 
 
 def buffer_bytes(recipe: ResolvedRecipe, grad_bytes: int) -> int:

@@ -21,6 +21,7 @@ from typing import Literal, TypeVar
 import numpy as np
 
 from anatomist.errors import InputError
+from anatomist.estimate.sharding import as_deepspeed_runs
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.cuts import TRACE_DEPTHS, TracePlan, full_plan, model_plan
 from anatomist.trace.experts import check_traceable
@@ -67,8 +68,10 @@ def step_traces(workload: Workload, recipe: ResolvedRecipe, compute_capability: 
                 *, use_cache: bool = True, num_gpus: int = 1) -> StepTraces:
     """The passes of each cut of the plan at TRACE_BATCHES and, in training, the optimizer of each cut;
     at full depth instead where the parameters they imply are not the model's exact count. An FSDP
-    recipe's are one rank's of `num_gpus` (`trace.sharded`)."""
+    recipe's are one rank's of `num_gpus` (`trace.sharded`); a DeepSpeed ZeRO recipe's are of its step as the
+    engine runs it (`sharding.as_deepspeed_runs`)."""
     check_traceable(workload, recipe)  # before the caches: a config's experts kernel is not in their keys
+    recipe = as_deepspeed_runs(recipe)
     model = model_plan(workload, recipe, use_cache=use_cache)
     if recipe.fsdp != "none" and model.blocks == 0:
         raise InputError(f"{workload.name}: FSDP shards a model block by block, and this model has no repeated block to "
@@ -120,7 +123,7 @@ def prefetch(workload: Workload, recipes: Iterable[ResolvedRecipe], compute_capa
     """Trace side by side what `step_traces` of each recipe on `num_gpus` devices will read (see
     `trace.parts.trace_parts`)."""
     requests = []
-    for recipe in recipes:
+    for recipe in map(as_deepspeed_runs, recipes):
         try:
             check_traceable(workload, recipe)
         except InputError:

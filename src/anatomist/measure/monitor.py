@@ -170,6 +170,10 @@ def versions() -> dict[str, str | None]:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             out[name] = None
+    if out["anatomist"] is None:  # run from a source tree through PYTHONPATH, not installed
+        from anatomist import __version__
+
+        out["anatomist"] = f"{__version__} (source tree)"
     out["cuda"] = torch.version.cuda
     return out
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, MemoryCategory
 from anatomist.errors import InputError
+from anatomist.estimate.intervals import Verdict
 from anatomist.hardware import GPU, detect_local_gpu, get_gpu
 
 if TYPE_CHECKING:
@@ -106,8 +107,19 @@ class Preflight:
     """The explicit memory budget the prediction was held to (`target_gpu`'s limit_bytes), if any."""
 
     @property
+    def verdict(self) -> Verdict:
+        """fits (even the top of the memory interval), borderline, or does not fit (even its bottom)."""
+        return self.estimate.memory.verdict
+
+    @property
     def fits(self) -> bool:
-        return self.estimate.memory.fits
+        """Whether it fits at the top of its memory interval: no change is searched."""
+        return self.verdict == "fits"
+
+    @property
+    def refused(self) -> bool:
+        """Whether even the bottom of its memory interval is above the limit: "refuse" stops the run."""
+        return self.verdict == "does not fit"
 
     @property
     def effective_batch(self) -> int:
@@ -127,7 +139,7 @@ class Preflight:
             change = {"recipe": self.change.recipe.to_dict(), "changed": list(self.changed),
                       "device_total": self.change.device_total,
                       "samples_per_second": self.change.samples_per_second}
-        return {"fits": self.fits, "num_gpus": self.num_gpus, "effective_batch": self.effective_batch,
+        return {"fits": self.fits, "verdict": self.verdict, "num_gpus": self.num_gpus, "effective_batch": self.effective_batch,
                 "budget_bytes": self.budget_bytes, "estimate": self.estimate.to_dict(), "smallest_change": change,
                 "why_not": self.why_not}
 
@@ -140,12 +152,14 @@ class Preflight:
                        f"{self.num_gpus} device(s) = {self.effective_batch}, weights {r.dtype}, "
                        f"{r.mixed_precision} autocast, {r.optim}, checkpointing {r.checkpointing}"
                        + (f", {r.peft}" if r.peft != "none" else "")),
-            ("predicted peak", f"{_size(self.device_total_bytes)} device total "
-                               f"({_size(e.memory.anatomy.peak_allocated)} allocated)"),
+            ("predicted peak", f"{_size(self.device_total_bytes)} device total, likely {_size(e.memory.interval.low)} "
+                               f"to {_size(e.memory.interval.high)} ({_size(e.memory.anatomy.peak_allocated)} "
+                               "allocated)"),
             ("limit", f"{_size(e.memory.limit_bytes)} on {e.gpu.name}"
                       + (" (the budget given)" if self.budget_bytes is not None
                          else f" less the {e.margin:.0%} margin" if e.margin else "")),
-            ("fits", "yes" if self.fits else "no"),
+            ("fits", {"fits": "yes", "borderline": "borderline (the limit is inside the interval)",
+                      "does not fit": "no"}[self.verdict]),
             ("largest batch", str(e.memory.max_batch_size)),
         ]
         if self.change is not None:
@@ -164,14 +178,16 @@ class Preflight:
                 f"{self.change.samples_per_second:.3g} samples/s; effective batch {self.effective_batch} kept)")
 
     def refusal(self) -> str:
-        """The one message a refused run stops with."""
+        """The one message a refused run stops with (or a borderline one warns with)."""
         e, r = self.estimate, self.estimate.recipe
-        head = (f"anatomist pre-flight: {e.workload.name} will not fit: predicted device total "
-                f"{_size(self.device_total_bytes)} > limit {_size(e.memory.limit_bytes)} on {e.gpu.name} at "
+        what = "will not fit" if self.refused else "may not fit"
+        head = (f"anatomist pre-flight: {e.workload.name} {what}: predicted device total "
+                f"{_size(self.device_total_bytes)} (likely {_size(e.memory.interval.low)} to "
+                f"{_size(e.memory.interval.high)}) against the limit {_size(e.memory.limit_bytes)} on {e.gpu.name} at "
                 f"per_device_train_batch_size={r.per_device_train_batch_size}, "
                 f"gradient_accumulation_steps={r.gradient_accumulation_steps}")
         if self.change is not None:
-            return f"{head}; smallest change that fits: {self.describe_change()}"
+            return f"{head}; smallest change that fits at the top of its interval: {self.describe_change()}"
         return f"{head}; {self.why_not or 'no change searched fits'}"
 
 

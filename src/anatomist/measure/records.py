@@ -59,7 +59,7 @@ def read_records(path: str | Path | None = None) -> list[dict[str, Any]]:
     record is skipped with a warning.
 
     Raises:
-        InputError: `path` does not exist or is a folder.
+        InputError: `path` does not exist, is a folder or is empty.
     """
     source = Path(path) if path is not None else records_path()
     if not source.is_file():
@@ -80,4 +80,6 @@ def read_records(path: str | Path | None = None) -> list[dict[str, Any]]:
                 warnings.warn(f"{source}:{number}: skipped, not a run record", stacklevel=2)
                 continue
             rows.append(row)
+    if not rows and not source.read_bytes().strip():
+        raise InputError(f"run records {str(source)!r} is empty")
     return rows

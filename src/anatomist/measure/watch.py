@@ -112,7 +112,7 @@ class Watch:
         self.result = result
         if is_rank_zero():  # every process predicts (and refuses alike); one says it
             logger.warning("%s", result.table())
-        if not result.fits and (self.mode == "refuse" or (self.mode == "fit" and result.change is None)):
+        if result.refused and (self.mode == "refuse" or (self.mode == "fit" and result.change is None)):
             raise PreflightRefused(result.refusal())
         return result
 
@@ -173,7 +173,7 @@ class Watch:
                                                       "samples_per_second": samples / median_s if median_s else None}},
             "predicted": {"memory": predicted, "gpu": e.gpu.name, "limit_bytes": e.memory.limit_bytes,
                           "budget_bytes": self.limit_bytes,
-                          "fits": e.memory.fits},
+                          "fits": e.memory.fits, "verdict": e.memory.verdict},
             "error_pct": {k: (predicted[k] - v) / v * 100 for k, v in measured.items()
                           if v and predicted.get(k) is not None},
         }

@@ -43,9 +43,15 @@ class Candidate:
     def samples_per_second(self) -> float:
         return self.time.samples_per_second
 
+    @property
+    def device_total_high(self) -> int:
+        """The top of the device total's interval: what a plan's pick must fit with."""
+        return round(self.memory.interval.high)
+
     def to_dict(self) -> dict[str, Any]:
-        memory = self.memory.anatomy.to_dict()
+        memory = self.memory.anatomy_dict()
         memory["fits"] = self.fits
+        memory["verdict"] = self.memory.verdict
         return {"recipe": self.recipe.to_dict(), "memory": memory, "time": self.time.to_dict(), "reasons": self.reasons}
 
 
@@ -65,7 +71,8 @@ class Evaluator:
         if recipe not in self.seen:
             workload = self.workload.for_recipe(recipe)  # padding-free: the data's sequences (issue 23)
             memory = estimate_memory(workload, recipe, self.gpu, num_gpus=self.num_gpus, margin=self.margin)
-            self.seen[recipe] = Candidate(recipe=recipe, memory=memory, time=self.time(recipe), fits=memory.fits)
+            self.seen[recipe] = Candidate(recipe=recipe, memory=memory, time=self.time(recipe),
+                                          fits=memory.verdict == "fits")
         return self.seen[recipe]
 
     def time(self, recipe: ResolvedRecipe) -> TimeAnatomy:
@@ -107,14 +114,33 @@ SPEED_TIE = 0.005
 """Throughputs within 0.5% of each other are a tie (below any time model's resolution)."""
 
 
-def choose(feasible: list[Candidate], objective: Objective) -> Candidate:
-    """Throughput: among recipes within SPEED_TIE of the fastest, the simplest.
-    Memory: the smallest device total, then the fastest."""
+HEADROOM_STEP = 0.05
+"""Share of the memory limit below which two recipes' headroom counts as the same when the pick prefers headroom: a
+pick does not trade AdamW for Adafactor to keep 50 MiB more free."""
+
+
+def choose(feasible: list[Candidate], objective: Objective, *, speed_error: float = 0.0, limit: int = 0) -> Candidate:
+    """Throughput: the recipes predicted within `speed_error` of the fastest, which the time model cannot rank; of
+    them those with the most headroom at the top of their memory interval (within HEADROOM_STEP of `limit` of the
+    most), and of those the simplest, then the fastest. Memory: the smallest device total, then the fastest.
+
+    A throughput pick is on the Pareto front (throughput vs device total) but where a recipe at least as fast needs a
+    little less memory (less than HEADROOM_STEP of `limit`) and is not as simple: `with_pick` shows it there."""
     if objective == "memory":
         return min(feasible, key=lambda c: (c.device_total, -c.samples_per_second, _simplicity(c.recipe)))
     top = max(c.samples_per_second for c in feasible)
-    near = [c for c in feasible if c.samples_per_second >= top * (1 - SPEED_TIE)]
-    return min(near, key=lambda c: (_simplicity(c.recipe), -c.samples_per_second))
+    near = [c for c in feasible if c.samples_per_second >= top * (1 - max(speed_error, SPEED_TIE))]
+    least = min(c.device_total_high for c in near)
+    roomy = [c for c in near if c.device_total_high <= least + HEADROOM_STEP * limit]
+    return min(roomy, key=lambda c: (_simplicity(c.recipe), -c.samples_per_second))
+
+
+def with_pick(front: list[Candidate], best: Candidate) -> list[Candidate]:
+    """The Pareto front as the plan shows it: with its pick, where a recipe at least as fast with a little less memory
+    left it off (`choose`), in the front's order (device total)."""
+    if best in front:
+        return front
+    return sorted([*front, best], key=lambda c: (c.device_total, -c.samples_per_second))
 
 
 def smallest_fitting_gpu(need_bytes: int, margin: float, gpu: GPU) -> GPU | None:

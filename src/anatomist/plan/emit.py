@@ -1,15 +1,17 @@
 """Write a recipe as the real libraries take it: TrainingArguments, accelerate config, DeepSpeed,
 TRL, and for LoRA/QLoRA PEFT's LoraConfig and transformers' BitsAndBytesConfig.
 
-Each output is loaded by the library itself in the tests: `TrainingArguments(**kwargs)`,
-accelerate's `load_config_from_file`, `deepspeed.runtime.config.DeepSpeedConfig`,
-`LoraConfig(**kwargs)`, `BitsAndBytesConfig(**kwargs)`, and the YAML `trl sft --config` reads
-with TRL's own parser.
+Each output is loaded by the library itself in the tests: `TrainingArguments(**kwargs)` (`SFTConfig` /
+`DPOConfig` for a recipe of TRL's trainers), accelerate's `load_config_from_file`,
+`deepspeed.runtime.config.DeepSpeedConfig`, `LoraConfig(**kwargs)`, `BitsAndBytesConfig(**kwargs)`, and the YAML
+`trl sft --config` (`trl dpo --config`) reads with TRL's own parser; and each is read back by `--recipe` as the
+recipe it was written from (tests/test_emit_round_trip.py).
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,7 +20,7 @@ import yaml
 from anatomist.axes.shardings import DEEPSPEED_SETTINGS, FSDP2_ACCELERATE, installed, release
 from anatomist.errors import InputError
 from anatomist.estimate.sharding import overlap_comm
-from anatomist.recipe import Recipe
+from anatomist.recipe import DPO_BETA, DPO_LOSS_TYPE, Recipe
 from anatomist.workload import PEFT_TASK_TYPES
 
 Target = Literal["trainer", "accelerate", "deepspeed", "trl"]
@@ -52,14 +54,45 @@ def deepspeed_config(recipe: Recipe, num_gpus: int = 1) -> dict[str, Any]:
         "gradient_clipping": recipe.max_grad_norm,
         "zero_optimization": zero,
         "fp16": {"enabled": recipe.fp16, "loss_scale": 0, "initial_scale_power": 16},
-        "bf16": {"enabled": recipe.bf16},
+        "bf16": {"enabled": recipe.bf16, **{name: True for name in ("bf16_master_weights_and_grads",
+                                                                     "bf16_optimizer_states") if getattr(recipe, name)}},
     }
     return config
 
 
-def trainer_kwargs(recipe: Recipe) -> dict[str, Any]:
-    """TrainingArguments keyword arguments (everything but output_dir)."""
-    return recipe.to_training_arguments_kwargs()
+def trainer_kwargs(recipe: Recipe, seq_len: int = 1024) -> dict[str, Any]:
+    """TrainingArguments keyword arguments (everything but output_dir). For a recipe of TRL's trainers, SFTConfig's
+    (DPOConfig's), a TrainingArguments with the trainer's own fields (`trl_args`), and the model's load arguments in
+    its model_init_kwargs: the trainer loads the model it is given by name (trl/scripts/dpo.py does so)."""
+    if recipe.trainer == "trainer":
+        return recipe.to_training_arguments_kwargs()
+    return trl_args(recipe, seq_len) | {"model_init_kwargs": model_init_kwargs(recipe)}
+
+
+def trl_script(recipe: Recipe) -> str:
+    """The `trl` command that runs the recipe: dpo for DPOTrainer, else sft (SFTTrainer)."""
+    return "dpo" if recipe.trainer == "dpo" else "sft"
+
+
+def trl_args(recipe: Recipe, seq_len: int) -> dict[str, Any]:
+    """SFTConfig (DPOConfig) keyword arguments: TrainingArguments', the longest sequence kept, and the trainer's own
+    fields (`_trl_trainer_fields`)."""
+    # padding-free without packing: TRL refuses a max_length (it would not be enforced)
+    max_length = None if recipe.padding_free and not recipe.packing else seq_len
+    return {"max_length": max_length, **recipe.to_training_arguments_kwargs(), **_trl_trainer_fields(recipe)}
+
+
+def model_init_kwargs(recipe: Recipe) -> dict[str, Any]:
+    """What TRL's trainers pass to from_pretrained (SFTConfig/DPOConfig.model_init_kwargs): the load dtype, the
+    attention kernel where the recipe names one, and, where not transformers' default, the experts' kernel. TRL dequantizes 4-bit weights to
+    its `dtype` (get_quantization_config), so a 4-bit base is loaded in its compute dtype;
+    `prepare_model_for_kbit_training` casts the rest to fp32 anyway."""
+    kwargs: dict[str, Any] = {"dtype": recipe.bnb_4bit_compute_dtype if recipe.load_in_4bit else recipe.dtype}
+    if recipe.attn_implementation:  # unset: transformers' own pick for the model
+        kwargs["attn_implementation"] = recipe.attn_implementation
+    if recipe.experts_implementation != "grouped_mm":  # transformers' default, and no argument for a dense model
+        kwargs["experts_implementation"] = recipe.experts_implementation
+    return kwargs
 
 
 def lora_config(recipe: Recipe, task: str = "causal-lm") -> dict[str, Any] | None:
@@ -69,66 +102,87 @@ def lora_config(recipe: Recipe, task: str = "causal-lm") -> dict[str, Any] | Non
 
 def bnb_config(recipe: Recipe) -> dict[str, Any] | None:
     """transformers.BitsAndBytesConfig keyword arguments of a quantized base (None otherwise)."""
+    skipped = [n.strip() for n in (recipe.llm_int8_skip_modules or "").split(",") if n.strip()]
+    skip = {"llm_int8_skip_modules": skipped} if skipped else {}
     if recipe.load_in_8bit:
-        return {"load_in_8bit": True}
+        return {"load_in_8bit": True, **skip}
     if not recipe.load_in_4bit:
         return None
-    kwargs = {"load_in_4bit": True, "bnb_4bit_quant_type": recipe.bnb_4bit_quant_type,
-              "bnb_4bit_use_double_quant": recipe.bnb_4bit_use_double_quant,
-              "bnb_4bit_compute_dtype": recipe.bnb_4bit_compute_dtype}
+    kwargs: dict[str, Any] = {"load_in_4bit": True, "bnb_4bit_quant_type": recipe.bnb_4bit_quant_type,
+                              "bnb_4bit_use_double_quant": recipe.bnb_4bit_use_double_quant,
+                              "bnb_4bit_compute_dtype": recipe.bnb_4bit_compute_dtype, **skip}
     if recipe.fsdp != "none" or recipe.zero_stage == 3:  # the codes sharded with the rest: stored in the same float
         kwargs["bnb_4bit_quant_storage"] = recipe.bnb_4bit_compute_dtype  # dtype (bitsandbytes' FSDP-QLoRA guide)
     return kwargs
 
 
-def trl_config(recipe: Recipe, *, model: str = "MODEL", seq_len: int = 1024) -> dict[str, Any]:
-    """The YAML `trl sft --config` reads (`trl dpo --config` for a DPO recipe): SFTConfig (DPOConfig) and
-    ModelConfig fields (TRL's field names).
-
-    TRL dequantizes 4-bit weights to its `dtype` (get_quantization_config), so a 4-bit base is
-    loaded in its compute dtype; `prepare_model_for_kbit_training` casts the rest to fp32 anyway.
-    """
-    dtype = recipe.bnb_4bit_compute_dtype if recipe.load_in_4bit else recipe.dtype
+def trl_config(recipe: Recipe, *, model: str = "MODEL", seq_len: int = 1024,
+               deepspeed: str = "ds_config.json") -> dict[str, Any]:
+    """The YAML `trl sft --config` reads (`trl dpo --config` for a DPO recipe): SFTConfig (DPOConfig), ModelConfig
+    and ScriptArguments fields (TRL's field names); under ZeRO its `deepspeed` names the ds_config `deepspeed`."""
+    load = model_init_kwargs(recipe)
     config: dict[str, Any] = {
         "model_name_or_path": model,
-        "dtype": dtype,
-        "attn_implementation": recipe.attn_implementation,
+        "dtype": load.pop("dtype"),
+        **({"attn_implementation": attention} if (attention := load.pop("attn_implementation", None)) else {}),
         "dataset_name": "DATASET",
         "output_dir": "out",
-        # padding-free without packing: TRL refuses a max_length (it would not be enforced)
-        "max_length": None if recipe.padding_free and not recipe.packing else seq_len,
-        **trainer_kwargs(recipe),
+        **trl_args(recipe, seq_len),
     }
+    if load:  # the experts' kernel: no ModelConfig field
+        config["model_init_kwargs"] = load
     if recipe.zero_stage:
-        config["deepspeed"] = "ds_config.json"
+        config["deepspeed"] = deepspeed
     if recipe.peft != "none":
         config.update({"use_peft": True, "lora_r": recipe.lora_r, "lora_alpha": recipe.lora_alpha,
                        "lora_dropout": recipe.lora_dropout})
-        targets = recipe.lora_config_kwargs(None).get("target_modules")
+        lora = recipe.lora_config_kwargs(None)
+        targets = lora.get("target_modules")
         if targets is not None:
             config["lora_target_modules"] = [targets] if isinstance(targets, str) else targets
+        if lora.get("target_parameters"):
+            config["lora_target_parameters"] = lora["target_parameters"]
     if recipe.load_in_8bit:
         config["load_in_8bit"] = True
     if recipe.load_in_4bit:
         config.update({"load_in_4bit": True, "bnb_4bit_quant_type": recipe.bnb_4bit_quant_type,
                        "use_bnb_nested_quant": recipe.bnb_4bit_use_double_quant})
-    config.update(_trl_trainer_fields(recipe))
     return config
 
 
 def _trl_trainer_fields(recipe: Recipe) -> dict[str, Any]:
-    """SFTConfig's padding_free/packing or DPOConfig's precompute_ref_log_probs, and either's activation_offloading,
-    where set (issue 23); a DPO recipe's YAML is the one `trl dpo --config` reads, an SFT one `trl sft --config`'s."""
+    """SFTConfig's padding_free/packing where set; DPOConfig's loss as anatomist computes it (beta, loss_type) and
+    how the reference model is held (precompute_ref_log_probs), always written: a field only DPOConfig has is what
+    tells `--recipe` that a file is `trl dpo`'s; either's activation_offloading where set."""
     fields: dict[str, Any] = {"activation_offloading": True} if recipe.activation_offloading else {}
     if recipe.trainer == "dpo":
-        if recipe.precompute_ref_log_probs:
-            fields["precompute_ref_log_probs"] = True
-        return fields
+        return fields | {"beta": DPO_BETA, "loss_type": [DPO_LOSS_TYPE],
+                         "precompute_ref_log_probs": recipe.precompute_ref_log_probs}
     if recipe.padding_free:
         fields["padding_free"] = True
     if recipe.packing:
         fields["packing"] = True
     return fields
+
+
+def reference_model(recipe: Recipe) -> str:
+    """How DPOTrainer holds the reference model of a DPO recipe, in words (trace/trainers.py)."""
+    if recipe.precompute_ref_log_probs:
+        return "none during training: its log-probabilities are computed before it (precompute_ref_log_probs)"
+    if recipe.peft != "none":
+        return "the base with the adapters disabled (no second copy)"
+    return "a frozen second copy of the weights, which DPOTrainer loads from model_name_or_path"
+
+
+def trl_header(recipe: Recipe, name: str = "FILE", prompt_len: int = 0) -> str:
+    """The comment lines atop the TRL YAML: the command that runs it and, for DPO, what no DPOConfig field says."""
+    lines = [f"# trl {trl_script(recipe)} --config {name}  (written by anatomist plan)"]
+    if recipe.trainer == "dpo":
+        lines.append(f"# the reference model: {reference_model(recipe)}")
+        if prompt_len:  # trl 1.0 removed max_prompt_length: max_length truncates prompt and completion together
+            lines.append(f"# prompts of {prompt_len} tokens, not scored (no DPOConfig field says it): anatomist "
+                         f"estimate --recipe {name} --prompt-len {prompt_len}")
+    return "\n".join(lines) + "\n"
 
 
 AUTO_CLASSES = {
@@ -138,9 +192,12 @@ AUTO_CLASSES = {
 
 
 def trainer_snippet(recipe: Recipe, num_gpus: int = 1, *, model: str = "MODEL",
-                    task: str = "sequence-classification") -> str:
+                    task: str = "sequence-classification", seq_len: int = 1024, deepspeed: str | None = None) -> str:
     """Python for the model and TrainingArguments: the load dtype and the attention kernel are
-    `from_pretrained` arguments, the rest TrainingArguments'."""
+    `from_pretrained` arguments, the rest TrainingArguments'; for TRL's trainers, `trl_snippet`. `deepspeed`: the
+    ds_config written beside it (None: the name `plan --emit deepspeed` is told to write)."""
+    if recipe.trainer != "trainer":
+        return trl_snippet(recipe, model=model, task=task, seq_len=seq_len, deepspeed=deepspeed)
     kwargs = trainer_kwargs(recipe)
     auto = AUTO_CLASSES[task]
     bnb, lora = bnb_config(recipe), lora_config(recipe, task)
@@ -154,7 +211,8 @@ def trainer_snippet(recipe: Recipe, num_gpus: int = 1, *, model: str = "MODEL",
         if bnb:
             lines.insert(0, "import torch")
     lines += [f"from transformers import {', '.join(imports)}", ""]
-    load = f'dtype="{recipe.dtype}", attn_implementation="{recipe.attn_implementation}"'
+    load = f'dtype="{recipe.dtype}"' + (f', attn_implementation="{recipe.attn_implementation}"'
+                                        if recipe.attn_implementation else "")
     if recipe.experts_implementation != "grouped_mm":  # transformers' default, and no argument for a dense model
         load += f', experts_implementation="{recipe.experts_implementation}"'
     if bnb:
@@ -173,10 +231,45 @@ def trainer_snippet(recipe: Recipe, num_gpus: int = 1, *, model: str = "MODEL",
     if lora:
         lines.append(f"model = get_peft_model(model, LoraConfig({_call_args(lora)}))")
     args = ",\n".join(f"    {k}={v!r}" for k, v in kwargs.items())
-    if recipe.zero_stage:
-        args += ',\n    deepspeed="ds_config.json",  # anatomist plan --emit deepspeed -o ds_config.json'
+    args += _deepspeed_argument(recipe, deepspeed)
     lines.append(f'args = TrainingArguments(\n    output_dir="out",\n{args},\n)')
     return "\n".join(lines) + "\n"
+
+
+def trl_snippet(recipe: Recipe, *, model: str = "MODEL", task: str = "causal-lm", seq_len: int = 1024,
+                deepspeed: str | None = None) -> str:
+    """Python that runs a recipe of TRL's trainers as trl/scripts/sft.py (dpo.py) does: the trainer loads the
+    model by name with SFTConfig's (DPOConfig's) model_init_kwargs, quantizes it (quantization_config) and adds the
+    adapters (peft_config); DPOTrainer makes the reference model itself (`reference_model`)."""
+    name = trl_script(recipe).upper()
+    bnb, lora = bnb_config(recipe), lora_config(recipe, task)
+    lines = ["from datasets import load_dataset"]
+    if lora:
+        lines.append("from peft import LoraConfig")
+    if bnb:
+        lines.append("from transformers import BitsAndBytesConfig")
+    lines += [f"from trl import {name}Config, {name}Trainer", ""]
+    args = ",\n".join(f"    {k}={v!r}" for k, v in trainer_kwargs(recipe, seq_len).items())
+    args += _deepspeed_argument(recipe, deepspeed)
+    lines.append(f'args = {name}Config(\n    output_dir="out",\n{args},\n)')
+    if recipe.trainer == "dpo":
+        lines.append(f"# the reference model: {reference_model(recipe)}")
+    trainer = [f"model={model!r}", "args=args", 'train_dataset=load_dataset("DATASET", split="train")']
+    if bnb:
+        trainer.append(f"quantization_config=BitsAndBytesConfig({_call_args(bnb)})")
+    if lora:
+        trainer.append(f"peft_config=LoraConfig({_call_args(lora)})")
+    lines += [f"trainer = {name}Trainer(\n    " + ",\n    ".join(trainer) + ",\n)", "trainer.train()"]
+    return "\n".join(lines) + "\n"
+
+
+def _deepspeed_argument(recipe: Recipe, deepspeed: str | None) -> str:
+    """The snippet's `deepspeed=` line under ZeRO: the ds_config written beside it, else the one to write."""
+    if not recipe.zero_stage:
+        return ""
+    if deepspeed is None:
+        return ',\n    deepspeed="ds_config.json",  # anatomist plan --emit deepspeed -o ds_config.json'
+    return f",\n    deepspeed={deepspeed!r}"
 
 
 def _call_args(kwargs: dict[str, Any]) -> str:
@@ -191,16 +284,26 @@ MAIN_PORT = 29500
 
 def launch_warnings(recipe: Recipe, target: str) -> list[str]:
     """What would make the emitted config run otherwise than anatomist predicts it: activation offloading, which
-    only TRL's configs can say; with this machine's libraries, FSDP under an accelerate without FSDP2 (the Trainer
-    and `accelerate launch` both build accelerate's plugin)."""
+    only TRL's configs can say; a trainer the target does not say (TRL's, in a DeepSpeed or accelerate config, whose
+    training script chooses it; transformers' Trainer, as the YAML TRL's trainers read); with this machine's
+    libraries, FSDP under an accelerate without FSDP2 (the Trainer and `accelerate launch` both build accelerate's
+    plugin)."""
     warnings = []
-    if recipe.activation_offloading and target != "trl":
+    trl_holds = target == "trl" or target == "trainer" and recipe.trainer != "trainer"  # SFTConfig / DPOConfig
+    if recipe.activation_offloading and not trl_holds:
         warnings.append("activation_offloading is TRL's (SFTConfig / DPOConfig), no TrainingArguments field: "
                         "--emit trl writes it, or run each training step under "
                         "trl.models.get_act_offloading_ctx_manager(model) as TRL's trainers do")
     if recipe.cut_cross_entropy and target != "trainer":
         warnings.append("cut_cross_entropy patches the model (cut_cross_entropy.transformers.cce_patch), no config "
                         "field: --emit trainer writes it, or call cce_patch(model) before training")
+    if recipe.trainer != "trainer" and target in ("deepspeed", "accelerate"):
+        warnings.append(f"the {target} config holds that library's settings only: TRL's "
+                        f"{trl_script(recipe).upper()}Trainer, the batch, checkpointing and optimizer are the training "
+                        f"script's; --emit trl writes them all, as `trl {trl_script(recipe)} --config` reads them")
+    if recipe.trainer == "trainer" and target == "trl":
+        warnings.append("--emit trl writes the YAML `trl sft` runs: TRL's SFTTrainer, whose fused LM head never holds "
+                        "the logits, where this recipe is transformers' Trainer; plan with --trainer sft for its figures")
     version = installed("accelerate")
     if recipe.fsdp == "none" or target not in ("accelerate", "trainer", "trl") or release(version) >= FSDP2_ACCELERATE:
         return warnings
@@ -268,9 +371,18 @@ def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = Fals
     return config
 
 
-def launch_commands(target: str, path: str | Path, num_gpus: int, nodes: int) -> list[str]:
-    """The command each node runs to start the training script (train.py) with what `target` wrote to
-    `path`: `accelerate launch` for an accelerate config, else torchrun; none on one node."""
+def launch_commands(recipe: Recipe, target: str, path: str | Path, num_gpus: int, nodes: int) -> list[str]:
+    """The command each node runs with what `target` wrote to `path`: `trl sft|dpo --config` for TRL's YAML (on
+    one node too; from its folder, where its ds_config is named), `accelerate launch` for an accelerate config,
+    else torchrun with the training script (train.py); none for those on one node."""
+    p = Path(path)
+    if target == "trl":
+        folder = f"cd {shlex.quote(str(p.parent))} && " if str(p.parent) != "." else ""
+        command = f"{folder}trl {trl_script(recipe)} --config {shlex.quote(p.name)}"
+        if nodes <= 1:  # the rest goes to accelerate launch (trl/cli/commands/training.py)
+            return [command + (f" --num_processes {num_gpus}" if num_gpus > 1 else "")]
+        return [f"{command} --num_processes {num_gpus} --num_machines {nodes} --machine_rank {rank} "
+                f"--main_process_ip {MAIN_NODE} --main_process_port {MAIN_PORT}" for rank in range(nodes)]
     if nodes <= 1:
         return []
     per_node = num_gpus // nodes
@@ -282,12 +394,15 @@ def launch_commands(target: str, path: str | Path, num_gpus: int, nodes: int) ->
 
 
 def render(recipe: Recipe, target: str, num_gpus: int = 1, *, model: str = "MODEL", seq_len: int = 1024,
-           nodes: int = 1) -> str:
-    """The text of `target` for `recipe`."""
+           nodes: int = 1, prompt_len: int = 0, deepspeed: str = "ds_config.json", name: str = "FILE") -> str:
+    """The text of `target` for `recipe`; `deepspeed`: the ds_config a ZeRO recipe's trainer or TRL file names,
+    `name`: the TRL file's own name, for the command atop it; `prompt_len`: DPO's prompt tokens, said there."""
     if target == "trl":
-        return yaml.safe_dump(trl_config(recipe, model=model, seq_len=seq_len), sort_keys=False)
+        config = trl_config(recipe, model=model, seq_len=seq_len, deepspeed=deepspeed)
+        return trl_header(recipe, name, prompt_len) + yaml.safe_dump(config, sort_keys=False)
     if target == "trainer":
-        return json.dumps(trainer_kwargs(recipe), indent=2) + "\n"
+        kwargs = trainer_kwargs(recipe, seq_len) | ({"deepspeed": deepspeed} if recipe.zero_stage else {})
+        return json.dumps(kwargs, indent=2) + "\n"
     if target == "accelerate":
         return yaml.safe_dump(accelerate_config(recipe, num_gpus, nodes=nodes), sort_keys=True)
     if target == "deepspeed":
@@ -296,17 +411,25 @@ def render(recipe: Recipe, target: str, num_gpus: int = 1, *, model: str = "MODE
 
 
 def write(recipe: Recipe, target: str, path: str | Path, num_gpus: int = 1, *, model: str = "MODEL",
-          task: str = "sequence-classification", seq_len: int = 1024, nodes: int = 1) -> list[Path]:
+          task: str = "sequence-classification", seq_len: int = 1024, nodes: int = 1, prompt_len: int = 0) -> list[Path]:
     """Write `target` to `path`; for trainer, also the Python snippet next to it (.py) and, for
-    LoRA/QLoRA, the LoraConfig (.lora.json) and BitsAndBytesConfig (.bnb.json) keyword arguments."""
+    LoRA/QLoRA, the LoraConfig (.lora.json) and BitsAndBytesConfig (.bnb.json) keyword arguments; for trainer and
+    trl under ZeRO, the ds_config it names (.ds_config.json), so that the files run, and read back, as they are."""
     p = Path(path)
     if p.parent and not p.parent.exists():
         raise InputError(f"-o {str(p)!r}: folder {str(p.parent)!r} does not exist")
-    p.write_text(render(recipe, target, num_gpus, model=model, seq_len=seq_len, nodes=nodes))
+    ds = p.with_name(f"{p.stem}.ds_config.json") if recipe.zero_stage and target in ("trainer", "trl") else None
+    reference = ds.name if ds else "ds_config.json"  # beside the file: run from its folder (launch_commands)
+    p.write_text(render(recipe, target, num_gpus, model=model, seq_len=seq_len, nodes=nodes, prompt_len=prompt_len,
+                        deepspeed=reference, name=p.name))
     written = [p]
+    if ds is not None:
+        ds.write_text(render(recipe, "deepspeed", num_gpus))
+        written.append(ds)
     if target == "trainer":
         snippet = p.with_suffix(".py")
-        snippet.write_text(trainer_snippet(recipe, num_gpus, model=model, task=task))
+        snippet.write_text(trainer_snippet(recipe, num_gpus, model=model, task=task, seq_len=seq_len,
+                                           deepspeed=reference if ds else None))
         written.append(snippet)
         for suffix, kwargs in ((".lora.json", lora_config(recipe, task)), (".bnb.json", bnb_config(recipe))):
             if kwargs is not None:

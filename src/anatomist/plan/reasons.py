@@ -47,7 +47,8 @@ def _compare(best: Candidate, alt_label: str, alt: Candidate, limit: int) -> str
         speed_txt = f"{abs(speed):.0%} {'faster' if speed > 0 else 'slower'}"
     mem_txt = f"{'+' if memory >= 0 else '-'}{_gib(abs(memory))}"
     if not alt.fits:
-        return f"{alt_label} would not fit ({_gib(alt.device_total)} > limit {_gib(limit)}; {speed_txt})"
+        return f"{alt_label} would not fit ({_gib(alt.device_total)}, up to {_gib(alt.device_total_high)} > limit " \
+               f"{_gib(limit)}; {speed_txt})"
     return f"{alt_label}: {speed_txt}, {mem_txt}"
 
 
@@ -60,7 +61,8 @@ def _if_valid(label: str, recipe: ResolvedRecipe, **changes: object) -> list[tup
         return []
 
 
-def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[ResolvedRecipe], str], Alternatives]]:
+def _axes(space: SearchSpace, gpu: GPU, sdpa: bool = True) -> list[tuple[str, Callable[[ResolvedRecipe], str],
+                                                                        Alternatives]]:
 
     def method_alts(r: ResolvedRecipe) -> list[tuple[str, ResolvedRecipe]]:
         """The other methods, at their own precision nearest to `r`'s (QLoRA has one)."""
@@ -88,7 +90,8 @@ def _axes(space: SearchSpace, gpu: GPU) -> list[tuple[str, Callable[[ResolvedRec
             if spec.name != sharding_of(r, space.num_gpus) and runs_with(r.optim, spec.fsdp)
         ]
 
-    attn = ["eager", "sdpa"] + (["flash_attention_2"] if float(gpu.compute_capability) >= 8.0 else [])
+    # a model without SDPA (transformers' default is eager there) has no fused attention to compare with
+    attn = ["eager"] + (["sdpa"] + (["flash_attention_2"] if float(gpu.compute_capability) >= 8.0 else []) if sdpa else [])
     return [
         ("fine-tuning", method_of, method_alts),
         ("per-device batch x accumulation",
@@ -119,7 +122,7 @@ def explain(best: Candidate, evaluate: Evaluator, space: SearchSpace, objective:
     """One line per axis: the chosen value, why, and what each alternative would do."""
     reasons = []
     goal = "fastest" if objective == "throughput" else "smallest"
-    axes = [(axis, label, alternatives(best.recipe)) for axis, label, alternatives in _axes(space, evaluate.gpu)]
+    axes = [(axis, label, alternatives(best.recipe)) for axis, label, alternatives in _axes(space, evaluate.gpu, evaluate.workload.default_attention() == "sdpa")]
     every_alternative = [recipe for _, _, named in axes for _, recipe in named]
     prefetch(evaluate.workload, every_alternative, evaluate.gpu.compute_capability,  # traced side by side
              num_gpus=evaluate.num_gpus)
@@ -152,9 +155,10 @@ def explain(best: Candidate, evaluate: Evaluator, space: SearchSpace, objective:
 def explain_infeasible(
     workload: Workload, gpu: GPU, space: SearchSpace, candidates: list[Candidate], limit: int, margin: float
 ) -> str:
-    """Why nothing fits: the smallest recipe's need, the shortfall, and what would fit."""
-    smallest = min(candidates, key=lambda c: c.device_total)
-    need = smallest.device_total
+    """Why nothing fits at the top of its memory interval: the smallest recipe's need there, the shortfall, and what
+    would fit."""
+    smallest = min(candidates, key=lambda c: c.device_total_high)
+    need = smallest.device_total_high
     options = []
     larger = smallest_fitting_gpu(need, margin, gpu)
     if larger is not None:
@@ -163,15 +167,16 @@ def explain_infeasible(
 
     sharded = smallest.recipe.replace(zero_stage=3, offload="cpu", fsdp="none").resolved(workload)
     for n in (2, 4, 8, 16, 32, 64):
-        total = estimate_memory(workload, sharded, gpu, num_gpus=n).anatomy.device_total
-        if total is not None and total <= limit:  # an estimate always has one
-            options.append(f"{n} GPUs with ZeRO-3 + CPU offload ({_gib(total)} per device; --gpus {n})")
+        total = estimate_memory(workload, sharded, gpu, num_gpus=n).interval.high
+        if total <= limit:
+            options.append(f"{n} GPUs with ZeRO-3 + CPU offload (up to {_gib(round(total))} per device; --gpus {n})")
             break
     if space.num_gpus == 1 and not any(c.recipe.offload != "none" for c in candidates):
         options.append("ZeRO offload (zero_stage 2/3 with offload cpu)")
     what = smallest.memory.anatomy
     return (
-        f"no recipe fits {gpu.name}: the smallest of {len(candidates)} needs {_gib(need)} "
+        f"no recipe fits {gpu.name}: the smallest of {len(candidates)} needs {_gib(smallest.device_total)}, up to "
+        f"{_gib(need)} at the top of its interval "
         f"(weights {_gib(what.weights)}, optimizer {_gib(what.optimizer_states)}, gradients {_gib(what.gradients)}, "
         f"activations {_gib(what.activations)}) but the limit is {_gib(limit)} "
         f"({_gib(gpu.memory_bytes)} less the {margin * 100:.3g}% margin): short by {_gib(need - limit)}. "

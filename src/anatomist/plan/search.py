@@ -2,13 +2,14 @@
 
 Memory comes from `estimate_memory` (fake-tensor traces, cached per trace-shaping fields, so
 batch size, accumulation and sharding variations are arithmetic); time from the time model
-(`communication.predict_time`). A recipe fits when its predicted device total (what
-nvidia-smi would show) is at most (1 - margin) x the GPU's memory.
+(`communication.predict_time`). A recipe fits when the top of its predicted device total's interval (what
+nvidia-smi would show, as far above the prediction as published GPU runs were: `estimate.intervals`) is at most
+(1 - margin) x the GPU's memory; among recipes the time model cannot rank the pick prefers headroom
+(`candidates.choose`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,7 @@ from anatomist.estimate.flops import recomputing_nothing
 from anatomist.estimate.memory import memory_limit_bytes
 from anatomist.estimate.traces import prefetch
 from anatomist.hardware import GPU
-from anatomist.plan.candidates import SPEED_TIE, Candidate, Evaluator, Objective, choose, pareto_front
+from anatomist.plan.candidates import SPEED_TIE, Candidate, Evaluator, Objective, choose, pareto_front, with_pick
 from anatomist.plan.reasons import explain, explain_infeasible
 from anatomist.plan.space import SearchSpace, can_offload_activations, enumerate_recipes, partial_variants
 from anatomist.recipe import ResolvedRecipe
@@ -125,10 +126,6 @@ def _searched(workload: Workload, gpu: GPU, space: SearchSpace | None, objective
         InputError: bad margin/objective/cluster, or a space with no recipe.
     """
     space = (space or SearchSpace()).for_workload(workload.model_type, workload.task)
-    if workload.is_moe and space.precisions is None:
-        if not gpu.bf16:
-            raise InputError(f"{workload.name}: its Mixture-of-Experts layers need bfloat16 weights, which {gpu.name} lacks")
-        space = dataclasses.replace(space, precisions=("bf16-weights",))  # grouped_mm takes bf16 only
     limit = memory_limit_bytes(gpu, margin)
     if objective not in ("throughput", "memory"):
         raise InputError(f"--objective must be throughput or memory, got {objective!r}")
@@ -172,23 +169,25 @@ def plan(
         _trace_ahead(evaluate, recipes)  # every trace, side by side
         candidates = [evaluate(r) for r in recipes]
         feasible = [c for c in candidates if c.fits]
-        variants = checkpointing_variants(recipes, choose(feasible, objective) if feasible else None, evaluate,
-                                          objective, space)
+        variants = checkpointing_variants(recipes, choose(feasible, objective, limit=limit) if feasible else None,
+                                          evaluate, objective, space)
         if variants:
             _trace_ahead(evaluate, variants)
             candidates += [evaluate(r) for r in variants]
             feasible = [c for c in candidates if c.fits]
         if not feasible:
             raise InputError(explain_infeasible(workload, gpu, space, candidates, limit, margin))
-        best = choose(feasible, objective)
+        best = choose(feasible, objective, limit=limit)
         best.reasons = explain(best, evaluate, space, objective, limit)
     calibrated = all(c.time.calibrated for c in candidates)
-    front = pareto_front(feasible)
+    front = with_pick(pareto_front(feasible), best)
     _, precision_notes = searchable_on(gpu)
     for c in front:
         if c is not best and not c.reasons:
             c.reasons = [f"Pareto front: {c.samples_per_second:.1f} samples/s at {c.device_total / GIB:.2f} GiB"]
-    notes = [f"memory margin: {margin * 100:.3g}% of {gpu.memory_bytes / GIB:.2f} GiB kept free; limit {limit / GIB:.2f} GiB"]
+    notes = [workload.config_note] if workload.config_note else []  # a catalog alias: which config stands in
+    notes.append(f"memory margin: {margin * 100:.3g}% of {gpu.memory_bytes / GIB:.2f} GiB kept free; "
+                 f"limit {limit / GIB:.2f} GiB")
     notes += precision_notes
     if len(space.methods) > 1:
         notes.append(f"fine-tuning: searched {', '.join(space.methods)}; LoRA/QLoRA train r={space.base.lora_r} adapters "
@@ -265,7 +264,7 @@ def _fastest_of(recipes: list[ResolvedRecipe], evaluate: Evaluator) -> Candidate
             top = max(fitting)
         start += len(band)
     feasible = [evaluate(r) for r in recipes if r in evaluate.seen and evaluate(r).fits]
-    return choose(feasible, "throughput") if feasible else None
+    return choose(feasible, "throughput", limit=memory_limit_bytes(evaluate.gpu, evaluate.margin)) if feasible else None
 
 
 def _time_traced(recipes: list[ResolvedRecipe]) -> list[ResolvedRecipe]:

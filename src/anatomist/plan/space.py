@@ -184,7 +184,8 @@ def _recipes(space: SearchSpace, method: str, ckpt: bool, precision_name: str, o
             "gradient_accumulation_steps": accum,
             "gradient_checkpointing": ckpt,
             "optim": optim,
-            "attn_implementation": "flash_attention_2" if space.base.padding_free else "sdpa",  # packed rows: varlen
+            # packed rows: the varlen kernel; else the base's (None: transformers' default for the model)
+            "attn_implementation": "flash_attention_2" if space.base.padding_free else space.base.attn_implementation,
             "torch_compile": compiled,
             "zero_stage": 0, "offload": "none", "fsdp": "none",
             "use_liger_kernel": liger,

@@ -164,15 +164,18 @@ def _fsdp(section: dict[str, Any], reading: Reading, file: str) -> None:
     """FSDP1 names its strategy (fsdp_sharding_strategy, or fsdp_reshard_after_forward since accelerate 1.6);
     FSDP2 says it with fsdp_reshard_after_forward: True (the default) is full_shard."""
     prefix = "fsdp_config"
-    version = int(section.get("fsdp_version", 1))
+    version = section.get("fsdp_version", 1)
+    try:  # accelerate launch puts it in FSDP_VERSION, which its plugin reads with int(); any but 2 runs FSDP1
+        int(str(version))
+    except ValueError:
+        raise InputError(f"{file}: {prefix}.fsdp_version must be a whole number (accelerate reads it with int()), "
+                         f"got {version!r}") from None
     for key in ("fsdp_reshard_after_forward", "fsdp_sharding_strategy"):
         if key in section:
             reading.set("fsdp", fsdp_mode(section[key], file, f"{prefix}.{key}"), file, f"{prefix}.{key}")
             break
     else:
         reading.set("fsdp", "full_shard", file, f"{prefix}.fsdp_version")  # both versions' default
-    if version not in (1, 2):
-        raise InputError(f"{file}: {prefix}.fsdp_version must be 1 or 2, got {version!r}")
     fsdp_offload(reading, section.get("fsdp_offload_params"), file, f"{prefix}.fsdp_offload_params")
     refuse_unmodelled("activation_offload", file, f"{prefix}.fsdp_activation_checkpointing_offload",
                       section.get("fsdp_activation_checkpointing_offload"))

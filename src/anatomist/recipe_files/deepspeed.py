@@ -7,12 +7,14 @@ from a TrainingArguments file (`deepspeed=`), every value must match the Trainin
 own, defaults included: transformers' `HfTrainerDeepSpeedConfig.trainer_config_process`
 refuses a mismatch, and so does this reader.
 
-Read as strictly as DeepSpeed reads it: its sections (zero_optimization and its offload_param /
-offload_optimizer, bf16, fp16) are pydantic models that forbid extra keys, and a top-level key
+Read as strictly as DeepSpeed reads it, and no more: its sections (zero_optimization and its offload_param /
+offload_optimizer, bf16, fp16) are pydantic models that forbid extra keys and bound their numbers (the installed
+deepspeed's bounds: deepspeed_bounds.py; "auto" is its default), and a top-level key
 DeepSpeed never reads is refused too (it would ignore `zero_optimisation`, and train without
 ZeRO); keys starting with "_" are comments (LLaMA-Factory's `_comment`). The keys are in
-data/deepspeed_keys.json (known.py). bf16 master weights / optimizer states, tensor and
-sequence parallel change memory and are not modelled yet: refused (unmodelled.py).
+data/deepspeed_keys.json (known.py). bf16 master weights and optimizer states are read (ZeRO's partitions in
+bf16: estimate/sharding.py); fp16 master weights, tensor and sequence parallel change memory and are not
+modelled yet: refused (unmodelled.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from anatomist.axes.shardings import DEEPSPEED_SETTINGS
+from anatomist.deepspeed_bounds import deepspeed_bounds
 from anatomist.errors import InputError
 from anatomist.recipe_files.known import deepspeed_keys, refuse_unknown
 from anatomist.recipe_files.reading import Reading, zero_offload
@@ -37,10 +40,12 @@ SCALARS = {
 
 PARALLEL = {"tensor_parallel": "tensor_parallel", "sequence_parallel_size": "sequence_parallel"}
 """Top-level keys that turn on a parallelism anatomist does not model (a size, or a section of sizes: autotp_size)."""
-PRECISION_UNMODELLED = {"bf16": ("bf16_master_weights_and_grads", "bf16_optimizer_states"),
-                        "bfloat16": ("bf16_master_weights_and_grads", "bf16_optimizer_states"),
-                        "fp16": ("fp16_master_weights_and_grads",)}
-"""Keys of the precision sections that change the bytes of master weights, gradients or optimizer states."""
+PRECISION_FIELDS = {"bf16": ("bf16_master_weights_and_grads", "bf16_optimizer_states"),
+                    "bfloat16": ("bf16_master_weights_and_grads", "bf16_optimizer_states"), "fp16": ()}
+"""Keys of the precision sections that change the bytes of ZeRO's master weights, gradients or optimizer states, read
+into the Recipe fields of the same names."""
+PRECISION_UNMODELLED = {"bf16": (), "bfloat16": (), "fp16": ("fp16_master_weights_and_grads",)}
+"""Keys of the precision sections that change those bytes in a way not modelled."""
 
 
 def _check_keys(data: dict[str, Any], file: str) -> None:
@@ -55,6 +60,16 @@ def _check_keys(data: dict[str, Any], file: str) -> None:
         if isinstance(section, dict):
             refuse_unknown(section, deepspeed_keys(name), file, f"DeepSpeed's {name} section (DeepSpeed refuses it too)",
                            prefix=f"{name}.")
+            _check_bounds("bf16" if name == "bfloat16" else name, section, file)
+
+
+def _check_bounds(name: str, section: dict[str, Any], file: str) -> None:
+    """A number outside the bounds the installed DeepSpeed's model for `name` puts on it: refused as DeepSpeed
+    refuses it (deepspeed_bounds.py), whether anatomist models the key or not."""
+    for key, value in section.items():
+        refusal = deepspeed_bounds().refusal(name, key, value)
+        if refusal:
+            raise InputError(f"{file}: {name}.{key} {refusal}")
 
 
 def looks_like_deepspeed(data: dict[str, Any]) -> bool:
@@ -107,7 +122,12 @@ def _precision(key: str, section: Any, reading: Reading, file: str, put: Any) ->
     if enabled:  # a disabled section's other keys do nothing
         for name in PRECISION_UNMODELLED[key]:
             refuse_unmodelled(name, file, f"{key}.{name}", section.get(name))
-        reading.skip_all(key, section, keep=("enabled",))
+        for name in PRECISION_FIELDS[key]:
+            if name in section:
+                if not isinstance(section[name], bool):
+                    raise InputError(f"{file}: {key}.{name} must be true or false, got {section[name]!r}")
+                put(name, section[name], f"{key}.{name}")
+        reading.skip_all(key, section, keep=("enabled", *PRECISION_FIELDS[key]))
 
 
 def _zero(section: Any, reading: Reading, file: str, put: Any) -> None:
@@ -126,13 +146,16 @@ def _zero(section: Any, reading: Reading, file: str, put: Any) -> None:
         else:
             reading.skip_all(f"zero_optimization.{name}", sub, keep=("device",))
     for name, setting in DEEPSPEED_SETTINGS.items():  # the buffer sizes: "auto" is the Trainer's to fill
+        if stage == 0 or name.startswith("stage3_") and stage != 3:
+            # a buffer of ZeRO (stage3_*: of stage3.py) at a stage without it: left unset, as plan --emit leaves it
+            if name in section:
+                reading.skip(f"zero_optimization.{name}", section[name], setting.default)
+            continue
         value = section.get(name, setting.default)  # left out: DeepSpeed's default
-        if value == "auto" and setting.auto:
-            continue  # Recipe.resolved fills it as the Trainer does
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
-            auto = ' or "auto"' if setting.auto else ' (the Trainer fills "auto" only for the hidden-size ones)'
-            raise InputError(f"{file}: zero_optimization.{name} must be a whole number of elements{auto}, got {value!r}")
-        put(name, int(value), f"zero_optimization.{name}")
+        if value == "auto":  # the Trainer fills it from the hidden size, else DeepSpeed drops it: its default
+            continue  # Recipe.resolved does the same
+        bound = deepspeed_bounds().get("zero_optimization", name)  # 5e8 -> 500000000 as DeepSpeed reads it
+        put(name, bound.check(value) if bound else value, f"zero_optimization.{name}")  # refused: _check_bounds
     reading.skip_all("zero_optimization", section,
                      keep=("stage", "offload_optimizer", "offload_param", *DEEPSPEED_SETTINGS))
 

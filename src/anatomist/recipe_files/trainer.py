@@ -43,14 +43,16 @@ TRL_RECIPE_FIELDS = frozenset({"padding_free", "packing", "precompute_ref_log_pr
 """Recipe fields named as SFTConfig / DPOConfig name them, which TrainingArguments lacks: beside TrainingArguments'
 keys, one of them makes the file TRL's (read with TRL's defaults and trainer), not the Trainer's."""
 
-DIRECT = RECIPE_FIELDS - {"gradient_checkpointing", "tf32", "fsdp", "lora_target_modules"}
+LISTS = ("lora_target_modules", "lora_target_parameters", "llm_int8_skip_modules")
+"""Keys whose list (TRL ModelConfig's, BitsAndBytesConfig's) is a comma-separated Recipe field of the same name."""
+DIRECT = RECIPE_FIELDS - {"gradient_checkpointing", "tf32", "fsdp", *LISTS}
 """Keys whose value is the Recipe field of the same name: TrainingArguments' (per_device_train_batch_size,
 fp16, optim, ...), TRL ModelConfig's (dtype, attn_implementation, lora_r, load_in_4bit, ...) and anatomist's."""
 DEEPSPEED_CHECKED = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "fp16", "bf16")
 """The TrainingArguments values the Trainer fills DeepSpeed's "auto" with and checks the rest against."""
 HANDLED = frozenset({"gradient_checkpointing", "activation_checkpointing", "gradient_checkpointing_kwargs",
                      "activation_checkpointing_kwargs", "tf32", "fsdp", "fsdp_config",
-                     "deepspeed", "lora_target_modules", "use_peft", "use_bnb_nested_quant", "model_name_or_path",
+                     "deepspeed", *LISTS, "use_peft", "use_bnb_nested_quant", "model_name_or_path",
                      "max_length", "model_init_kwargs", *TRL_LEGACY})
 
 
@@ -130,7 +132,19 @@ def read_trainer(data: dict[str, Any], reading: Reading, file: str) -> str:
     _model_config(data, kind, reading, file)
     if data.get("deepspeed"):
         _deepspeed(data["deepspeed"], schema, reading, file)
+    if reading.get("trainer") == "dpo":
+        _dpo_length(data, file)
     return kind
+
+
+def _dpo_length(data: dict[str, Any], file: str) -> None:
+    """A DPO file must bound its sequences: DPOTrainer pads each batch of pairs to its longest, truncated to
+    max_length (prompt and completion together: trl 1.0 removed max_prompt_length); null truncates nothing."""
+    for key in ("max_length", "max_seq_length"):
+        if key in data and data[key] is None:
+            raise InputError(f"{file}: {key}: null leaves DPO's sequence length to the data (DPOTrainer pads each "
+                             "batch of pairs to its longest): set max_length, the tokens of prompt and completion it "
+                             "keeps")
 
 
 def _kind(data: dict[str, Any], trainer: dict[str, Any], file: str) -> tuple[str, dict[str, Any]]:
@@ -259,10 +273,10 @@ def _model_config(data: dict[str, Any], kind: str, reading: Reading, file: str) 
     reading.skip_all("model_init_kwargs", kwargs, keep=tuple(read))
     if data.get("use_peft"):
         reading.set("peft", "lora", file, "use_peft")
-    targets = data.get("lora_target_modules")
-    if targets is not None:
-        reading.set("lora_target_modules", ",".join(targets) if isinstance(targets, list) else targets, file,
-                    "lora_target_modules")
+    for key in LISTS:
+        names = data.get(key)
+        if names is not None:
+            reading.set(key, ",".join(names) if isinstance(names, list) else names, file, key)
     if data.get("use_bnb_nested_quant") is not None:
         reading.set("bnb_4bit_use_double_quant", data["use_bnb_nested_quant"], file, "use_bnb_nested_quant")
     if kind == "TRL" and data.get("load_in_4bit") and "bnb_4bit_compute_dtype" not in data:

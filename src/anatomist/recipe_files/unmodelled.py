@@ -14,9 +14,6 @@ from anatomist.errors import InputError
 from anatomist.recipe_files.reading import is_off
 
 UNMODELLED: dict[str, str] = {
-    "bf16_master_weights_and_grads": "DeepSpeed's bf16 master weights and gradients (no fp32 copy): it would be "
-                                     "predicted with fp32 master weights",
-    "bf16_optimizer_states": "DeepSpeed's bf16 optimizer states: they would be predicted in fp32",
     "fp16_master_weights_and_grads": "DeepSpeed's fp16 master weights and gradients: they would be predicted in fp32",
     "tensor_parallel": "tensor parallel: it would be predicted as plain data parallel",
     "context_parallel": "context parallel: it would be predicted as plain data parallel",

@@ -18,6 +18,11 @@ the trace is steered onto the path whose saved tensors match CUDA's:
 - checkpoints offloaded to the host (transformers' activation_checkpointing_kwargs offload):
   `save_on_cpu` moves nothing where the tensors already are on the CPU; `saved_on_host` moves
   them out of the trace's (the device's) memory and back, as it does on a GPU.
+- grouped matrix products (Mixture-of-Experts' grouped_mm): torch's meta kernel, which fake tensors
+  run, takes bfloat16 only; CUDA's `_grouped_mm_cuda` takes float32, bfloat16 and float16 (bf16 on a
+  CUTLASS kernel on sm90/sm100, everything else as one mm per group into the same output:
+  aten/src/ATen/native/cuda/GroupedBlas.cpp, GroupedMMUtils.h). `cuda_grouped_mm` gives the fake step
+  CUDA's output for the other two.
 
 Known limitations: CPU autocast's op lists differ slightly from CUDA's (a few ops run in a
 different precision); kernels that pick an algorithm at run time (cuDNN, cuBLASLt) may
@@ -33,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _original_dropout = F.dropout
 _original_sdpa = F.scaled_dot_product_attention
@@ -141,6 +147,50 @@ def cuda_code_paths() -> Iterator[None]:
     finally:
         F.dropout = _original_dropout
         F.scaled_dot_product_attention = _original_sdpa
+
+
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""What CUDA's grouped matrix product takes (`_grouped_mm_validate_inputs`); the output is in mat_a's dtype."""
+_GROUPED_MM = torch.ops.aten._grouped_mm.default
+
+
+def _grouped_mm_output(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
+                       bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The tensor CUDA's `_grouped_mm` returns (`create_grouped_gemm_output_tensor`): rows of its last dimension
+    padded to 16 bytes for the TMA; the fallback writes each group's product into it, allocating nothing else."""
+    if out_dtype not in (None, mat_a.dtype) or mat_a.dtype != mat_b.dtype or bias is not None:
+        raise RuntimeError(f"grouped_mm: CUDA takes one dtype for both inputs and the output and no bias, got "
+                           f"{mat_a.dtype}, {mat_b.dtype}, out_dtype={out_dtype}, bias={bias is not None}")
+    a_2d, b_2d = mat_a.dim() == 2, mat_b.dim() == 2
+    if a_2d and b_2d:
+        assert offs is not None  # [k, rows] @ [rows, n] split by group: [groups, k, n]
+        size = [offs.shape[0], mat_a.shape[0], mat_b.shape[1]]
+    elif a_2d:
+        size = [mat_a.shape[0], mat_b.shape[-1]]
+    elif b_2d:
+        size = [mat_a.shape[1], mat_b.shape[1]]
+    else:
+        size = [mat_a.shape[0], mat_a.shape[1], mat_b.shape[-1]]
+    alignment = 16 // mat_a.element_size()
+    padded = -(-size[-1] // alignment) * alignment
+    stride = [padded, 1] if len(size) == 2 else [size[1] * padded, padded, 1]
+    return torch.empty_strided(size, stride, dtype=mat_a.dtype)
+
+
+class _CudaGroupedMm(TorchDispatchMode):
+    """Under fake tensors: `_grouped_mm` of float32 or float16 inputs answers as CUDA does (see the module)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _GROUPED_MM and args[0].dtype in GROUPED_MM_DTYPES and args[0].dtype != torch.bfloat16:
+            return _grouped_mm_output(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def cuda_grouped_mm() -> TorchDispatchMode:
+    """A dispatch mode to enter right above the fake tensor mode (below the tracer, which sees the product and its
+    output, not how it is made): grouped matrix products in every dtype CUDA takes."""
+    return _CudaGroupedMm()
 
 
 def fake_parameters(module: torch.nn.Module, fake_mode: Any) -> None:

@@ -103,6 +103,10 @@ class ModelPlan:
     """Parameters of the largest repeated block (an FSDP unit; DeepSpeed's gathered working set)."""
     quantized_codes: int = 0
     """Bytes of a quantized base's 4-/8-bit codes, whose elements `parameter_numels` counts too."""
+    quantized_parameters: int = 0
+    """Parameters of the base that bitsandbytes quantizes, as its authors count them (`stack.Layout`)."""
+    adapted_parameters: tuple[str, ...] = ()
+    """The parameters PEFT adapts directly (its target_parameters), named within their layer (`stack.Layout`)."""
     rows_divisor: int = 1
     """The greatest common divisor of every parameter's rows (dim 0): FSDP's shards at a world size that divides it
     are even (`trace.worlds`)."""
@@ -122,7 +126,9 @@ def model_plan(workload: Workload, recipe: ResolvedRecipe, *, use_cache: bool = 
         return ModelPlan(plan=trace_plan(workload, recipe, layout), parameters=layout.parameters,
                          trainable_parameters=layout.trainable_parameters, blocks=layout.blocks,
                          parameter_numels=layout.parameter_numels, block_parameters=layout.block_parameters,
-                         quantized_codes=layout.quantized_codes, rows_divisor=layout.rows_divisor,
+                         quantized_codes=layout.quantized_codes, quantized_parameters=layout.quantized_parameters,
+                         adapted_parameters=layout.adapted_parameters,
+                         rows_divisor=layout.rows_divisor,
                          trainable_bytes=layout.trainable_bytes)
 
     if not use_cache:

@@ -33,9 +33,9 @@ from anatomist.recipe import ResolvedRecipe
 from anatomist.trace import sharded, trainers
 from anatomist.trace.autocast import cuda_autocast_policy
 from anatomist.trace.compiled import compile_blocks
-from anatomist.trace.cuda_model import cuda_code_paths, fake_parameters, saved_on_host
+from anatomist.trace.cuda_model import cuda_code_paths, cuda_grouped_mm, fake_parameters, saved_on_host
 from anatomist.trace.cutting import traced_config
-from anatomist.trace.experts import build_kwargs, check_traceable
+from anatomist.trace.experts import build_kwargs, check_traceable, compiled_experts_path
 from anatomist.trace.inputs import cache_field, make_batch, rows_not_packed
 from anatomist.trace.keys import (
     Depth,
@@ -189,7 +189,8 @@ def _kernels(model: torch.nn.Module, workload: Workload, recipe: ResolvedRecipe,
 def _tracing(workload: Workload, recipe: ResolvedRecipe, tracer: StepTracer, fake_mode: Any,
              observers: tuple[Any, ...]) -> Iterator[None]:
     """The dispatch modes a traced step runs in, outermost first: errors made readable, CUDA's autocast
-    policy, fake tensors, the observers, the tracer, CUDA's code paths."""
+    policy, fake tensors, CUDA's grouped products (Mixture of Experts), the observers, the tracer, CUDA's code
+    paths."""
     with contextlib.ExitStack() as modes:
         modes.enter_context(data_dependent_code_is_input_error(workload, recipe))
         if isinstance(fake_mode, FakeTensorMode):
@@ -198,7 +199,12 @@ def _tracing(workload: Workload, recipe: ResolvedRecipe, tracer: StepTracer, fak
                 modes.enter_context(saved_on_host(tracer))
         if lower_dtype(recipe) is not None:
             modes.enter_context(cuda_autocast_policy())  # autocast casts as on CUDA, not as on CPU
-        for mode in (fake_mode, *observers, tracer, cuda_code_paths()):
+        modes.enter_context(fake_mode)
+        if workload.is_moe and isinstance(fake_mode, FakeTensorMode):
+            modes.enter_context(cuda_grouped_mm())  # the experts' products in float32 too, as on CUDA
+        if workload.is_moe and traced_compile(recipe):
+            modes.enter_context(compiled_experts_path())  # what transformers runs under dynamo
+        for mode in (*observers, tracer, cuda_code_paths()):
             modes.enter_context(mode)
         yield
 

@@ -18,6 +18,8 @@ MoE step keeps the same tensors for every routing: see `estimate.moe`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from anatomist.errors import InputError
@@ -70,3 +72,25 @@ def check_traceable(workload: Workload, recipe: ResolvedRecipe) -> None:
             f"tensor sizes that follow the data, which an estimate without data cannot know; modelled: "
             f"{', '.join(MODELLED)} (grouped_mm is transformers' default)"
         )
+
+
+@contextlib.contextmanager
+def compiled_experts_path() -> Iterator[None]:
+    """Within: transformers' grouped_mm takes the path it takes under torch.compile. `_can_use_grouped_mm` refuses
+    torch's grouped product there for weights other than bf16 (inductor lowers it for bf16 only) and runs its own
+    fallback, the custom op `transformers::grouped_mm_fallback` (one mm per expert, opaque to inductor; its backward
+    makes the input's and the weight's gradients). The compiled blocks' trace (trace/compiled.py) runs no dynamo,
+    so it is told what dynamo's tracing would say."""
+    import torch
+    from transformers.integrations import moe
+
+    original = moe._can_use_grouped_mm
+
+    def as_when_compiling(input: Any, weight: Any, offs: Any) -> bool:
+        return weight.dtype == torch.bfloat16 and original(input, weight, offs)
+
+    moe._can_use_grouped_mm = as_when_compiling
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original

@@ -57,8 +57,8 @@ Depth = int | Cut | None
 """What a trace keeps of the model: every stack cut to that many blocks (int), the layers a `Cut`
 names, or the whole model (None)."""
 
-PEFT_FIELDS = ("peft", "lora_r", "lora_dropout", "lora_target_modules", "load_in_4bit", "load_in_8bit",
-               "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype")
+PEFT_FIELDS = ("peft", "lora_r", "lora_dropout", "lora_target_modules", "lora_target_parameters", "load_in_4bit",
+               "load_in_8bit", "llm_int8_skip_modules", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype")
 """What changes the model a trace builds under PEFT (which layers, which adapters, what is trainable)."""
 LLM_FIELDS = ("use_liger_kernel", "cut_cross_entropy", "trainer", "precompute_ref_log_probs")
 """What changes the passes of a causal-LM fine-tune as TRL and the Trainer run it (issue 23): Liger's kernels, Cut
@@ -156,9 +156,10 @@ def _kernel_paths(recipe: ResolvedRecipe, part: Part, compute_capability: str) -
 
 
 def plan_key(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ...]:
-    """The key of a model's trace plan and exact size (`cuts.model_plan`): the model as PEFT makes it, and which
-    of its blocks checkpoint (partial checkpointing makes kinds of blocks: `stack.CHECKPOINTED`)."""
-    return ("plan", *workload.trace_key(), tuple(getattr(recipe, f) for f in PEFT_FIELDS),
+    """The key of a model's trace plan and exact size (`cuts.model_plan`): the model in its load dtype (the
+    trainable parameters' bytes) as PEFT makes it, and which of its blocks checkpoint (partial checkpointing makes
+    kinds of blocks: `stack.CHECKPOINTED`)."""
+    return ("plan", *workload.trace_key(), recipe.dtype, tuple(getattr(recipe, f) for f in PEFT_FIELDS),
             recipe.checkpoint_every if recipe.gradient_checkpointing else 1)
 
 
@@ -172,7 +173,8 @@ TRACE_SOURCES: tuple[str, ...] = (
     "trace/cuda_model.py",
     "trace/cuts.py", "trace/cutting.py", "trace/driver.py", "trace/experts.py", "trace/inputs.py", "trace/keys.py",
     "trace/kernel_ops.py", "trace/liger.py", "trace/offload.py", "trace/trainers.py", "trace/trl_head.py",
-    "trace/ops.py", "trace/optimizer_layouts.py", "trace/parts.py", "trace/peft.py", "trace/pool.py",
+    "trace/ops.py", "trace/optimizer_layouts.py", "trace/parts.py", "trace/peft.py", "trace/peft_defaults.py",
+    "trace/pool.py",
     "trace/records.py", "trace/sharded.py", "trace/stack.py", "trace/tracer.py", "trace/worlds.py",
     "data/__init__.py", "data/op_classes.toml", "data/cuda_autocast.toml", "data/gpus.toml", "data/liger.toml",
 )

@@ -18,9 +18,6 @@ import torch
 if TYPE_CHECKING:  # the registry builds this layout: a run-time import back would be a circle
     from anatomist.axes.optimizers import QuantizedState
 
-CODE_TABLE_ENTRIES = 256
-"""fp32 values of each code table bitsandbytes keeps once per optimizer (`name2qmap`)."""
-
 
 class QuantizedAdamLayout(torch.optim.Optimizer):
     """AdamW whose two moments take the memory `state` describes (tests/test_optimizer_layouts.py
@@ -34,9 +31,7 @@ class QuantizedAdamLayout(torch.optim.Optimizer):
     def _moment(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """One moment of `p`: codes, scales and maybe a code table; or an unquantized tensor."""
         layout, n = self.layout, p.numel()
-        quantized = layout.bits < 32 and n >= layout.min_elements and (
-            not layout.whole_blocks or n % layout.block_size == 0)
-        if not quantized:
+        if not layout.quantizes(n):
             dtype = p.dtype if layout.small_dtype == "param" and layout.bits < 32 else torch.float32
             return {"": torch.zeros(n, dtype=dtype)}
         moment = {"codes": torch.zeros(n * layout.bits // 8, dtype=torch.uint8),
@@ -62,7 +57,7 @@ class QuantizedAdamLayout(torch.optim.Optimizer):
                         # bitsandbytes' qmaps: every quantized state refers to the same tables; kept
                         # here in the first one's state, so that they are counted once
                         for i in range(self.layout.shared_code_tables):
-                            state[f"code_table{i}"] = torch.zeros(CODE_TABLE_ENTRIES, dtype=torch.float32)
+                            state[f"code_table{i}"] = torch.zeros(self.layout.shared_table_entries, dtype=torch.float32)
                         self._shared_tables_made = True
                     if self.layout.step_tensor:
                         state["step"] = torch.zeros((), dtype=torch.float32)

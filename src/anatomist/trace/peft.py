@@ -3,7 +3,9 @@ bitsandbytes lays it out.
 
 On the meta model, before its tensors become fake:
 1. quantization (`load_in_4bit` / `load_in_8bit`): every nn.Linear but the output head (what
-   transformers' bitsandbytes integration replaces) becomes a `QuantizedLinearLayout` holding
+   transformers' bitsandbytes integration replaces; the recipe's llm_int8_skip_modules instead where it names
+   them; a Mixture of Experts' fused 3D experts are no nn.Linear and stay in the load dtype, as transformers 5
+   leaves them) becomes a `QuantizedLinearLayout` holding
    what bitsandbytes keeps on the device. 4-bit (`Params4bit`, blocks of 64): the packed codes,
    2 per byte, and per block an fp32 absmax; with double quantization the absmax is uint8 with
    an fp32 absmax per 256 blocks and a 256-entry fp32 code; a 16-entry fp32 code per layer.
@@ -13,8 +15,9 @@ On the meta model, before its tensors become fake:
 2. `peft.prepare_model_for_kbit_training` (quantized bases, as QLoRA users call it): the
    non-quantized parameters to fp32, input gradients, gradient checkpointing; under Cut Cross-Entropy the norms,
    embeddings and head then back in the weights' dtype, as axolotl's loader turns them (`_half_head_for_cce`).
-3. `peft.get_peft_model` with a real `LoraConfig`: which modules are targeted, the adapters'
-   shapes and dtypes and which parameters are trainable are PEFT's own.
+3. `peft.get_peft_model` with a real `LoraConfig`: which modules (and, with target_parameters, which fused expert
+   weights: lora.ParamWrapper) are targeted, the adapters' shapes and dtypes and which parameters are trainable are
+   PEFT's own. A target parameter the model lacks is refused first (PEFT skips it where another matches).
 
 Known limitations: the dequantization kernels' own workspaces are not modelled; 8-bit
 training is laid out as LLM.int8's storage but its outlier decomposition (a few columns kept
@@ -99,11 +102,15 @@ class QuantizedLinearLayout(torch.nn.Linear):
 def _quantize(model: Any, recipe: ResolvedRecipe) -> None:
     """Replace by its bitsandbytes layout, in place, every nn.Linear of `model` (a transformers model)
     that transformers' bitsandbytes quantizer converts: not the output head, tied or last modules
-    (`get_keys_to_not_convert`), nor the model's `_keep_in_fp32_modules` (T5's `wo`)."""
+    (`get_keys_to_not_convert`) or, where the recipe names them, its llm_int8_skip_modules instead, nor the model's
+    `_keep_in_fp32_modules` (T5's `wo`). Only nn.Linear (`replace_with_bnb_linear`): a Mixture of Experts' fused 3D
+    expert weights are nn.Parameters of their own module and stay in the load dtype (transformers 5.x)."""
     from transformers.quantizers.base import get_keys_to_not_convert
     from transformers.quantizers.quantizers_utils import should_convert_module
 
-    skipped = [*get_keys_to_not_convert(model), *(getattr(model, "_keep_in_fp32_modules", None) or ())]
+    given = [n.strip() for n in (recipe.llm_int8_skip_modules or "").split(",") if n.strip()]
+    # given skip modules replace transformers' own (get_modules_to_not_convert without add_default_skips)
+    skipped = [*(given or get_keys_to_not_convert(model)), *(getattr(model, "_keep_in_fp32_modules", None) or ())]
     for path, module in list(model.named_modules()):
         for name, child in list(module.named_children()):
             if type(child) is torch.nn.Linear and should_convert_module(f"{path}.{name}" if path else name, skipped):
@@ -124,12 +131,43 @@ def apply_peft(model: torch.nn.Module, recipe: ResolvedRecipe, task: str) -> tor
         if recipe.cut_cross_entropy:
             _half_head_for_cce(model, recipe.dtype)
     config = peft.LoraConfig(**recipe.lora_config_kwargs(PEFT_TASK_TYPES.get(task)))
+    _check_target_parameters(model, config.target_parameters or [])
     try:
         return peft.get_peft_model(model, config)
     except ValueError as exc:
+        said = str(exc).splitlines()[0]
+        if config.target_parameters:
+            raise InputError(f"--lora-target-parameters: {said}; {_fused_parameters(model)}") from None
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise InputError(f"--lora-target-modules: {str(exc).splitlines()[0]}; this model's linear layers: "
-                         f"{', '.join(linear)} (or all-linear)") from None
+        raise InputError(f"--lora-target-modules: {said}; this model's linear layers: {', '.join(linear)} "
+                         "(or all-linear)") from None
+
+
+def _check_target_parameters(model: torch.nn.Module, named: list[str]) -> None:
+    """Refuse a target parameter that names none of the model's (PEFT matches a parameter's full name or its end
+    after a dot, and skips a name that matches nothing where another does).
+
+    Raises:
+        InputError: naming the missing ones and the fused parameters the model has.
+    """
+    names = [n for n, _ in model.named_parameters()]
+    lacking = [t for t in named if not any(n == t or n.endswith("." + t) for n in names)]
+    if lacking:
+        raise InputError(f"--lora-target-parameters: the model has no parameter {', '.join(lacking)}; "
+                         f"{_fused_parameters(model)}")
+
+
+def _fused_parameters(model: torch.nn.Module) -> str:
+    """The model's 3D parameters (Mixture-of-Experts' fused experts) as a target names them: after the layer index."""
+    fused = sorted({in_layer(n) for n, p in model.named_parameters() if p.dim() == 3})
+    return f"its fused 3D parameters: {', '.join(fused)}" if fused else "it has no fused 3D parameters (no experts to target)"
+
+
+def in_layer(name: str) -> str:
+    """`model.layers.3.mlp.experts.down_proj` -> `mlp.experts.down_proj` (a name without an index stays whole)."""
+    parts = name.split(".")
+    index = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+    return ".".join(parts[index + 1:]) if index is not None else name
 
 
 def _half_head_for_cce(model: torch.nn.Module, dtype: str) -> None:

@@ -69,6 +69,11 @@ class Layout:
     """Parameters of the largest repeated block."""
     quantized_codes: int = 0
     """Elements (bytes) of the 4-/8-bit codes of a quantized base: counted in `parameter_numels` too."""
+    quantized_parameters: int = 0
+    """Parameters of the base that bitsandbytes quantizes (its linear layers' weights), as its authors count them."""
+    adapted_parameters: tuple[str, ...] = ()
+    """The parameters PEFT adapts directly (target_parameters: a Mixture of Experts' fused experts), named within
+    their layer (`peft.in_layer`)."""
     rows_divisor: int = 1
     """The greatest common divisor of every parameter's rows (dim 0; `cuts.ModelPlan.rows_divisor`)."""
     trainable_bytes: int = 0
@@ -237,7 +242,7 @@ def layout_of(workload: Workload, recipe: ResolvedRecipe) -> Layout:
     it (PEFT adapters, quantized layout), built on the meta device."""
     import contextlib
 
-    from anatomist.trace.peft import QuantizedLinearLayout, apply_peft, counted_parameters
+    from anatomist.trace.peft import QuantizedLinearLayout, apply_peft, counted_parameters, in_layer
 
     model = meta_model(workload, recipe)
     found = _stacks_of(model, model.config)
@@ -248,11 +253,15 @@ def layout_of(workload: Workload, recipe: ResolvedRecipe) -> Layout:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     trainable_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     numels = tuple(sorted(p.numel() for p in model.parameters()))
-    codes = sum(m.weight.numel() for m in model.modules() if isinstance(m, QuantizedLinearLayout))
-    rows = rows_divisor(model.parameters())
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinearLayout)]
+    codes = sum(m.weight.numel() for m in quantized)
+    adapted = tuple(sorted({in_layer(n) for n in getattr(model, "targeted_parameter_names", None) or ()}))
+    sizes: dict[str, Any] = {"quantized_codes": codes, "quantized_parameters": sum(m.original_numel for m in quantized),
+                             "adapted_parameters": adapted, "rows_divisor": rows_divisor(model.parameters()),
+                             "trainable_bytes": trainable_bytes}
     if found is None:
         return Layout(stacks=(), parameters=parameters, trainable_parameters=trainable, signatures=(),
-                      parameter_numels=numels, quantized_codes=codes, rows_divisor=rows, trainable_bytes=trainable_bytes)
+                      parameter_numels=numels, **sizes)
     block = max((sum(p.numel() for p in b.parameters()) for _, lists in found for _, blocks in lists for b in blocks),
                 default=0)
     _mark_checkpointed(model, None, found, signatures, recipe)
@@ -261,8 +270,7 @@ def layout_of(workload: Workload, recipe: ResolvedRecipe) -> Layout:
         for (fields, members), rows in zip(found, signatures, strict=True)
     )
     return Layout(stacks=stacks, parameters=parameters, trainable_parameters=trainable, parameter_numels=numels,
-                  block_parameters=block, quantized_codes=codes, rows_divisor=rows, trainable_bytes=trainable_bytes,
-                  signatures=tuple(tuple(rows) for rows in signatures))
+                  block_parameters=block, signatures=tuple(tuple(rows) for rows in signatures), **sizes)
 
 
 def cut_matches(workload: Workload, recipe: ResolvedRecipe, layout: Layout, cut: Cut) -> bool:

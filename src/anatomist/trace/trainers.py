@@ -21,13 +21,10 @@ from typing import Any
 
 import torch
 
-from anatomist.recipe import ResolvedRecipe
+from anatomist.recipe import DPO_BETA, ResolvedRecipe
 from anatomist.trace.inputs import IGNORE_INDEX, make_batch
 from anatomist.trace.trl_head import DPO_OUTPUTS, SFT_OUTPUTS, add_fused_lm_head
 from anatomist.workload import Workload
-
-DPO_BETA = 0.1
-"""DPOConfig.beta's default (trl 1.16); it scales the loss, not its memory."""
 
 
 def prepare(model: torch.nn.Module, recipe: ResolvedRecipe) -> None:
