@@ -14,8 +14,9 @@ the tensor-core and fp32 efficiencies on the generation's runs, the rest kept fr
 Every factor stays within the bounds of what it physically is (estimate/time_model.py). The error it claims is
 leave-one-source-out cross-validation: each source of a generation is predicted by a fit
 (both stages) on every other source; for "any" (a GPU in no generation), each generation is
-predicted by the pooled fit of the others. It writes src/anatomist/data/time_calibration.toml
-and prints the factors, the cross-validation per generation and per regime, the guide's V100 check and
+predicted by the pooled fit of the others. It writes src/anatomist/data/time_calibration.toml (the
+factors and each generation's error) and src/anatomist/data/time_accuracy.toml (the signed held-out errors per
+generation and per regime, which `estimate.intervals.time_interval` reads), and prints the factors, the cross-validation per generation and per regime, the guide's V100 check and
 each source's held-out errors, the tables docs/time.md shows.
 """
 
@@ -33,6 +34,7 @@ RUNS = HERE / "runs.toml"
 CHECKS = HERE / "checks.toml"
 COMPONENTS = HERE / "components.json"
 CALIBRATION = HERE.parents[1] / "src" / "anatomist" / "data" / "time_calibration.toml"
+ACCURACY = HERE.parents[1] / "src" / "anatomist" / "data" / "time_accuracy.toml"
 
 def load_runs() -> list[dict[str, Any]]:
     from anatomist.estimate.published import load_runs as load
@@ -145,6 +147,7 @@ def cmd_fit() -> None:
     fitted = fit_all(inputs)
     cv = cross_validate(inputs, checks)
     CALIBRATION.write_text(published_toml(fitted, cv))
+    ACCURACY.write_text(accuracy_toml(cv, versions()))
     print("| factors | " + " | ".join(fitted) + " |")
     print("| --- |" + " ---: |" * len(fitted))
     for name in ("tensor_core_efficiency", "fp32_efficiency", "bandwidth_efficiency"):
@@ -160,6 +163,42 @@ def cmd_fit() -> None:
               f"{result.low_pct:+.1f}%..{result.high_pct:+.1f}% | {result.method} |")
     print_checks(fitted["V100"])
     print_sources(inputs, cv)
+
+
+def versions() -> str:
+    """When and with what the fit ran: the date, anatomist's commit and the libraries the runs were traced with."""
+    import datetime
+    import importlib.metadata
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "an unknown commit"
+    if git("status", "--porcelain", "--untracked-files=no"):
+        commit += " with uncommitted changes"
+    libraries = [f"{name} {importlib.metadata.version(name)}" for name in ("torch", "transformers")]
+    return f"{datetime.date.today().isoformat()}, anatomist at {commit}, " + ", ".join(libraries)
+
+
+def accuracy_toml(cv: dict[str, Any], measured: str) -> str:
+    """data/time_accuracy.toml's text: per GPU generation ("generation: NAME", the runs of its cross-validation) and
+    per regime ("precision: mixed", ...: the same held-out errors with the checks), the signed errors
+    (predicted / measured - 1 of the step time) of runs predicted by a fit that never saw their source."""
+    lines = ["# Written by `PYTHONPATH=src python benchmarks/published/fit.py fit` (never by hand): the signed errors",
+             "# (predicted / measured - 1 of the step time) of the published runs of benchmarks/published/runs.toml,",
+             "# each predicted by a fit that never saw its source (leave-one-source-out; 'generation: any':",
+             "# each generation by a fit of the others), per GPU generation and per regime (the regimes also hold",
+             "# checks.toml's runs, never fitted). anatomist.estimate.intervals reads it.",
+             f"measured = {json.dumps(measured)}", ""]
+    for name, c in cv.items():
+        key = name if ": " in name else f"generation: {name}"
+        keys = sorted(c.errors)
+        sources = list(dict.fromkeys(k.rsplit("/", 1)[0] for k in keys))
+        lines += [f"[regimes.{json.dumps(key)}]", "errors = [" + ", ".join(f"{c.errors[k]:.4f}" for k in keys) + "]",
+                  f"runs = {c.runs}", f"sources = {c.sources}", f"method = {json.dumps(c.method)}",
+                  "source_ids = [" + ", ".join(json.dumps(s) for s in sources) + "]", ""]
+    return "\n".join(lines)
 
 
 def print_checks(factors: Any) -> None:

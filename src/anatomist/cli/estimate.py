@@ -196,8 +196,9 @@ def render_time(t: TimeAnatomy, *, several: bool = False) -> None:
     table.add_column("TFLOP/s", justify="right")
     table.add_column("MFU", justify="right")
     table.add_column("HFU", justify="right")  # with gradient checkpointing's recomputation
-    interval = f" +-{t.error_median_pct:.0f}%" if t.error_median_pct is not None else ""
-    table.add_row(f"{t.step_s * 1e3:,.1f} ms{interval}", f"{t.samples_per_second:,.1f}", f"{t.tokens_per_second:,.0f}",
+    likely = (f", likely {t.interval.low * 1e3:,.1f} to {t.interval.high * 1e3:,.1f} ms" if t.interval is not None
+              else "")
+    table.add_row(f"{t.step_s * 1e3:,.1f} ms{likely}", f"{t.samples_per_second:,.1f}", f"{t.tokens_per_second:,.0f}",
                   f"{t.flops_per_step / t.step_s / 1e12:,.1f}", f"{t.mfu:.0%}", f"{t.hfu:.0%}")
     out.print(table)
     phases = [f"{k} {v * 1e3:,.1f} ms ({v / t.step_s:.0%})" for k, v in t.phases_s.items()]
@@ -207,6 +208,9 @@ def render_time(t: TimeAnatomy, *, several: bool = False) -> None:
     out.print("classes: " + ", ".join(f"{k} {v / t.step_s:.0%}" for k, v in t.classes_s.items()))
     said = f"{t.calibration}; {UNFITTED_TERMS}" if several else t.calibration
     out.print(said if t.calibrated else f"[yellow]{said}[/]")
+    if t.interval is not None:
+        out.print(f"time interval: {t.interval.basis}" if t.interval.validated
+                  else f"[yellow]time interval: {t.interval.basis}[/]")
 
 
 def _attention(result: Estimate) -> str:

@@ -62,10 +62,6 @@ class CalibrationError:
     sources: int
     method: str
     """leave-one-source-out, leave-one-generation-out, or in-sample (a measured fit)."""
-    low_pct: float | None = None
-    """10th percentile of the signed errors (predicted / measured - 1), in percent; None where not recorded."""
-    high_pct: float | None = None
-    """90th percentile of the signed errors, in percent."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -119,10 +115,8 @@ def _check_version(raw: dict[str, Any], where: str) -> None:
 def _error(raw: dict[str, Any] | None, method: str) -> CalibrationError | None:
     if not raw:
         return None
-    low, high = raw.get("low_pct"), raw.get("high_pct")
     return CalibrationError(median_error_pct=float(raw["median_error_pct"]), worst_error_pct=float(raw["worst_error_pct"]),
-                            runs=int(raw["runs"]), sources=int(raw.get("sources", 1)), method=str(raw.get("method", method)),
-                            low_pct=None if low is None else float(low), high_pct=None if high is None else float(high))
+                            runs=int(raw["runs"]), sources=int(raw.get("sources", 1)), method=str(raw.get("method", method)))
 
 
 def load_calibration(path: str | Path, gpu: GPU | None = None) -> Calibration:
@@ -197,15 +191,6 @@ def _published_raw() -> dict[str, Any]:
 
 
 @cache
-def regime_errors() -> dict[str, CalibrationError]:
-    """The held-out error of the published calibration per regime, "dimension: value" (`published.REGIME_DIMENSIONS`)
-    and "generation: NAME" (data/time_calibration.toml's [regimes] and each generation's cross-validation)."""
-    raw = _published_raw()
-    out = {f"generation: {name}": c.error for name, c in published().items() if c.error is not None}
-    return out | {name: e for name, spec in raw.get("regimes", {}).items() if (e := _error(spec, "")) is not None}
-
-
-@cache
 def published() -> dict[str, Calibration]:
     """The shipped calibration per generation (data/time_calibration.toml)."""
     raw = _published_raw()
@@ -249,27 +234,21 @@ def calibration_for(gpu: GPU, path: str | Path | None = None) -> Calibration:
 
 def published_toml(fitted: dict[str, Factors], cv: dict[str, Any]) -> str:
     """data/time_calibration.toml from fit.py's factors per generation and cross-validation
-    (`published.CrossValidated` per generation, and per regime "dimension: value")."""
+    (`published.CrossValidated` per generation; its signed errors per regime go to data/time_accuracy.toml)."""
     lines = [
         "# The time model's factors per GPU generation, fitted to published training runs by",
         "# benchmarks/published/fit.py (the runs and their sources: benchmarks/published/runs.toml).",
         "# Generated: edit the runs or the model, then run `fit.py components` and `fit.py fit`.",
         "# cross_validation: leave-one-source-out (each source predicted by a fit without it); for",
         "# 'any' (GPUs in no generation) leave-one-generation-out. Errors are |predicted/measured - 1|;",
-        "# low_pct and high_pct are the 10th and 90th percentiles of the signed errors (predicted/measured - 1).",
-        "# [regimes]: the same held-out errors per regime, with the checks (checks.toml, never fitted).",
+        "# the signed errors themselves, per generation and per regime: data/time_accuracy.toml.",
         f"time_model_version = {TIME_MODEL_VERSION}",
     ]
 
-    def summary(c: Any) -> list[str]:
-        return [f"median_error_pct = {c.median_error_pct:.1f}", f"worst_error_pct = {c.worst_error_pct:.1f}",
-                f"low_pct = {c.low_pct:.1f}", f"high_pct = {c.high_pct:.1f}", f"runs = {c.runs}",
-                f"sources = {c.sources}", f"method = {json.dumps(c.method)}"]
-
     for name, f in fitted.items():
+        c = cv[name]
         lines += ["", f"[generations.{name}]", *(f"{n} = {getattr(f, n):.4g}" for n in FACTOR_FIELDS),
-                  "", f"[generations.{name}.cross_validation]", *summary(cv[name])]
-    for name, c in cv.items():
-        if ": " in name:
-            lines += ["", f"[regimes.{json.dumps(name)}]", *summary(c)]
+                  "", f"[generations.{name}.cross_validation]", f"median_error_pct = {c.median_error_pct:.1f}",
+                  f"worst_error_pct = {c.worst_error_pct:.1f}", f"runs = {c.runs}", f"sources = {c.sources}",
+                  f"method = {json.dumps(c.method)}"]
     return "\n".join(lines) + "\n"

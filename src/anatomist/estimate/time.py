@@ -34,6 +34,7 @@ from anatomist.anatomy import OpClass, Phase, TimeAnatomy
 from anatomist.axes.precisions import matmul_precision
 from anatomist.estimate.calibration import Calibration, calibration_for
 from anatomist.estimate.flops import OpRecord, StepOps, step_flops, step_ops
+from anatomist.estimate.intervals import time_interval
 from anatomist.estimate.time_model import HOST_PHASE_WEIGHTS, kernel_s, phase_s
 from anatomist.hardware import GPU, Precision
 from anatomist.recipe import ResolvedRecipe
@@ -110,6 +111,7 @@ def time_from_ops(
         calibration=cal.describe(),
         error_median_pct=cal.error.median_error_pct if cal.error else None,
         error_worst_pct=cal.error.worst_error_pct if cal.error else None,
+        interval=time_interval(step_s, cal, recipe),
     )
 
 

@@ -7,6 +7,7 @@ breaks speed ties, the choice, and the smallest catalog GPU that would hold a ne
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -112,6 +113,17 @@ def _simplicity(recipe: Recipe) -> tuple[int, ...]:
 
 SPEED_TIE = 0.005
 """Throughputs within 0.5% of each other are a tie (below any time model's resolution)."""
+
+
+def speed_error(times: Iterable[TimeAnatomy]) -> float:
+    """How close two recipes' predicted speeds on the same GPU may be and still not be ranked: the median |held-out
+    error| of the step time with the calibration the `times` used (`TimeAnatomy.error_median_pct`, the GPU
+    generation's leave-one-source-out median; a measured calibration's in-sample one), at least SPEED_TIE.
+
+    The error of comparing two recipes is not known to be smaller than that of one prediction: no published source
+    timed enough recipes side by side on one GPU to measure it (the guide's V100 table, nine recipes, is the one
+    check, docs/time.md), so a plan claims no ranking inside it."""
+    return max([SPEED_TIE, *((t.error_median_pct or 0.0) / 100 for t in times)])
 
 
 HEADROOM_STEP = 0.05
