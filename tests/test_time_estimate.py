@@ -40,13 +40,25 @@ A100 = "A100-80GB"
 @pytest.mark.slow
 def test_fp16_faster_than_fp32_on_a100(workload: Workload) -> None:
     gpu = get_gpu(A100)
-    fp32 = estimate_time(workload, Recipe(per_device_train_batch_size=8).resolved(workload), gpu)
-    fp16 = estimate_time(workload, Recipe(per_device_train_batch_size=8, fp16=True).resolved(workload), gpu)
-    tf32 = estimate_time(workload, Recipe(per_device_train_batch_size=8, tf32=True).resolved(workload), gpu)
+    # 128 x 128 tokens: the GPU's work outlasts the host's issuing of it in every phase
+    fp32 = estimate_time(workload, Recipe(per_device_train_batch_size=128).resolved(workload), gpu)
+    fp16 = estimate_time(workload, Recipe(per_device_train_batch_size=128, fp16=True).resolved(workload), gpu)
+    tf32 = estimate_time(workload, Recipe(per_device_train_batch_size=128, tf32=True).resolved(workload), gpu)
     assert fp16.step_s < tf32.step_s < fp32.step_s
     assert fp16.flops_per_step == fp32.flops_per_step
     # Under autocast the matrix products speed up; the normalizations stay in fp32.
     assert fp16.classes_s["contraction"] < fp32.classes_s["contraction"] / 4
+
+
+def test_a_small_step_is_bound_by_the_host(workload: Workload) -> None:
+    """One sample of 128 tokens through two blocks: the host issues the kernels more slowly than the GPU runs them,
+    so faster matrix products (TF32) do not shorten the forward; the GPU's waiting counts as `other`."""
+    gpu = get_gpu(A100)
+    fp32 = estimate_time(workload, Recipe(per_device_train_batch_size=1).resolved(workload), gpu)
+    tf32 = estimate_time(workload, Recipe(per_device_train_batch_size=1, tf32=True).resolved(workload), gpu)
+    assert tf32.phases_s["forward"] == pytest.approx(fp32.phases_s["forward"])
+    assert tf32.classes_s["contraction"] < fp32.classes_s["contraction"]  # the GPU's own time still falls
+    assert tf32.classes_s["other"] > fp32.classes_s["other"]  # and it waits longer for the host
 
 
 def test_checkpointing_is_slower(workload: Workload) -> None:
@@ -133,7 +145,8 @@ def test_fit_calibration_recovers_known_factors(workload: Workload) -> None:
     assert f.fp32_efficiency == PRIOR.fp32_efficiency  # no fp32 step: the prior's value is kept
     # Three steps cannot tell four factors apart: the overheads keep the prior's values, the efficiencies are fitted.
     few = fit_calibration(steps[:3], source="synthetic").factors
-    assert (few.kernel_overhead_s, few.micro_batch_overhead_s) == (PRIOR.kernel_overhead_s, PRIOR.micro_batch_overhead_s)
+    assert (few.kernel_overhead_s, few.micro_batch_overhead_s, few.host_op_s) == (
+        PRIOR.kernel_overhead_s, PRIOR.micro_batch_overhead_s, PRIOR.host_op_s)
     with pytest.raises(ValueError):
         fit_calibration([], source="nothing")
 

@@ -1,5 +1,5 @@
 """The time model's published calibration: its claimed error is the error held-back runs show,
-the seeds' V100 recipe order, and the lookup that lets a GPU measurement win.
+the guide's V100 table, and the lookup that lets a GPU measurement win.
 
 The fast tests read the op components benchmarks/published/fit.py stored per run
 (components.json: tracing 150 published runs takes half an hour on 2 cores); the slow test
@@ -23,6 +23,7 @@ from anatomist.estimate.calibration import (
     published,
     user_calibration_path,
 )
+from anatomist.estimate.intervals import time_accuracy
 from anatomist.estimate.published import (
     Run,
     cross_validate,
@@ -53,6 +54,11 @@ def inputs(runs: list[dict], stored: dict) -> list[Run]:
     return load_inputs(runs, stored)
 
 
+@pytest.fixture(scope="module")
+def checks(stored: dict) -> list[Run]:
+    return load_inputs(load_runs(PUBLISHED / "checks.toml"), stored)
+
+
 def test_every_run_names_its_source_and_quote(runs: list[dict]) -> None:
     sources = {s["id"] for s in tomllib.loads((PUBLISHED / "runs.toml").read_text())["sources"]}
     assert {r["source"] for r in runs} == sources
@@ -73,18 +79,23 @@ def test_a_held_back_source_is_predicted_within_the_claimed_error(inputs: list[R
 
 
 @pytest.mark.slow
-def test_held_back_sources_are_predicted_within_the_claimed_error(inputs: list[Run]) -> None:
-    """Each source, predicted by a fit that never saw it, is within the error the shipped calibration claims
-    (the claim is this very cross-validation: a change of model or fit that worsens it fails here)."""
-    cv = cross_validate(inputs)
+def test_held_back_sources_are_predicted_within_the_claimed_error(inputs: list[Run], checks: list[Run]) -> None:
+    """Each source, predicted by a fit that never saw it, is within the error the shipped calibration claims, per
+    generation, and the time intervals' errors per generation and regime are this very cross-validation (a change of
+    model or fit that moves them fails here)."""
+    cv = cross_validate(inputs, checks)
     shipped = published()
-    assert set(cv) == set(shipped)
-    for generation, result in cv.items():
-        claim = shipped[generation].error
-        assert claim is not None and claim.runs == result.runs and claim.sources == result.sources
-        assert result.median_error_pct <= claim.median_error_pct + 0.05, generation
-        worst = max(abs(e) for e in result.errors.values()) * 100
-        assert worst <= claim.worst_error_pct + 0.05, generation
+    assert {g for g in cv if ": " not in g} == set(shipped)
+    for name, result in cv.items():
+        if ": " not in name:
+            claim = shipped[name].error
+            assert claim is not None and claim.runs == result.runs and claim.sources == result.sources, name
+            assert result.median_error_pct <= claim.median_error_pct + 0.05, name
+            assert max(abs(e) for e in result.errors.values()) * 100 <= claim.worst_error_pct + 0.05, name
+        # what the time interval reads: the same signed errors, run by run (data/time_accuracy.toml)
+        regime = time_accuracy()["regimes"][name if ": " in name else f"generation: {name}"]
+        assert regime["runs"] == result.runs and regime["sources"] == result.sources, name
+        assert regime["errors"] == pytest.approx([result.errors[k] for k in sorted(result.errors)], abs=1e-4), name
 
 
 @pytest.mark.slow
@@ -107,16 +118,17 @@ def _check_predictions(stored: dict) -> list[tuple[str, float, float]]:
     return out
 
 
-def test_seeds_v100_recipe_order(stored: dict) -> None:
-    """The seeds' V100 recipes (never fitted): the predicted order from fastest to slowest against the
-    published one (reported in docs/time.md). Every two recipes whose published speeds differ by more
-    than 5% are predicted in that order (adam8bit, 9.15 samples/s, and fp16 + checkpointing + Adafactor,
-    9.06, are not told apart), and the rank correlation is at least 0.95."""
+def test_the_guides_v100_table(stored: dict) -> None:
+    """The guide's V100 recipes (never fitted), as docs/time.md reports them: every recipe within 15% of its
+    published speed (worst today: accumulation + checkpointing + fp16, -12.5%), every speed-up over vanilla within
+    10% of the published one (worst: accumulation + checkpointing, +9.1%), and the recipes ranked from fastest to
+    slowest with a rank correlation of at least 0.95 (one pair of neighbours swapped today)."""
     rows = _check_predictions(stored)
-    for name_a, published_a, predicted_a in rows:
-        for name_b, published_b, predicted_b in rows:
-            if published_a > published_b * 1.05:
-                assert predicted_a > predicted_b, (name_a, name_b)
+    _, vanilla_published, vanilla_predicted = next(r for r in rows if r[0] == "vanilla")
+    for name, published_sps, predicted_sps in rows:
+        assert abs(predicted_sps / published_sps - 1) < 0.15, name
+        speed_up = (predicted_sps / vanilla_predicted) / (published_sps / vanilla_published)
+        assert abs(speed_up - 1) < 0.10, name
     published_order = [n for n, m, _ in sorted(rows, key=lambda r: -r[1])]
     predicted_order = [n for n, _, p in sorted(rows, key=lambda r: -r[2])]
     rank_p = {n: i for i, n in enumerate(published_order)}
@@ -129,7 +141,7 @@ def test_seeds_v100_recipe_order(stored: dict) -> None:
 # --- lookup: a GPU measurement wins -------------------------------------------------------------
 
 MEASURED = {"tensor_core_efficiency": 0.5, "fp32_efficiency": 0.7, "bandwidth_efficiency": 0.6,
-            "kernel_overhead_s": 6e-6, "micro_batch_overhead_s": 0.004}
+            "kernel_overhead_s": 6e-6, "micro_batch_overhead_s": 0.004, "host_op_s": 2e-5}
 
 
 def _write(path: Path, gpu: str, version: int = TIME_MODEL_VERSION) -> Path:
@@ -172,15 +184,15 @@ def test_estimate_says_which_calibration_it_used(cli, monkeypatch: pytest.Monkey
 @pytest.mark.parametrize("content, message", [
     ("gpu = ", "not a calibration file"),
     (None, "measured on H100-SXM, not A100-80GB"),
-    ("old", "time model version 2"),
+    ("old", "time model version 3"),
     ("unphysical", "bandwidth_efficiency must be in [0.02, 1]"),
 ])
 def test_bad_calibration_files_are_one_line_and_exit_2(cli, tmp_path: Path, content: str | None, message: str) -> None:
     path = tmp_path / "cal.toml"
     if content is None:
         _write(path, "H100-SXM")
-    elif content == "old":  # time model 2's file: its factors meant something else (a bandwidth factor up to 8)
-        _write(path, "A100-80GB", version=2)
+    elif content == "old":  # time model 3's file: no host time per kernel, phases never bound by the host
+        _write(path, "A100-80GB", version=3)
     elif content == "unphysical":
         _write(path, "A100-80GB")
         path.write_text(path.read_text().replace("bandwidth_efficiency = 0.6", "bandwidth_efficiency = 8.0"))

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from anatomist.estimate.intervals import Interval
 
 GIB = 2**30
 MIB = 2**20
@@ -196,6 +199,9 @@ class TimeAnatomy:
     """The calibration's median error in percent (cross-validated for a published one), if known."""
     error_worst_pct: float | None = None
     """Its worst error in percent, if known."""
+    interval: Interval | None = None
+    """The likely range of `step_s` in seconds, and what it rests on (`intervals.time_interval`: held-out errors of
+    published runs)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     f = cal.factors
     out.print(f"  tensor-core efficiency {f.tensor_core_efficiency:.3f}, fp32 {f.fp32_efficiency:.3f}, bandwidth "
               f"{f.bandwidth_efficiency:.3f}, kernel overhead {f.kernel_overhead_s * 1e6:.1f} us, host overhead "
-              f"{f.micro_batch_overhead_s * 1e3:.2f} ms per micro-batch")
+              f"{f.micro_batch_overhead_s * 1e3:.2f} ms per micro-batch, {f.host_op_s * 1e6:.1f} us per kernel issued")
     table = Table(title="step time, measured vs fitted", title_justify="left")
     for col in ("row", "measured", "fitted", "error"):
         table.add_column(col, justify="left" if col == "row" else "right")

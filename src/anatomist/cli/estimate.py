@@ -224,10 +224,11 @@ def render_time(t: TimeAnatomy, *, several: bool = False) -> None:
     """The predicted step time, its split by phase and by operation class; `several`: devices or offload
     add terms the calibration's error does not cover."""
     out = console()
-    interval = f" +-{t.error_median_pct:.0f}%" if t.error_median_pct is not None else ""
+    likely = (f", likely {t.interval.low * 1e3:,.1f} to {t.interval.high * 1e3:,.1f} ms" if t.interval is not None
+              else "")
     # HFU: with gradient checkpointing's recomputation
     columns = [Column(name=n, right=True) for n in ("step time", "samples/s", "tokens/s", "TFLOP/s", "MFU", "HFU")]
-    row = [f"{t.step_s * 1e3:,.1f} ms{interval}", f"{t.samples_per_second:,.1f}", f"{t.tokens_per_second:,.0f}",
+    row = [f"{t.step_s * 1e3:,.1f} ms{likely}", f"{t.samples_per_second:,.1f}", f"{t.tokens_per_second:,.0f}",
            f"{t.flops_per_step / t.step_s / 1e12:,.1f}", f"{t.mfu:.0%}", f"{t.hfu:.0%}"]
     print_table(out, "Time anatomy of one step (roofline)", columns, [row])
     phases = [f"{k} {v * 1e3:,.1f} ms ({v / t.step_s:.0%})" for k, v in t.phases_s.items()]
@@ -237,6 +238,8 @@ def render_time(t: TimeAnatomy, *, several: bool = False) -> None:
     out.print("classes: " + ", ".join(f"{k} {v / t.step_s:.0%}" for k, v in t.classes_s.items()))
     said = f"{t.calibration}; {UNFITTED_TERMS}" if several else t.calibration
     out.print(said if t.calibrated else f"[yellow]{said}[/]")
+    if t.interval is not None:
+        out.print(f"time interval: {t.interval.basis}", style=None if t.interval.validated else "yellow", markup=False)
 
 
 def _attention(result: Estimate) -> str:

@@ -15,14 +15,15 @@ Lookup, for a target GPU (`calibration_for`), first found wins:
 
 A measured file holds one GPU's factors:
 
-    time_model_version = 3
+    time_model_version = 4
     gpu = "A100-80GB"                      # the catalog name; another GPU's file is refused
     source = "anatomist calibrate: 12 bench rows of bench.jsonl on A100-80GB"
-    tensor_core_efficiency = 0.61          # the five factors of estimate/time_model.py, in their bounds
+    tensor_core_efficiency = 0.61          # the six factors of estimate/time_model.py, in their bounds
     fp32_efficiency = 0.8
     bandwidth_efficiency = 0.55
     kernel_overhead_s = 4.2e-06
     micro_batch_overhead_s = 0.002
+    host_op_s = 2.5e-05
     [fit]                                  # optional: the in-sample error of that fit
     runs = 12
     median_error_pct = 3.1
@@ -183,11 +184,16 @@ def generation_of_gpu(name: str) -> str:
 
 
 @cache
+def _published_raw() -> dict[str, Any]:
+    raw = tomllib.loads(resources.files("anatomist.data").joinpath("time_calibration.toml").read_text())
+    _check_version(raw, "data/time_calibration.toml")
+    return raw
+
+
+@cache
 def published() -> dict[str, Calibration]:
     """The shipped calibration per generation (data/time_calibration.toml)."""
-    text = resources.files("anatomist.data").joinpath("time_calibration.toml").read_text()
-    raw = tomllib.loads(text)
-    _check_version(raw, "data/time_calibration.toml")
+    raw = _published_raw()
     out = {}
     for name, spec in raw["generations"].items():
         out[name] = Calibration(
@@ -228,22 +234,21 @@ def calibration_for(gpu: GPU, path: str | Path | None = None) -> Calibration:
 
 def published_toml(fitted: dict[str, Factors], cv: dict[str, Any]) -> str:
     """data/time_calibration.toml from fit.py's factors per generation and cross-validation
-    (`published.CrossValidated` per generation)."""
+    (`published.CrossValidated` per generation; its signed errors per regime go to data/time_accuracy.toml)."""
     lines = [
         "# The time model's factors per GPU generation, fitted to published training runs by",
         "# benchmarks/published/fit.py (the runs and their sources: benchmarks/published/runs.toml).",
         "# Generated: edit the runs or the model, then run `fit.py components` and `fit.py fit`.",
         "# cross_validation: leave-one-source-out (each source predicted by a fit without it); for",
-        "# 'any' (GPUs in no generation) leave-one-generation-out. Errors are |predicted/measured - 1|.",
+        "# 'any' (GPUs in no generation) leave-one-generation-out. Errors are |predicted/measured - 1|;",
+        "# the signed errors themselves, per generation and per regime: data/time_accuracy.toml.",
         f"time_model_version = {TIME_MODEL_VERSION}",
     ]
+
     for name, f in fitted.items():
         c = cv[name]
         lines += ["", f"[generations.{name}]", *(f"{n} = {getattr(f, n):.4g}" for n in FACTOR_FIELDS),
-                  "", f"[generations.{name}.cross_validation]",
-                  f"median_error_pct = {c.median_error_pct:.1f}",
-                  f"worst_error_pct = {c.worst_error_pct:.1f}",
-                  f"runs = {c.runs}",
-                  f"sources = {c.sources}",
+                  "", f"[generations.{name}.cross_validation]", f"median_error_pct = {c.median_error_pct:.1f}",
+                  f"worst_error_pct = {c.worst_error_pct:.1f}", f"runs = {c.runs}", f"sources = {c.sources}",
                   f"method = {json.dumps(c.method)}"]
     return "\n".join(lines) + "\n"

@@ -56,7 +56,8 @@ from typing import Any, Protocol
 
 from anatomist.anatomy import TimeAnatomy
 from anatomist.errors import InputError
-from anatomist.estimate.calibration import Calibration
+from anatomist.estimate.calibration import Calibration, calibration_for
+from anatomist.estimate.intervals import time_interval
 from anatomist.estimate.sharding import overlap_comm
 from anatomist.estimate.time import estimate_time
 from anatomist.hardware import GPU
@@ -65,7 +66,7 @@ from anatomist.workload import Workload
 
 DEFAULT_NODES = 1
 UNFITTED_TERMS = ("the sharding, offload and communication terms are not in that error (plan_throughput.toml's "
-                  "constants, not fitted; on llm-foundry's runs on 16-512 GPUs: 3.3% median, docs/time.md)")
+                  "constants, not fitted; on llm-foundry's runs on 16-512 GPUs: 3.6% median, docs/time.md)")
 """What a calibrated time's error leaves out once a step has more than one device or offloads."""
 
 
@@ -312,6 +313,7 @@ def predict_time(
 ) -> TimeAnatomy:
     """One optimizer step of `recipe` on `num_gpus` data-parallel devices, spread over `nodes`
     machines joined by `network` (module docstring)."""
+    calibration = calibration or calibration_for(gpu)
     one = estimate_time(workload, recipe, gpu, calibration)
     phases = dict(one.phases_s)
     if recipe.offload != "none":
@@ -344,4 +346,5 @@ def predict_time(
         calibration=one.calibration,
         error_median_pct=one.error_median_pct,
         error_worst_pct=one.error_worst_pct,
+        interval=time_interval(step_s, calibration, recipe, num_gpus, nodes),
     )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -154,6 +155,11 @@ def _step_ops(workload: Workload, recipe: ResolvedRecipe, compute_capability: st
         records = _extrapolate(plan, counts)
     records.sort(key=lambda r: (STEP_PHASES.index(r.phase), -r.flops * r.count, -r.bytes * r.count))
     return StepOps(records=records)
+
+
+def ops_of(signatures: Iterable[Signature]) -> StepOps:
+    """The records of `signatures`, the ops of one traced part at full depth (each signature's calls counted)."""
+    return StepOps(records=[_record(sig, float(n)) for sig, n in Counter(signatures).items()])
 
 
 def _record(sig: Signature, count: float) -> OpRecord:

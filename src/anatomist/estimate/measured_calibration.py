@@ -32,7 +32,7 @@ class TimedStep:
 def fit_calibration(steps: list[TimedStep], *, source: str) -> Calibration:
     """The factors that best predict `steps` measured on one GPU (`anatomist calibrate`).
 
-    All five factors are fitted (`time_fit.fit`, starting from the published PRIOR); an
+    All six factors are fitted (`time_fit.fit`, starting from the published PRIOR); an
     efficiency the steps cannot tell, and the overheads where there are fewer steps than factors,
     keep the prior's value. The result is a measured calibration for the steps' GPU, with the
     fit's own (in-sample) error.

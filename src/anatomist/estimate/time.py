@@ -14,8 +14,10 @@ bytes-bound (foreach AdamW's kernels read and write weights, gradients and both 
 MFU counts the model FLOPs (the step without gradient checkpointing), HFU the hardware FLOPs
 (recomputation included): `flops.step_flops`.
 
-Each micro-batch adds the host's own time (the training loop's Python, the batch's collation and
-copy). The factors (`time_model.Factors` in a `calibration.Calibration`) come from the lookup of
+A phase (forward, backward, optimizer) takes at least the host's time to issue its kernels, one by
+one (`time_model.phase_s`): a small batch or a Python loop over the parameters (Adafactor, a for-loop
+AdamW) is bound by the host, not the GPU. Each micro-batch adds the host's own time (the training
+loop's Python, the batch's collation and copy). The factors (`time_model.Factors` in a `calibration.Calibration`) come from the lookup of
 `calibration.calibration_for`: the user's measured calibration of the GPU if any, else the
 published calibration of its generation, fitted to published training runs
 (benchmarks/published) with its cross-validated error.
@@ -32,7 +34,8 @@ from anatomist.anatomy import OpClass, Phase, TimeAnatomy
 from anatomist.axes.precisions import matmul_precision
 from anatomist.estimate.calibration import Calibration, calibration_for
 from anatomist.estimate.flops import OpRecord, StepOps, step_flops, step_ops
-from anatomist.estimate.time_model import kernel_s
+from anatomist.estimate.intervals import time_interval
+from anatomist.estimate.time_model import HOST_PHASE_WEIGHTS, kernel_s, phase_s
 from anatomist.hardware import GPU, Precision
 from anatomist.recipe import ResolvedRecipe
 from anatomist.workload import Workload
@@ -67,19 +70,28 @@ def op_call_s(record: OpRecord, recipe: ResolvedRecipe, gpu: GPU, cal: Calibrati
 def time_from_ops(
     ops: StepOps, workload: Workload, recipe: ResolvedRecipe, gpu: GPU, cal: Calibration | None = None
 ) -> TimeAnatomy:
-    """Add the per-kernel times of `ops` up into a step's TimeAnatomy, plus the host's time per
-    micro-batch (`cal`: the factors to use; default `calibration_for(gpu)`)."""
+    """Add the per-kernel times of `ops` up into a step's TimeAnatomy: each phase the slower of its kernels' GPU time
+    and the host's time to issue them (`time_model.phase_s`), plus the host's time per micro-batch (`cal`: the
+    factors to use; default `calibration_for(gpu)`). Where the host is the bound, the GPU's idle time counts as
+    `other` (the host's, as the time per micro-batch)."""
     cal = cal or calibration_for(gpu)
     accumulation = recipe.gradient_accumulation_steps
-    phases = dict.fromkeys((Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER), 0.0)
+    gpu_s = dict.fromkeys((Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER), 0.0)
+    kernels = dict.fromkeys(gpu_s, 0.0)
     classes = dict.fromkeys(OpClass, 0.0)
     for record in ops.records:
-        seconds = op_call_s(record, recipe, gpu, cal) * record.calls_per_step(accumulation)
-        phases[record.phase] += seconds
+        if record.view:
+            continue
+        calls = record.calls_per_step(accumulation)
+        seconds = op_call_s(record, recipe, gpu, cal) * calls
+        gpu_s[record.phase] += seconds
+        kernels[record.phase] += calls
         classes[record.op_class] += seconds
+    phases = {p: float(phase_s(gpu_s[p], kernels[p], HOST_PHASE_WEIGHTS[i], cal.factors)) for i, p in enumerate(gpu_s)}
     host_s = cal.factors.micro_batch_overhead_s * accumulation
     step_s = sum(phases.values()) + host_s
-    classes[OpClass.OTHER] += host_s  # the training loop's own time: no op class of its own
+    # the training loop's own time, and the GPU's waiting for the host: no op class of their own
+    classes[OpClass.OTHER] += host_s + sum(phases[p] - gpu_s[p] for p in phases)
     flops = step_flops(workload, recipe, gpu.compute_capability, ops=ops)
     samples = recipe.per_device_train_batch_size * accumulation
     # A GPU without tensor cores for the dtype (bf16 on a V100) runs it at its fp32 rate at best.
@@ -99,6 +111,7 @@ def time_from_ops(
         calibration=cal.describe(),
         error_median_pct=cal.error.median_error_pct if cal.error else None,
         error_worst_pct=cal.error.worst_error_pct if cal.error else None,
+        interval=time_interval(step_s, cal, recipe),
     )
 
 

@@ -1,14 +1,24 @@
-"""The time model's five factors and the time of one kernel: the formula the estimate (time.py), the
-fit (time_fit.py) and the calibration files (calibration.py) share.
+"""The time model's six factors, the time of one kernel and of one phase: the formulas the estimate
+(time.py), the fit (time_fit.py) and the calibration files (calibration.py) share.
 
-One kernel (an op of the traced step, or a fused kernel of compiled code) takes
+One kernel (an op of the traced step, or a fused kernel of compiled code) takes, on the GPU,
 
     max(tensor_core_s / tensor_core_efficiency + cuda_core_s / fp32_efficiency,
         memory_s / bandwidth_efficiency) + kernel_overhead_s
 
-where the three `_s` are its seconds at 100% of the GPU's datasheet peaks (`time.peak_seconds`), and
-each micro-batch adds `micro_batch_overhead_s` of host time the GPU waits for (the training loop's
-Python, collation and host-to-device copy of the batch, the loss's NaN check that synchronizes).
+where the three `_s` are its seconds at 100% of the GPU's datasheet peaks (`time.peak_seconds`). The
+host issues the kernels one by one and runs ahead of the GPU (a launch is asynchronous): each kernel
+costs it `host_op_s` in the forward (the model's Python around the op, the dispatcher, autograd's
+bookkeeping, the launch), and a measured fraction of that in the backward (the autograd engine's C++ issues
+those) and in the optimizer step (`HOST_PHASE_WEIGHTS`). A phase of the step (a micro-batch's forward, its
+backward, the optimizer step) therefore takes
+
+    max(sum of its kernels' GPU times, its kernels x weight of the phase x host_op_s)
+
+whichever of the two is slower: the GPU's work, or the host's issuing of it (a small batch, a Python
+loop over parameters). Each micro-batch adds `micro_batch_overhead_s` of host time the GPU waits for
+(the training loop's Python, collation and host-to-device copy of the batch, the loss's NaN check that
+synchronizes).
 
 Each factor means what its name says, so each is bounded by what it can physically be: the
 efficiencies are fractions of a datasheet peak, in (0, 1]; the overheads are host times, bounded by
@@ -24,11 +34,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-TIME_MODEL_VERSION = 3
+TIME_MODEL_VERSION = 4
 """Bumped when the meaning of the factors changes; a calibration file of another version is refused.
 1: roofline + launch overhead (placeholders); 2: + per-step overhead, bandwidth factor up to 8,
 fitted to published runs; 3: every factor bounded to what it physically is, host overhead per
-micro-batch."""
+micro-batch; 4: + the host's time per kernel, a phase bound by the slower of the GPU and the host."""
 
 EFFICIENCY_MIN = 0.02
 """The lowest efficiency a fit may give (2% of a peak): below it a kernel is not compute- or
@@ -42,6 +52,20 @@ MICRO_BATCH_OVERHEAD_S = 1.5e-3
 launch about as many kernels per micro-batch, so this and the per-kernel overhead trade off): the
 Trainer's loop around a 1-parameter model, 1.4-2.0 ms per optimizer step of one micro-batch on the
 build machine (benchmarks/published/overheads.py, three runs)."""
+HOST_OP_S = 27e-6
+"""The host's time per forward kernel where no run tells it: the forward of a 12-layer BERT on the build machine's
+CPU, 26.8 us per kernel (HOST_PHASE_WEIGHTS)."""
+HOST_PHASE_WEIGHTS = (1.0, 0.46, 0.17)
+"""The host's time per kernel in the forward, the backward and a Python loop of an optimizer step (for-loop AdamW,
+clipping and zeroing per parameter), relative to the forward's: a 12-layer BERT of hidden size 32 on the build
+machine's CPU (one thread, 376 / 673 / 2434 kernels), the fastest of 200 steps, in three runs on the shared machine
+26.8 / 11.8 / 4.2, 44.4 / 20.3 / 6.5 and 40.1 / 19.4 / 7.5 us per kernel: backward 0.44-0.48 of the forward,
+optimizer 0.15-0.19, their means here (benchmarks/published/overheads.py). On a GPU each kernel's launch adds a few
+microseconds the CPU run has not, which would bring the three closer."""
+HOST_OP_MAX_S = 60e-6
+"""Upper bound of the host's time per kernel: several times what one eager op with autograd costs the build
+machine's host (10-12 us, benchmarks/published/overheads.py), room for a slower host and a model's own Python
+per op (the module calls around it), not for GPU work the roofline misses."""
 MICRO_BATCH_OVERHEAD_MAX_S = 10e-3
 """Upper bound of the host time per micro-batch: several times MICRO_BATCH_OVERHEAD_S, room for a real
 dataset's collation and a slower host, not for work the roofline misses."""
@@ -63,13 +87,17 @@ class Factors:
     """Seconds each kernel adds beyond its roofline time (launch, dispatch, a small kernel's tail)."""
     micro_batch_overhead_s: float
     """Host seconds per micro-batch that the GPU waits for (the training loop around the model)."""
+    host_op_s: float = 0.0
+    """Host seconds to issue one forward kernel (Python, dispatcher, autograd, launch): a phase takes at least its
+    kernels times this times the phase's weight (module docstring). 0: the host is never the bound (time model 3)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_core_efficiency", "fp32_efficiency", "bandwidth_efficiency"):
             value = getattr(self, name)
             if not EFFICIENCY_MIN <= value <= 1:
                 raise ValueError(f"{name} must be in [{EFFICIENCY_MIN}, 1] (a fraction of a datasheet peak), got {value!r}")
-        for name, upper in (("kernel_overhead_s", KERNEL_OVERHEAD_MAX_S), ("micro_batch_overhead_s", MICRO_BATCH_OVERHEAD_MAX_S)):
+        for name, upper in (("kernel_overhead_s", KERNEL_OVERHEAD_MAX_S), ("micro_batch_overhead_s", MICRO_BATCH_OVERHEAD_MAX_S),
+                            ("host_op_s", HOST_OP_MAX_S)):
             value = getattr(self, name)
             if not 0 <= value <= upper:
                 raise ValueError(f"{name} must be in [0, {upper:g}] s, got {value!r}")
@@ -86,3 +114,9 @@ def kernel_s(tensor_core_s: F, cuda_core_s: F, memory_s: F, f: Factors) -> F:
     """Seconds of one kernel call (or of each of arrays of them) from its seconds at the peaks."""
     compute = tensor_core_s / f.tensor_core_efficiency + cuda_core_s / f.fp32_efficiency
     return np.maximum(compute, memory_s / f.bandwidth_efficiency) + f.kernel_overhead_s  # type: ignore[no-any-return]
+
+
+def phase_s(gpu_s: F, kernels: F, weight: F | float, f: Factors) -> F:
+    """Seconds of one phase (or of each of arrays of them): its kernels' GPU seconds, unless the host takes
+    longer to issue them (`kernels` x the phase's `weight` (HOST_PHASE_WEIGHTS) x `host_op_s`)."""
+    return np.maximum(gpu_s, kernels * weight * f.host_op_s)  # type: ignore[no-any-return]

@@ -17,7 +17,7 @@ from anatomist.axes.shardings import sharding_of
 from anatomist.errors import InputError
 from anatomist.estimate.traces import prefetch
 from anatomist.hardware import GPU
-from anatomist.plan.candidates import SPEED_TIE, Candidate, Evaluator, smallest_fitting_gpu
+from anatomist.plan.candidates import HEADROOM_STEP, SPEED_TIE, Candidate, Evaluator, smallest_fitting_gpu
 from anatomist.plan.space import (
     BF16_WEIGHTS_TRADE_OFF,
     METHODS,
@@ -118,8 +118,11 @@ def _axes(space: SearchSpace, gpu: GPU, sdpa: bool = True) -> list[tuple[str, Ca
     ]
 
 
-def explain(best: Candidate, evaluate: Evaluator, space: SearchSpace, objective: str, limit: int) -> list[str]:
-    """One line per axis: the chosen value, why, and what each alternative would do."""
+def explain(best: Candidate, evaluate: Evaluator, space: SearchSpace, objective: str, limit: int, *,
+            speed_error: float = SPEED_TIE) -> list[str]:
+    """One line per axis: the chosen value, why, and what each alternative would do. An alternative that fits and is
+    predicted faster, but by less than `speed_error` (`candidates.speed_error`), was passed over by `choose` for
+    headroom or simplicity: the line says which."""
     reasons = []
     goal = "fastest" if objective == "throughput" else "smallest"
     axes = [(axis, label, alternatives(best.recipe)) for axis, label, alternatives in _axes(space, evaluate.gpu, evaluate.workload.default_attention() == "sdpa")]
@@ -133,7 +136,10 @@ def explain(best: Candidate, evaluate: Evaluator, space: SearchSpace, objective:
         fitting = [(n, c) for n, c in alts if c.fits]
         faster_blocked = [n for n, c in alts if not c.fits and c.samples_per_second > best.samples_per_second * (1 + SPEED_TIE)]
         tied = [n for n, c in fitting if abs(c.samples_per_second / best.samples_per_second - 1) < SPEED_TIE]
-        if objective == "throughput" and tied:
+        passed = [(n, c) for n, c in fitting if c.samples_per_second >= best.samples_per_second * (1 + SPEED_TIE)]
+        if objective == "throughput" and passed:
+            why = _passed_over(best, *max(passed, key=lambda a: a[1].samples_per_second), speed_error, limit)
+        elif objective == "throughput" and tied:
             why = f"ties on predicted speed with {', '.join(tied)}; chosen as the simpler"
         elif faster_blocked and not any(c.samples_per_second > best.samples_per_second for _, c in fitting):
             verb = "does" if len(faster_blocked) == 1 else "do"
@@ -150,6 +156,18 @@ def explain(best: Candidate, evaluate: Evaluator, space: SearchSpace, objective:
         method = {"lora": "LoRA", "qlora": "QLoRA"}[method_of(best.recipe)]
         reasons.append(PEFT_TRADE_OFF.format(method=method, r=best.recipe.lora_r))
     return reasons
+
+
+def _passed_over(best: Candidate, name: str, faster: Candidate, speed_error: float, limit: int) -> str:
+    """Why `choose` kept `best` over `faster`, an alternative predicted faster within `speed_error`: more headroom at
+    the top of its memory interval (by at least HEADROOM_STEP of `limit`), else simplicity."""
+    ahead = faster.samples_per_second / best.samples_per_second - 1
+    said = f"{name} is {ahead:.0%} faster predicted, inside the +-{speed_error:.0%} time error"
+    roomier = faster.device_total_high - best.device_total_high
+    if roomier >= HEADROOM_STEP * limit:
+        return f"{said}: the pick keeps {_gib(roomier)} more headroom (up to {_gib(best.device_total_high)} of " \
+               f"{_gib(limit)})"
+    return f"{said}: chosen as the simpler"
 
 
 def explain_infeasible(

@@ -4,8 +4,8 @@ Memory comes from `estimate_memory` (fake-tensor traces, cached per trace-shapin
 batch size, accumulation and sharding variations are arithmetic); time from the time model
 (`communication.predict_time`). A recipe fits when the top of its predicted device total's interval (what
 nvidia-smi would show, as far above the prediction as published GPU runs were: `estimate.intervals`) is at most
-(1 - margin) x the GPU's memory; among recipes the time model cannot rank the pick prefers headroom
-(`candidates.choose`).
+(1 - margin) x the GPU's memory; among recipes the time model cannot rank (predicted within its median held-out
+error of the fastest: `candidates.speed_error`) the pick prefers headroom, then the simplest (`candidates.choose`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,16 @@ from anatomist.estimate.flops import recomputing_nothing
 from anatomist.estimate.memory import memory_limit_bytes
 from anatomist.estimate.traces import prefetch
 from anatomist.hardware import GPU
-from anatomist.plan.candidates import SPEED_TIE, Candidate, Evaluator, Objective, choose, pareto_front, with_pick
+from anatomist.plan.candidates import (
+    SPEED_TIE,
+    Candidate,
+    Evaluator,
+    Objective,
+    choose,
+    pareto_front,
+    speed_error,
+    with_pick,
+)
 from anatomist.plan.reasons import explain, explain_infeasible
 from anatomist.plan.space import SearchSpace, can_offload_activations, enumerate_recipes, partial_variants
 from anatomist.recipe import ResolvedRecipe
@@ -54,6 +63,8 @@ class Plan:
     pareto: list[Candidate]
     best: Candidate
     time_calibrated: bool
+    speed_error: float
+    """Relative speed difference below which the plan does not rank two recipes (`candidates.speed_error`)."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -72,6 +83,7 @@ class Plan:
             "memory_margin": self.margin,
             "limit_bytes": self.limit_bytes,
             "time_calibrated": self.time_calibrated,
+            "speed_error": self.speed_error,
             "candidates": len(self.candidates),
             "feasible": len(self.feasible),
             "pareto": [c.to_dict() for c in self.pareto],
@@ -169,16 +181,17 @@ def plan(
         _trace_ahead(evaluate, recipes)  # every trace, side by side
         candidates = [evaluate(r) for r in recipes]
         feasible = [c for c in candidates if c.fits]
-        variants = checkpointing_variants(recipes, choose(feasible, objective, limit=limit) if feasible else None,
-                                          evaluate, objective, space)
+        error = speed_error(c.time for c in candidates)
+        variants = checkpointing_variants(recipes, choose(feasible, objective, speed_error=error, limit=limit)
+                                          if feasible else None, evaluate, objective, space)
         if variants:
             _trace_ahead(evaluate, variants)
             candidates += [evaluate(r) for r in variants]
             feasible = [c for c in candidates if c.fits]
         if not feasible:
             raise InputError(explain_infeasible(workload, gpu, space, candidates, limit, margin))
-        best = choose(feasible, objective, limit=limit)
-        best.reasons = explain(best, evaluate, space, objective, limit)
+        best = choose(feasible, objective, speed_error=error, limit=limit)
+        best.reasons = explain(best, evaluate, space, objective, limit, speed_error=error)
     calibrated = all(c.time.calibrated for c in candidates)
     front = with_pick(pareto_front(feasible), best)
     _, precision_notes = searchable_on(gpu)
@@ -200,9 +213,12 @@ def plan(
         notes.append("held fixed by --recipe: " + ", ".join(f"{k}={v}" for k, v in space.fixed.items()))
     notes.append(f"{best.time.calibration}; {UNFITTED_TERMS}" if adds_device_terms(best.recipe, space.num_gpus)
                  else best.time.calibration)
+    if objective == "throughput":
+        notes.append(f"speed: recipes predicted within {error:.0%} of the fastest are not ranked (the time model's "
+                     "median held-out error); of them the pick keeps the most headroom, then prefers the simplest")
     return Plan(
         workload=workload, gpu=gpu, space=space, objective=objective, margin=margin, limit_bytes=limit,
-        candidates=candidates, pareto=front, best=best, time_calibrated=calibrated, notes=notes,
+        candidates=candidates, pareto=front, best=best, time_calibrated=calibrated, speed_error=error, notes=notes,
     )
 
 
@@ -220,7 +236,7 @@ def fastest_fitting(
 
     The time of every recipe comes first: it reads one device's traces (`Evaluator.time`), which every sharding
     shares. The memory then goes fastest first: the first recipe that fits is the fastest that fits, and only the
-    recipes within SPEED_TIE of it can be chosen; the memory of the slower ones (above all the FSDP recipes' own
+    recipes within `candidates.speed_error` of it can be chosen; the memory of the slower ones (above all the FSDP recipes' own
     traces, one per world size) is never predicted. The choice among those within the tie is `choose`'s, over
     the recipes in the search's own order, so a tie is broken as `plan` breaks it.
 
@@ -242,15 +258,17 @@ def fastest_fitting(
 
 
 def _fastest_of(recipes: list[ResolvedRecipe], evaluate: Evaluator) -> Candidate | None:
-    """`choose(feasible, "throughput")` of `recipes`, their memory predicted fastest first, in bands of SPEED_TIE,
-    until the recipes left are slower than the fastest that fits by more than SPEED_TIE (`fastest_fitting`)."""
+    """`choose(feasible, "throughput")` of `recipes`, their memory predicted fastest first, in bands of the speed
+    error, until the recipes left are slower than the fastest that fits by more than it (`fastest_fitting`)."""
     prefetch(evaluate.workload, _time_traced(recipes), evaluate.gpu.compute_capability, num_gpus=evaluate.num_gpus)
-    speeds = [evaluate.time(r).samples_per_second for r in recipes]
+    times = [evaluate.time(r) for r in recipes]
+    error = speed_error(times)
+    speeds = [t.samples_per_second for t in times]
     fastest_first = sorted(zip(speeds, recipes, strict=True), key=lambda pair: -pair[0])
     top: float | None = None
     start = 0
     while start < len(fastest_first):
-        floor = (top if top is not None else fastest_first[start][0]) * (1 - SPEED_TIE)
+        floor = (top if top is not None else fastest_first[start][0]) * (1 - error)
         band = []
         for speed, recipe in fastest_first[start:]:
             if speed < floor:
@@ -264,7 +282,8 @@ def _fastest_of(recipes: list[ResolvedRecipe], evaluate: Evaluator) -> Candidate
             top = max(fitting)
         start += len(band)
     feasible = [evaluate(r) for r in recipes if r in evaluate.seen and evaluate(r).fits]
-    return choose(feasible, "throughput", limit=memory_limit_bytes(evaluate.gpu, evaluate.margin)) if feasible else None
+    return (choose(feasible, "throughput", speed_error=error, limit=memory_limit_bytes(evaluate.gpu, evaluate.margin))
+            if feasible else None)
 
 
 def _time_traced(recipes: list[ResolvedRecipe]) -> list[ResolvedRecipe]:
