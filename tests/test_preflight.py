@@ -8,6 +8,7 @@ number of optimizer steps the Trainer took, and the record read back.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -25,6 +26,9 @@ from anatomist.workload import load_workload
 
 SEQ = 64
 GPU = "A100-80GB"
+BARE = dataclasses.replace(get_gpu(GPU), cuda_context_bytes=0)
+"""The A100 without its CUDA context: a tiny model's recipes then differ by more than the memory interval's width
+(the context, 0.49 GiB, would be most of each total), so a budget can refuse one and fit another."""
 NUM_SAMPLES = 32
 
 
@@ -37,7 +41,7 @@ def llama(tmp_path_factory):
 
 def _total(workload, batch: int, accumulation: int) -> int:
     recipe = Recipe(per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation, dtype="float32")
-    total = estimate(workload, recipe, get_gpu(GPU)).memory.anatomy.device_total
+    total = estimate(workload, recipe, BARE).memory.anatomy.device_total
     assert total is not None
     return total
 
@@ -65,14 +69,14 @@ def _feeds(model) -> list[int]:
 def test_refuse_stops_before_the_first_optimizer_step(llama, tmp_path):
     # budget just under the prediction at 16 x 1: 16 x 1 does not fit, a smaller pair does
     budget = (_total(llama, 16, 1) + _total(llama, 4, 4)) // 2
-    callback = AnatomistCallback(tokens_per_sample=SEQ, preflight="refuse", gpu=GPU, limit_bytes=budget, record=False)
+    callback = AnatomistCallback(tokens_per_sample=SEQ, preflight="refuse", gpu=BARE, limit_bytes=budget, record=False)
     trainer = _trainer(llama, tmp_path, 16, 1)
     trainer.add_callback(callback)  # added after __init__: the pre-flight runs at on_train_begin
     steps: list[int] = []
     trainer.create_optimizer()
     trainer.optimizer.register_step_pre_hook(lambda *a: steps.append(1))
-    with pytest.raises(PreflightRefused, match=r"will not fit: predicted device total .* > limit .*smallest change "
-                                               r"that fits: .*effective batch 16 kept"):
+    with pytest.raises(PreflightRefused, match=r"will not fit: predicted device total .* against the limit .*smallest "
+                                               r"change that fits at the top of its interval: .*effective batch 16 kept"):
         trainer.train()
     assert steps == [] and trainer.state.global_step == 0
     change = callback.preflight.change.recipe
@@ -84,7 +88,7 @@ def test_fit_keeps_the_effective_batch_and_trains(llama, tmp_path):
     budget = (_total(llama, 16, 1) + _total(llama, 4, 4)) // 2
     trainer = _trainer(llama, tmp_path, 16, 1)
     fed = _feeds(trainer.model)
-    callback = AnatomistCallback(tokens_per_sample=SEQ, preflight="fit", gpu=GPU, limit_bytes=budget,
+    callback = AnatomistCallback(tokens_per_sample=SEQ, preflight="fit", gpu=BARE, limit_bytes=budget,
                                  record=tmp_path / "runs.jsonl", compare_after_steps=1, print_at_end=False)
     callback.attach(trainer)
     new = callback.preflight.change.recipe
@@ -111,7 +115,7 @@ def test_fit_with_no_pair_that_fits_refuses_and_leaves_the_batch(llama, tmp_path
     # below batch 1 x 16 (the smallest pair keeping 16), above the weights: no pair fits
     budget = _total(llama, 1, 16) - 2**20
     trainer = _trainer(llama, tmp_path, 16, 1)
-    callback = AnatomistCallback(tokens_per_sample=SEQ, preflight="fit", gpu=GPU, limit_bytes=budget, record=False)
+    callback = AnatomistCallback(tokens_per_sample=SEQ, preflight="fit", gpu=BARE, limit_bytes=budget, record=False)
     with pytest.raises(PreflightRefused, match="will not fit"):
         callback.attach(trainer)
     assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (16, 1)
@@ -121,7 +125,7 @@ def test_fit_with_no_pair_that_fits_refuses_and_leaves_the_batch(llama, tmp_path
 @pytest.mark.slow
 def test_fit_without_attach_says_how(llama, tmp_path):
     budget = (_total(llama, 16, 1) + _total(llama, 4, 4)) // 2
-    callback = AnatomistCallback(tokens_per_sample=SEQ, preflight="fit", gpu=GPU, limit_bytes=budget, record=False)
+    callback = AnatomistCallback(tokens_per_sample=SEQ, preflight="fit", gpu=BARE, limit_bytes=budget, record=False)
     trainer = _trainer(llama, tmp_path, 16, 1, callback)
     with pytest.raises(PreflightRefused, match=r"\.attach\(trainer\) before trainer\.train\(\)"):
         trainer.train()
@@ -131,7 +135,7 @@ def test_fit_without_attach_says_how(llama, tmp_path):
 @pytest.mark.slow
 def test_warn_lets_a_run_that_does_not_fit_go_on(llama, tmp_path, caplog):
     budget = (_total(llama, 16, 1) + _total(llama, 4, 4)) // 2
-    callback = AnatomistCallback(tokens_per_sample=SEQ, gpu=GPU, limit_bytes=budget, record=False, print_at_end=False)
+    callback = AnatomistCallback(tokens_per_sample=SEQ, gpu=BARE, limit_bytes=budget, record=False, print_at_end=False)
     trainer = _trainer(llama, tmp_path, 16, 1, callback)
     with caplog.at_level("WARNING", logger="anatomist"):
         trainer.train()
@@ -233,9 +237,9 @@ def test_track_refuses_before_the_loop(llama):
     budget = (_total(llama, 16, 1) + _total(llama, 4, 4)) // 2
     model = llama.build_model("sdpa", "float32")
     ran: list[int] = []
-    with pytest.raises(PreflightRefused, match="smallest change that fits: per_device_train_batch_size=16 -> "):
+    with pytest.raises(PreflightRefused, match="smallest change that fits at the top of its interval: per_device_train_batch_size=16 -> "):
         with track(model, torch.optim.AdamW(model.parameters()), samples_per_step=16, tokens_per_sample=SEQ,
-                   recipe={"per_device_train_batch_size": 16}, preflight="refuse", gpu=GPU, limit_bytes=budget,
+                   recipe={"per_device_train_batch_size": 16}, preflight="refuse", gpu=BARE, limit_bytes=budget,
                    record=False, print_at_end=False):
             ran.append(1)
     assert ran == []
