@@ -73,7 +73,7 @@ def test_the_shipped_errors_are_a_fresh_check_of_the_published_runs(tmp_path: Pa
     shipped = (ROOT / "src/anatomist/data/memory_accuracy.toml").read_text()
     proc = subprocess.run([sys.executable, "-c", (
         "import sys; sys.path.insert(0, 'benchmarks/published'); import memory; "
-        "print(memory.accuracy_table(memory.check(memory.load()['rows']), 'today'))")],
+        "sys.stdout.write(memory.accuracy_table(memory.check(memory.load()['rows']), 'today'))")],
         cwd=ROOT, capture_output=True, text=True, env={"PYTHONPATH": str(ROOT / "src"), "PATH": ""}, timeout=3000)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
