@@ -146,6 +146,8 @@ def test_the_short_form_answers_and_its_link_keeps_it(browser: Any, live: LiveSe
     assert _js(d, "return document.getElementById('verdict').dataset.verdict;") == "fits"
     assert " (likely " in _text(d, "verdict")  # the device total's range, from the published runs' errors
     assert _text(d, "interval").startswith("Memory interval: not validated: no published GPU run of plain data")
+    assert ", likely " in _js(d, "return document.querySelector('#table-time td[data-key=step_s]').innerText;")
+    assert _text(d, "time-interval").startswith("Time interval: not validated: ")  # LoRA on 2 GPUs: no timed run
     assert int(_text(d, "max-batch")) > 4
     anatomy = _anatomy(d)
     assert sum(v for k, v in anatomy.items() if k != "device_total") == anatomy["device_total"]

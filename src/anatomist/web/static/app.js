@@ -389,7 +389,8 @@ function renderTime(t) {
     el("div", { class: "scroll" }, el("table", { id: "table-time" },
       el("thead", {}, el("tr", {}, ["step time", "samples/s", "tokens/s", "TFLOP/s", "MFU", "HFU"].map((h) => el("th", { text: h })))),
       el("tbody", {}, el("tr", {},
-        el("td", { class: "num", "data-key": "step_s", "data-value": String(t.step_s), text: `${num(t.step_s * 1e3)} ms` }),
+        el("td", { class: "num", "data-key": "step_s", "data-value": String(t.step_s), text: `${num(t.step_s * 1e3)} ms` +
+          (t.interval ? `, likely ${num(t.interval.low * 1e3)} to ${num(t.interval.high * 1e3)} ms` : "") }),
         el("td", { class: "num", "data-key": "samples_per_second", "data-value": String(t.samples_per_second), text: num(t.samples_per_second) }),
         el("td", { class: "num", text: num(t.tokens_per_second, 0) }),
         el("td", { class: "num", text: num(t.flops_per_step / t.step_s / 1e12) }),
@@ -397,7 +398,9 @@ function renderTime(t) {
         el("td", { class: "num", text: pct(t.hfu) }))))),
     el("h4", { text: "by phase" }), bars("phases", t.phases_s, t.step_s),
     el("h4", { text: "by operation class" }), bars("classes", t.classes_s, t.step_s),
-    el("p", { id: "calibration", class: t.calibrated ? "rule-note" : "warning", text: t.calibration }));
+    el("p", { id: "calibration", class: t.calibrated ? "rule-note" : "warning", text: t.calibration }),
+    t.interval ? el("p", { id: "time-interval", class: t.interval.validated ? "interval" : "interval unvalidated",
+      text: `Time interval: ${t.interval.basis}.` }) : null);
   for (const fill of $$(".bar-fill", section)) fill.style.width = pct(Number(fill.dataset.share));
   return section;
 }
