@@ -161,8 +161,8 @@ def explain(best: Candidate, evaluate: Evaluator, space: SearchSpace, objective:
 def _passed_over(best: Candidate, name: str, faster: Candidate, speed_error: float, limit: int) -> str:
     """Why `choose` kept `best` over `faster`, an alternative predicted faster within `speed_error`: more headroom at
     the top of its memory interval (by at least HEADROOM_STEP of `limit`), else simplicity."""
-    ahead = faster.samples_per_second / best.samples_per_second - 1
-    said = f"{name} is {ahead:.0%} faster predicted, inside the +-{speed_error:.0%} time error"
+    behind = 1 - best.samples_per_second / faster.samples_per_second  # as `choose` measures the tie
+    said = f"the pick is {behind:.0%} slower predicted than {name}, inside the +-{speed_error:.0%} time error"
     roomier = faster.device_total_high - best.device_total_high
     if roomier >= HEADROOM_STEP * limit:
         return f"{said}: the pick keeps {_gib(roomier)} more headroom (up to {_gib(best.device_total_high)} of " \
