@@ -134,6 +134,7 @@ def test_a_mask_near_the_threshold_does_not_change_the_ops_with_the_batch(tiny_m
     assert estimate_memory(workload, recipe, GPU).anatomy.peak_allocated > 0
 
 
+@pytest.mark.slow  # over 15 s on 2 cores
 def test_the_copies_cost_time_over_pcie(workload):
     """The way out hides under the forward up to its compute; the way back adds its whole transfer."""
     from anatomist.estimate.communication import activation_offloading_s, constants, predict_time

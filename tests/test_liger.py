@@ -185,6 +185,7 @@ def test_liger_for_a_model_it_does_not_patch_is_one_line(cli, config, task, mess
     assert pytest.importorskip("re").search(message, proc.stderr), proc.stderr
 
 
+@pytest.mark.slow  # over 15 s on 2 cores
 def test_with_torch_compile_it_is_refused_in_one_line_unless_the_blocks_checkpoint(cli, llama):
     """Liger's stand-ins are custom ops that the compiled blocks' trace cannot run (it stopped with a traceback);
     checkpointed blocks are traced eager (trace/compiled.py), so that combination is estimated."""

@@ -170,6 +170,7 @@ def test_multi_gpu_considers_zero_and_fsdp(tiny) -> None:
     assert fsdp.memory.anatomy.optimizer_states == pytest.approx(ddp.memory.anatomy.optimizer_states / 2, rel=0.05)
 
 
+@pytest.mark.slow  # over 15 s on 2 cores
 def test_shardings_limit_the_search_where_they_run(tiny) -> None:
     """--shardings: only the named options are searched, and a cluster size where none of them runs has none."""
     from anatomist.axes.shardings import sharding_of

@@ -84,6 +84,7 @@ def _refused(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) 
     assert captured.out == ""
 
 
+@pytest.mark.slow  # over 15 s on 2 cores
 def test_cli_json(cli, model_dir: Path) -> None:
     proc = cli("profile", str(model_dir), "--seq-len", "32", "--batch-size", "2", "--steps", "1", "--json")
     assert proc.returncode == 0, proc.stderr

@@ -68,6 +68,7 @@ def test_every_run_names_its_source_and_quote(runs: list[dict]) -> None:
     assert measured_step_s(row) == pytest.approx(6 * 2 * 2048 / 4641)
 
 
+@pytest.mark.slow  # over 15 s on 2 cores
 def test_a_held_back_source_is_predicted_within_the_claimed_error(inputs: list[Run]) -> None:
     """One fold, fast: Lambda's A100 runs predicted by a fit on every other source."""
     held = [r for r in inputs if r.source == "lambda-a100"]

@@ -28,9 +28,8 @@ RECIPES = {
     "LoRA": Recipe(dtype="float32", fsdp="full_shard", bf16=True, peft="lora"),
     "CPU offload": Recipe(dtype="float32", fsdp="full_shard", bf16=True, offload="cpu"),
 }
-NAMES = [name if name in ("fp32 full_shard", "bf16 shard_grad_op, checkpointing, accumulation")
-         else pytest.param(name, marks=pytest.mark.slow) for name in RECIPES]
-"""The recipes each test takes: two in the default run (a test file's budget), all with the slow tests."""
+NAMES = [name if name == "fp32 full_shard" else pytest.param(name, marks=pytest.mark.slow) for name in RECIPES]
+"""The recipes each test takes: one in the default run (a test file's budget), all with the slow tests."""
 
 
 def _traced(workload, recipe, part, world, batch=2):
@@ -111,6 +110,7 @@ def test_sizes_affine_in_one_over_the_world_size():
     assert derive(_step(_trace(weights, [4097, 1024, 512]), 2), _step(_trace(weights, [2048, 1024, 512]), 4), 8) is None
 
 
+@pytest.mark.slow  # over 15 s on 2 cores
 def test_an_estimate_is_the_same_derived_or_traced(tiny_model, cache_folder):
     """Within `worlds_derived_from(2, 4)` estimates on 2, 4 and 8 GPUs read derived traces (the cache then holds
     none traced at 8, and at 4 only the passes at the smaller batch size), and say what they say with every

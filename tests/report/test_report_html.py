@@ -94,6 +94,7 @@ def test_cli_writes_report_and_pngs(tmp_path: Path, fixtures: Path, capsys: pyte
     assert (tmp_path / "png" / "memory.png").is_file() and (tmp_path / "png" / "throughput.png").is_file()
 
 
+@pytest.mark.slow  # over 15 s on 2 cores
 def test_estimate_report_shortcut(cli, tmp_path: Path) -> None:
     """`anatomist estimate MODEL --report PATH` on a tiny config: the report holds that estimate."""
     model = tmp_path / "tiny-bert"
