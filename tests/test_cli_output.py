@@ -154,7 +154,7 @@ def test_every_command_piped_through_cat_keeps_every_name_and_line_whole(tmp_pat
         piped = _piped(command, tmp_path)
         assert piped.returncode == 0, piped.stderr
         _whole(piped.stdout)
-    assert set(catalog_entries()) <= {line.split()[0] for line in _piped("models", tmp_path).stdout.splitlines()}
+    assert set(catalog_entries()) <= {line.split()[0] for line in _piped("models", tmp_path).stdout.splitlines() if line.split()}
 
     profile = _piped(f"profile {_config(tmp_path, 'bert')} --seq-len 16 --steps 1", tmp_path)
     assert profile.returncode == 0, profile.stderr

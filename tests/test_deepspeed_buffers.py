@@ -93,8 +93,9 @@ def test_the_reduction_buckets(tiny_model, stage: int, buckets: int):
 
 @pytest.mark.slow
 def test_zero3_optimizer_state_is_fsdp2s(tiny_model):
-    """fp32 AdamW over 8 devices: ZeRO-3's partition of the moments is what the traced FSDP2 rank holds
-    (FSDP2 pads each parameter's rows to the world size and keeps the step counters whole: within 1%)."""
+    """fp32 AdamW over 8 devices: the traced FSDP2 rank holds its shard of the two moments; ZeRO-3 holds those and its
+    fp32 partition of the weights beside them (DeepSpeed always builds one: 12 B per parameter over 8, not 8), so
+    1.5 times FSDP2's (FSDP2 pads each parameter's rows to the world size and keeps the step counters whole: 1%)."""
     workload = load_workload(str(tiny_model("llama", hidden_size=256, intermediate_size=512)), seq_len=64)
 
     def states(recipe: Recipe) -> int:
@@ -103,6 +104,6 @@ def test_zero3_optimizer_state_is_fsdp2s(tiny_model):
 
     common = {"dtype": "float32", "optim": "adamw_torch"}
     fsdp, zero = states(Recipe(fsdp="full_shard", **common)), states(Recipe(zero_stage=3, **common))
-    assert zero == pytest.approx(fsdp, rel=0.01)
+    assert zero == pytest.approx(1.5 * fsdp, rel=0.01)
     parameters = sum(p.numel() for p in workload.build_model().parameters())
-    assert zero == pytest.approx(8 * parameters / 8, rel=0.01)  # Adam's two fp32 moments, an eighth each
+    assert zero == pytest.approx(12 * parameters / 8, rel=0.01)  # fp32 partition and Adam's two moments, an eighth each

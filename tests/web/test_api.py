@@ -213,7 +213,7 @@ def test_emitted_files_of_a_plan_pick(live: LiveServer) -> None:
     assert view["result"]["feasible"] > 0 and any(p["best"] for p in view["picks"]) and view["picks"][0]["reasons"]
     best = next(i for i, p in enumerate(view["picks"]) if p["best"])
     listing = live.request("GET", f"/api/jobs/{reply.body['id']}/files/{best}/trainer").body["files"]
-    assert [f["name"] for f in listing] == ["training_args.json", "training_args.py"]
+    assert [f["name"] for f in listing] == ["training_args.json", "training_args.ds_config.json", "training_args.py"]
     args = live.request("GET", listing[0]["url"])
     assert args.headers["content-disposition"] == 'attachment; filename="training_args.json"'
     assert args.body["per_device_train_batch_size"] == view["picks"][best]["recipe"]["per_device_train_batch_size"]
