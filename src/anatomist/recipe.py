@@ -196,7 +196,7 @@ class Recipe:
         "weights, gradients and optimizer states (like ZeRO-3); shard_grad_op shards gradients and optimizer "
         "states (like ZeRO-2). Exclusive with DeepSpeed ZeRO.", when_none="none")
 
-    # -- LLM fine-tuning as TRL and the Trainer run it (issue 23) ----------------------------------
+    # -- LLM fine-tuning as TRL and the Trainer run it -----------------------------------------
     use_liger_kernel: bool = _trainer_default(
         "use_liger_kernel", "Liger Kernel's Triton kernels (TrainingArguments.use_liger_kernel): fused linear + "
         "cross-entropy that never holds the logits, RMSNorm, SwiGLU and RoPE; causal LMs Liger supports "
@@ -350,7 +350,7 @@ class Recipe:
                              "(DeepSpeed: offload cpu): add --offload cpu, or --bf16-optimizer-states")
 
     def _check_llm_fields(self) -> None:
-        """The trainer, padding-free and packing fields (issue 23): combinations the tools themselves refuse."""
+        """The trainer, padding-free and packing fields: combinations the tools themselves refuse."""
         if self.trainer not in TRAINERS:
             raise InputError(f"unknown trainer {self.trainer!r}; known: {', '.join(TRAINERS)}")
         if self.packing and not self.padding_free:

@@ -65,7 +65,7 @@ class Workload:
     built_config: Any = field(default=None, repr=False, compare=False)
     """The transformers config, once built (`config`)."""
     tokens: TokenStats | None = None
-    """The data's token statistics (--avg-seq-len, --lengths; issue 23): what padding-free training processes."""
+    """The data's token statistics (--avg-seq-len, --lengths): what padding-free training processes."""
     prompt_len: int = 0
     """Tokens of each sequence's prompt, which a preference loss does not score (--prompt-len; DPO)."""
     hub_id: str | None = None
@@ -95,7 +95,7 @@ class Workload:
         """What decides the model a trace builds and the inputs it feeds: the caches' key (the
         config.json's content, canonically written, not transformers' object: no import needed)."""
         if self._trace_key is None:
-            prompt = (self.prompt_len,) if self.prompt_len else ()  # DPO scores the completion only (issue 23)
+            prompt = (self.prompt_len,) if self.prompt_len else ()  # DPO scores the completion only
             self._trace_key = (canonical_json(self.config_json), self.task, self.num_labels, self.seq_len, *prompt)
         return self._trace_key
 

@@ -49,7 +49,7 @@ def calibrate(results: str | Path | None, *, records: str | Path | None = None) 
         InputError: not a results file, no finished GPU row with a step time (CPU rows cannot
             calibrate a GPU), rows from more than one GPU, or a GPU the catalog lacks.
     """
-    # issue 24's hook: run records are bench rows (same keys), read after the results file's
+    # run records are bench rows (same keys), read after the results file's
     rows = list(open_results(results, create=False).rows) if results is not None else []
     if records is not None:
         from anatomist.measure.records import read_records

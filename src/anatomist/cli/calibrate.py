@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="fit the step-time model to `anatomist bench` rows measured on a GPU")
     p.add_argument("results", metavar="RESULTS", nargs="?", default=None,
                    help="a bench results file (JSONL) with rows run on one GPU")
-    # issue 24's hook: the run records AnatomistCallback / track() keep, read as bench rows
+    # the run records AnatomistCallback / track() keep, read as bench rows
     p.add_argument("--records", metavar="PATH", nargs="?", const="", default=None,
                    help="also read the run records AnatomistCallback and track() keep (default "
                         "<user cache>/calibration/runs.jsonl)")

@@ -1,4 +1,4 @@
-"""What an estimate says of a causal-LM fine-tune as TRL runs it (issue 23): the trainer's loss, DPO's
+"""What an estimate says of a causal-LM fine-tune as TRL runs it: the trainer's loss, DPO's
 reference model, padding-free micro-batches and packed rows, and what padding costs a recipe without them.
 
 Torch-free: read from the recipe, the workload and its token statistics (`token_stats`).

@@ -342,7 +342,7 @@ NCCL_BYTES = {2: 544 * 2**20, 3: 688 * 2**20}
 """What NCCL holds on each GPU outside PyTorch's allocator once a process group of 2 (or of 3 and more) devices
 has run a collective: 544 and 688 MB, measured through PyTorch on 4 x A100 with NVLink (NVIDIA/nccl issue #964).
 NCCL's maintainers say it grows with the channels (more to reach an H100's NVLink bandwidth) and the GPUs, not
-beyond two nodes (issue #986): the A100 figures stand for every GPU; a data-parallel step uses one communicator."""
+beyond two nodes (NVIDIA/nccl issue #986): the A100 figures stand for every GPU; a data-parallel step uses one communicator."""
 
 
 def outside_allocator_bytes(gpu: GPU, num_gpus: int) -> int:

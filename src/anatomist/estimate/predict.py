@@ -85,7 +85,7 @@ def estimate(
     `num_gpus` devices in all, on `nodes` machines joined by `network` (`communication.networks()`)."""
     check_cluster(num_gpus, nodes, network)
     recipe = recipe.resolved(workload)  # the library's entry point: everything below takes it resolved
-    workload = workload.for_recipe(recipe)  # padding-free: the data's sequences, not the longest (issue 23)
+    workload = workload.for_recipe(recipe)  # padding-free: the data's sequences, not the longest
     memory = estimate_memory(workload, recipe, gpu, mode=mode, num_gpus=num_gpus, margin=margin)
     calibration = calibration or calibration_for(gpu)
     time = None

@@ -70,7 +70,7 @@ class Evaluator:
         """The candidate of `recipe` (resolved here for the workload: the plan's entry point for each recipe)."""
         recipe = recipe.resolved(self.workload)
         if recipe not in self.seen:
-            workload = self.workload.for_recipe(recipe)  # padding-free: the data's sequences (issue 23)
+            workload = self.workload.for_recipe(recipe)  # padding-free: the data's sequences
             memory = estimate_memory(workload, recipe, self.gpu, num_gpus=self.num_gpus, margin=self.margin)
             self.seen[recipe] = Candidate(recipe=recipe, memory=memory, time=self.time(recipe),
                                           fits=memory.verdict == "fits")

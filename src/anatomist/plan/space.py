@@ -86,7 +86,7 @@ class SearchSpace:
     fixed: dict[str, Any] = field(default_factory=dict)
     """Recipe fields held at the values a recipe file sets (`plan --recipe`): every enumerated recipe takes
     them, so the search varies only what the file leaves open; a combination they make invalid is dropped."""
-    # -- issue 23: LLM fine-tuning kernels --------------------------------------------------------------
+    # -- LLM fine-tuning kernels ------------------------------------------------------------------------
     liger_options: tuple[bool, ...] | None = None
     """Liger Kernel off/on; None: both for a causal LM whose kernels anatomist traces (`axes.liger`), else off
     (settled by `for_workload`)."""

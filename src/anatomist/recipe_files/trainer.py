@@ -33,7 +33,7 @@ from anatomist.recipe_files.unmodelled import refuse_unmodelled
 RECIPE_FIELDS = frozenset(f.name for f in dataclasses.fields(Recipe))
 TRL_CLASSES = ("ScriptArguments", "SFTConfig", "ModelConfig", "DatasetMixtureConfig")
 TRL_DPO_CLASSES = ("ScriptArguments", "DPOConfig", "ModelConfig", "DatasetMixtureConfig")
-"""What `trl dpo --config` parses its YAML into (trl/scripts/dpo.py): DPOConfig in SFTConfig's place (issue 23)."""
+"""What `trl dpo --config` parses its YAML into (trl/scripts/dpo.py): DPOConfig in SFTConfig's place."""
 TRL_LEGACY = {"max_seq_length": "max_length", "torch_dtype": "dtype"}
 """Names older TRL releases used, and what they are now."""
 TRL_ENV = "env"

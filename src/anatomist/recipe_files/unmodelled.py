@@ -1,7 +1,7 @@
 """Settings that change memory a lot and that anatomist does not model yet: refused, never predicted as something else.
 
 Each reader calls `refuse_unmodelled` with the setting's name in this table and the key as the
-file writes it. The table is the list for the sharding model to take over (issue 21: FSDP2 per
+file writes it. The table is the list for the sharding model to take over (FSDP2 per
 rank, DeepSpeed buffers): once a setting is modelled, its reader sets a Recipe field instead and
 its entry goes.
 """

@@ -169,7 +169,7 @@ def traced_reference(workload: Workload, recipe: ResolvedRecipe, depth: Depth, f
 
 def _kernels(model: torch.nn.Module, workload: Workload, recipe: ResolvedRecipe, part: Part, compute_capability: str,
              fake: bool) -> Any:
-    """The training kernels the recipe swaps in (Liger's, Cut Cross-Entropy's: issue 23), as stand-ins; nothing
+    """The training kernels the recipe swaps in (Liger's, Cut Cross-Entropy's), as stand-ins; nothing
     otherwise."""
     if not (recipe.use_liger_kernel or recipe.cut_cross_entropy) or part == "inference":
         return contextlib.nullcontext()

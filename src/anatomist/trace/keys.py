@@ -61,7 +61,7 @@ PEFT_FIELDS = ("peft", "lora_r", "lora_dropout", "lora_target_modules", "lora_ta
                "load_in_8bit", "llm_int8_skip_modules", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype")
 """What changes the model a trace builds under PEFT (which layers, which adapters, what is trainable)."""
 LLM_FIELDS = ("use_liger_kernel", "cut_cross_entropy", "trainer", "precompute_ref_log_probs")
-"""What changes the passes of a causal-LM fine-tune as TRL and the Trainer run it (issue 23): Liger's kernels, Cut
+"""What changes the passes of a causal-LM fine-tune as TRL and the Trainer run it: Liger's kernels, Cut
 Cross-Entropy, the trainer's loss (TRL's fused LM head, DPO's pairs and reference model). Padding-free training
 changes the traced sequence length (`Workload.for_recipe`), packing nothing traced."""
 PART_FIELDS: dict[str, tuple[str, ...]] = {
