@@ -30,7 +30,7 @@ from anatomist.estimate.predict import estimate  # noqa: E402
 from anatomist.hardware import get_gpu  # noqa: E402
 from anatomist.measure import AnatomistCallback  # noqa: E402
 from anatomist.measure.live import live_recipe  # noqa: E402
-from anatomist.trace import cache  # noqa: E402
+from anatomist.trace.store import cache  # noqa: E402
 from anatomist.workload import load_workload  # noqa: E402
 
 REPEATS = 5

@@ -62,7 +62,7 @@ def tiny_model(tmp_path: Path):
 @pytest.fixture
 def cache_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A trace cache of the test's own, on disk and empty in memory; its folder of traces."""
-    from anatomist.trace import cache
+    from anatomist.trace.store import cache
 
     monkeypatch.setenv("ANATOMIST_CACHE_DIR", str(tmp_path / "cache"))
     cache.clear_memory()

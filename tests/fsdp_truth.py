@@ -21,10 +21,10 @@ Over gloo, each collective returns once gloo has let go of its tensors (`collect
 Prints one JSON object: case name -> list, per rank, of {"peak": FSDPMemTracker's peak snapshot (bytes
 by its categories, "Total"), "peak_moment": the moment it falls in, "moments": moment -> FSDPMemTracker's
 highest snapshot within it}. A moment is a place in the step named as anatomist's traces name it
-(`anatomist.trace.records.Event`): "phase segment micro-step block", e.g. "backward blocks 1 4" (the
+(`anatomist.trace.engine.records.Event`): "phase segment micro-step block", e.g. "backward blocks 1 4" (the
 backward of the fifth block in the second micro-batch) or "backward post 0 -1" (after the last block:
 the head and the loss). The segments are marked by hooks of this file's own (`_watch_blocks`) that
-follow the definition of the tracer's (trace/driver.py): forward enters block i at its input, backward
+follow the definition of the tracer's (trace/step/driver.py): forward enters block i at its input, backward
 enters block i when the gradient of its output exists. They are registered after FSDP's, as the tracer's
 are, so FSDP's work at a boundary falls on the same side of it: in forward a block's all-gather (FSDP's
 pre-forward hook) in the segment before it; in backward a block's all-gather (prefetched by the
@@ -146,7 +146,7 @@ def measure(config: str, seq_len: int, batch: int, case: dict[str, Any]) -> dict
     from accelerate.utils import FullyShardedDataParallelPlugin, fsdp2_prepare_model
 
     from anatomist.bench.trackers import as_on_cuda
-    from anatomist.trace.inputs import make_batch
+    from anatomist.trace.step.inputs import make_batch
     from anatomist.workload import load_workload
 
     torch.set_num_threads(1)  # ranks side by side on a small machine; the memory does not depend on it

@@ -19,10 +19,10 @@ from torch.distributed._tools import mem_tracker
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from anatomist.recipe import Recipe
-from anatomist.trace.autocast import cuda_autocast_policy
-from anatomist.trace.cuda_model import cuda_code_paths
-from anatomist.trace.driver import build_optimizer
-from anatomist.trace.inputs import make_batch
+from anatomist.trace.engine.autocast import cuda_autocast_policy
+from anatomist.trace.engine.cuda_paths import cuda_code_paths
+from anatomist.trace.step.driver import build_optimizer
+from anatomist.trace.step.inputs import make_batch
 
 
 def round_to_block(nbytes: int) -> int:

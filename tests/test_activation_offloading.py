@@ -1,4 +1,4 @@
-"""TRL's activation offloading (`Recipe.activation_offloading`, trace/offload.py).
+"""TRL's activation offloading (`Recipe.activation_offloading`, trace/step/offload.py).
 
 Truth: TRL's own `get_act_offloading_ctx_manager` (trl/models/activation_offloading.py) in a real step of the same
 model on this CPU, told that the CPU is its accelerator (it needs one to start), without pinned memory (which
@@ -15,9 +15,9 @@ import torch
 from anatomist.estimate.memory import estimate_memory
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
-from anatomist.trace import offload
-from anatomist.trace.driver import trace_step
-from anatomist.trace.inputs import make_batch
+from anatomist.trace.step import offload
+from anatomist.trace.step.driver import trace_step
+from anatomist.trace.step.inputs import make_batch
 from anatomist.workload import load_workload
 
 trl_offloading = pytest.importorskip("trl.models.activation_offloading")

@@ -2,7 +2,7 @@
 
 The expectation comes from PyTorch's CUDA autocast op reference (docs/source/amp.rst,
 "CUDA Ops that can autocast to float16" and "... to float32", transcribed below), a source
-apart from the header lists the implementation reads (trace/autocast.py). A real forward of
+apart from the header lists the implementation reads (trace/engine/autocast.py). A real forward of
 tiny BERT, GPT-2 and Llama runs under bf16 autocast with fp32 weights and eager attention;
 every autograd node whose op the reference lists must hold its floating-point saved tensors
 in bf16 (float16 list: the half dtype) or fp32 (float32 list).
@@ -15,8 +15,8 @@ import re
 import pytest
 import torch
 
-from anatomist.trace.autocast import cuda_autocast_policy
-from anatomist.trace.inputs import make_batch
+from anatomist.trace.engine.autocast import cuda_autocast_policy
+from anatomist.trace.step.inputs import make_batch
 from anatomist.workload import load_workload
 
 # https://pytorch.org/docs/stable/amp.html#cuda-ops-that-can-autocast-to-float16

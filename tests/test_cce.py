@@ -22,7 +22,7 @@ from anatomist.estimate.memory import estimate_memory
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.recipe_files import read_recipe_file
-from anatomist.trace import cce
+from anatomist.trace.standins import cce
 from anatomist.workload import load_workload
 
 DATA = Path(__file__).parent / "data"

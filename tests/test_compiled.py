@@ -1,4 +1,4 @@
-"""torch.compile predicted (trace/compiled.py): fused kernels' traffic, and what compiled blocks keep for
+"""torch.compile predicted (trace/step/compiled.py): fused kernels' traffic, and what compiled blocks keep for
 backward, checked against a real inductor step on this CPU."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from anatomist.estimate.memory import estimate_memory
 from anatomist.estimate.time import estimate_time
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
-from anatomist.trace.compiled import fusion_plan
-from anatomist.trace.driver import trace_step
-from anatomist.trace.keys import part_key
+from anatomist.trace.step.compiled import fusion_plan
+from anatomist.trace.step.driver import trace_step
+from anatomist.trace.store.keys import part_key
 from anatomist.workload import load_workload
 
 GPU = get_gpu("A100-80GB")
@@ -61,7 +61,7 @@ def test_compile_changes_the_trace_key_and_keeps_less(tiny_model) -> None:
 
 @pytest.mark.slow
 def test_under_checkpointing_compiled_blocks_are_predicted_as_eager_ones(tiny_model) -> None:
-    """The documented approximation (trace/compiled.py): with gradient checkpointing the blocks stay eager,
+    """The documented approximation (trace/step/compiled.py): with gradient checkpointing the blocks stay eager,
     so the recomputation is in the step and the memory is the checkpointed one."""
     workload = load_workload(str(tiny_model("gpt2")), seq_len=64)
     recipes = [Recipe(per_device_train_batch_size=4, gradient_checkpointing=True, torch_compile=c).resolved(workload)
@@ -142,7 +142,7 @@ def test_a_trace_reusing_another_trace_s_compiled_graphs_is_the_one_a_fresh_comp
     plan's worker traces a recipe at two depths), and must give the trace a compile of its own gives, allocation by
     allocation. A graph that held a tensor of the step it was compiled in (the first block's input, alive to the end
     of that step only) broke that."""
-    from anatomist.trace import compiled
+    from anatomist.trace.step import compiled
 
     workload = load_workload(str(tiny_model("gpt2")), seq_len=64)
     recipe = Recipe(per_device_train_batch_size=2, torch_compile=True).resolved(workload)

@@ -4,7 +4,7 @@ The values are checked against the libraries that set them: transformers' `HfTra
 fills "auto" in the config `plan --emit deepspeed` writes, DeepSpeed's `DeepSpeedZeroConfig` gives the
 defaults of what a file leaves out. The buffer bytes are DeepSpeed 0.19's allocations as its code makes
 them (stage_1_and_2.py `setup_buckets`: one reduction bucket, two with overlap_comm). ZeRO-3's
-partitioned optimizer state is checked against the traced FSDP2 step (trace/sharded.py), where the
+partitioned optimizer state is checked against the traced FSDP2 step (trace/step/fsdp.py), where the
 two engines hold the same thing.
 """
 

@@ -16,7 +16,7 @@ from anatomist.anatomy import TENSOR_CATEGORIES, MemoryCategory, Phase
 from anatomist.estimate.memory import estimate_memory, moment_peaks
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
-from anatomist.trace.driver import trace_step
+from anatomist.trace.step.driver import trace_step
 from anatomist.workload import load_workload
 
 GPU = get_gpu("A100-80GB")

@@ -13,9 +13,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from anatomist.anatomy import Phase, StepFlops
 from anatomist.estimate.flops import OpRecord, _record, _step_at_depth, passes_ops, step_flops, step_ops
 from anatomist.recipe import Recipe
-from anatomist.trace.driver import trace_step
-from anatomist.trace.ops import CUSTOM_FLOPS
-from anatomist.trace.parts import trace_part
+from anatomist.trace.engine.op_costs import CUSTOM_FLOPS
+from anatomist.trace.step.driver import trace_step
+from anatomist.trace.store.parts import trace_part
 from anatomist.workload import Workload, load_workload
 
 CC = "8.0"

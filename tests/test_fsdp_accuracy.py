@@ -5,7 +5,7 @@ The measured side (`fsdp_truth.py`, a process of its own) is PyTorch's
 full-depth model with real CPU weights, wrapped by accelerate's own `fsdp2_prepare_model`: at world 8
 on PyTorch's fake process group (one process is rank 0), and at world 2 with two real processes over
 gloo, every rank measured. The prediction (`estimate_memory(num_gpus=...)`) extrapolates traces of the
-model cut to 2 and 3 blocks, at 2 and 3 samples, on fake tensors (trace/sharded.py), to 5 blocks at
+model cut to 2 and 3 blocks, at 2 and 3 samples, on fake tensors (trace/step/fsdp.py), to 5 blocks at
 5 samples: never traced at that depth or batch.
 
 Compared: the peak within 3% (without the cuBLAS workspaces, which a CPU step has not); then the
@@ -58,7 +58,7 @@ from anatomist.anatomy import MemoryCategory
 from anatomist.estimate.memory import Moment, estimate_memory, moment_peaks
 from anatomist.hardware import cublas_workspace_bytes, get_gpu
 from anatomist.recipe import Recipe
-from anatomist.trace.allocator import round_size
+from anatomist.trace.engine.allocator import round_size
 from anatomist.workload import Workload, load_workload
 from tests.conftest import write_config
 

@@ -4,7 +4,7 @@
 The reference side is Liger's code itself: the pinned copies of liger-kernel 0.8.5's ops
 (tests/data/liger_kernel_0_8_5, loaded by liger_source.py with Triton's launches doing nothing)
 run on CPU tensors. Each Function's saved tensors are caught with autograd's saved-tensor hooks
-and its allocations with a dispatch mode, for Liger's and for anatomist's (`trace/liger.py`).
+and its allocations with a dispatch mode, for Liger's and for anatomist's (`trace/standins/liger_kernels.py`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from anatomist.errors import InputError
 from anatomist.estimate.memory import estimate_memory
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
-from anatomist.trace import liger
+from anatomist.trace.standins import liger_kernels as liger
 from anatomist.workload import load_workload
 
 Shape = tuple[tuple[int, ...], torch.dtype]
@@ -188,7 +188,7 @@ def test_liger_for_a_model_it_does_not_patch_is_one_line(cli, config, task, mess
 @pytest.mark.slow  # over 15 s on 2 cores
 def test_with_torch_compile_it_is_refused_in_one_line_unless_the_blocks_checkpoint(cli, llama):
     """Liger's stand-ins are custom ops that the compiled blocks' trace cannot run (it stopped with a traceback);
-    checkpointed blocks are traced eager (trace/compiled.py), so that combination is estimated."""
+    checkpointed blocks are traced eager (trace/step/compiled.py), so that combination is estimated."""
     proc = cli("estimate", llama.name, "--use-liger-kernel", "--torch-compile", "--seq-len", "64", "--json")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "use_liger_kernel with torch_compile is not modelled yet" in proc.stderr.splitlines()[-1]

@@ -15,7 +15,7 @@ from anatomist.estimate.predict import estimate
 from anatomist.estimate.traces import step_traces
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
-from anatomist.trace import cache
+from anatomist.trace.store import cache
 from anatomist.workload import load_workload
 
 GPU = get_gpu("H100-80GB")

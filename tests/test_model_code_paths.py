@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from anatomist.errors import InputError
 from anatomist.recipe import Recipe
-from anatomist.trace.driver import data_dependent_code_is_input_error
+from anatomist.trace.step.driver import data_dependent_code_is_input_error
 from anatomist.workload import load_workload
 
 DEBERTA_V2 = {

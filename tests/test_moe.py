@@ -15,7 +15,7 @@ from anatomist.errors import InputError
 from anatomist.estimate.predict import estimate
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
-from anatomist.trace.driver import trace_step
+from anatomist.trace.step.driver import trace_step
 from anatomist.workload import load_workload
 
 GPU = get_gpu("H100-80GB")

@@ -22,8 +22,8 @@ from anatomist.bench.worker import training_model
 from anatomist.estimate.memory import estimate_memory
 from anatomist.hardware import get_gpu
 from anatomist.recipe import LORA_FALLBACK_TARGETS, Recipe
-from anatomist.trace.cuda_model import _grouped_mm_output
-from anatomist.trace.cuts import model_plan
+from anatomist.trace.depth.plan import model_plan
+from anatomist.trace.engine.cuda_paths import _grouped_mm_output
 from anatomist.workload import load_workload
 
 GPU = get_gpu("A100-80GB")

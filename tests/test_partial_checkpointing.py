@@ -23,8 +23,8 @@ from transformers import modeling_utils
 from anatomist.estimate.memory import estimate_memory
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
-from anatomist.trace.cuts import model_plan
-from anatomist.trace.inputs import make_batch
+from anatomist.trace.depth.plan import model_plan
+from anatomist.trace.step.inputs import make_batch
 from anatomist.workload import load_workload
 
 GPU = get_gpu("A100-80GB")
@@ -141,9 +141,9 @@ def test_a_cut_steps_its_optimizer_as_the_model_cut_to_as_many_layers(workload, 
     every other setting of checkpointing), and that trace is the one the cut itself gives."""
     import numpy as np
 
-    from anatomist.trace.driver import trace_step
-    from anatomist.trace.keys import Cut
-    from anatomist.trace.parts import trace_part
+    from anatomist.trace.depth.cuts import Cut
+    from anatomist.trace.step.driver import trace_step
+    from anatomist.trace.store.parts import trace_part
 
     recipe = Recipe.with_presets(per_device_train_batch_size=BATCH, dtype="float32", checkpoint_every=2)
     recipe = recipe.resolved(workload)
@@ -169,8 +169,8 @@ def test_the_cuts_of_one_layer_in_n_are_traced_once_for_every_n(workload, cache_
     of FSDP)."""
     import pickle
 
-    from anatomist.trace.keys import Cut
-    from anatomist.trace.parts import trace_part, trace_request
+    from anatomist.trace.depth.cuts import Cut
+    from anatomist.trace.store.parts import trace_part, trace_request
 
     served, patterns, cuts_seen = set(), set(), 0
     for every in everies:

@@ -32,7 +32,7 @@ from anatomist.hardware import GPU, get_gpu
 from anatomist.measure.profile import training_step
 from anatomist.plan import SearchSpace, plan
 from anatomist.recipe import Recipe
-from anatomist.trace.driver import trace_step
+from anatomist.trace.step.driver import trace_step
 from anatomist.workload import Workload, load_workload
 
 CONFIG = {

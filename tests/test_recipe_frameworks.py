@@ -81,7 +81,7 @@ def test_axolotl_typo_is_refused_but_an_unknown_word_is_named(tmp_path: Path) ->
 def test_axolotl_dpo_runs_trls_dpo_trainer() -> None:
     """axolotl's rl: dpo builds AxolotlDPOTrainer, TRL's DPOTrainer (core/builders/rl.py), with max_length =
     sequence_len; without an adapter it loads the model again as the reference (train.py setup_reference_model)."""
-    from anatomist.trace.trainers import needs_reference_copy
+    from anatomist.trace.step.trainers import needs_reference_copy
     from anatomist.workload import load_workload
 
     path = DATA / "axolotl/qwen2-dpo.yaml"
@@ -95,7 +95,7 @@ def test_axolotl_dpo_runs_trls_dpo_trainer() -> None:
 
 
 def test_axolotl_dpo_with_an_adapter_keeps_no_second_model() -> None:
-    from anatomist.trace.trainers import needs_reference_copy
+    from anatomist.trace.step.trainers import needs_reference_copy
     from anatomist.workload import load_workload
 
     r = read_recipe_file(DATA / "axolotl/instruct-dpo-lora-8b.yml").recipe

@@ -251,7 +251,7 @@ def test_partial_and_offloaded_checkpointing_are_read(tmp_path: Path, name: str,
                                   "fsdp: full_shard\nfsdp_config:\n  cpu_offload: true\n"])
 def test_fsdp_offload_in_training_arguments_is_fsdp_s_cpu_offload(text: str, tmp_path: Path) -> None:
     """TrainingArguments' "offload" option and fsdp_config's offload_params / cpu_offload (transformers 5 maps the
-    option onto cpu_offload) turn on CPUOffloadPolicy, which trace/sharded.py traces: offload="cpu"."""
+    option onto cpu_offload) turn on CPUOffloadPolicy, which trace/step/fsdp.py traces: offload="cpu"."""
     path = tmp_path / "args.yaml"
     path.write_text(text)
     r = read_recipe_file(path).recipe

@@ -1,4 +1,4 @@
-"""FSDP2 traced per rank (trace/sharded.py): extrapolation, trace keys, offload, what is refused.
+"""FSDP2 traced per rank (trace/step/fsdp.py): extrapolation, trace keys, offload, what is refused.
 
 The accuracy against PyTorch's own accounting is test_fsdp_accuracy.py; here the cut-and-extrapolated
 sharded estimate is checked against a trace of the full model at the wanted batch (the same tracer on
@@ -17,8 +17,8 @@ from anatomist.anatomy import STEP_PHASES, TENSOR_CATEGORIES, MemoryCategory
 from anatomist.estimate.memory import estimate_memory
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
-from anatomist.trace.driver import trace_step
-from anatomist.trace.keys import part_key
+from anatomist.trace.step.driver import trace_step
+from anatomist.trace.store.keys import part_key
 from anatomist.workload import load_workload
 
 GPU = get_gpu("A100-80GB")

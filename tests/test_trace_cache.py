@@ -13,9 +13,9 @@ from conftest import stored_kinds
 from anatomist.estimate.predict import estimate
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
-from anatomist.trace import cache
-from anatomist.trace.keys import part_key
-from anatomist.trace.parts import trace_part
+from anatomist.trace.store import cache
+from anatomist.trace.store.keys import part_key
+from anatomist.trace.store.parts import trace_part
 from anatomist.workload import load_workload
 
 GPU = get_gpu("A100-80GB")
@@ -93,7 +93,7 @@ def _write_same_entry(folder: str, payload: bytes, rounds: int) -> None:
     import os
 
     os.environ["ANATOMIST_CACHE_DIR"] = folder
-    from anatomist.trace import cache as child_cache
+    from anatomist.trace.store import cache as child_cache
 
     for _ in range(rounds):
         child_cache._store("same.trace", pickle.loads(zlib.decompress(payload)))

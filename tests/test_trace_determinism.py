@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from anatomist.recipe import Recipe
-from anatomist.trace.driver import trace_step
+from anatomist.trace.step.driver import trace_step
 from anatomist.workload import Workload, load_workload
 
 _FRESH = """

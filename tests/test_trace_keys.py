@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from anatomist.trace import keys
+from anatomist.trace.store import keys
 
 T5 = {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "d_model": 32, "d_ff": 64, "d_kv": 8,
       "num_heads": 4, "num_layers": 8, "num_decoder_layers": 2, "vocab_size": 100, "decoder_start_token_id": 0,
@@ -30,13 +30,13 @@ def test_every_file_a_trace_loads_is_in_the_digest(tiny_model, tmp_path: Path) -
                           text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = set(json.loads(proc.stdout))
-    assert "trace/driver.py" in loaded and "data/cuda_autocast.toml" in loaded  # the script did trace
+    assert "trace/step/driver.py" in loaded and "data/cuda_autocast.toml" in loaded  # the script did trace
     assert loaded - set(keys.TRACE_SOURCES) == set()
 
 
 def test_the_digest_changes_with_any_source(monkeypatch, tmp_path: Path) -> None:
     """Each listed file is read into the digest (a data file edited is a new digest, not only code)."""
-    package = Path(keys.__file__).parent.parent
+    package = Path(keys.__file__).parents[2]
     before = keys.code_digest()
     real = Path.read_bytes
 

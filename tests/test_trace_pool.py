@@ -1,4 +1,4 @@
-"""Tracing side by side (trace.pool): forked workers trace what this process would, byte for byte;
+"""Tracing side by side (trace.store.pool): forked workers trace what this process would, byte for byte;
 no trace depends on when the cyclic collector runs (the CLI raises its thresholds)."""
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import pytest
 from conftest import stored_kinds
 
 from anatomist.recipe import Recipe
-from anatomist.trace import driver, parts, pool
-from anatomist.trace.records import StepTrace
+from anatomist.trace.engine.records import StepTrace
+from anatomist.trace.step import driver
+from anatomist.trace.store import parts, pool
 from anatomist.workload import load_workload
 
 CC = "8.0"
@@ -42,7 +43,7 @@ def _requests(folder: Path) -> tuple[object, list[parts.PartRequest]]:
     workload = load_workload(str(folder), seq_len=32)
     recipe = Recipe(bf16=True).resolved(workload)
     two = dataclasses.replace(recipe, gradient_accumulation_steps=2)  # its first micro-batch: the first request
-    sharded = dataclasses.replace(recipe, fsdp="full_shard")  # one rank of 4 (trace/sharded.py)
+    sharded = dataclasses.replace(recipe, fsdp="full_shard")  # one rank of 4 (trace/step/fsdp.py)
     return workload, [(recipe, "forward-backward", 2, 2, 1), (recipe, "forward-backward", 3, 2, 1),
                       (recipe, "optimizer", 2, 1, 1), (two, "forward-backward", 2, 2, 1),
                       (sharded, "forward-backward", 2, 2, 4)]

@@ -1,4 +1,4 @@
-"""A rank of FSDP at one world size derived from its traces at two others (trace/worlds.py).
+"""A rank of FSDP at one world size derived from its traces at two others (trace/depth/worlds.py).
 
 The derived trace is checked against the trace of the same part at that world size, taken directly: the
 same curves point by point (total and per category), the same reserve ratio from the allocator replay, the
@@ -15,9 +15,9 @@ import pytest
 
 from anatomist.anatomy import MemoryCategory, Phase
 from anatomist.recipe import Recipe
-from anatomist.trace import parts
-from anatomist.trace.records import Allocation, Event, RankEvents, StepTrace, Trace, curves_of
-from anatomist.trace.worlds import derive, derive_batch
+from anatomist.trace.depth.worlds import derive, derive_batch
+from anatomist.trace.engine.records import Allocation, Event, RankEvents, StepTrace, Trace, curves_of
+from anatomist.trace.store import parts
 from anatomist.workload import load_workload
 
 CC = "8.0"
@@ -117,7 +117,7 @@ def test_an_estimate_is_the_same_derived_or_traced(tiny_model, cache_folder):
     world traced."""
     from anatomist.estimate.memory import estimate_memory
     from anatomist.hardware import get_gpu
-    from anatomist.trace import cache
+    from anatomist.trace.store import cache
 
     workload = load_workload(str(tiny_model("llama")), seq_len=32)
     gpu = get_gpu("A100-80GB")

@@ -28,9 +28,9 @@ from anatomist.hardware import get_gpu
 from anatomist.model_catalog import catalog_entries
 from anatomist.model_facts import facts_of
 from anatomist.recipe import Recipe
-from anatomist.trace import cache
-from anatomist.trace import cuts as cuts_module
-from anatomist.trace.driver import trace_step
+from anatomist.trace.depth import plan as cuts_module
+from anatomist.trace.step.driver import trace_step
+from anatomist.trace.store import cache
 from anatomist.workload import Workload, config_from_dict, load_workload
 
 GPU = get_gpu("A100-80GB")

@@ -8,7 +8,7 @@ from anatomist.errors import InputError
 from anatomist.estimate.rules import bytes_per_param_rule
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
-from anatomist.trace.allocator import CachingAllocator, round_size, segment_size
+from anatomist.trace.engine.allocator import CachingAllocator, round_size, segment_size
 from anatomist.workload import load_workload
 
 
@@ -97,7 +97,7 @@ def test_optimizer_choice_matches_the_trainer(tmp_path):
     import torch
     from transformers import Trainer, TrainingArguments
 
-    from anatomist.trace.driver import build_optimizer
+    from anatomist.trace.step.driver import build_optimizer
 
     params = [torch.nn.Parameter(torch.zeros(4))]
     for optim in ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd"):
@@ -182,7 +182,7 @@ def test_deepspeed_mixed_precision_is_the_zero_papers_arithmetic(stage, per_para
     from anatomist.anatomy import MemoryCategory as C
     from anatomist.anatomy import Phase
     from anatomist.estimate.sharding import ModelSize, shard
-    from anatomist.trace.records import PhasePeak
+    from anatomist.trace.engine.records import PhasePeak
 
     n = 1 << 20
     traced = {C.WEIGHTS: 2 * n, C.GRADIENTS: 2 * n, C.OPTIMIZER_STATES: 4 * n, C.ACTIVATIONS: 123,

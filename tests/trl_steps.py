@@ -25,7 +25,7 @@ import pytest
 import torch
 from memtracker_step import steady_step_snapshots
 
-from anatomist.trace.cuda_model import cuda_code_paths
+from anatomist.trace.engine.cuda_paths import cuda_code_paths
 
 VARLEN = "anatomist_varlen"
 """The attention implementation name the measured models use in place of flash_attention_2."""

@@ -220,7 +220,7 @@ def build(workload: Any, attn: str, weights: str, device: Device) -> Any:
 
 def measure_cell(model: Any, workload: Any, cell: Cell, device: Device) -> tuple[Measured | None, tuple[str, str] | None]:
     """The cell's measurement, or (status, reason) of its failure: an OOM, or any crash."""
-    from anatomist.trace.inputs import make_batch
+    from anatomist.trace.step.inputs import make_batch
 
     try:
         batch = {k: v.to(device.torch_device) for k, v in make_batch(workload, cell.batch).items()}

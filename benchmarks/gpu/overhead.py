@@ -13,7 +13,7 @@ What it measures, in order, each as one row of the results log:
      catalog's `cuda_context_bytes`), and the allocator at the step's peak (segments, reserve)
      against anatomist's prediction,
   6. the caching allocator's rounding and segment sizes, one request at a time on an emptied
-     cache, against anatomist's allocator model (`anatomist.trace.allocator`).
+     cache, against anatomist's allocator model (`anatomist.trace.engine.allocator`).
 
 "Outside the allocator" is NVML's device memory used, minus what it was before this process
 touched CUDA, minus `torch.cuda.memory_reserved()`. With `--dry-run` (no CUDA) the same code
@@ -190,7 +190,7 @@ def _asdict(reading: Reading) -> dict[str, Any]:
 
 def rounding_rows(log: ResultsLog, attempt: str, dry_run: bool) -> None:
     """Stage 6: one request at a time on an emptied cache: the block and the segment it gets."""
-    from anatomist.trace.allocator import round_size, segment_size
+    from anatomist.trace.engine.allocator import round_size, segment_size
 
     for nbytes in ROUNDING_PROBES_BYTES:
         measured_block = measured_segment = None

@@ -51,7 +51,7 @@ def _patched(module: Any, **replacements: Any) -> Iterator[None]:
 
 def _logits_sum(model: Any, reference: Any, workload: Any, recipe: Any, batch_size: int) -> Any:
     """The SDPA benchmark's loss: the sum of the logits of a forward without labels."""
-    from anatomist.trace.inputs import make_batch
+    from anatomist.trace.step.inputs import make_batch
 
     return model(input_ids=make_batch(workload, batch_size)["input_ids"]).logits.sum()
 
@@ -59,8 +59,8 @@ def _logits_sum(model: Any, reference: Any, workload: Any, recipe: Any, batch_si
 def sdpa_benchmark_ops(workload: Any, recipe: Any, compute_capability: str) -> Any:
     """`StepOps` of the SDPA benchmark's loop: forward and backward at the recipe's batch, no optimizer."""
     from anatomist.estimate.flops import ops_of
-    from anatomist.trace import trainers
-    from anatomist.trace.parts import trace_part
+    from anatomist.trace.step import trainers
+    from anatomist.trace.store.parts import trace_part
 
     with _patched(trainers, step_loss=_logits_sum):
         traced = trace_part(workload, recipe, "forward-backward", depth=None, batch_size=recipe.per_device_train_batch_size,
@@ -115,7 +115,7 @@ def _optimizer_phase_2022(params: list[Any], optimizer: Any, recipe: Any, tracer
 def trainer_2022_optimizer_ops(workload: Any, recipe: Any, compute_capability: str) -> Any:
     """`StepOps` of the January 2022 Trainer's optimizer step (and the accumulation it adds to backward)."""
     from anatomist.estimate.flops import ops_of
-    from anatomist.trace import driver
+    from anatomist.trace.step import driver
 
     with _patched(driver, build_optimizer=_build_2022, optimizer_phase=_optimizer_phase_2022):
         traced = driver.trace_step(workload, recipe, depth=None, batch_size=1, compute_capability=compute_capability,

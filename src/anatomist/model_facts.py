@@ -38,7 +38,7 @@ class ModelFacts:
     experts_implementation: str | None
     """The experts kernel the config itself names (transformers then runs it whatever is asked)."""
     kernel_tasks: tuple[str, ...]
-    """The tasks whose model class runs its experts through transformers' kernels (`trace.experts`)."""
+    """The tasks whose model class runs its experts through transformers' kernels (`trace.step.experts`)."""
     eager_tasks: tuple[str, ...] = ()
     """The tasks whose model class has no SDPA attention (`_supports_sdpa` False: DeBERTa-v2, gpt-oss): transformers
     builds them with eager attention where none is asked for (`get_correct_attn_implementation`)."""
@@ -63,7 +63,7 @@ def facts_of(config: Any) -> ModelFacts:
 
 @dataclass(frozen=True, slots=True)
 class LoraDefaults:
-    """What PEFT's LoraConfig targets in a model when `target_modules` is unset (`trace.peft_defaults`)."""
+    """What PEFT's LoraConfig targets in a model when `target_modules` is unset (`trace.step.peft_defaults`)."""
 
     targets: tuple[str, ...] | None
     """The module names PEFT picks, None where it finds none (no default for the model type)."""

@@ -205,11 +205,11 @@ class Recipe:
     cut_cross_entropy: bool = _field(
         False, "Cut Cross-Entropy (cut_cross_entropy's cce_patch, axolotl's CutCrossEntropyPlugin): the causal LM's "
         "loss from its last hidden states and head weight, block by block, without the logits; under the Trainer, "
-        "with weights in bfloat16 or float16, on Ampere or newer (trace/cce.py).")
+        "with weights in bfloat16 or float16, on Ampere or newer (trace/standins/cce.py).")
     trainer: Trainer = _field(
         "trainer", "Which trainer runs the step: transformers' Trainer (the model's own head and loss: the logits "
         "exist), TRL's SFTTrainer (sft) or DPOTrainer (dpo), whose fused LM head never holds the logits; dpo runs "
-        "chosen and rejected sequences as one batch of twice the pairs and a reference model (trace/trainers.py).")
+        "chosen and rejected sequences as one batch of twice the pairs and a reference model (trace/step/trainers.py).")
     padding_free: bool = _field(
         False, "Flatten each micro-batch into one row without padding (SFTConfig.padding_free, transformers' "
         "DataCollatorWithFlattening): position_ids restart per sequence, flash_attention_2's varlen kernel; a "

@@ -141,12 +141,12 @@ class Workload:
 
     def lora_default_targets(self) -> tuple[str, ...] | None:
         """The modules PEFT's LoraConfig targets in this model when none are named, None where PEFT has no default
-        for it (`trace.peft_defaults`, asked once per config, task and peft version: the trace cache)."""
+        for it (`trace.step.peft_defaults`, asked once per config, task and peft version: the trace cache)."""
         from anatomist.model_facts import LoraDefaults
-        from anatomist.trace import cache
+        from anatomist.trace.store import cache
 
         def ask_peft() -> LoraDefaults:
-            from anatomist.trace.peft_defaults import default_targets
+            from anatomist.trace.step.peft_defaults import default_targets
 
             return LoraDefaults(targets=default_targets(self, PEFT_TASK_TYPES.get(self.task)))
 
@@ -181,7 +181,7 @@ class Workload:
         """Instantiate the task model from the config (random init, no weights loaded) with its
         weights in `dtype` (`from_pretrained`'s meaning; "auto" is the config's dtype) and, where
         given, the Mixture-of-Experts kernel `experts_implementation` (else transformers' choice).
-        `config`: another config of the same model to build instead (a cut of it, `trace.cutting`)."""
+        `config`: another config of the same model to build instead (a cut of it, `trace.depth.configs`)."""
         import torch
         import transformers
 
@@ -318,7 +318,7 @@ def _facts(found: _Found, trust_remote_code: bool) -> tuple[ModelFacts, Any]:
     """The facts of `found`'s config and the transformers config if it had to be built for them: from the
     trace cache where this config.json was read before with this transformers (no import), else read."""
     from anatomist.model_facts import facts_of
-    from anatomist.trace import cache
+    from anatomist.trace.store import cache
 
     built: list[Any] = [found.built]
 

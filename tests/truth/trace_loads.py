@@ -22,8 +22,8 @@ sys.addaudithook(_audit)
 
 import anatomist  # noqa: E402
 from anatomist.recipe import Recipe  # noqa: E402
-from anatomist.trace.cuts import model_plan  # noqa: E402
-from anatomist.trace.parts import trace_part  # noqa: E402
+from anatomist.trace.depth.plan import model_plan  # noqa: E402
+from anatomist.trace.store.parts import trace_part  # noqa: E402
 from anatomist.workload import load_workload  # noqa: E402
 
 RECIPES = [  # between them: fp16 (GradScaler), checkpointing, accumulation, a low-bit optimizer's layout, QLoRA

@@ -2,7 +2,7 @@
 
 Read from `data/liger.toml` (transcribed from liger-kernel's own `MODEL_TYPE_TO_APPLY_LIGER_FN`,
 version and file named there), so the prediction never needs liger-kernel installed. Two lists:
-the model types Liger patches at all, and the ones whose patches anatomist traces (`trace/liger.py`:
+the model types Liger patches at all, and the ones whose patches anatomist traces (`trace/standins/liger_kernels.py`:
 Llama's set, rope + RMSNorm + SwiGLU + fused linear cross-entropy). Recipe validation, the plan's
 search space and the tracer all ask here.
 """
@@ -68,7 +68,7 @@ def check_liger(model_type: str, task: str, name: str) -> None:
 
 def flce_chunk_tokens(batch: int, seq_len: int, hidden: int, vocab: int) -> int:
     """Tokens of the fused linear + cross-entropy's chunk as the trace runs it: batch x ceil(seq / ceil(V / H)),
-    affine in the batch as every traced figure must be (`trace/liger.py`)."""
+    affine in the batch as every traced figure must be (`trace/standins/liger_kernels.py`)."""
     return batch * math.ceil(seq_len / math.ceil(vocab / hidden))
 
 

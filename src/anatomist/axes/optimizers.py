@@ -8,7 +8,7 @@ plan searches it by default.
 
 To add an optimizer: one `OptimizerSpec` in `OPTIMIZERS` below. Its `build` makes the optimizer
 the tracer steps on fake tensors (the real class where it runs on fake tensors, else
-`trace.optimizer_layouts.QuantizedAdamLayout` with the library's `QuantizedState`).
+`trace.standins.low_bit_adam.QuantizedAdamLayout` with the library's `QuantizedState`).
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def _adafactor(params: list[Any]) -> torch.optim.Optimizer:
 
 def _quantized_adam(state: QuantizedState) -> Builder:
     def build(params: list[Any]) -> torch.optim.Optimizer:
-        from anatomist.trace.optimizer_layouts import QuantizedAdamLayout
+        from anatomist.trace.standins.low_bit_adam import QuantizedAdamLayout
 
         return QuantizedAdamLayout(params, lr=LEARNING_RATE, state=state)
 

@@ -1,6 +1,6 @@
 """How bitsandbytes stores a quantized base (`load_in_4bit` / `load_in_8bit`), in numbers.
 
-Read by the tracer, which lays the base out this way (`trace/peft.py`), and by the
+Read by the tracer, which lays the base out this way (`trace/step/peft.py`), and by the
 bytes-per-parameter rule (`estimate/rules.py`). Source: bitsandbytes 0.50 `Params4bit`
 (`blocksize=64`), `quantize_4bit` with `compress_statistics` (the nested absmax), `Int8Params`.
 """

@@ -37,7 +37,7 @@ accelerate wraps nothing: the whole model one unit) and "offload", and FSDP1 is 
 def trainer_fsdp_arguments(fsdp: str, *, offload: bool, adapters: bool,
                            transformers_version: str | None = None) -> dict[str, object]:
     """TrainingArguments' `fsdp` and `fsdp_config` for FSDP2 with `fsdp`'s strategy, each block its own unit (as
-    anatomist traces it: `trace.sharded`), CPU offload where asked, and, for adapters, PEFT's
+    anatomist traces it: `trace.step.fsdp`), CPU offload where asked, and, for adapters, PEFT's
     `cpu_ram_efficient_loading`; in the form `transformers_version` (default: the one installed, else the newest)
     reads (`FSDP_CONFIG_ONLY`)."""
     config: dict[str, object] = {"version": 2}

@@ -9,7 +9,7 @@ and wraps the model with accelerate's own `fsdp2_prepare_model`, given the `Full
 the Trainer builds for `fsdp_version: 2` (reshard_after_forward from the strategy, the recipe's mixed
 precision through the plugin's `set_mixed_precision`, `CPUOffloadPolicy` for `offload: cpu`, the
 repeated blocks as `transformer_layer_cls_to_wrap`, as `plan --emit` writes them). An accelerate
-without FSDP2 (< 1.6) has no `fsdp2_prepare_model`: there `anatomist.trace.sharded.wrap`, which
+without FSDP2 (< 1.6) has no `fsdp2_prepare_model`: there `anatomist.trace.step.fsdp.wrap`, which
 follows accelerate 1.15's, wraps the model, and the rank's result says so (`wrapped_by`).
 
 The step is the Trainer's: micro-batches under `set_requires_gradient_sync(False)` but the last, the
@@ -67,17 +67,17 @@ def _shard(model: torch.nn.Module, recipe: Any, device: torch.device) -> str:
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
     from anatomist.axes.shardings import RESHARD_AFTER_FORWARD
-    from anatomist.trace.sharded import block_classes
+    from anatomist.trace.step.fsdp import block_classes
 
     try:
         from accelerate.utils import FullyShardedDataParallelPlugin, fsdp2_prepare_model
     except ImportError:  # accelerate < 1.6: no FSDP2
         from torch.distributed.device_mesh import init_device_mesh
 
-        from anatomist.trace.sharded import wrap
+        from anatomist.trace.step.fsdp import wrap
 
         wrap(model, recipe, init_device_mesh(device.type, (dist.get_world_size(),)))
-        return "anatomist.trace.sharded.wrap (this accelerate has no fsdp2_prepare_model)"
+        return "anatomist.trace.step.fsdp.wrap (this accelerate has no fsdp2_prepare_model)"
     # Pinned host memory needs CUDA; accelerate's default CPUOffloadPolicy() pins.
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if recipe.offload == "cpu" else OffloadPolicy()
     plugin = FullyShardedDataParallelPlugin(
@@ -115,7 +115,7 @@ def main() -> None:
     from anatomist.axes.precisions import autocast_dtype
     from anatomist.bench.worker import enable_checkpointing, optimizer_class, training_model
     from anatomist.recipe import Recipe
-    from anatomist.trace.inputs import make_batch
+    from anatomist.trace.step.inputs import make_batch
     from anatomist.workload import load_workload
 
     on_cuda = torch.cuda.is_available()

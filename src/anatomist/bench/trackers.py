@@ -96,8 +96,8 @@ def as_on_cuda(half: bool) -> Iterator[None]:
     if torch.cuda.is_available():
         yield
         return
-    from anatomist.trace.autocast import cuda_autocast_policy
-    from anatomist.trace.cuda_model import cuda_code_paths
+    from anatomist.trace.engine.autocast import cuda_autocast_policy
+    from anatomist.trace.engine.cuda_paths import cuda_code_paths
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(cuda_code_paths())

@@ -53,7 +53,7 @@ def training_model(workload: Workload, recipe: ResolvedRecipe, folder: str | Non
     load, so the random weights are saved to `folder` first) and prepared with
     `prepare_model_for_kbit_training`; LoRA adapters come from `get_peft_model`."""
     from anatomist.plan.emit import bnb_config, lora_config
-    from anatomist.trace.experts import build_kwargs
+    from anatomist.trace.step.experts import build_kwargs
 
     model = workload.build_model(recipe.attn_implementation, recipe.dtype, **build_kwargs(workload, recipe))
     quantization = bnb_config(recipe)
@@ -177,7 +177,7 @@ def predict(workload: Workload, recipe: ResolvedRecipe, *, num_gpus: int = 1) ->
     anatomy = estimate_memory(workload, recipe, gpu, num_gpus=num_gpus).anatomy
     if on_cpu:
         # The tensor categories only: CPU has no cuBLAS workspace, no reserve, no context.
-        # Two workspaces live through a training step (the main thread's and autograd's: trace/driver.py); the
+        # Two workspaces live through a training step (the main thread's and autograd's: trace/step/driver.py); the
         # rest of functionality is the step's own (DDP's gradient buckets, FSDP's collective buffers).
         live_workspaces = 2 * cublas_workspace_bytes(gpu.compute_capability)
         anatomy = dataclasses.replace(

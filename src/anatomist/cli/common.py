@@ -112,7 +112,7 @@ def warn(message: str) -> None:
 PIP_SPECS = {"cut_cross_entropy": "'cut-cross-entropy[transformers] @ "
                                   "git+https://github.com/axolotl-ai-cloud/ml-cross-entropy.git@5f0c7a7'"}
 """What to pip install for a module where its name on PyPI is another release: Cut Cross-Entropy as axolotl installs
-it (the version trace/cce.py follows; PyPI's cut-cross-entropy is Apple's older release)."""
+it (the version trace/standins/cce.py follows; PyPI's cut-cross-entropy is Apple's older release)."""
 
 
 def note_missing_packages(recipe: Recipe) -> None:
@@ -164,7 +164,7 @@ def add_cache_flag(p: argparse.ArgumentParser) -> None:
 def apply_cache_flag(args: argparse.Namespace) -> None:
     """Turn the disk trace cache off for this process when --no-cache was given."""
     if getattr(args, "no_cache", False):
-        from anatomist.trace.cache import set_disk_cache
+        from anatomist.trace.store.cache import set_disk_cache
 
         set_disk_cache(False)
 
@@ -219,14 +219,14 @@ def native_log_lines_kept_off(verbose: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def tracing_progress() -> Iterator[None]:
-    """A progress bar on stderr while step parts are traced side by side (`trace.pool`), on a terminal only."""
+    """A progress bar on stderr while step parts are traced side by side (`trace.store.pool`), on a terminal only."""
     if not sys.stderr.isatty():
         yield
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from anatomist.cli.render import console
-    from anatomist.trace import pool
+    from anatomist.trace.store import pool
 
     # Refreshed by each report, not by a thread of its own: the next pool forks this process.
     progress = Progress(TextColumn("tracing step parts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

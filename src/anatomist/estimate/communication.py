@@ -148,9 +148,9 @@ def bus_bytes_per_s(
 
 
 def parameter_count(workload: Workload, recipe: ResolvedRecipe) -> int:
-    """The parameters `recipe` trains (the estimator's exact count, `trace.cuts.model_plan`): every
+    """The parameters `recipe` trains (the estimator's exact count, `trace.depth.plan.model_plan`): every
     parameter of the task model, or with LoRA/QLoRA the adapters', as PEFT makes them."""
-    from anatomist.trace.cuts import model_plan
+    from anatomist.trace.depth.plan import model_plan
 
     plan = model_plan(workload, recipe)
     return plan.trainable_parameters if recipe.peft != "none" else plan.parameters
@@ -175,7 +175,7 @@ def checkpoint_offload_s(workload: Workload, recipe: ResolvedRecipe) -> float:
     forward and back in backward, over PCIe on the compute stream (so not hidden behind compute)."""
     if not (recipe.gradient_checkpointing and recipe.checkpoint_offload):
         return 0.0
-    from anatomist.trace.cuts import model_plan
+    from anatomist.trace.depth.plan import model_plan
 
     layers = math.ceil(model_plan(workload, recipe).blocks / recipe.checkpoint_every)
     element = 2 if recipe.half_weights else 4  # the residual stream: fp32 under autocast of fp32 weights
@@ -259,7 +259,7 @@ def collectives(
     k = recipe.gradient_accumulation_steps
     if num_gpus <= 1:
         return Collectives(micro_batches=k)
-    from anatomist.trace.cuts import model_plan
+    from anatomist.trace.depth.plan import model_plan
 
     bus = bus_bytes_per_s(num_gpus, nodes, network, gpu)
     ring = (num_gpus - 1) / num_gpus
@@ -300,7 +300,7 @@ def gathered_weight_bytes(workload: Workload, recipe: ResolvedRecipe) -> float:
     """Bytes of one all-gather of the whole model under ZeRO-3 / FSDP full_shard: a quantized base's codes as
     they are stored (bitsandbytes' FSDP-QLoRA guide stores them in a float dtype: the same bytes), every
     other parameter in the dtype it is gathered in (the half dtype under mixed precision or half weights)."""
-    from anatomist.trace.cuts import model_plan
+    from anatomist.trace.depth.plan import model_plan
 
     plan = model_plan(workload, recipe)
     element = 2 if recipe.mixed_precision != "no" or recipe.half_weights else 4

@@ -11,9 +11,9 @@ Batch size: each op's FLOPs and bytes are affine in it, so the passes at any bat
 extrapolated op by op from the traces at 2 and 3 samples (where the two op sequences do not
 line up, the batch is traced directly). Depth: op counts are linear in the number of
 repeated blocks of each kind, so the step is extrapolated from the cuts of the estimator's plan
-(`trace.cuts`), for a uniform stack the traces at 2 and 3 blocks: n(L) = n2 + (L - 2)(n3 - n2).
+(`trace.depth.plan`), for a uniform stack the traces at 2 and 3 blocks: n(L) = n2 + (L - 2)(n3 - n2).
 
-Known limitations: the CPU code paths stand in for CUDA's (`trace.cuda_model`), so a few ops
+Known limitations: the CPU code paths stand in for CUDA's (`trace.engine.cuda_paths`), so a few ops
 differ from what CUDA runs (e.g. CPU's flash-attention kernel stands in for the CUDA SDPA
 kernels; its FLOPs are counted with the same formula as CUDA's).
 """
@@ -32,11 +32,12 @@ from anatomist.anatomy import STEP_PHASES, OpClass, Phase, StepFlops
 from anatomist.estimate.sharding import as_deepspeed_runs
 from anatomist.estimate.traces import TRACE_BATCHES, TRACE_DEPTHS, affine, step_traces
 from anatomist.recipe import ResolvedRecipe
-from anatomist.trace import cache
-from anatomist.trace.cuts import TracePlan
-from anatomist.trace.keys import Depth, one_device, part_key
-from anatomist.trace.parts import trace_part
-from anatomist.trace.records import COST_FIELDS, Signature
+from anatomist.trace.depth.cuts import Depth
+from anatomist.trace.depth.plan import TracePlan
+from anatomist.trace.engine.records import COST_FIELDS, Signature
+from anatomist.trace.store import cache
+from anatomist.trace.store.keys import one_device, part_key
+from anatomist.trace.store.parts import trace_part
 from anatomist.workload import Workload
 
 DEFAULT_COMPUTE_CAPABILITY = "8.0"

@@ -10,9 +10,9 @@ from anatomist.recipe import ResolvedRecipe
 from anatomist.workload import Workload
 
 MODELLED_TRL = "1.16.0"
-"""The trl release whose trainers trace/trainers.py and trace/trl_head.py follow."""
+"""The trl release whose trainers trace/step/trainers.py and trace/standins/trl_head.py follow."""
 MODELLED_CCE = "axolotl-ai-cloud/ml-cross-entropy@5f0c7a7"
-"""The Cut Cross-Entropy trace/cce.py follows: the fork axolotl's CutCrossEntropyPlugin installs."""
+"""The Cut Cross-Entropy trace/standins/cce.py follows: the fork axolotl's CutCrossEntropyPlugin installs."""
 
 
 def llm_notes(workload: Workload, recipe: ResolvedRecipe) -> list[str]:

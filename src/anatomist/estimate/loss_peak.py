@@ -32,7 +32,7 @@ from anatomist.axes.liger import liger_modelled
 from anatomist.axes.precisions import half_dtype
 from anatomist.estimate.traces import TRACE_BATCHES, StepTraces, affine
 from anatomist.recipe import ResolvedRecipe
-from anatomist.trace.keys import Depth
+from anatomist.trace.depth.cuts import Depth
 from anatomist.workload import Workload
 
 LOSS_SHARE = 0.5

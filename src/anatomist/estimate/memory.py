@@ -35,10 +35,11 @@ from anatomist.estimate.sharding import ModelSize, as_deepspeed_runs, persistent
 from anatomist.estimate.traces import TRACE_BATCHES, Mode, StepTraces, affine, offloaded_bytes, step_traces
 from anatomist.hardware import GPU
 from anatomist.recipe import ResolvedRecipe
-from anatomist.trace import cache
-from anatomist.trace.cuts import TracePlan, model_plan
-from anatomist.trace.keys import Depth, Part, part_key
-from anatomist.trace.records import Curves, PhasePeak
+from anatomist.trace.depth.cuts import Depth
+from anatomist.trace.depth.plan import TracePlan, model_plan
+from anatomist.trace.engine.records import Curves, PhasePeak
+from anatomist.trace.store import cache
+from anatomist.trace.store.keys import Part, part_key
 from anatomist.workload import Workload
 
 MAX_BATCH_SEARCH = 1 << 16
@@ -224,7 +225,7 @@ def estimate_memory(
         gpu: the target GPU (capacity, CUDA context size, cuBLAS workspace size).
         mode: "train" for a full optimizer step, "inference" for one forward pass.
         num_gpus: the data-parallel devices: an FSDP recipe is traced as one rank of that many
-            (`trace.sharded`); DeepSpeed ZeRO shards one device's trace across them (`sharding.py`).
+            (`trace.step.fsdp`); DeepSpeed ZeRO shards one device's trace across them (`sharding.py`).
         margin: share of the GPU's memory kept free when deciding `fits` and `max_batch_size`.
 
     Returns:
@@ -254,11 +255,11 @@ def estimate_memory(
 
 
 class Moment(NamedTuple):
-    """A place in one step of the full model, named as the traces name their points (`trace.records.Event`)."""
+    """A place in one step of the full model, named as the traces name their points (`trace.engine.records.Event`)."""
 
     phase: Phase
     segment: str
-    """"pre", "blocks" or "post" (`trace.records.SEGMENTS`)."""
+    """"pre", "blocks" or "post" (`trace.engine.records.SEGMENTS`)."""
     micro_step: int
     """The micro-batch: 0, or 1 for the second (and later) of an accumulating step; 0 in the optimizer step."""
     block: int
@@ -430,7 +431,7 @@ def _notes(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnatomy, r
         notes.append(f"{recipe.peft}: the {base} base is frozen (no gradients, no optimizer states); the r={recipe.lora_r} "
                      "adapters (fp32, as PEFT makes them) carry the full rule")
     elif recipe.half_weights and recipe.fsdp != "none" and recipe.mixed_precision != "no":
-        notes.append(  # trace/sharded.py does what accelerate's fsdp2_prepare_model does
+        notes.append(  # trace/step/fsdp.py does what accelerate's fsdp2_prepare_model does
             f"weights loaded in {recipe.dtype}, but with {recipe.mixed_precision} mixed precision accelerate's FSDP2 "
             "upcasts the trainable parameters to fp32: fp32 sharded master weights, gradients and optimizer states, "
             f"the weights gathered in {recipe.mixed_precision} for compute"
@@ -441,7 +442,7 @@ def _notes(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnatomy, r
             "in that dtype, no fp32 master weights); --dtype float32 gives the fp32 / mixed-precision figure"
         )
     if recipe.torch_compile:
-        notes.append(  # trace/compiled.py
+        notes.append(  # trace/step/compiled.py
             "torch.compile: each block keeps for backward what AOTAutograd's min-cut partitioner (inductor's "
             "partition) saves, traced on fake tensors; inductor's kernels are approximated (its code generation "
             "is not run); embeddings, head and loss stay eager" + ("; with gradient checkpointing the blocks are "
@@ -451,7 +452,7 @@ def _notes(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnatomy, r
         notes.append("flash_attention_2: modelled as a fused kernel keeping output + log-sum-exp (as SDPA flash)")
     if recipe.activation_offloading:
         moved = offloaded_bytes(traces, recipe.per_device_train_batch_size)
-        notes.append(  # trace/offload.py, estimate/communication.py activation_offloading_s
+        notes.append(  # trace/step/offload.py, estimate/communication.py activation_offloading_s
             f"activation offloading (TRL's): {moved / GIB:.2f} GiB of saved activations per micro-batch go to pinned "
             "host memory and back, by TRL's rules (1 KiB or more, not a parameter, not the output head's; the last 5 "
             "kept on the device while they copy); the copies are timed at an assumed PCIe rate (12 GB/s), hidden under the "

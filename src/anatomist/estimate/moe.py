@@ -1,7 +1,7 @@
 """Mixture of Experts: what the estimate assumes of the routing, and how far a real routing can move it.
 
 Routing is data dependent and a fake-tensor trace has no data. What the trace can and cannot follow
-is the experts kernel's business (`trace.experts`): transformers' grouped_mm (its default) and
+is the experts kernel's business (`trace.step.experts`): transformers' grouped_mm (its default) and
 batched_mm run every layer's T x k routed rows (T tokens of a micro-batch, a top-k router) whatever the
 router picks, and a trace only succeeds where no tensor's size depends on the values. So for every
 step that traces, the memory is the same for any routing:
@@ -26,7 +26,7 @@ from typing import Any
 
 from anatomist.anatomy import MemoryAnatomy
 from anatomist.recipe import ResolvedRecipe
-from anatomist.trace.experts import OWN_CODE, experts_kernel
+from anatomist.trace.step.experts import OWN_CODE, experts_kernel
 from anatomist.workload import Workload
 
 
@@ -35,7 +35,7 @@ class MoeRouting:
     """The routing an estimate of a Mixture-of-Experts model assumes, per MoE layer and micro-batch."""
 
     experts_implementation: str
-    """The experts kernel modelled (`trace.experts.experts_kernel`)."""
+    """The experts kernel modelled (`trace.step.experts.experts_kernel`)."""
     experts: int
     """Routed experts per MoE layer (shared experts, which take every token, not counted)."""
     experts_per_token: int

@@ -1,14 +1,14 @@
 """What an estimate says of LoRA and QLoRA beyond the rule: which layers the adapters reach where the recipe left
 it to PEFT, and what bitsandbytes leaves unquantized (a Mixture of Experts' fused experts, a classifier's head).
 
-Torch-free: read from the recipe, the workload's facts and the model plan (`trace.cuts.ModelPlan`).
+Torch-free: read from the recipe, the workload's facts and the model plan (`trace.depth.plan.ModelPlan`).
 """
 
 from __future__ import annotations
 
 from anatomist.anatomy import GIB
 from anatomist.recipe import CLASSIFIER_HEADS, LORA_FALLBACK_TARGETS, ResolvedRecipe
-from anatomist.trace.cuts import ModelPlan
+from anatomist.trace.depth.plan import ModelPlan
 from anatomist.workload import Workload
 
 EXPERT_PARAMETERS = "mlp.experts.gate_up_proj,mlp.experts.down_proj"

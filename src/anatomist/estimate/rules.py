@@ -145,7 +145,7 @@ class BytesPerParamRule:
 def frozen_bytes_per_param(recipe: ResolvedRecipe) -> float:
     """Bytes of one frozen base parameter: the load dtype's, or bitsandbytes' packed storage
     (4-bit: half a byte plus an fp32 absmax per block; with double quantization a uint8 absmax
-    per block and an fp32 one per NESTED_BLOCK blocks, as trace/peft.py lays them out)."""
+    per block and an fp32 one per NESTED_BLOCK blocks, as trace/step/peft.py lays them out)."""
     if recipe.load_in_4bit:
         scales = 1 / BLOCK_4BIT + 4 / (BLOCK_4BIT * NESTED_BLOCK) if recipe.bnb_4bit_use_double_quant else 4 / BLOCK_4BIT
         return 0.5 + scales

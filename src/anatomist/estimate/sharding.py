@@ -10,7 +10,7 @@ neither the Trainer nor accelerate changes, the `.grad` tensors are a second cop
 gradients size"). So each device holds one more copy of the trainable gradients throughout the step
 (`ddp_bucket_bytes`), counted as functionality-specific memory.
 
-PyTorch FSDP is not here: its step is traced per rank (trace/sharded.py). DeepSpeed ZeRO is arithmetic over one
+PyTorch FSDP is not here: its step is traced per rank (trace/step/fsdp.py). DeepSpeed ZeRO is arithmetic over one
 device's trace of the step as the engine runs it (`as_deepspeed_runs`): ZeRO partitions whole categories across
 the N data-parallel devices (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
 Parameter Models", section 5): stage 1 the optimizer states, stage 2 also the gradients, stage 3 also the weights.
@@ -78,8 +78,8 @@ from anatomist.anatomy import MemoryCategory, Phase
 from anatomist.axes.optimizers import optimizer
 from anatomist.axes.shardings import RESHARD_AFTER_FORWARD
 from anatomist.recipe import Recipe, ResolvedRecipe
-from anatomist.trace.allocator import round_size
-from anatomist.trace.records import PhasePeak
+from anatomist.trace.engine.allocator import round_size
+from anatomist.trace.engine.records import PhasePeak
 
 HALF_BYTES = 2
 MASTER_WEIGHT_BYTES = 4

@@ -1,7 +1,7 @@
 """Predict the time of one training step from its ops: a roofline per op, offline.
 
 Each op of the traced step (`flops.step_ops`: FLOPs and bytes moved per call, fake
-tensors; with torch.compile, each fused kernel: `trace.compiled`) takes
+tensors; with torch.compile, each fused kernel: `trace.step.compiled`) takes
 
     max(flops / (peak(dtype) x efficiency), bytes / (bandwidth x bandwidth_efficiency)) + kernel overhead
 

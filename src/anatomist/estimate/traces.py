@@ -1,7 +1,7 @@
 """The traces the estimator takes of a step, shared by the memory and the time prediction.
 
-A training step is traced in two parts (forward/backward, optimizer: `trace.parts.trace_part`)
-on the cuts of the model its plan names (`trace.cuts`: the model cut to 2 and 3 blocks for a
+A training step is traced in two parts (forward/backward, optimizer: `trace.store.parts.trace_part`)
+on the cuts of the model its plan names (`trace.depth.plan`: the model cut to 2 and 3 blocks for a
 stack of blocks all alike, one block of each kind for stacks of several, or the full model); the
 passes at `TRACE_BATCHES` samples. Everything the estimator reports is extrapolated from these
 few traces: every figure of a step is affine in the number of blocks of each kind and, for one
@@ -23,11 +23,12 @@ import numpy as np
 from anatomist.errors import InputError
 from anatomist.estimate.sharding import as_deepspeed_runs
 from anatomist.recipe import ResolvedRecipe
-from anatomist.trace.cuts import TRACE_DEPTHS, TracePlan, full_plan, model_plan
-from anatomist.trace.experts import check_traceable
-from anatomist.trace.keys import Depth, Part
-from anatomist.trace.parts import trace_part, trace_parts
-from anatomist.trace.records import StepTrace
+from anatomist.trace.depth.cuts import Depth
+from anatomist.trace.depth.plan import TRACE_DEPTHS, TracePlan, full_plan, model_plan
+from anatomist.trace.engine.records import StepTrace
+from anatomist.trace.step.experts import check_traceable
+from anatomist.trace.store.keys import Part
+from anatomist.trace.store.parts import trace_part, trace_parts
 from anatomist.workload import Workload
 
 __all__ = ["TRACE_BATCHES", "TRACE_DEPTHS", "Mode", "StepTraces", "affine", "implied_parameters", "offloaded_bytes",
@@ -68,7 +69,7 @@ def step_traces(workload: Workload, recipe: ResolvedRecipe, compute_capability: 
                 *, use_cache: bool = True, num_gpus: int = 1) -> StepTraces:
     """The passes of each cut of the plan at TRACE_BATCHES and, in training, the optimizer of each cut;
     at full depth instead where the parameters they imply are not the model's exact count. An FSDP
-    recipe's are one rank's of `num_gpus` (`trace.sharded`); a DeepSpeed ZeRO recipe's are of its step as the
+    recipe's are one rank's of `num_gpus` (`trace.step.fsdp`); a DeepSpeed ZeRO recipe's are of its step as the
     engine runs it (`sharding.as_deepspeed_runs`)."""
     check_traceable(workload, recipe)  # before the caches: a config's experts kernel is not in their keys
     recipe = as_deepspeed_runs(recipe)
@@ -121,7 +122,7 @@ def parts_of(plan: TracePlan, mode: Mode) -> list[tuple[Part, Depth, int]]:
 def prefetch(workload: Workload, recipes: Iterable[ResolvedRecipe], compute_capability: str, mode: Mode = "train",
              *, num_gpus: int = 1) -> None:
     """Trace side by side what `step_traces` of each recipe on `num_gpus` devices will read (see
-    `trace.parts.trace_parts`)."""
+    `trace.store.parts.trace_parts`)."""
     requests = []
     for recipe in map(as_deepspeed_runs, recipes):
         try:

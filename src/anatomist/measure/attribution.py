@@ -38,9 +38,9 @@ from typing import Any
 import torch
 
 from anatomist.anatomy import TENSOR_CATEGORIES, MemoryAnatomy, MemoryCategory, Phase
-from anatomist.trace.cuda_model import cuda_code_paths
-from anatomist.trace.records import curves_of
-from anatomist.trace.tracer import StepTracer
+from anatomist.trace.engine.cuda_paths import cuda_code_paths
+from anatomist.trace.engine.records import curves_of
+from anatomist.trace.engine.tracer import StepTracer
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:

@@ -39,7 +39,7 @@ from anatomist.estimate.flops import step_flops, step_ops
 from anatomist.hardware import detect_local_gpu
 from anatomist.op_classes import classify, is_known
 from anatomist.recipe import Recipe, ResolvedRecipe
-from anatomist.trace.inputs import make_batch
+from anatomist.trace.step.inputs import make_batch
 from anatomist.workload import Workload
 
 PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)

@@ -12,7 +12,7 @@ tie (within `SPEED_TIE`): more GPUs always give more samples/s in all, until com
 it, so "fastest" alone would always answer the largest cluster. The table shows every size's
 samples/s, so a reader who pays for time rather than GPU-hours picks another row.
 
-FSDP is traced at the two smallest world sizes and derived at the others (`trace.worlds`: exact where no shard
+FSDP is traced at the two smallest world sizes and derived at the others (`trace.depth.worlds`: exact where no shard
 is padded), and one set of worker processes traces for every size.
 """
 
@@ -28,7 +28,7 @@ from anatomist.errors import InputError
 from anatomist.plan.candidates import SPEED_TIE, Candidate
 from anatomist.plan.search import Plan
 from anatomist.plan.space import SearchSpace
-from anatomist.trace import parts, pool
+from anatomist.trace.store import parts, pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +94,7 @@ def plan_clusters(space: SearchSpace, sizes: list[tuple[int, int]], plan_one: Ca
 
 
 def _derived_worlds(sizes: list[tuple[int, int]]) -> contextlib.AbstractContextManager[None]:
-    """FSDP traced at the two smallest world sizes of `sizes`, the others derived from them (`trace.worlds`),
+    """FSDP traced at the two smallest world sizes of `sizes`, the others derived from them (`trace.depth.worlds`),
     where there are more than two."""
     worlds = sorted({num_gpus for num_gpus, _ in sizes if num_gpus > 1})
     return parts.worlds_derived_from(*worlds[:2]) if len(worlds) > 2 else contextlib.nullcontext()

@@ -166,7 +166,7 @@ def _trl_trainer_fields(recipe: Recipe) -> dict[str, Any]:
 
 
 def reference_model(recipe: Recipe) -> str:
-    """How DPOTrainer holds the reference model of a DPO recipe, in words (trace/trainers.py)."""
+    """How DPOTrainer holds the reference model of a DPO recipe, in words (trace/step/trainers.py)."""
     if recipe.precompute_ref_log_probs:
         return "none during training: its log-probabilities are computed before it (precompute_ref_log_probs)"
     if recipe.peft != "none":
@@ -351,7 +351,7 @@ def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = Fals
             ds["zero3_save_16bit_model"] = True
         config["deepspeed_config"] = ds
     if recipe.fsdp != "none":
-        # FSDP2, what anatomist traces (trace/sharded.py) and the Trainer's default; accelerate's own default is
+        # FSDP2, what anatomist traces (trace/step/fsdp.py) and the Trainer's default; accelerate's own default is
         # still FSDP1, so the version is written. FSDP1's sharding_strategy, backward_prefetch, use_orig_params and
         # sync_module_states are obsolete there (accelerate warns): reshard_after_forward says full_shard (True)
         # or shard_grad_op (False).

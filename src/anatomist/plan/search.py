@@ -43,8 +43,8 @@ from anatomist.plan.candidates import (
 from anatomist.plan.reasons import explain, explain_infeasible
 from anatomist.plan.space import SearchSpace, can_offload_activations, enumerate_recipes, partial_variants
 from anatomist.recipe import ResolvedRecipe
-from anatomist.trace import pool
-from anatomist.trace.keys import one_device
+from anatomist.trace.store import pool
+from anatomist.trace.store.keys import one_device
 from anatomist.workload import Workload
 
 

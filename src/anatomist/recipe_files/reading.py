@@ -204,7 +204,7 @@ def fsdp_mode(strategy: Any, file: str, key: str) -> str:
 
 def fsdp_offload(reading: Reading, value: Any, file: str, key: str) -> None:
     """FSDP's CPU offload (parameters, gradients and optimizer state on the host: `CPUOffloadPolicy`, traced by
-    trace/sharded.py) where `value` turns it on."""
+    trace/step/fsdp.py) where `value` turns it on."""
     if not is_off(value):
         reading.set("offload", "cpu", file, key)
 

@@ -2,7 +2,7 @@
 
 A cold trace takes seconds to a minute; the event loop never waits for it: a request submits a job
 and gets its id, and `/api/jobs/ID` says how far it is. One worker, not several: a job already
-traces side by side in processes of its own (`trace.pool`, one per core), and the trace pool's
+traces side by side in processes of its own (`trace.store.pool`, one per core), and the trace pool's
 progress hooks and kept workers are the process's, not a thread's. Jobs are shared by their
 form's key, so a link opened twice, or a result asked again, is one job; the last MAX_KEPT are kept
 with their answers (and charts).

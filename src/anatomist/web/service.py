@@ -279,7 +279,7 @@ def _file_flags(form: Form, uploads: UploadStore) -> list[str]:
 
 def _estimate(form: Form, uploads: UploadStore, allow_network: bool, progress: Progress) -> dict[str, Any]:
     from anatomist.cli.estimate import RULE_SOURCE, build_estimate, largest_batch, verdict, what_would_fit
-    from anatomist.trace import pool
+    from anatomist.trace.store import pool
 
     model, shown = _model_argument(form, uploads)
     argv = ["estimate", *flags(form, fields()), *_file_flags(form, uploads), *_network(allow_network),
@@ -315,7 +315,7 @@ def _estimate(form: Form, uploads: UploadStore, allow_network: bool, progress: P
 def _plan(form: Form, uploads: UploadStore, allow_network: bool, progress: Progress) -> dict[str, Any]:
     from anatomist.cli.plan import build_plan
     from anatomist.recipe_labels import differing, label, shared, summary
-    from anatomist.trace import pool
+    from anatomist.trace.store import pool
 
     model, shown = _model_argument(form, uploads)
     if not model and not form.get("recipe"):

@@ -15,47 +15,20 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from anatomist.hardware import cublas_workspace_bytes
+from anatomist.trace.depth.cuts import Depth
 
 if TYPE_CHECKING:
     from anatomist.recipe import ResolvedRecipe
     from anatomist.workload import Workload
 
 Part = Literal["forward-backward", "optimizer", "inference", "train-step"]
-"""Which part of a step a trace covers (`trace.driver.trace_step`)."""
+"""Which part of a step a trace covers (`trace.step.driver.trace_step`)."""
 
-
-@dataclass(frozen=True, slots=True)
-class CutStack:
-    """The layers one stack keeps."""
-
-    fields: tuple[str, ...]
-    """The config fields that hold this stack's depth (one stack may be several ModuleLists of one depth)."""
-    depth: int
-    """The stack's depth in the full model."""
-    kept: tuple[int, ...]
-    """Layer indices of the full model kept, ascending."""
-
-
-@dataclass(frozen=True, slots=True)
-class Cut:
-    """A model cut to some of its layers, by index: hashable, and all `cutting.cut_config` needs."""
-
-    stacks: tuple[CutStack, ...]
-
-    @property
-    def blocks(self) -> int:
-        return sum(len(s.kept) for s in self.stacks)
-
-
-Depth = int | Cut | None
-"""What a trace keeps of the model: every stack cut to that many blocks (int), the layers a `Cut`
-names, or the whole model (None)."""
 
 PEFT_FIELDS = ("peft", "lora_r", "lora_dropout", "lora_target_modules", "lora_target_parameters", "load_in_4bit",
                "load_in_8bit", "llm_int8_skip_modules", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype")
@@ -85,7 +58,7 @@ def traced_attention(recipe: ResolvedRecipe) -> str:
 
 
 def traced_compile(recipe: ResolvedRecipe) -> bool:
-    """Whether the traced blocks run compiled (`trace.compiled`): under gradient checkpointing they stay eager
+    """Whether the traced blocks run compiled (`trace.step.compiled`): under gradient checkpointing they stay eager
     (see its docstring), so a checkpointed recipe's passes are the same trace with torch.compile on or off."""
     return recipe.torch_compile and not recipe.gradient_checkpointing
 
@@ -105,19 +78,19 @@ the field but not in that function's value share the trace."""
 
 
 SHARDED_FIELDS = ("fsdp", "offload")
-"""What else shapes the trace of an FSDP recipe (`trace.sharded`): the strategy and CPU offload. The strategy sets
+"""What else shapes the trace of an FSDP recipe (`trace.step.fsdp`): the strategy and CPU offload. The strategy sets
 only whether a unit reshards after its forward, which an optimizer step never sees: its key (`part_key`) has none."""
 
 
 def traced_world(recipe: ResolvedRecipe, num_gpus: int) -> int:
     """The world size the trace of `recipe` on `num_gpus` data-parallel devices runs at: FSDP's step is
-    traced as one rank of `num_gpus` (`trace.sharded`); every other recipe's on one device (data
+    traced as one rank of `num_gpus` (`trace.step.fsdp`); every other recipe's on one device (data
     parallelism holds on each device what one device holds; ZeRO is arithmetic over it)."""
     return num_gpus if recipe.fsdp != "none" else 1
 
 
 def compile_context(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ...]:
-    """What shapes the compiled graphs of a block besides its own class, parameters and inputs (`trace.compiled`):
+    """What shapes the compiled graphs of a block besides its own class, parameters and inputs (`trace.step.compiled`):
     the model's config and the recipe fields that change the passes' trace, FSDP's wrapping. Neither the depth nor
     the batch size (the inputs' shapes): the traces of one recipe at two depths share the graphs."""
     return (*workload.trace_key(), tuple(getattr(recipe, f) for f in PART_FIELDS["forward-backward"]),
@@ -149,7 +122,7 @@ def part_key(workload: Workload, recipe: ResolvedRecipe, part: Part, depth: Dept
 
 def _kernel_paths(recipe: ResolvedRecipe, part: Part, compute_capability: str) -> tuple[Any, ...]:
     """What else of the GPU changes a traced part: Liger's fused cross-entropy takes another path from
-    compute capability 8.0 on (trace/liger.py)."""
+    compute capability 8.0 on (trace/standins/liger_kernels.py)."""
     if recipe.use_liger_kernel and part in ("forward-backward", "train-step"):
         return ("liger-sm80" if int(compute_capability.split(".")[0]) >= 8 else "liger-pre-sm80",)
     return ()
@@ -165,17 +138,22 @@ def plan_key(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ...]:
 
 TRACE_SOURCES: tuple[str, ...] = (
     "__init__.py", "anatomy.py", "config_fields.py", "errors.py", "hardware.py", "model_catalog.py", "model_facts.py",
-    "op_classes.py", "deepspeed_bounds.py", "recipe.py", "token_stats.py", "trainer_defaults.py", "user_cache.py", "workload.py",
+    "op_classes.py", "deepspeed_bounds.py", "recipe.py", "token_stats.py", "trainer_defaults.py", "user_cache.py",
+    "workload.py",
     "axes/__init__.py", "axes/liger.py", "axes/optimizers.py", "axes/precisions.py", "axes/quantization.py",
     "axes/shardings.py",
-    "trace/__init__.py", "trace/allocator.py", "trace/autocast.py", "trace/cache.py", "trace/cce.py",
-    "trace/compiled.py",
-    "trace/cuda_model.py",
-    "trace/cuts.py", "trace/cutting.py", "trace/driver.py", "trace/experts.py", "trace/inputs.py", "trace/keys.py",
-    "trace/kernel_ops.py", "trace/liger.py", "trace/offload.py", "trace/trainers.py", "trace/trl_head.py",
-    "trace/ops.py", "trace/optimizer_layouts.py", "trace/parts.py", "trace/peft.py", "trace/peft_defaults.py",
-    "trace/pool.py",
-    "trace/records.py", "trace/sharded.py", "trace/stack.py", "trace/tracer.py", "trace/worlds.py",
+    "trace/__init__.py",
+    "trace/engine/__init__.py", "trace/engine/allocator.py", "trace/engine/autocast.py", "trace/engine/cuda_paths.py",
+    "trace/engine/op_costs.py", "trace/engine/records.py", "trace/engine/tracer.py",
+    "trace/step/__init__.py", "trace/step/compiled.py", "trace/step/driver.py", "trace/step/experts.py",
+    "trace/step/fsdp.py", "trace/step/inputs.py", "trace/step/offload.py", "trace/step/peft.py",
+    "trace/step/peft_defaults.py", "trace/step/trainers.py",
+    "trace/standins/__init__.py", "trace/standins/cce.py", "trace/standins/kernel_ops.py",
+    "trace/standins/liger_kernels.py", "trace/standins/low_bit_adam.py", "trace/standins/trl_head.py",
+    "trace/depth/__init__.py", "trace/depth/configs.py", "trace/depth/cuts.py", "trace/depth/layout.py",
+    "trace/depth/plan.py", "trace/depth/worlds.py",
+    "trace/store/__init__.py", "trace/store/cache.py", "trace/store/keys.py", "trace/store/parts.py",
+    "trace/store/pool.py",
     "data/__init__.py", "data/op_classes.toml", "data/cuda_autocast.toml", "data/gpus.toml", "data/liger.toml",
 )
 """Every file of this package a trace depends on, relative to the package: the modules the tracer
@@ -187,7 +165,7 @@ loads one that is not listed). A changed file invalidates every stored trace."""
 def code_digest() -> str:
     """Digest of TRACE_SOURCES' contents: a changed tracer, op table or autocast policy is a new key."""
     digest = hashlib.sha256()
-    package = Path(__file__).parent.parent
+    package = Path(__file__).parents[2]
     for name in TRACE_SOURCES:
         digest.update(name.encode())
         digest.update((package / name).read_bytes())

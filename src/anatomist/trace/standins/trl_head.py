@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from anatomist.trace.inputs import IGNORE_INDEX
-from anatomist.trace.kernel_ops import fused_projection
+from anatomist.trace.standins.kernel_ops import fused_projection
+from anatomist.trace.step.inputs import IGNORE_INDEX
 
 TOKEN_CHUNK_SIZE = 4096
 """Tokens per projection tile (trl/kernels/chunked_logprob.py TOKEN_CHUNK_SIZE, trl 1.16)."""

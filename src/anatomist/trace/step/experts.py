@@ -79,7 +79,7 @@ def compiled_experts_path() -> Iterator[None]:
     """Within: transformers' grouped_mm takes the path it takes under torch.compile. `_can_use_grouped_mm` refuses
     torch's grouped product there for weights other than bf16 (inductor lowers it for bf16 only) and runs its own
     fallback, the custom op `transformers::grouped_mm_fallback` (one mm per expert, opaque to inductor; its backward
-    makes the input's and the weight's gradients). The compiled blocks' trace (trace/compiled.py) runs no dynamo,
+    makes the input's and the weight's gradients). The compiled blocks' trace (trace/step/compiled.py) runs no dynamo,
     so it is told what dynamo's tracing would say."""
     import torch
     from transformers.integrations import moe

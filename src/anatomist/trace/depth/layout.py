@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 from anatomist.recipe import ResolvedRecipe
-from anatomist.trace.cutting import INDEX_LIST_FIELDS, cut_config, depth_fields, is_scalar, per_layer_fields
-from anatomist.trace.keys import Cut, Depth, traced_attention
+from anatomist.trace.depth.configs import INDEX_LIST_FIELDS, cut_config, depth_fields, is_scalar, per_layer_fields
+from anatomist.trace.depth.cuts import Cut, Depth
+from anatomist.trace.store.keys import traced_attention
 from anatomist.workload import Workload
 
 _INDEX_NAMES = ("idx", "index", "layer_id", "layer_num", "layer_number")
@@ -223,7 +224,7 @@ def meta_model(workload: Workload, recipe: ResolvedRecipe, config: Any = None) -
     """The base model on the meta device: of the workload's config, or of `config` (a cut of it)."""
     import contextlib
 
-    from anatomist.trace.experts import build_kwargs
+    from anatomist.trace.step.experts import build_kwargs
 
     with torch.device("meta"), contextlib.redirect_stderr(None):
         return workload.build_model(traced_attention(recipe), recipe.dtype, config=config,
@@ -233,7 +234,7 @@ def meta_model(workload: Workload, recipe: ResolvedRecipe, config: Any = None) -
 def rows_divisor(parameters: Iterable[torch.Tensor]) -> int:
     """The greatest common divisor of the rows (dim 0) of `parameters` (1 where one has no rows, or there are none):
     FSDP2 pads a parameter's rows to a multiple of the world size, so at a world size that divides this no shard is
-    padded (`trace.worlds`)."""
+    padded (`trace.depth.worlds`)."""
     return math.gcd(*(p.shape[0] if p.dim() else 1 for p in parameters)) or 1
 
 
@@ -242,7 +243,7 @@ def layout_of(workload: Workload, recipe: ResolvedRecipe) -> Layout:
     it (PEFT adapters, quantized layout), built on the meta device."""
     import contextlib
 
-    from anatomist.trace.peft import QuantizedLinearLayout, apply_peft, counted_parameters, in_layer
+    from anatomist.trace.step.peft import QuantizedLinearLayout, apply_peft, counted_parameters, in_layer
 
     model = meta_model(workload, recipe)
     found = _stacks_of(model, model.config)

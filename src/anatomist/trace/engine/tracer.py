@@ -25,9 +25,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from anatomist.anatomy import STEP_PHASES, MemoryCategory, Phase
-from anatomist.trace.allocator import round_size
-from anatomist.trace.ops import op_signature, tensors_in
-from anatomist.trace.records import Allocation, Event, Trace
+from anatomist.trace.engine.allocator import round_size
+from anatomist.trace.engine.op_costs import op_signature, tensors_in
+from anatomist.trace.engine.records import Allocation, Event, Trace
 
 _aten = torch.ops.aten
 DEVICE_QUERY = torch.ops.prim.device.default
@@ -69,7 +69,7 @@ class StepTracer(TorchDispatchMode):
         self._lower_dtype = lower_precision_dtype
         self._paused = 0
 
-    # -- compiled code (trace/compiled.py) ---------------------------------------------
+    # -- compiled code (trace/step/compiled.py) ---------------------------------------------
     @property
     def is_paused(self) -> bool:
         return self._paused > 0

@@ -26,12 +26,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from anatomist.trace import cache
-from anatomist.trace.keys import Cut, CutStack, Depth, plan_key
+from anatomist.trace.depth.cuts import Cut, CutStack, Depth
+from anatomist.trace.store import cache
+from anatomist.trace.store.keys import plan_key
 
 if TYPE_CHECKING:
     from anatomist.recipe import ResolvedRecipe
-    from anatomist.trace.stack import Layout
+    from anatomist.trace.depth.layout import Layout
     from anatomist.workload import Workload
 
 TRACE_DEPTHS = (2, 3)
@@ -109,7 +110,7 @@ class ModelPlan:
     """The parameters PEFT adapts directly (its target_parameters), named within their layer (`stack.Layout`)."""
     rows_divisor: int = 1
     """The greatest common divisor of every parameter's rows (dim 0): FSDP's shards at a world size that divides it
-    are even (`trace.worlds`)."""
+    are even (`trace.depth.worlds`)."""
     trainable_bytes: int = 0
     """Bytes of the trainable parameters in their dtypes, as their gradients are: what DistributedDataParallel's
     gradient buckets hold (`estimate.sharding.ddp_bucket_bytes`)."""
@@ -120,7 +121,7 @@ def model_plan(workload: Workload, recipe: ResolvedRecipe, *, use_cache: bool = 
     setting: from the trace cache, else from the model built on the meta device."""
 
     def make() -> ModelPlan:
-        from anatomist.trace.stack import layout_of  # builds the model: imports torch
+        from anatomist.trace.depth.layout import layout_of  # builds the model: imports torch
 
         layout = layout_of(workload, recipe)
         return ModelPlan(plan=trace_plan(workload, recipe, layout), parameters=layout.parameters,
@@ -159,7 +160,7 @@ def trace_plan(workload: Workload, recipe: ResolvedRecipe, layout: Layout) -> Tr
     kinds = sum(len(set(s.kinds)) for s in layout.stacks)
     if traced >= layout.blocks + CUT_OVERHEAD_BLOCKS:
         return full_plan(layout.blocks, f"{kinds} kinds of layer in {layout.blocks}: cuts by kind would trace as much")
-    from anatomist.trace.stack import cut_matches
+    from anatomist.trace.depth.layout import cut_matches
 
     if not all(cut_matches(workload, recipe, layout, c) for c in plan.cuts if isinstance(c, Cut)):
         return full_plan(layout.blocks, f"{kinds} kinds of layer that a cut of the config does not keep")

@@ -12,7 +12,7 @@ import copy
 from typing import TYPE_CHECKING, Any
 
 from anatomist.config_fields import LAYER_FIELDS
-from anatomist.trace.keys import Cut, Depth
+from anatomist.trace.depth.cuts import Cut, Depth
 
 if TYPE_CHECKING:
     from anatomist.workload import Workload

@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from anatomist.trace.keys import disk_name
-from anatomist.trace.records import StepTrace
+from anatomist.trace.engine.records import StepTrace
+from anatomist.trace.store.keys import disk_name
 from anatomist.user_cache import cache_root, write_atomically
 
 MAX_MEMORY_ENTRIES = 256

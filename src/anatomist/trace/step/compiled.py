@@ -54,9 +54,9 @@ from transformers.cache_utils import Cache
 
 from anatomist.anatomy import OpClass, Phase
 from anatomist.op_classes import base_name, classify, is_view
-from anatomist.trace.ops import op_signature, per_element_flops, tensors_in
-from anatomist.trace.stack import block_lists
-from anatomist.trace.tracer import StepTracer
+from anatomist.trace.depth.layout import block_lists
+from anatomist.trace.engine.op_costs import op_signature, per_element_flops, tensors_in
+from anatomist.trace.engine.tracer import StepTracer
 
 EXTERN_OPS: tuple[str, ...] = ("_scaled_dot_product_flash_attention_for_cpu",
                                "_scaled_dot_product_flash_attention_for_cpu_backward",

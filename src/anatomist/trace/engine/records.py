@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from anatomist.anatomy import TENSOR_CATEGORIES, MemoryCategory, OpClass, Phase
-from anatomist.trace.allocator import CachingAllocator, round_size
+from anatomist.trace.engine.allocator import CachingAllocator, round_size
 
 SEGMENTS = ("pre", "blocks", "post")
 """Where in a phase an event happens: before, inside and after the repeated blocks."""
@@ -75,7 +75,7 @@ class Trace:
     """The cost signature of every op of the first micro-batch and the optimizer step, in order."""
     op_count: int = 0
     offloaded_bytes: int = 0
-    """Bytes the first micro-batch's forward copied to the host (TRL's activation offloading: `trace.offload`)."""
+    """Bytes the first micro-batch's forward copied to the host (TRL's activation offloading: `trace.step.offload`)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -204,7 +204,7 @@ def curves_of(trace: Trace) -> Curves:
 
 @dataclass(frozen=True, slots=True)
 class RankEvents:
-    """What the trace of one rank of an FSDP step keeps to be carried to another world size (`trace.worlds`)."""
+    """What the trace of one rank of an FSDP step keeps to be carried to another world size (`trace.depth.worlds`)."""
 
     world: int
     """The world size it was traced at."""

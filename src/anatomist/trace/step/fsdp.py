@@ -55,8 +55,8 @@ from anatomist.axes.precisions import autocast_dtype
 from anatomist.axes.shardings import RESHARD_AFTER_FORWARD
 from anatomist.errors import InputError
 from anatomist.recipe import ResolvedRecipe
-from anatomist.trace.records import ALL_GATHER_STREAM, COMPUTE_STREAM, REDUCE_SCATTER_STREAM, Allocation, Event
-from anatomist.trace.tracer import DEVICE_QUERY, StepTracer
+from anatomist.trace.engine.records import ALL_GATHER_STREAM, COMPUTE_STREAM, REDUCE_SCATTER_STREAM, Allocation, Event
+from anatomist.trace.engine.tracer import DEVICE_QUERY, StepTracer
 
 _c10d = torch.ops.c10d
 _functional = torch.ops._c10d_functional
@@ -107,7 +107,7 @@ def block_classes(model: torch.nn.Module) -> tuple[type, ...]:
     Raises:
         InputError: the model has no repeated block that FSDP could shard unit by unit.
     """
-    from anatomist.trace.stack import block_lists
+    from anatomist.trace.depth.layout import block_lists
 
     config = getattr(model, "config", None)
     classes = {type(b) for _, blocks in (block_lists(model, config) if config is not None else []) for b in blocks}
@@ -171,7 +171,7 @@ def wrap(model: torch.nn.Module, recipe: ResolvedRecipe, mesh: DeviceMesh) -> No
 def rows_divisor(model: torch.nn.Module) -> int:
     """`stack.rows_divisor` of the parameters FSDP has sharded in `model`: at a world size that divides it, every size
     FSDP allocates is a whole part of the unsharded one."""
-    from anatomist.trace.stack import rows_divisor as of
+    from anatomist.trace.depth.layout import rows_divisor as of
 
     return of(p for p in model.parameters() if isinstance(p, DTensor))
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from anatomist.trace.cutting import traced_config
+from anatomist.trace.depth.configs import traced_config
 
 if TYPE_CHECKING:
     from anatomist.workload import Workload

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from anatomist.recipe import DPO_BETA, ResolvedRecipe
-from anatomist.trace.inputs import IGNORE_INDEX, make_batch
-from anatomist.trace.trl_head import DPO_OUTPUTS, SFT_OUTPUTS, add_fused_lm_head
+from anatomist.trace.standins.trl_head import DPO_OUTPUTS, SFT_OUTPUTS, add_fused_lm_head
+from anatomist.trace.step.inputs import IGNORE_INDEX, make_batch
 from anatomist.workload import Workload
 
 

@@ -30,8 +30,8 @@ import dataclasses
 from typing import Any
 
 from anatomist.anatomy import MemoryCategory
-from anatomist.trace.allocator import round_size
-from anatomist.trace.records import Allocation, Event, RankEvents, StepTrace, Trace, curves_of
+from anatomist.trace.engine.allocator import round_size
+from anatomist.trace.engine.records import Allocation, Event, RankEvents, StepTrace, Trace, curves_of
 
 
 def derive(lo: StepTrace, hi: StepTrace, world: int) -> StepTrace | None:

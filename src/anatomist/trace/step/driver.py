@@ -30,14 +30,19 @@ from anatomist.axes.precisions import autocast_dtype
 from anatomist.errors import InputError
 from anatomist.hardware import cublas_workspace_bytes
 from anatomist.recipe import ResolvedRecipe
-from anatomist.trace import sharded, trainers
-from anatomist.trace.autocast import cuda_autocast_policy
-from anatomist.trace.compiled import compile_blocks
-from anatomist.trace.cuda_model import cuda_code_paths, cuda_grouped_mm, fake_parameters, saved_on_host
-from anatomist.trace.cutting import traced_config
-from anatomist.trace.experts import build_kwargs, check_traceable, compiled_experts_path
-from anatomist.trace.inputs import cache_field, make_batch, rows_not_packed
-from anatomist.trace.keys import (
+from anatomist.trace.depth.configs import traced_config
+from anatomist.trace.depth.layout import block_lists, checkpoint_partially
+from anatomist.trace.engine.autocast import cuda_autocast_policy
+from anatomist.trace.engine.cuda_paths import cuda_code_paths, cuda_grouped_mm, fake_parameters, saved_on_host
+from anatomist.trace.engine.records import RankEvents, StepTrace, Trace, curves_of
+from anatomist.trace.engine.tracer import StepTracer
+from anatomist.trace.step import fsdp as sharded
+from anatomist.trace.step import trainers
+from anatomist.trace.step.compiled import compile_blocks
+from anatomist.trace.step.experts import build_kwargs, check_traceable, compiled_experts_path
+from anatomist.trace.step.inputs import cache_field, make_batch, rows_not_packed
+from anatomist.trace.step.peft import apply_peft, counted_parameters
+from anatomist.trace.store.keys import (
     Depth,
     Part,
     compile_context,
@@ -46,10 +51,6 @@ from anatomist.trace.keys import (
     traced_micro_batches,
     traced_world,
 )
-from anatomist.trace.peft import apply_peft, counted_parameters
-from anatomist.trace.records import RankEvents, StepTrace, Trace, curves_of
-from anatomist.trace.stack import block_lists, checkpoint_partially
-from anatomist.trace.tracer import StepTracer
 from anatomist.workload import Workload
 
 
@@ -93,7 +94,7 @@ def trace_step(
         record_ops: also record each op's cost signature (for the FLOPs and time model).
         observers: further dispatch modes to run inside the trace (e.g. a FlopCounterMode).
         num_gpus: the data-parallel devices; an FSDP recipe is traced as one rank of that many
-            (`trace.sharded`), any other as one device.
+            (`trace.step.fsdp`), any other as one device.
     """
     if part in ("optimizer", "train-step"):
         for module in optimizer_spec(recipe.optim).imports:  # not under the tracer: see OptimizerSpec.imports
@@ -103,7 +104,7 @@ def trace_step(
         model = traced_model(workload, recipe, depth, fake_mode if fake else None)
         reference = traced_reference(workload, recipe, depth, fake_mode if fake else None) if part != "optimizer" else None
         tracer = StepTracer(lower_precision_dtype=lower_dtype(recipe), record_ops=record_ops)
-        if recipe.fsdp != "none" and fake:  # FSDP2's step on one rank of a fake world (trace/sharded.py)
+        if recipe.fsdp != "none" and fake:  # FSDP2's step on one rank of a fake world (trace/step/fsdp.py)
             mesh = world.enter_context(sharded.fake_world(traced_world(recipe, num_gpus)))
             with fake_mode:
                 sharded.wrap(model, recipe, mesh)
@@ -177,10 +178,10 @@ def _kernels(model: torch.nn.Module, workload: Workload, recipe: ResolvedRecipe,
         what = "Liger Kernel's" if recipe.use_liger_kernel else "Cut Cross-Entropy's"
         raise InputError(f"{what} Triton kernels need a GPU: a real CPU step cannot run them")
     if recipe.cut_cross_entropy:
-        from anatomist.trace.cce import cut_cross_entropy
+        from anatomist.trace.standins.cce import cut_cross_entropy
 
         return cut_cross_entropy(model)
-    from anatomist.trace.liger import liger_kernels
+    from anatomist.trace.standins.liger_kernels import liger_kernels
 
     return liger_kernels(model, workload.model_type, compute_capability, fused_loss=recipe.trainer == "trainer")
 
@@ -386,7 +387,7 @@ def _offloading(model: torch.nn.Module, recipe: ResolvedRecipe, tracer: StepTrac
     """TRL's activation offloading around one micro-batch's forward and backward, where the recipe has it."""
     if not recipe.activation_offloading:
         return contextlib.nullcontext()
-    from anatomist.trace.offload import offloaded_activations
+    from anatomist.trace.step.offload import offloaded_activations
 
     return offloaded_activations(model, tracer, batch_size)
 

@@ -45,8 +45,8 @@ import torch
 from torch import Tensor
 
 from anatomist.axes.liger import flce_chunk_tokens, liger_table
-from anatomist.trace.inputs import IGNORE_INDEX, loss_from_hidden_states
-from anatomist.trace.kernel_ops import fused_projection
+from anatomist.trace.standins.kernel_ops import fused_projection
+from anatomist.trace.step.inputs import IGNORE_INDEX, loss_from_hidden_states
 
 
 class RMSNormFunction(torch.autograd.Function):

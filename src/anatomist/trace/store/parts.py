@@ -5,7 +5,7 @@ size, served from the cache (`cache`, keyed by `keys.part_key`) or traced (`driv
 `trace_parts` first puts every part a caller will ask for into the cache, traced side by side in
 forked processes (`pool`). Within `worlds_derived_from(a, b)`, a rank of FSDP at another world size is
 derived from its traces at worlds a and b, and its passes at b and one batch size from those at a and the batch
-size below (`trace.worlds`); traced only where they cannot be. Nothing here imports torch until a part must really
+size below (`trace.depth.worlds`); traced only where they cannot be. Nothing here imports torch until a part must really
 be traced.
 """
 
@@ -17,9 +17,10 @@ import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from anatomist.trace import cache, pool
-from anatomist.trace.keys import Cut, Depth, Part, compile_context, part_key, traced_compile, traced_micro_batches
-from anatomist.trace.records import StepTrace
+from anatomist.trace.depth.cuts import Cut, Depth
+from anatomist.trace.engine.records import StepTrace
+from anatomist.trace.store import cache, pool
+from anatomist.trace.store.keys import Part, compile_context, part_key, traced_compile, traced_micro_batches
 
 if TYPE_CHECKING:
     from anatomist.recipe import ResolvedRecipe
@@ -34,7 +35,7 @@ def trace_part(workload: Workload, recipe: ResolvedRecipe, part: Part, *, depth:
                compute_capability: str, use_cache: bool = True, num_gpus: int = 1) -> StepTrace:
     """The fake-tensor trace of one part of a step (see `driver.trace_step`), with its ops recorded.
 
-    Served from the trace cache (memory, then disk: `trace.cache`) when the same part was
+    Served from the trace cache (memory, then disk: `trace.store.cache`) when the same part was
     traced before with everything that shapes it equal (`keys.part_key`).
     """
     request = _as_traced(workload, (recipe, part, depth, batch_size, num_gpus))
@@ -51,7 +52,7 @@ def trace_part(workload: Workload, recipe: ResolvedRecipe, part: Part, *, depth:
 
 def trace_parts(workload: Workload, requests: Iterable[PartRequest], compute_capability: str) -> None:
     """Put into the trace cache the parts `requests` name that it lacks, traced side by side in forked
-    processes (`trace.pool`). Where they cannot be (one core, not Linux, a job that failed), nothing
+    processes (`trace.store.pool`). Where they cannot be (one core, not Linux, a job that failed), nothing
     is stored: `trace_part` traces each when asked, in this process. The passes of one micro-batch
     are not traced where those of two are: they are the first of the two. Within `worlds_derived_from`,
     what can be derived from the others is derived once they are traced (`_basis_requests`)."""
@@ -96,7 +97,7 @@ def _as_traced(workload: Workload, request: PartRequest) -> PartRequest:
     recipe, part, depth, batch, num_gpus = request
     if not isinstance(depth, Cut) or recipe.checkpoint_every == 1:
         return request
-    from anatomist.trace.cuts import model_plan  # from the cache, else the model built on the meta device
+    from anatomist.trace.depth.plan import model_plan  # from the cache, else the model built on the meta device
 
     plain = model_plan(workload, recipe.replace(checkpoint_every=1)).plan
     if plain.how != "uniform":
@@ -123,7 +124,7 @@ def _one_in_two(recipe: ResolvedRecipe, cut: Cut) -> Cut | None:
 
 def _side_by_side(workload: Workload, wanted: dict[tuple[Any, ...], PartRequest], compute_capability: str) -> None:
     """Trace `wanted` (by their keys) in forked workers, into the cache. The passes of a compiled recipe at one batch
-    size and several depths are one job: the worker compiles the blocks once for all of them (`trace.compiled`)."""
+    size and several depths are one job: the worker compiles the blocks once for all of them (`trace.step.compiled`)."""
     groups: dict[Any, list[tuple[tuple[Any, ...], PartRequest]]] = {}
     for key, request in wanted.items():
         recipe, part, _, batch, num_gpus = request
@@ -145,8 +146,8 @@ _bases: list[tuple[int, int]] = []
 @contextlib.contextmanager
 def worlds_derived_from(lo: int, hi: int) -> Iterator[None]:
     """Within the block, a rank of FSDP at a world size other than `lo` and `hi` is derived from the traces of the
-    same part at those two (`trace.worlds.derive`), which are traced where the cache lacks them, and its passes at
-    `hi` and the larger batch size from those at `lo` (`trace.worlds.derive_batch`) where those are traced anyway;
+    same part at those two (`trace.depth.worlds.derive`), which are traced where the cache lacks them, and its passes at
+    `hi` and the larger batch size from those at `lo` (`trace.depth.worlds.derive_batch`) where those are traced anyway;
     traced itself only where it cannot be derived. For a caller that will trace FSDP at several world sizes
     (`plan --max-nodes`)."""
     _bases.append((lo, hi))
@@ -174,7 +175,7 @@ def _basis_requests(workload: Workload, request: PartRequest,
         basis = [(recipe, part, depth, batch - 1, lo), (recipe, part, depth, batch, lo), (recipe, part, depth, batch - 1, hi)]
         passes = part in ("forward-backward", "inference") and batch - 1 >= 2
         return basis if passes and available is not None and all(map(available, basis)) else []
-    from anatomist.trace.cuts import model_plan  # from the cache, else the model built on the meta device
+    from anatomist.trace.depth.plan import model_plan  # from the cache, else the model built on the meta device
 
     rows = model_plan(workload, recipe).rows_divisor
     if any(rows % n for n in (lo, hi, num_gpus)):
@@ -185,7 +186,7 @@ def _basis_requests(workload: Workload, request: PartRequest,
 def _derived(workload: Workload, request: PartRequest, compute_capability: str) -> StepTrace | None:
     """The trace of `request` derived from those `_basis_requests` names (those at world a and b traced where the
     cache lacks them; at world b only from what it holds), or None where it is traced itself or cannot be derived."""
-    from anatomist.trace.worlds import derive, derive_batch
+    from anatomist.trace.depth.worlds import derive, derive_batch
 
     def cached(one: PartRequest) -> bool:
         recipe, part, depth, batch, num_gpus = one
@@ -205,7 +206,7 @@ def _derived(workload: Workload, request: PartRequest, compute_capability: str) 
 
 def trace_request(workload: Workload, request: PartRequest, compute_capability: str) -> StepTrace:
     """The trace of `request`, with its ops recorded: what `trace_part` stores."""
-    from anatomist.trace.driver import trace_step  # imports torch: only when something is traced
+    from anatomist.trace.step.driver import trace_step  # imports torch: only when something is traced
 
     recipe, part, depth, batch, num_gpus = request
     return trace_step(workload, recipe, depth=depth, batch_size=batch, compute_capability=compute_capability,

@@ -39,8 +39,8 @@ import torch
 from torch import Tensor
 
 from anatomist.errors import InputError
-from anatomist.trace.inputs import IGNORE_INDEX, loss_from_hidden_states
-from anatomist.trace.kernel_ops import fused_projection
+from anatomist.trace.standins.kernel_ops import fused_projection
+from anatomist.trace.step.inputs import IGNORE_INDEX, loss_from_hidden_states
 
 HALF = (torch.float16, torch.bfloat16)
 

@@ -9,8 +9,8 @@ compute the kernel's result in plain torch (used where a stand-in runs on real t
 
 `fused_projection` carries the FLOPs of matrix products a fused kernel runs without allocating
 their full outputs (the chunks of a fused linear + cross-entropy): a 0-dimensional result and
-the FLOPs of `products` products of `tokens` rows of `hidden` with every row of `weight`
-(`PROJECTION_FLOPS`, read by `trace.ops`).
+the FLOPs of `products` products of `tokens` rows of `hidden` with every row of `weight`,
+registered with `torch.utils.flop_counter` as its own formulas are (which `trace.engine.op_costs` reads).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 _NAMESPACE = "anatomist"
 
@@ -34,14 +35,12 @@ def _(hidden: Tensor, weight: Tensor, tokens: int, products: int) -> Tensor:
     return hidden.new_empty((), dtype=torch.float32)
 
 
+@register_flop_formula(torch.ops.anatomist.fused_projection)
 def _projection_flops(hidden: Any, weight: Any, tokens: int, products: int, *args: Any, out_shape: Any = None,
                       **kwargs: Any) -> int:
     """2 FLOPs per multiply-add (flop_counter's convention): products x tokens x hidden x weight rows."""
     return 2 * products * tokens * hidden[-1] * weight[0]
 
-
-PROJECTION_FLOPS = {torch.ops.anatomist.fused_projection: _projection_flops}
-"""FLOP formula (on shapes) of `fused_projection`, for `trace.ops.CUSTOM_FLOPS`."""
 
 
 @torch.library.custom_op(f"{_NAMESPACE}::rms_norm", mutates_args=())

@@ -3,7 +3,8 @@
 FLOPs come from PyTorch's own per-op formulas (`torch.utils.flop_counter.flop_registry`: 2
 FLOPs per multiply-add; matrix products, convolutions, attention), plus `CUSTOM_FLOPS` for
 what it does not know (the CPU stand-ins of CUDA's attention kernels, Mixture-of-Experts'
-grouped products). Ops without a formula get an approximate per-element count by class
+grouped products); a stand-in of a fused kernel registers its op's formula in the registry itself
+(`register_flop_formula`, as torch's own are). Ops without a formula get an approximate per-element count by class
 (data/op_classes.toml). Bytes moved are input + output tensor bytes (0 for views).
 """
 
@@ -19,8 +20,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from anatomist.anatomy import OpClass, Phase
 from anatomist.op_classes import base_name, classify, is_known, is_view
-from anatomist.trace.kernel_ops import PROJECTION_FLOPS
-from anatomist.trace.records import Signature
+from anatomist.trace.engine.records import Signature
 
 _aten = torch.ops.aten
 
@@ -56,9 +56,7 @@ CUSTOM_FLOPS: dict[Any, Any] = {
 kernels and the grouped matrix product of Mixture-of-Experts layers. Pass it as
 `FlopCounterMode(custom_mapping=CUSTOM_FLOPS)` to count the same way."""
 
-CUSTOM_FLOPS.update(PROJECTION_FLOPS)  # the products of fused kernels' stand-ins (trace/kernel_ops.py)
-
-_FLOP_FORMULAS = {**flop_registry, **{k: shape_wrapper(v) for k, v in CUSTOM_FLOPS.items()}}
+_CUSTOM_FORMULAS = {k: shape_wrapper(v) for k, v in CUSTOM_FLOPS.items()}
 
 
 @cache
@@ -91,7 +89,8 @@ def op_signature(func: Any, args: Any, kwargs: Any, out: Any, phase: Phase) -> S
     inputs = tensors_in((args, kwargs))
     outputs = tensors_in(out)
     view = is_view(name) or bool(getattr(func, "is_view", False))
-    formula = _FLOP_FORMULAS.get(func._overloadpacket)
+    packet = func._overloadpacket
+    formula = _CUSTOM_FORMULAS.get(packet) or flop_registry.get(packet)
     flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
     op_class = OpClass.OTHER if phase is Phase.OPTIMIZER else classify(name)
     floating = [t for t in inputs if t.is_floating_point()] or [t for t in outputs if t.is_floating_point()]
