@@ -3,7 +3,7 @@
 Config surgery only (no model is built here): every stack cut to N blocks (a uniform stack), or
 to the layers a `Cut` names, each still the kind it was (`cut_config` rewrites the fields that
 say what each layer is: per-layer lists, index lists, `first_k_dense_replace`,
-`decoder_sparse_step`). `stack.cut_matches` builds the result and checks the kinds.
+`decoder_sparse_step`). `layout.cut_matches` builds the result and checks the kinds.
 """
 
 from __future__ import annotations

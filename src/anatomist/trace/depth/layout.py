@@ -14,7 +14,7 @@ ALBERT's shared layers. This module says what the blocks are, from the model its
   a sliding window or rope on/off) plus what the config declares for its index (`layer_types`,
   `mlp_only_layers`, ...). It also counts the model's parameters exactly.
 - `cut_matches` builds a `Cut` (`keys.Cut`: chosen layer indices of each stack; its config is
-  `cutting.cut_config`) on the meta device and checks that its blocks are the kinds asked for: a
+  `configs.cut_config`) on the meta device and checks that its blocks are the kinds asked for: a
   config whose layers follow a rule `cutting` does not rewrite (Jamba's periods) fails the check
   instead of being traced wrong.
 """
@@ -65,7 +65,7 @@ class Layout:
     signatures: tuple[tuple[Any, ...], ...] = dataclasses.field(repr=False, compare=False)
     """Per stack, the structural signature of each block (what `kinds` numbers)."""
     parameter_numels: tuple[int, ...] = ()
-    """Elements of each parameter, ascending (`cuts.ModelPlan.parameter_numels`)."""
+    """Elements of each parameter, ascending (`plan.ModelPlan.parameter_numels`)."""
     block_parameters: int = 0
     """Parameters of the largest repeated block."""
     quantized_codes: int = 0
@@ -76,9 +76,9 @@ class Layout:
     """The parameters PEFT adapts directly (target_parameters: a Mixture of Experts' fused experts), named within
     their layer (`peft.in_layer`)."""
     rows_divisor: int = 1
-    """The greatest common divisor of every parameter's rows (dim 0; `cuts.ModelPlan.rows_divisor`)."""
+    """The greatest common divisor of every parameter's rows (dim 0; `plan.ModelPlan.rows_divisor`)."""
     trainable_bytes: int = 0
-    """Bytes of the trainable parameters in their dtypes (`cuts.ModelPlan.trainable_bytes`)."""
+    """Bytes of the trainable parameters in their dtypes (`plan.ModelPlan.trainable_bytes`)."""
 
     @property
     def blocks(self) -> int:

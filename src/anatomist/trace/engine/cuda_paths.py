@@ -126,7 +126,7 @@ def saved_on_host(tracer: Any) -> Iterator[None]:
     from transformers import modeling_utils
 
     original = getattr(modeling_utils, "save_on_cpu", None)
-    if original is None:  # a transformers that cannot offload checkpoints (driver.enable_checkpointing says so)
+    if original is None:  # a transformers that cannot offload checkpoints (passes.enable_checkpointing says so)
         yield
         return
     modeling_utils.save_on_cpu = lambda **kwargs: _SavedOnHost(tracer, **kwargs)  # type: ignore[assignment,misc]

@@ -4,7 +4,7 @@ cost of every op.
 `StepTracer` is a TorchDispatchMode: each ATen op's outputs are inspected and a new storage
 becomes an allocation event; a weakref callback on the storage becomes the free event. With
 `record_ops`, each op of the step's phases also leaves its cost signature (FLOPs, bytes,
-class: `ops.op_signature`), so one trace serves the memory and the time prediction. It works
+class: `op_costs.op_signature`), so one trace serves the memory and the time prediction. It works
 the same on fake tensors (prediction: shapes only, no data, no device) and on real ones
 (measurement on CPU).
 

@@ -1,7 +1,7 @@
 """torch.compile predicted on fake tensors: what inductor keeps for backward, and what its fused
 kernels move.
 
-With `recipe.torch_compile` each repeated block of the traced model (`stack.block_lists`) runs as
+With `recipe.torch_compile` each repeated block of the traced model (`layout.block_lists`) runs as
 inductor would run it, traced on the same fake tensors as the rest of the step:
 
 - Graph and partition: the block's forward and backward are captured by AOTAutograd
@@ -27,7 +27,7 @@ kernel boundaries (a reduction it will not fuse with a differently shaped one, a
 fuses into a matrix product under max-autotune) differ from the groups here; the embeddings, the
 head and the loss run eager (torch.compile of the whole model would compile them too); a block is
 compiled once per kind, so graph breaks and recompilations are not modelled; under gradient
-checkpointing the blocks stay eager (driver.forward_backward): AOTAutograd's compiled function run
+checkpointing the blocks stay eager (passes.forward_backward): AOTAutograd's compiled function run
 inside transformers' non-reentrant checkpoint on fake tensors kept its saved tensors and skipped the
 recomputation, so a checkpointed compiled step is predicted as the checkpointed eager one (its memory
 is right: a checkpointed block keeps only its inputs either way; its time lacks fusion's saving, an

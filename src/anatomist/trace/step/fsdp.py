@@ -96,7 +96,7 @@ def mixed_precision_policy(recipe: ResolvedRecipe) -> MixedPrecisionPolicy:
 
 def block_classes(model: torch.nn.Module) -> tuple[type, ...]:
     """The module classes FSDP wraps one unit each: the classes of the model's repeated blocks
-    (`stack.block_lists`), which `plan --emit` writes as `transformer_layer_cls_to_wrap`.
+    (`layout.block_lists`), which `plan --emit` writes as `transformer_layer_cls_to_wrap`.
 
     Not the model's `_no_split_modules`, accelerate's default: for most decoders it names the same
     class, but where it also names a module holding the input embeddings (BertEmbeddings,
@@ -169,7 +169,7 @@ def wrap(model: torch.nn.Module, recipe: ResolvedRecipe, mesh: DeviceMesh) -> No
 
 
 def rows_divisor(model: torch.nn.Module) -> int:
-    """`stack.rows_divisor` of the parameters FSDP has sharded in `model`: at a world size that divides it, every size
+    """`layout.rows_divisor` of the parameters FSDP has sharded in `model`: at a world size that divides it, every size
     FSDP allocates is a whole part of the unsharded one."""
     from anatomist.trace.depth.layout import rows_divisor as of
 

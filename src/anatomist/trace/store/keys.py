@@ -129,9 +129,9 @@ def _kernel_paths(recipe: ResolvedRecipe, part: Part, compute_capability: str) -
 
 
 def plan_key(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ...]:
-    """The key of a model's trace plan and exact size (`cuts.model_plan`): the model in its load dtype (the
+    """The key of a model's trace plan and exact size (`plan.model_plan`): the model in its load dtype (the
     trainable parameters' bytes) as PEFT makes it, and which of its blocks checkpoint (partial checkpointing makes
-    kinds of blocks: `stack.CHECKPOINTED`)."""
+    kinds of blocks: `layout.CHECKPOINTED`)."""
     return ("plan", *workload.trace_key(), recipe.dtype, tuple(getattr(recipe, f) for f in PEFT_FIELDS),
             recipe.checkpoint_every if recipe.gradient_checkpointing else 1)
 
@@ -146,7 +146,7 @@ TRACE_SOURCES: tuple[str, ...] = (
     "trace/engine/__init__.py", "trace/engine/allocator.py", "trace/engine/autocast.py", "trace/engine/cuda_paths.py",
     "trace/engine/op_costs.py", "trace/engine/records.py", "trace/engine/tracer.py",
     "trace/step/__init__.py", "trace/step/compiled.py", "trace/step/driver.py", "trace/step/experts.py",
-    "trace/step/fsdp.py", "trace/step/inputs.py", "trace/step/offload.py", "trace/step/peft.py",
+    "trace/step/fsdp.py", "trace/step/inputs.py", "trace/step/offload.py", "trace/step/passes.py", "trace/step/peft.py",
     "trace/step/peft_defaults.py", "trace/step/trainers.py",
     "trace/standins/__init__.py", "trace/standins/cce.py", "trace/standins/kernel_ops.py",
     "trace/standins/liger_kernels.py", "trace/standins/low_bit_adam.py", "trace/standins/trl_head.py",
