@@ -13,9 +13,8 @@ estimator reads.
 The names most code needs are here: `from anatomist.recipe import Recipe, ResolvedRecipe`.
 """
 
-from anatomist.recipe.kinds import FieldKind, field_kinds
+from anatomist.recipe.kinds import field_kinds
 from anatomist.recipe.presets import CLASSIFIER_HEADS, LORA_FALLBACK_TARGETS, QLORA_PRESET
 from anatomist.recipe.recipe import Recipe, ResolvedRecipe
 
-__all__ = ["CLASSIFIER_HEADS", "LORA_FALLBACK_TARGETS", "QLORA_PRESET", "FieldKind", "Recipe", "ResolvedRecipe",
-           "field_kinds"]
+__all__ = ["CLASSIFIER_HEADS", "LORA_FALLBACK_TARGETS", "QLORA_PRESET", "Recipe", "ResolvedRecipe", "field_kinds"]

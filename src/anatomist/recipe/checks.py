@@ -4,7 +4,8 @@ The library and the CLI call the same functions, so a recipe is refused with the
 - `check_fields`: the values alone and their combinations (`Recipe.__post_init__`: no Recipe exists that fails it);
 - `check_model`: what the model cannot take (`Recipe.resolved`);
 - `check_gpu`: what the GPU cannot run (`estimate()` and `anatomist estimate`; `check_cce_gpu` for `plan`'s fixed
-  values), and `emulated_bf16_note`, the one combination that runs, slowly, and is said rather than refused.
+  values), and `emulated_bf16_note`, bfloat16 weights on a GPU without bf16: they run, slowly, and are said
+  (the CLI refuses a --dtype bfloat16 given there, the library predicts it).
 
 Each refusal is an InputError naming the field and the value, and what to do instead.
 """
@@ -223,8 +224,9 @@ def check_gpu(r: RecipeFields, gpu: GPU, *, dtype_given: bool = True) -> None:
     """What `gpu` cannot run: bf16 autocast, TF32, bfloat16 weights and Cut Cross-Entropy need Ampere or newer.
 
     Args:
-        dtype_given: whether `r.dtype` is the user's; False for a ResolvedRecipe, whose bfloat16 may be the
-            checkpoint's own ("auto"), which runs emulated on an older GPU (`emulated_bf16_note`), not refused.
+        dtype_given: whether a bfloat16 `r.dtype` is a choice the user can change (the CLI's --dtype: refused, saying
+            what to use instead), rather than the weights as they are (a checkpoint's own dtype, a live run's model),
+            which run emulated on an older GPU (`emulated_bf16_note`): the library's `estimate()` predicts them.
 
     Raises:
         InputError: naming the setting, the GPU, and what to use instead.

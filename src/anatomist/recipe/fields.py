@@ -8,7 +8,9 @@ vocabulary (`axes/`); what each field means, as `--help` says it, is in `help.py
 trace code digest: a help text changes no trace).
 
 `RecipeFields` holds the values and what is read off them; `Recipe` (`recipe.py`) is the class
-everyone builds: these fields, checked (`checks.py`), with their presets and resolution.
+everyone builds: these fields, checked (`checks.py`), with their presets and resolution. Two classes,
+because the checks read the fields and the Recipe runs the checks: in one class, the fields and their
+checks would import each other.
 """
 
 from __future__ import annotations
