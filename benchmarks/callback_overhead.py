@@ -24,6 +24,7 @@ from transformers import Trainer, TrainerCallback
 from anatomist.bench.worker import build_dataset
 from anatomist.measure import AnatomistCallback
 from anatomist.recipe import Recipe
+from anatomist.recipe.spellings import training_arguments
 from anatomist.workload import load_workload
 
 REPEATS = 5
@@ -45,7 +46,7 @@ class StepTimes(TrainerCallback):
 
 def run(workload, ds, out: str, with_callback: bool) -> tuple[float, float]:
     recipe = Recipe(per_device_train_batch_size=4)
-    args = recipe.to_training_arguments(out, num_train_epochs=1, report_to="none", save_strategy="no",
+    args = training_arguments(recipe, out, num_train_epochs=1, report_to="none", save_strategy="no",
                                         logging_strategy="no", disable_tqdm=True, use_cpu=True)
     times = StepTimes()
     callbacks = [times] + ([AnatomistCallback(attribute_step=None, print_at_end=False)] if with_callback else [])

@@ -169,6 +169,7 @@ def _case(config: Path, seq_len: int, world: int, case: dict[str, Any], out: Pat
     from anatomist.bench.trackers import as_on_cuda, collectives_hold_nothing
     from anatomist.plan.emit import deepspeed_config
     from anatomist.recipe import Recipe
+    from anatomist.recipe.spellings import lora_config_kwargs, training_arguments_kwargs
 
     recipe = Recipe.from_dict({k: v for k, v in case.items() if k != "name"})
     model_config = AutoConfig.from_pretrained(config)
@@ -178,8 +179,8 @@ def _case(config: Path, seq_len: int, world: int, case: dict[str, Any], out: Pat
     if recipe.peft == "lora":
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(**recipe.lora_config_kwargs("CAUSAL_LM")))
-    kwargs = recipe.to_training_arguments_kwargs()
+        model = get_peft_model(model, LoraConfig(**lora_config_kwargs(recipe, "CAUSAL_LM")))
+    kwargs = training_arguments_kwargs(recipe)
     args = TrainingArguments(output_dir=str(out), use_cpu=True, report_to=[], save_strategy="no",
                              logging_strategy="no", disable_tqdm=True, max_steps=2, dataloader_num_workers=0,
                              deepspeed=deepspeed_config(recipe, num_gpus=world),

@@ -21,8 +21,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from anatomist.recipe import Recipe
 from anatomist.trace.engine.autocast import cuda_autocast_policy
 from anatomist.trace.engine.cuda_paths import cuda_code_paths
-from anatomist.trace.step.driver import build_optimizer
 from anatomist.trace.step.inputs import make_batch
+from anatomist.trace.step.optimizer_build import build_optimizer
 
 
 def round_to_block(nbytes: int) -> int:

@@ -157,7 +157,7 @@ def test_read_from_trl_and_written_for_trl(tmp_path):
     from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
     from anatomist.plan.emit import launch_warnings, write
-    from anatomist.recipe_files import read_recipe_file
+    from anatomist.recipe.files import read_recipe_file
 
     path = tmp_path / "sft.yaml"
     path.write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nactivation_offloading: true\nmax_length: 1024\n")
@@ -177,7 +177,7 @@ def test_read_from_trl_and_written_for_trl(tmp_path):
 def test_a_training_arguments_file_with_a_trl_field_is_trls(tmp_path):
     """TrainingArguments' keys beside SFTConfig's activation_offloading (which TrainingArguments lacks): TRL's file,
     read with TRL's defaults and its SFTTrainer, not as the Trainer's with the model's own loss."""
-    from anatomist.recipe_files import read_recipe_file
+    from anatomist.recipe.files import read_recipe_file
 
     path = tmp_path / "sft.yaml"
     path.write_text("learning_rate: 2.0e-5\nper_device_train_batch_size: 2\nactivation_offloading: true\n")

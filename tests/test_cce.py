@@ -21,7 +21,7 @@ from anatomist.errors import InputError
 from anatomist.estimate.memory import estimate_memory
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
-from anatomist.recipe_files import read_recipe_file
+from anatomist.recipe.files import read_recipe_file
 from anatomist.trace.standins import cce
 from anatomist.workload import load_workload
 

@@ -21,8 +21,8 @@ from anatomist.estimate.sharding import zero_optimizer_bytes
 from anatomist.hardware import get_gpu
 from anatomist.plan.emit import deepspeed_config
 from anatomist.recipe import Recipe
-from anatomist.recipe_files import read_recipe_file
-from anatomist.trace.step.driver import build_optimizer
+from anatomist.recipe.files import read_recipe_file
+from anatomist.trace.step.optimizer_build import build_optimizer
 from anatomist.workload import load_workload
 
 GPU = get_gpu("H100")

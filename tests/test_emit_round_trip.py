@@ -20,7 +20,7 @@ import pytest
 
 from anatomist.plan.emit import launch_commands, launch_warnings, render, trainer_snippet, write
 from anatomist.recipe import Recipe
-from anatomist.recipe_files import read_recipe_file
+from anatomist.recipe.files import read_recipe_file
 from anatomist.workload import load_workload
 
 ALL = frozenset(f.name for f in dataclasses.fields(Recipe))

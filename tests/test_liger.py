@@ -231,7 +231,7 @@ def test_the_emitted_configs_set_it(llama):
 
 
 def test_bad_value_in_a_recipe_file_names_the_field(tmp_path):
-    from anatomist.recipe_files import read_recipe_file
+    from anatomist.recipe.files import read_recipe_file
 
     path = tmp_path / "args.json"
     path.write_text(json.dumps({"per_device_train_batch_size": 2, "use_liger_kernel": "yes"}))

@@ -147,7 +147,7 @@ def test_dpo_config_yaml_is_read_as_trl_dpo_reads_it(llama, tmp_path):
     import dataclasses
 
     path.write_text(yaml.safe_dump({**dpo.to_dict(), **dataclasses.asdict(model)}))
-    from anatomist.recipe_files import read_recipe_file
+    from anatomist.recipe.files import read_recipe_file
 
     source = read_recipe_file(path)
     assert source.kind == "TRL" and source.model == str(llama) and source.seq_len == 64
@@ -159,7 +159,7 @@ def test_dpo_config_yaml_is_read_as_trl_dpo_reads_it(llama, tmp_path):
 def test_a_dpo_yaml_with_a_field_of_an_older_trl_is_read_and_the_field_named(tmp_path):
     """max_prompt_length is a DPOConfig field of trl releases before 1.0 (issue 27: fields of any release of the
     last two years are accepted and named as not modelled); beta makes it `trl dpo`'s file."""
-    from anatomist.recipe_files import read_recipe_file
+    from anatomist.recipe.files import read_recipe_file
 
     path = tmp_path / "dpo.yaml"
     path.write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nbeta: 0.1\nmax_prompt_length: 512\n")

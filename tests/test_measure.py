@@ -13,6 +13,7 @@ from anatomist.estimate.flops import step_flops
 from anatomist.measure import AnatomistCallback, track
 from anatomist.measure.monitor import device_snapshot
 from anatomist.recipe import Recipe
+from anatomist.recipe.spellings import training_arguments
 from anatomist.workload import load_workload
 
 TINY_BERT = {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -35,7 +36,7 @@ def _train(workload, recipe, tmp_path, num_samples=16):
     from transformers import Trainer
 
     callback = AnatomistCallback(tokens_per_sample=workload.seq_len, print_at_end=True)
-    args = recipe.to_training_arguments(str(tmp_path / "out"), num_train_epochs=1, report_to="none",
+    args = training_arguments(recipe, str(tmp_path / "out"), num_train_epochs=1, report_to="none",
                                         save_strategy="no", logging_strategy="no", disable_tqdm=True, use_cpu=True)
     model = workload.build_model(recipe.attn_implementation)
     Trainer(model=model, args=args, train_dataset=build_dataset(workload, num_samples), callbacks=[callback]).train()

@@ -10,6 +10,7 @@ import pytest
 from anatomist.bench.worker import build_dataset, predict, training_model
 from anatomist.measure import AnatomistCallback
 from anatomist.recipe import Recipe
+from anatomist.recipe.spellings import training_arguments
 from anatomist.workload import load_workload
 
 TINY_LLAMA = {
@@ -37,7 +38,7 @@ def test_callback_under_a_peft_model_in_the_trainer(workload, tmp_path):
 
     model = training_model(workload, RECIPE)
     callback = AnatomistCallback(tokens_per_sample=workload.seq_len, print_at_end=False)
-    args = RECIPE.to_training_arguments(str(tmp_path / "out"), max_steps=3, report_to="none", save_strategy="no",
+    args = training_arguments(RECIPE, str(tmp_path / "out"), max_steps=3, report_to="none", save_strategy="no",
                                         logging_strategy="no", disable_tqdm=True, use_cpu=True)
     Trainer(model=model, args=args, train_dataset=build_dataset(workload, 16), callbacks=[callback]).train()
     summary = callback.summary

@@ -125,7 +125,7 @@ def test_unknown_experts_kernel_is_refused(cli):
 
 def test_trl_model_init_kwargs_name_the_experts_kernel(tmp_path):
     """SFTConfig.model_init_kwargs go to from_pretrained, experts_implementation with them."""
-    from anatomist.recipe_files import read_recipe_file
+    from anatomist.recipe.files import read_recipe_file
 
     path = tmp_path / "sft.yaml"
     path.write_text("model_name_or_path: Qwen/Qwen3-30B-A3B\nmax_length: 512\n"

@@ -119,7 +119,7 @@ def _real_model(workload, recipe):
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
     from transformers.quantizers.base import HfQuantizer
 
-    from anatomist.plan.emit import bnb_config, lora_config
+    from anatomist.recipe.spellings import bnb_config, lora_config
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(workload.config, dtype=getattr(torch, recipe.dtype))
@@ -231,7 +231,7 @@ def test_targets_peft_lacks_a_default_for_are_all_linear_and_said(tmp_path, tiny
     """PEFT's own default where it has one (llama: q_proj, v_proj, left to PEFT); all-linear where get_peft_model
     finds none (mixtral: its v4-to-v5 conversion empties the default), said in the notes and written into the
     emitted LoraConfig."""
-    from anatomist.plan.emit import lora_config
+    from anatomist.recipe.spellings import lora_config
 
     llama = load_workload(str(tiny_model("llama")), seq_len=SEQ)
     assert llama.lora_default_targets() == ("q_proj", "v_proj")
@@ -262,7 +262,7 @@ def test_target_parameters_the_model_lacks_are_one_line(cli, tmp_path):
 
 
 def test_target_parameters_from_a_recipe_file_and_trl_s_config(tmp_path):
-    from anatomist.recipe_files import read_recipe_file
+    from anatomist.recipe.files import read_recipe_file
 
     ours = tmp_path / "recipe.yaml"
     ours.write_text(f"peft: lora\nlora_target_parameters: {EXPERTS}\n")
@@ -289,7 +289,7 @@ def test_quantized_classifier_keeps_its_head_out_of_4_bit(tiny_model):
     """transformers skips only the module of the last parameter (an encoder's classifier.bias: nothing), so
     PEFT's modules_to_save would set requires_grad on the 4-bit classifier (a traceback before); the head is
     kept unquantized, as QLoRA users of classifiers do, in the recipe and the emitted BitsAndBytesConfig."""
-    from anatomist.plan.emit import bnb_config
+    from anatomist.recipe.spellings import bnb_config
 
     workload = load_workload(str(tiny_model("bert", architectures=["BertForSequenceClassification"])), seq_len=SEQ)
     recipe = Recipe.with_presets(peft="qlora", per_device_train_batch_size=1).resolved(workload)

@@ -19,7 +19,7 @@ from anatomist.hardware import get_gpu
 from anatomist.plan import SearchSpace, plan
 from anatomist.plan.emit import MAIN_NODE, launch_commands, write
 from anatomist.recipe import Recipe
-from anatomist.recipe_files import read_recipe_file
+from anatomist.recipe.files import read_recipe_file
 from anatomist.workload import load_workload
 from tests.conftest import write_config
 

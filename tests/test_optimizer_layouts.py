@@ -42,7 +42,7 @@ def library_states() -> dict[str, list[tuple[str, int]]]:
 def test_layout_allocates_what_the_library_allocates(library_states, optim: str, package: str, dtype: str) -> None:
     if importlib.util.find_spec(package) is None:
         pytest.skip(f"{package} is not installed (pip install -e '.[dev]' installs it)")
-    from anatomist.trace.step.driver import build_optimizer
+    from anatomist.trace.step.optimizer_build import build_optimizer
 
     params = parameters(dtype)
     ours = build_optimizer(Recipe(optim=optim), params)

@@ -112,7 +112,7 @@ def test_emitted_training_arguments_checkpoint_the_predicted_layers(workload, tm
     which a machine without an accelerator refuses: emitted, not run here.)"""
     from transformers import Trainer, TrainingArguments
 
-    from anatomist.plan.emit import trainer_kwargs
+    from anatomist.recipe.spellings import trainer_kwargs
 
     recipe = Recipe.with_presets(per_device_train_batch_size=2, checkpoint_every=3, checkpoint_offload=True)
     kwargs = trainer_kwargs(recipe) | {"optim": "adamw_torch"}

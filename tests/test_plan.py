@@ -173,9 +173,9 @@ def test_multi_gpu_considers_zero_and_fsdp(tiny) -> None:
 @pytest.mark.slow  # over 15 s on 2 cores
 def test_shardings_limit_the_search_where_they_run(tiny) -> None:
     """--shardings: only the named options are searched, and a cluster size where none of them runs has none."""
-    from anatomist.axes.shardings import sharding_of
     from anatomist.plan.clusters import plan_clusters
     from anatomist.plan.search import fastest_fitting
+    from anatomist.recipe.axis_values import sharding_of
 
     gpu = get_gpu("A100-80GB")
     space = SearchSpace(global_batch_size=8, num_gpus=2, optims=("adamw_torch",), compile_options=(False,),

@@ -12,12 +12,13 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from anatomist.axes.precisions import precision_of
 from anatomist.hardware import get_gpu
 from anatomist.plan import SearchSpace, plan
-from anatomist.plan.emit import bnb_config, lora_config, render, trainer_snippet, trl_config, write
+from anatomist.plan.emit import render, trainer_snippet, write
 from anatomist.plan.space import enumerate_recipes, method_of
 from anatomist.recipe import Recipe
+from anatomist.recipe.axis_values import precision_of
+from anatomist.recipe.spellings import bnb_config, lora_config, trl_config
 from anatomist.workload import load_workload
 
 TINY_LLAMA = {
@@ -196,7 +197,7 @@ def test_cli_plan_peft_bad_input(cli, folder: Path, args: list[str], message: st
 @pytest.mark.parametrize("recipe", [LORA, QLORA], ids=["lora", "qlora"])
 def test_what_emit_trl_writes_reads_back_as_the_same_recipe(recipe: Recipe, tmp_path: Path) -> None:
     """`plan --emit trl` and `--recipe sft.yaml` agree: what the plan picked is what is estimated."""
-    from anatomist.recipe_files import read_recipe_file
+    from anatomist.recipe.files import read_recipe_file
 
     path = tmp_path / "sft.yaml"
     write(recipe, "trl", path, model="Qwen/Qwen2.5-0.5B", seq_len=2048)

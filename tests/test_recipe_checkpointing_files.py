@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from anatomist.errors import InputError
-from anatomist.recipe_files import read_recipe_file
+from anatomist.recipe.files import read_recipe_file
 
 DATA = Path(__file__).parent / "data"
 

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from anatomist.errors import InputError
-from anatomist.recipe_files import read_recipe_file
+from anatomist.recipe.files import read_recipe_file
 
 DATA = Path(__file__).parent / "data"
 LIBRARY_SOURCE = ("liger_kernel_0_8_5", "cut_cross_entropy_5f0c7a7")
@@ -441,7 +441,7 @@ DEEPSPEED_FILES = sorted(name for name in CASES if name.endswith(".json"))
 def test_deepspeed_itself_refuses_exactly_the_files_marked_so(name: str) -> None:
     import deepspeed
 
-    from anatomist.recipe_files.known import deepspeed_release
+    from anatomist.recipe.files.known import deepspeed_release
 
     if deepspeed.__version__ != deepspeed_release():
         pytest.skip(f"the keys anatomist knows are deepspeed {deepspeed_release()}'s")
@@ -451,7 +451,7 @@ def test_deepspeed_itself_refuses_exactly_the_files_marked_so(name: str) -> None
 
 
 def _accelerate_files() -> list[str]:
-    from anatomist.recipe_files.accelerate import looks_like_accelerate
+    from anatomist.recipe.files.accelerate import looks_like_accelerate
 
     return sorted(name for name in CASES if name.endswith((".yaml", ".yml"))
                   and looks_like_accelerate(yaml.safe_load((DATA / name).read_text())))

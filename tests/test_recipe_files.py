@@ -19,7 +19,7 @@ import yaml
 from anatomist.errors import InputError
 from anatomist.plan.emit import write
 from anatomist.recipe import Recipe
-from anatomist.recipe_files import read_recipe_file
+from anatomist.recipe.files import read_recipe_file
 from anatomist.workload import load_workload
 
 A100 = ("--gpu", "A100-80GB")

@@ -10,6 +10,7 @@ import pytest
 
 from anatomist.cli import build_parser
 from anatomist.recipe import Recipe, field_kinds
+from anatomist.recipe.help import FIELD_HELP
 
 FIELDS = [f.name for f in dataclasses.fields(Recipe)]
 
@@ -25,7 +26,7 @@ def test_every_recipe_field_is_a_flag_with_the_fields_help(cli, command: str) ->
     text = _squeeze(result.stdout)  # argparse wraps the help: compare without whitespace
     for field in dataclasses.fields(Recipe):
         assert re.search(rf"--{field.name.replace('_', '-')}\b", result.stdout), field.name
-        assert _squeeze(field.metadata["help"]) in text, field.name
+        assert _squeeze(FIELD_HELP[field.name].text) in text, field.name
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from anatomist.errors import InputError
-from anatomist.recipe_files import read_recipe_file
+from anatomist.recipe.files import read_recipe_file
 from anatomist.workload import load_workload
 
 DATA = Path(__file__).parent / "data"
@@ -472,7 +472,7 @@ def test_the_removed_features_are_the_installed_deepspeed_s() -> None:
     import deepspeed
     from deepspeed.runtime import config as runtime_config
 
-    from anatomist.recipe_files.known import deepspeed_release, deepspeed_removed
+    from anatomist.recipe.files.known import deepspeed_release, deepspeed_removed
 
     if deepspeed.__version__ != deepspeed_release():
         pytest.skip(f"the table is deepspeed {deepspeed_release()}'s")

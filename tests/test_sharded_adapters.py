@@ -11,14 +11,15 @@ from pathlib import Path
 import pytest
 
 from anatomist.anatomy import MemoryCategory
-from anatomist.axes.shardings import sharding_of
 from anatomist.estimate.communication import communication_s
 from anatomist.estimate.memory import estimate_memory
 from anatomist.hardware import get_gpu
 from anatomist.plan import SearchSpace
-from anatomist.plan.emit import accelerate_config, bnb_config, write
+from anatomist.plan.emit import accelerate_config, write
 from anatomist.plan.space import enumerate_recipes, method_of
 from anatomist.recipe import Recipe
+from anatomist.recipe.axis_values import sharding_of
+from anatomist.recipe.spellings import bnb_config, lora_config_kwargs
 from anatomist.workload import load_workload
 
 GPU = get_gpu("A100-80GB")
@@ -81,7 +82,7 @@ def test_a_sharded_base_is_gathered_every_step(tiny_model):
     model = workload.build_model()
     linear = sum(m.weight.numel() for n, m in model.named_modules()
                  if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head"))  # bitsandbytes skips the head
-    adapters = get_peft_model(model, LoraConfig(**recipe.lora_config_kwargs("CAUSAL_LM")))
+    adapters = get_peft_model(model, LoraConfig(**lora_config_kwargs(recipe, "CAUSAL_LM")))
     rest = sum(p.numel() for p in adapters.parameters()) - linear
     gathered = 0.5 * linear + 2 * rest
     expected = ring * (gradient_bytes + 2 * gathered) / bus

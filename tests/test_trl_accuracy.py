@@ -17,6 +17,7 @@ from trl_steps import VARLEN, cuda_trl_paths, measure_trainer_step, register_var
 from anatomist.estimate.memory import estimate_memory
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
+from anatomist.recipe.spellings import lora_config_kwargs
 from anatomist.workload import load_workload
 
 trl = pytest.importorskip("trl")
@@ -127,7 +128,7 @@ def test_dpo_step_matches_pytorchs_accounting(tiny_model, tmp_path, monkeypatch,
     args = trl.DPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=3, max_length=64,
                          gradient_checkpointing=False, bf16=False, use_cpu=True, report_to=[], optim="adamw_torch",
                          save_strategy="no")
-    adapters = LoraConfig(**recipe.lora_config_kwargs("CAUSAL_LM")) if method == "lora" else None
+    adapters = LoraConfig(**lora_config_kwargs(recipe, "CAUSAL_LM")) if method == "lora" else None
     trainer = trl.DPOTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer(1000),
                              peft_config=adapters)
     assert (trainer.ref_model is None) == (method == "lora")

@@ -8,6 +8,7 @@ from anatomist.errors import InputError
 from anatomist.estimate.rules import bytes_per_param_rule
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
+from anatomist.recipe.spellings import training_arguments
 from anatomist.trace.engine.allocator import CachingAllocator, round_size, segment_size
 from anatomist.workload import load_workload
 
@@ -73,7 +74,7 @@ def test_recipe_validation_names_field_and_value():
 
 def test_recipe_to_training_arguments_is_accepted_by_transformers(tmp_path):
     recipe = Recipe(per_device_train_batch_size=2, gradient_accumulation_steps=4, gradient_checkpointing=True, optim="adafactor")
-    args = recipe.to_training_arguments(str(tmp_path), use_cpu=True, report_to="none")
+    args = training_arguments(recipe, str(tmp_path), use_cpu=True, report_to="none")
     assert args.per_device_train_batch_size == 2
     assert args.gradient_accumulation_steps == 4
     assert args.optim == "adafactor"
@@ -97,7 +98,7 @@ def test_optimizer_choice_matches_the_trainer(tmp_path):
     import torch
     from transformers import Trainer, TrainingArguments
 
-    from anatomist.trace.step.driver import build_optimizer
+    from anatomist.trace.step.optimizer_build import build_optimizer
 
     params = [torch.nn.Parameter(torch.zeros(4))]
     for optim in ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd"):

@@ -84,11 +84,11 @@ def apex_o2_ops(workload: Any, recipe: Any, compute_capability: str) -> Any:
 def _build_2022(recipe: Any, params: list[Any]) -> Any:
     import torch
 
-    from anatomist.axes.optimizers import optimizer
+    from anatomist.trace.step.optimizer_build import build_optimizer
 
     if recipe.optim == "adamw_torch":  # transformers' AdamW of 2022, weight decay 0 as the Trainer passed it
         return torch.optim.AdamW(params, lr=5e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, foreach=False)
-    return optimizer(recipe.optim).build(params)
+    return build_optimizer(recipe, params)
 
 
 def _optimizer_phase_2022(params: list[Any], optimizer: Any, recipe: Any, tracer: Any) -> None:

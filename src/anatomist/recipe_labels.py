@@ -17,10 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from anatomist.axes.precisions import precision_of
-from anatomist.axes.shardings import sharding_of
 from anatomist.plan.space import method_of
 from anatomist.recipe import Recipe
+from anatomist.recipe.axis_values import precision_of, sharding_of
 
 
 def _on(value: bool) -> str:

@@ -11,6 +11,7 @@ from anatomist.cli import build_parser
 from anatomist.cli.recipe_flags import recipe_groups
 from anatomist.errors import InputError
 from anatomist.recipe import Recipe, field_kinds
+from anatomist.recipe.help import FIELD_HELP
 from anatomist.web import service
 from anatomist.web.form import QUESTION, Field, FieldError, Form, flags, parse
 
@@ -25,7 +26,7 @@ def test_every_recipe_field_is_a_field_of_the_estimate_view_with_its_choices_and
     groups = {f.name: title for title, members in recipe_groups() for f in members}
     for f in dataclasses.fields(Recipe):
         web = fields[f.name]
-        assert web.help == f.metadata["help"] and web.group in (QUESTION, groups[f.name])  # the CLI's --help group
+        assert web.help == FIELD_HELP[f.name].text and web.group in (QUESTION, groups[f.name])  # the CLI's --help group
         assert web.flag == "--" + f.name.replace("_", "-")
         assert web.label and "_" not in web.label  # words, the name is the tooltip
         if kinds[f.name].type is bool:

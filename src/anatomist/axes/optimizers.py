@@ -6,21 +6,18 @@ the optimizer keeps per parameter (the seeds' bytes-per-parameter rule and, for 
 ones, the exact layout their library allocates), which package training needs, and whether the
 plan searches it by default.
 
-To add an optimizer: one `OptimizerSpec` in `OPTIMIZERS` below. Its `build` makes the optimizer
-the tracer steps on fake tensors (the real class where it runs on fake tensors, else
-`trace.standins.low_bit_adam.QuantizedAdamLayout` with the library's `QuantizedState`).
+To add an optimizer: one `OptimizerSpec` in `OPTIMIZERS` below. It is data only: the class the
+Trainer builds and its arguments where that class runs on fake tensors, else the `QuantizedState`
+its library lays out (the trace builds either: `trace/step/optimizer_build.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from anatomist.errors import InputError
-
-if TYPE_CHECKING:
-    import torch
 
 LEARNING_RATE = 5e-5
 """TrainingArguments.learning_rate's default; no optimizer's memory depends on it."""
@@ -74,10 +71,6 @@ class QuantizedState:
 
 
 
-Builder = Callable[[list[Any]], "torch.optim.Optimizer"]
-"""Makes the optimizer over a list of parameters, as the Trainer would on CUDA."""
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OptimizerSpec:
     """One value of `TrainingArguments.optim` as anatomist models it."""
@@ -85,8 +78,13 @@ class OptimizerSpec:
     name: str
     """TrainingArguments' name (`--optim NAME`)."""
     description: str
-    build: Builder
-    """The optimizer the tracer steps (on fake tensors)."""
+    optimizer_class: str | None
+    """The class the Trainer builds, by its import path, where it runs on fake tensors (its module is imported
+    before the traced step: a module's first import runs its top-level code, and tensors made there under the
+    tracer, as transformers.optimization's imports of peft and bitsandbytes make, would count as the step's
+    allocations); None where it does not: the tracer lays out `quantized_state` instead."""
+    optimizer_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """What the Trainer passes `optimizer_class` beside the parameters and LEARNING_RATE, as it does on CUDA."""
     state_bytes_per_param: float | None
     """The seeds' rule for fp32 weights (None: no per-parameter figure, Adafactor's factored moments)."""
     half_state_bytes_per_param: float | None
@@ -111,12 +109,6 @@ class OptimizerSpec:
     fp32_moments: bool = False
     """Whether it keeps its unquantized moments in fp32 whatever the parameter's dtype (transformers' Adafactor casts
     half-precision gradients to fp32 and keeps its state so), rather than in the parameter's."""
-    imports: tuple[str, ...] = ()
-    """Modules `build` imports, which the tracer imports before the step (`driver.trace_step`): a module's
-    first import runs its top-level code, and tensors made there under the tracer (transformers.optimization
-    imports peft and bitsandbytes, whose constants are tensors) would count as the step's allocations in
-    whichever trace imported it first, and be left fake in the module."""
-
 
     def flat_state_bytes(self, numel: int, element_bytes: int) -> int:
         """Bytes of the state this optimizer keeps for one flat 1-D parameter of `numel` elements of `element_bytes`
@@ -127,35 +119,8 @@ class OptimizerSpec:
         return self.flat_moments * numel * (4 if self.fp32_moments else element_bytes)
 
 
-def _torch_adamw(**kwargs: Any) -> Builder:
-    def build(params: list[Any]) -> torch.optim.Optimizer:
-        import torch
-
-        return torch.optim.AdamW(params, lr=LEARNING_RATE, betas=(0.9, 0.999), eps=1e-8, **kwargs)
-
-    return build
-
-
-def _sgd(params: list[Any]) -> torch.optim.Optimizer:
-    import torch
-
-    # foreach: PyTorch's default on CUDA only (torch.optim.optimizer._default_to_fused_or_foreach)
-    return torch.optim.SGD(params, lr=LEARNING_RATE, momentum=0.9, foreach=True)
-
-
-def _adafactor(params: list[Any]) -> torch.optim.Optimizer:
-    from transformers.optimization import Adafactor
-
-    return Adafactor(params, lr=LEARNING_RATE, scale_parameter=False, relative_step=False)
-
-
-def _quantized_adam(state: QuantizedState) -> Builder:
-    def build(params: list[Any]) -> torch.optim.Optimizer:
-        from anatomist.trace.standins.low_bit_adam import QuantizedAdamLayout
-
-        return QuantizedAdamLayout(params, lr=LEARNING_RATE, state=state)
-
-    return build
+ADAMW_ARGUMENTS = {"betas": (0.9, 0.999), "eps": 1e-8}
+"""torch.optim.AdamW's arguments as the Trainer passes them (TrainingArguments' adam_beta1/2, adam_epsilon)."""
 
 
 BNB_8BIT = QuantizedState(bits=8, shared_code_tables=2)
@@ -174,31 +139,34 @@ def _torchao(bits: Literal[4, 8]) -> QuantizedState:
 
 
 _SPECS = (
-    OptimizerSpec(name="adamw_torch", description="torch.optim.AdamW (foreach)", build=_torch_adamw(foreach=True),
+    OptimizerSpec(name="adamw_torch", description="torch.optim.AdamW (foreach)", optimizer_class="torch.optim.AdamW",
+                  optimizer_kwargs={**ADAMW_ARGUMENTS, "foreach": True},
                   state_bytes_per_param=8, half_state_bytes_per_param=4),
     OptimizerSpec(name="adamw_torch_fused", description="torch.optim.AdamW(fused=True): one kernel per step",
-                  build=_torch_adamw(fused=True), state_bytes_per_param=8, half_state_bytes_per_param=4,
-                  searched=True),
+                  optimizer_class="torch.optim.AdamW", optimizer_kwargs={**ADAMW_ARGUMENTS, "fused": True},
+                  state_bytes_per_param=8, half_state_bytes_per_param=4, searched=True),
     OptimizerSpec(name="adafactor", description="transformers' Adafactor: factored second moment",
-                  build=_adafactor, state_bytes_per_param=None, half_state_bytes_per_param=None, searched=True,
-                  runs_on_fsdp2=False, flat_moments=1, fp32_moments=True,
-                  imports=("transformers.optimization",)),
+                  optimizer_class="transformers.optimization.Adafactor",
+                  optimizer_kwargs={"scale_parameter": False, "relative_step": False}, state_bytes_per_param=None,
+                  half_state_bytes_per_param=None, searched=True, runs_on_fsdp2=False, flat_moments=1, fp32_moments=True),
     OptimizerSpec(name="adamw_bnb_8bit", description="bitsandbytes AdamW8bit: blockwise 8-bit moments",
-                  build=_quantized_adam(BNB_8BIT), state_bytes_per_param=2, half_state_bytes_per_param=2,
+                  optimizer_class=None, state_bytes_per_param=2, half_state_bytes_per_param=2,
                   package="bitsandbytes", searched=True, quantized_state=BNB_8BIT),
     OptimizerSpec(name="adamw_torch_8bit", description="torchao AdamW8bit: blockwise 8-bit moments",
-                  build=_quantized_adam(_torchao(8)), state_bytes_per_param=2, half_state_bytes_per_param=2,
+                  optimizer_class=None, state_bytes_per_param=2, half_state_bytes_per_param=2,
                   package="torchao", quantized_state=_torchao(8)),
     OptimizerSpec(name="adamw_torch_4bit", description="torchao AdamW4bit: blockwise 4-bit moments",
-                  build=_quantized_adam(_torchao(4)), state_bytes_per_param=1, half_state_bytes_per_param=1,
+                  optimizer_class=None, state_bytes_per_param=1, half_state_bytes_per_param=1,
                   package="torchao", quantized_state=_torchao(4)),
     OptimizerSpec(name="paged_adamw_8bit", description="bitsandbytes PagedAdamW8bit: 8-bit moments in unified memory",
-                  build=_quantized_adam(BNB_8BIT), state_bytes_per_param=2, half_state_bytes_per_param=2,
+                  optimizer_class=None, state_bytes_per_param=2, half_state_bytes_per_param=2,
                   package="bitsandbytes", quantized_state=BNB_8BIT),
     OptimizerSpec(name="paged_adamw_32bit", description="bitsandbytes PagedAdamW32bit: fp32 moments in unified memory",
-                  build=_quantized_adam(QuantizedState(bits=32)), state_bytes_per_param=8, half_state_bytes_per_param=8,
+                  optimizer_class=None, state_bytes_per_param=8, half_state_bytes_per_param=8,
                   package="bitsandbytes", quantized_state=QuantizedState(bits=32)),
-    OptimizerSpec(name="sgd", description="torch.optim.SGD with momentum 0.9", build=_sgd, flat_moments=1,
+    OptimizerSpec(name="sgd", description="torch.optim.SGD with momentum 0.9", optimizer_class="torch.optim.SGD",
+                  # foreach: PyTorch's default on CUDA only (torch.optim.optimizer._default_to_fused_or_foreach)
+                  optimizer_kwargs={"momentum": 0.9, "foreach": True}, flat_moments=1,
                   state_bytes_per_param=4, half_state_bytes_per_param=2, trainer_kwargs={"optim_args": "momentum=0.9"}),
 )
 OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in _SPECS}

@@ -2,9 +2,8 @@
 
 A precision is not one Recipe field but four (`dtype`, `fp16`, `bf16`, `tf32`; plus the compute
 dtype of a 4-bit base): each spec names the fields that make it, what the GPU needs for it, and
-whether the plan searches it. The functions below are the one place that reads those fields
-as a precision: the autocast dtype the tracer runs, the dtype whose peak the time model and MFU
-use, the precision's name in the plan's table.
+whether the plan searches it. Which precision a given recipe trains in, and the dtypes it computes
+in, are read from its fields in `recipe/axis_values.py`.
 
 fp32/tf32/fp16/bf16 keep fp32 master weights (loaded in float32; fp16/bf16 autocast per op);
 bf16-weights loads the weights in bfloat16 and trains in pure bf16 (how most LLM checkpoints
@@ -17,14 +16,16 @@ non-quantized parameter to fp32).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
 from anatomist.errors import InputError
 
 if TYPE_CHECKING:
-    from anatomist.hardware import GPU, Precision
-    from anatomist.recipe import Recipe
+    from anatomist.hardware import GPU
 
+LoadDtype = Literal["auto", "float32", "bfloat16", "float16"]
+"""`Recipe.dtype`: what from_pretrained(dtype=...) takes; "auto" is the checkpoint's own, settled per model."""
+LOAD_DTYPES: tuple[str, ...] = get_args(LoadDtype)
 WeightsDtype = Literal["float32", "bfloat16", "float16"]
 Autocast = Literal["no", "fp16", "bf16"]
 
@@ -100,39 +101,6 @@ def precision(name: str) -> PrecisionSpec:
         return PRECISIONS[name]
     except KeyError:
         raise InputError(f"unknown precision {name!r}; known: {', '.join(PRECISIONS)}") from None
-
-
-def precision_of(recipe: Recipe) -> str:
-    """The name of the precision `recipe` trains in (its dtype resolved): a PRECISIONS name, or for a
-    combination the plan never searches, a name of the same form (`fp4+fp32`, `fp16-weights`)."""
-    if recipe.load_in_4bit:
-        return f"{recipe.bnb_4bit_quant_type}+{recipe.mixed_precision if recipe.mixed_precision != 'no' else 'fp32'}"
-    if recipe.dtype == "bfloat16":
-        return "bf16-weights"
-    if recipe.dtype == "float16":
-        return "fp16-weights"
-    return "fp16" if recipe.fp16 else "bf16" if recipe.bf16 else "tf32" if recipe.tf32 else "fp32"
-
-
-def autocast_dtype(recipe: Recipe) -> str | None:
-    """The torch dtype name autocast casts matrix products to (None: no autocast)."""
-    return AUTOCAST_DTYPES.get(recipe.mixed_precision)
-
-
-def half_dtype(recipe: Recipe) -> str | None:
-    """The 16-bit dtype the step computes in: the autocast's, else the weights' where they are 16-bit."""
-    return autocast_dtype(recipe) or (recipe.dtype if recipe.dtype in HALF_DTYPES else None)
-
-
-def matmul_precision(recipe: Recipe, gpu: GPU) -> Precision:
-    """The dtype whose dense peak the recipe's matrix products run at (the MFU and HFU denominator):
-    the autocast dtype, else the weights' dtype (`recipe.dtype` resolved: not "auto"), TF32 where the
-    recipe allows it and the GPU has it, else fp32."""
-    if recipe.fp16 or recipe.dtype == "float16":
-        return "fp16"
-    if recipe.bf16 or recipe.dtype == "bfloat16":
-        return "bf16"
-    return "tf32" if recipe.tf32 and gpu.tf32 else "fp32"
 
 
 def searchable_on(gpu: GPU) -> tuple[list[str], list[str]]:

@@ -7,6 +7,12 @@ bytes-per-parameter rule (`estimate/rules.py`). Source: bitsandbytes 0.50 `Param
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
+QuantType = Literal["nf4", "fp4"]
+"""BitsAndBytesConfig.bnb_4bit_quant_type: QLoRA's NormalFloat or plain 4-bit floats (the same memory)."""
+QUANT_TYPES: tuple[str, ...] = get_args(QuantType)
+
 BLOCK_4BIT = 64
 """Elements per absmax block of bitsandbytes' 4-bit quantization (Params4bit's default blocksize)."""
 NESTED_BLOCK = 256

@@ -12,10 +12,14 @@ guide), so FSDP full_shard and ZeRO-3 are searched for adapters too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, get_args
 
-if TYPE_CHECKING:
-    from anatomist.recipe import Recipe
+Fsdp = Literal["none", "full_shard", "shard_grad_op"]
+"""`TrainingArguments.fsdp` strategies anatomist models (FSDP2's, `trace/step/fsdp.py`)."""
+FSDP_MODES: tuple[str, ...] = get_args(Fsdp)
+Offload = Literal["none", "cpu", "nvme"]
+"""Where DeepSpeed ZeRO offloads (nvme: stage 3 only); with FSDP, cpu is its CPUOffloadPolicy."""
+OFFLOADS: tuple[str, ...] = get_args(Offload)
 
 FSDP_STAGES: dict[str, int] = {"full_shard": 3, "shard_grad_op": 2}
 """The ZeRO stage each `TrainingArguments.fsdp` strategy partitions like (Zhao et al. 2023, "PyTorch
@@ -133,15 +137,6 @@ def shardings_for(num_gpus: int) -> dict[str, ShardingSpec]:
     return {spec.name: spec for spec in _SPECS if spec.devices == devices}
 
 
-def sharding_of(recipe: Recipe, num_gpus: int) -> str:
-    """The name of `recipe`'s sharding on `num_gpus` devices."""
-    if recipe.fsdp != "none":
-        return f"fsdp_{recipe.fsdp}"
-    if recipe.zero_stage == 0:
-        return "ddp" if num_gpus > 1 else "none"
-    return f"zero{recipe.zero_stage}" + ("+offload" if recipe.offload != "none" else "")
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeepSpeedSetting:
     """A ZeRO config value that sizes one of DeepSpeed's own buffers: what a run takes when the config
@@ -168,7 +163,7 @@ DEEPSPEED_SETTINGS: dict[str, DeepSpeedSetting] = {s.field: s for s in (
 """The ZeRO values the estimate reads. A recipe that leaves one unset means what the HF docs' ZeRO
 configs write: "auto" for the three the Trainer fills, DeepSpeed's default for the others; `plan
 --emit deepspeed` writes it so. A DeepSpeed file that leaves one out gets DeepSpeed's default
-(recipe_files/deepspeed.py)."""
+(recipe/files/deepspeed.py)."""
 
 
 def auto_from_hidden_size(hidden_size: int) -> dict[str, int]:

@@ -112,9 +112,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    from anatomist.axes.precisions import autocast_dtype
     from anatomist.bench.worker import enable_checkpointing, optimizer_class, training_model
     from anatomist.recipe import Recipe
+    from anatomist.recipe.axis_values import autocast_dtype
     from anatomist.trace.step.inputs import make_batch
     from anatomist.workload import load_workload
 

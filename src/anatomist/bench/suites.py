@@ -17,6 +17,7 @@ import yaml
 
 from anatomist.errors import InputError
 from anatomist.recipe import Recipe
+from anatomist.recipe.packages import missing_packages
 from anatomist.workload import TASKS, Task
 
 Loop = Literal["trainer", "accelerate"]
@@ -42,7 +43,7 @@ class Row:
         """Why this row cannot run here, or None."""
         if "cuda" in self.needs and not has_cuda:
             return self.cpu_reason or "needs a CUDA GPU (this machine has none)"
-        packages = [n for n in self.needs if n != "cuda"] + self.recipe.missing_packages()
+        packages = [n for n in self.needs if n != "cuda"] + missing_packages(self.recipe)
         missing = [n for n in dict.fromkeys(packages) if importlib.util.find_spec(n) is None]
         if missing:
             return f"needs the package(s) {', '.join(missing)}: pip install {' '.join(missing)}"

@@ -25,6 +25,7 @@ from anatomist.errors import InputError
 from anatomist.measure.monitor import cuda_available, device_info, versions
 from anatomist.measure.recorder import RunSummary, mfu_inputs
 from anatomist.recipe import Recipe, ResolvedRecipe
+from anatomist.recipe.spellings import training_arguments, training_arguments_kwargs
 from anatomist.workload import Workload, load_workload
 
 CPU_REFERENCE_GPU = "A100-80GB"
@@ -52,7 +53,7 @@ def training_model(workload: Workload, recipe: ResolvedRecipe, folder: str | Non
     `from_pretrained(quantization_config=BitsAndBytesConfig(...))` (bitsandbytes quantizes at
     load, so the random weights are saved to `folder` first) and prepared with
     `prepare_model_for_kbit_training`; LoRA adapters come from `get_peft_model`."""
-    from anatomist.plan.emit import bnb_config, lora_config
+    from anatomist.recipe.spellings import bnb_config, lora_config
     from anatomist.trace.step.experts import build_kwargs
 
     model = workload.build_model(recipe.attn_implementation, recipe.dtype, **build_kwargs(workload, recipe))
@@ -81,8 +82,8 @@ def enable_checkpointing(model: Any, recipe: ResolvedRecipe) -> None:
     """Gradient checkpointing as the Trainer turns it on before `accelerator.prepare` (a quantized base
     has it from `prepare_model_for_kbit_training` already)."""
     if recipe.gradient_checkpointing and not recipe.quantized:
-        # every_n_layers / offload where the recipe sets them (Recipe.to_training_arguments_kwargs)
-        settings = recipe.to_training_arguments_kwargs().get("gradient_checkpointing_kwargs", {})
+        # every_n_layers / offload where the recipe sets them (spellings.training_arguments_kwargs)
+        settings = training_arguments_kwargs(recipe).get("gradient_checkpointing_kwargs", {})
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)(**settings)
         if recipe.peft != "none":
             model.enable_input_require_grads()  # as the Trainer does for adapters over a frozen embedding
@@ -93,7 +94,7 @@ def optimizer_class(recipe: ResolvedRecipe) -> tuple[type, dict[str, Any]]:
     from transformers import Trainer
 
     with tempfile.TemporaryDirectory(prefix="anatomist-args-") as out_dir:  # nothing is written there
-        args = recipe.to_training_arguments(out_dir, report_to="none", use_cpu=not cuda_available())
+        args = training_arguments(recipe, out_dir, report_to="none", use_cpu=not cuda_available())
         return Trainer.get_optimizer_cls_and_kwargs(args)
 
 
@@ -105,8 +106,8 @@ def run_trainer(workload: Workload, recipe: ResolvedRecipe, ds: Any, epochs: flo
     model = training_model(workload, recipe, str(Path(out_dir) / "base"))
     flops, peak = mfu_inputs(workload, recipe)
     callback = AnatomistCallback(tokens_per_sample=workload.seq_len, print_at_end=False, flops=flops, peak_flops=peak)
-    args = recipe.to_training_arguments(
-        out_dir, num_train_epochs=epochs, report_to="none", logging_strategy="no", save_strategy="no",
+    args = training_arguments(
+        recipe, out_dir, num_train_epochs=epochs, report_to="none", logging_strategy="no", save_strategy="no",
         disable_tqdm=True, use_cpu=not cuda_available(),
     )
     result = Trainer(model=model, args=args, train_dataset=ds, callbacks=[callback]).train()

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN
 from anatomist.errors import InputError
 from anatomist.recipe import Recipe
+from anatomist.recipe.packages import missing_packages
 
 if TYPE_CHECKING:
     from anatomist.estimate.calibration import Calibration
     from anatomist.hardware import GPU
-    from anatomist.recipe_files import RecipeFile
+    from anatomist.recipe.files import RecipeFile
 
 
 INT_MAX = 2**31 - 1
@@ -94,16 +95,6 @@ def devices_from_args(args: argparse.Namespace, source: RecipeFile | None) -> tu
     return num_gpus, nodes
 
 
-def refuse_cce_before_ampere(cut_cross_entropy: bool, gpu: GPU) -> None:
-    """Cut Cross-Entropy refuses a GPU without bfloat16 (cce_linear_cross_entropy: torch.cuda.is_bf16_supported()).
-
-    Raises:
-        InputError: `cut_cross_entropy` on such a GPU.
-    """
-    if cut_cross_entropy and not gpu.bf16:
-        raise InputError(f"Cut Cross-Entropy needs an Ampere or newer GPU; {gpu.name} is older")
-
-
 def warn(message: str) -> None:
     """One line on stderr that does not stop the command."""
     print(f"anatomist: note: {message}", file=sys.stderr)
@@ -117,7 +108,7 @@ it (the version trace/standins/cce.py follows; PyPI's cut-cross-entropy is Apple
 
 def note_missing_packages(recipe: Recipe) -> None:
     """A prediction needs none of the recipe's packages: say once what the training machine will."""
-    missing = recipe.missing_packages()
+    missing = missing_packages(recipe)
     if missing:
         specs = " ".join(PIP_SPECS.get(name, name) for name in missing)
         warn(f"training this recipe needs {', '.join(missing)}, not installed here "

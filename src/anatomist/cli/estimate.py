@@ -6,7 +6,6 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from anatomist.anatomy import MemoryCategory, TimeAnatomy
-from anatomist.axes.shardings import sharding_of
 from anatomist.cli.common import (
     add_cache_flag,
     add_calibration_flag,
@@ -18,15 +17,15 @@ from anatomist.cli.common import (
     devices_from_args,
     note_missing_packages,
     print_json,
-    refuse_cce_before_ampere,
     tracing_progress,
     warn,
 )
 from anatomist.cli.recipe_flags import add_recipe_flags, recipe_file_from_args, recipe_from_args
 from anatomist.cli.render import Column, console, devices, gib, print_table
-from anatomist.errors import InputError
 from anatomist.estimate.communication import UNFITTED_TERMS, adds_device_terms, describe_network
 from anatomist.hardware import GPU, get_gpu
+from anatomist.recipe.axis_values import sharding_of
+from anatomist.recipe.checks import check_gpu, emulated_bf16_note
 from anatomist.workload import Workload, load_workload
 
 if TYPE_CHECKING:
@@ -86,13 +85,7 @@ def estimate_inputs(
     # The recipe, then the model: a bad value or a mistyped name is said before anything imports
     # transformers (Recipe's defaults are kept on disk per transformers version).
     recipe = recipe_from_args(args, base=SEEDS_RECIPE if model is None else None, source=source)
-    if recipe.bf16 and not gpu.bf16:
-        raise InputError(f"bf16 needs an Ampere or newer GPU; {gpu.name} has none (use --fp16)")
-    if recipe.tf32 and not gpu.tf32:
-        raise InputError(f"tf32 needs an Ampere or newer GPU; {gpu.name} has none")
-    if recipe.dtype == "bfloat16" and not gpu.bf16:
-        raise InputError(f"--dtype bfloat16 needs an Ampere or newer GPU; {gpu.name} has none (use --dtype float16 or float32)")
-    refuse_cce_before_ampere(recipe.cut_cross_entropy, gpu)
+    check_gpu(recipe, gpu)
     workload = load_workload(
         model or DEFAULT_MODEL, seq_len=seq_len, task=args.task,
         trust_remote_code=args.trust_remote_code, allow_network=args.allow_network,
@@ -101,9 +94,9 @@ def estimate_inputs(
     recipe = recipe.resolved(workload)  # refuses what the model cannot take before any note is said
     workload.for_recipe(recipe)  # and what the data cannot (padding-free without its lengths)
     note_missing_packages(recipe)
-    if recipe.dtype == "bfloat16" and not gpu.bf16:
-        warn(f"{workload.name} loads in bfloat16 (its config's dtype) but {gpu.name} has no bf16 tensor cores: "
-             "it runs emulated and slowly there; --dtype float16 or float32 is the usual choice")
+    emulated = emulated_bf16_note(recipe, gpu, workload.name)
+    if emulated:
+        warn(emulated)
     return workload, recipe, gpu, devices
 
 

@@ -7,6 +7,7 @@ import functools
 import sys
 from typing import TYPE_CHECKING, Any
 
+from anatomist.axes.methods import TRAINERS
 from anatomist.axes.optimizers import DEFAULT_SEARCH, OPTIMIZERS
 from anatomist.axes.precisions import FULL_PRECISIONS
 from anatomist.axes.shardings import SHARDING_NAMES
@@ -20,7 +21,6 @@ from anatomist.cli.common import (
     calibration_from_args,
     devices_from_args,
     print_json,
-    refuse_cce_before_ampere,
     tracing_progress,
     warn,
     whole_number,
@@ -32,7 +32,8 @@ from anatomist.hardware import get_gpu
 from anatomist.plan.emit import TARGETS, launch_commands, launch_warnings, write
 from anatomist.plan.emit import render as render_emit
 from anatomist.plan.space import SearchSpace, method_of
-from anatomist.recipe import TRAINERS, Recipe
+from anatomist.recipe import Recipe
+from anatomist.recipe.checks import check_cce_gpu
 from anatomist.recipe_labels import differing, shared, summary
 from anatomist.workload import load_workload
 
@@ -161,7 +162,7 @@ def _search(args: argparse.Namespace, *, one_size: bool = False) -> tuple[Any, A
         raise InputError(f"--{next(iter(lora)).replace('_', '-')} needs --peft lora and/or qlora")
     source = recipe_file_from_args(args)
     fixed = dict(source.fields) if source else {}
-    refuse_cce_before_ampere(bool(fixed.get("cut_cross_entropy")), gpu)
+    check_cce_gpu(bool(fixed.get("cut_cross_entropy")), gpu)
     methods = ("full", *dict.fromkeys(added))
     if source and {"peft", "load_in_4bit", "load_in_8bit"} & set(fixed):
         if added:

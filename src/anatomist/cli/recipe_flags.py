@@ -1,7 +1,7 @@
 """The recipe flags, generated from the Recipe dataclass, and `--recipe FILE`.
 
 Every field of `Recipe` is one flag, its name the field's in kebab case (`--zero-stage`), its
-help the field's `metadata["help"]`, its type and choices the field's annotation (`Literal`
+help the field's entry in `recipe/help.py`, its type and choices the field's annotation (`Literal`
 -> choices, `bool` -> `--x/--no-x`). A field added to Recipe is a flag with no edit here; the
 tests check that every field is in `anatomist estimate --help`.
 
@@ -15,7 +15,7 @@ Why not transformers' `HfArgumentParser`, which does the same for TrainingArgume
   `--x/--no-x` for every boolean, as the command line has always had them.
 So the flags are built with argparse from `dataclasses.fields` and the resolved annotations
 (`recipe.field_kinds`), and parsed by argparse: the same source (the dataclass) and the same
-conventions (kebab case, `metadata["help"]`, Literal choices) as HfArgumentParser, with none of
+conventions (kebab case, a help text per field, Literal choices) as HfArgumentParser, with none of
 its imports. Flags not given stay None and do not override the file or the defaults.
 """
 
@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 from anatomist.cli.common import whole_number
 from anatomist.recipe import Recipe, field_kinds
+from anatomist.recipe.help import FIELD_HELP
 
 if TYPE_CHECKING:
-    from anatomist.recipe_files import RecipeFile
+    from anatomist.recipe.files import RecipeFile
 
 METAVARS = {int: "N", float: "X", str: "TEXT"}
 
@@ -84,7 +85,7 @@ def add_recipe_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_flag(group: argparse._ArgumentGroup, field: dataclasses.Field, kind: Any) -> None:
     """The flag of one Recipe field."""
-    names = [flag_name(field.name), *field.metadata.get("aliases", ())]
+    names = [flag_name(field.name), *FIELD_HELP[field.name].aliases]
     help_text = _help(field)
     if kind.type is bool:
         group.add_argument(*names, dest=field.name, default=None, action=argparse.BooleanOptionalAction, help=help_text)
@@ -93,7 +94,7 @@ def _add_flag(group: argparse._ArgumentGroup, field: dataclasses.Field, kind: An
                            metavar="|".join(map(str, kind.choices)), help=help_text)
     else:
         group.add_argument(*names, dest=field.name, default=None, type=whole_number if kind.type is int else kind.type,
-                           metavar=field.metadata.get("metavar", METAVARS[kind.type]), help=help_text)
+                           metavar=FIELD_HELP[field.name].metavar or METAVARS[kind.type], help=help_text)
 
 
 def _help(field: dataclasses.Field) -> str:
@@ -101,7 +102,7 @@ def _help(field: dataclasses.Field) -> str:
         default = "unset" if field.default is None else field.default
     else:
         default = "TrainingArguments' own"
-    return f"{field.metadata['help']} (default: {default})".replace("%", "%%")
+    return f"{FIELD_HELP[field.name].text} (default: {default})".replace("%", "%%")
 
 
 def given_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -114,7 +115,7 @@ def recipe_file_from_args(args: argparse.Namespace) -> RecipeFile | None:
     if not getattr(args, "recipe", None):
         return None
     from anatomist.cli.common import warn
-    from anatomist.recipe_files import read_recipe_file
+    from anatomist.recipe.files import read_recipe_file
 
     source = read_recipe_file(args.recipe)
     note = source.note()

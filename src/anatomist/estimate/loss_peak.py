@@ -29,9 +29,9 @@ import numpy as np
 
 from anatomist.anatomy import GIB, TENSOR_CATEGORIES, MemoryAnatomy, MemoryCategory, Phase
 from anatomist.axes.liger import liger_modelled
-from anatomist.axes.precisions import half_dtype
 from anatomist.estimate.traces import TRACE_BATCHES, StepTraces, affine
 from anatomist.recipe import ResolvedRecipe
+from anatomist.recipe.axis_values import half_dtype
 from anatomist.trace.depth.cuts import Depth
 from anatomist.workload import Workload
 

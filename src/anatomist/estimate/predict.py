@@ -20,6 +20,7 @@ from anatomist.estimate.time import estimate_time
 from anatomist.estimate.traces import Mode
 from anatomist.hardware import GPU
 from anatomist.recipe import Recipe
+from anatomist.recipe.checks import check_gpu
 from anatomist.workload import Workload
 
 
@@ -82,8 +83,14 @@ def estimate(
 ) -> Estimate:
     """Predict memory (and, in training, time) of one step of `recipe` on `gpu`; `calibration`:
     the time model's factors (default: `calibration_for(gpu)`, the lookup of estimate/calibration.py);
-    `num_gpus` devices in all, on `nodes` machines joined by `network` (`communication.networks()`)."""
+    `num_gpus` devices in all, on `nodes` machines joined by `network` (`communication.networks()`).
+
+    Raises:
+        InputError: what `gpu` cannot run (`recipe.checks.check_gpu`: bfloat16 weights run, emulated, on any GPU),
+            or what the model cannot take (`Recipe.resolved`).
+    """
     check_cluster(num_gpus, nodes, network)
+    check_gpu(recipe, gpu, dtype_given=False)
     recipe = recipe.resolved(workload)  # the library's entry point: everything below takes it resolved
     workload = workload.for_recipe(recipe)  # padding-free: the data's sequences, not the longest
     memory = estimate_memory(workload, recipe, gpu, mode=mode, num_gpus=num_gpus, margin=margin)

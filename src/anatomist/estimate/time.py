@@ -31,13 +31,13 @@ their traces record as eager ops.
 from __future__ import annotations
 
 from anatomist.anatomy import OpClass, Phase, TimeAnatomy
-from anatomist.axes.precisions import matmul_precision
 from anatomist.estimate.calibration import Calibration, calibration_for
 from anatomist.estimate.flops import OpRecord, StepOps, step_flops, step_ops
 from anatomist.estimate.intervals import time_interval
 from anatomist.estimate.time_model import HOST_PHASE_WEIGHTS, kernel_s, phase_s
 from anatomist.hardware import GPU, Precision
 from anatomist.recipe import ResolvedRecipe
+from anatomist.recipe.axis_values import matmul_precision
 from anatomist.workload import Workload
 
 

@@ -1,7 +1,7 @@
 """The Workload and Recipe of a run about to start, read from what it holds: the live model (its
 config, weights dtype, PEFT adapters and quantization) and its `TrainingArguments`.
 
-The arguments are read as `--recipe` reads a TrainingArguments or TRL file (`recipe_files`, on
+The arguments are read as `--recipe` reads a TrainingArguments or TRL file (`recipe/files`, on
 `args.to_dict()`); what the model object says wins over them, since it is what will train: the
 dtype its floating weights are in, its LoRA config (`model.peft_config`) and its bitsandbytes
 quantization (`model.config.quantization_config`).
@@ -59,7 +59,7 @@ def live_recipe(args: Any, model: Any) -> tuple[Recipe, int | None]:
     Raises:
         InputError: a setting anatomist cannot model (as `--recipe` says it).
     """
-    from anatomist.recipe_files import read_recipe_mapping
+    from anatomist.recipe.files import read_recipe_mapping
 
     source = read_recipe_mapping(args.to_dict(), f"{type(args).__name__}")
     return source.recipe.replace(**model_fields(model)), source.seq_len

@@ -249,8 +249,9 @@ def search_space(recipe: Recipe, num_gpus: int, free: set[str], gpu: GPU) -> Sea
     cannot search around it (a precision or sharding it does not search)."""
     from anatomist.axes.optimizers import DEFAULT_SEARCH
     from anatomist.axes.precisions import FULL_PRECISIONS
-    from anatomist.axes.shardings import sharding_of, shardings_for
+    from anatomist.axes.shardings import shardings_for
     from anatomist.plan.space import SearchSpace, method_of
+    from anatomist.recipe.axis_values import sharding_of
 
     method = method_of(recipe)
     name = _precision(recipe)
@@ -272,7 +273,7 @@ def search_space(recipe: Recipe, num_gpus: int, free: set[str], gpu: GPU) -> Sea
 
 
 def _precision(recipe: Recipe) -> str:
-    from anatomist.axes.precisions import precision_of
+    from anatomist.recipe.axis_values import precision_of
 
     return precision_of(recipe)
 

@@ -39,6 +39,8 @@ from anatomist.estimate.flops import step_flops, step_ops
 from anatomist.hardware import detect_local_gpu
 from anatomist.op_classes import classify, is_known
 from anatomist.recipe import Recipe, ResolvedRecipe
+from anatomist.recipe.packages import missing_packages
+from anatomist.recipe.spellings import training_arguments
 from anatomist.trace.step.inputs import make_batch
 from anatomist.workload import Workload
 
@@ -93,11 +95,11 @@ def check_runnable(recipe: ResolvedRecipe, steps: int, device: torch.device) -> 
         raise InputError("fp16 mixed precision needs a CUDA GPU and none is present; use --bf16 or fp32 on CPU")
     if cpu and recipe.tf32:
         raise InputError("tf32 needs an Ampere or newer CUDA GPU and none is present; drop --tf32")
-    if recipe.attn_implementation == "flash_attention_2" and (cpu or recipe.missing_packages()):
+    if recipe.attn_implementation == "flash_attention_2" and (cpu or missing_packages(recipe)):
         why = "a CUDA GPU" if cpu else "the flash_attn package (pip install flash-attn)"
         raise InputError(f"flash_attention_2 needs {why}; use --attn-implementation sdpa")
-    if optimizer(recipe.optim).package and (cpu or recipe.missing_packages()):
-        raise InputError(f"optim {recipe.optim} needs a CUDA GPU and its package ({', '.join(recipe.missing_packages()) or 'installed'})")
+    if optimizer(recipe.optim).package and (cpu or missing_packages(recipe)):
+        raise InputError(f"optim {recipe.optim} needs a CUDA GPU and its package ({', '.join(missing_packages(recipe)) or 'installed'})")
     if recipe.zero_stage or recipe.offload != "none":
         raise InputError("profile runs one process without DeepSpeed; drop --zero-stage/--offload (use `anatomist bench`)")
     if recipe.torch_compile:
@@ -120,7 +122,7 @@ def _optimizer(model: torch.nn.Module, recipe: ResolvedRecipe, cpu: bool) -> tor
     """The optimizer the Trainer would build for this recipe (its own class and arguments)."""
     from transformers import Trainer
 
-    args = recipe.to_training_arguments("anatomist-profile", report_to="none", use_cpu=cpu)
+    args = training_arguments(recipe, "anatomist-profile", report_to="none", use_cpu=cpu)
     # typed PreTrainedModel, but it only reads the model's parameters: a PEFT model works as well
     cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)  # type: ignore[arg-type]
     return cls([p for p in model.parameters() if p.requires_grad], **kwargs)
@@ -226,7 +228,7 @@ def _summarise(events: Any, workload: Workload, recipe: ResolvedRecipe, steps: i
     mfu: float | None = None
     hfu: float | None = None
     if gpu is not None:
-        from anatomist.axes.precisions import matmul_precision
+        from anatomist.recipe.axis_values import matmul_precision
 
         mfu, hfu = flops.utilization(step_s, gpu.peak_tflops(matmul_precision(recipe, gpu)) * 1e12)
     top = sorted(by_op.items(), key=lambda kv: -kv[1])[:TOP_OPS]

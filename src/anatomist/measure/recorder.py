@@ -158,8 +158,8 @@ def mfu_inputs(workload: Workload, recipe: Recipe) -> tuple[StepFlops | None, fl
     gpu = detect_local_gpu()
     if gpu is None:
         return None, None
-    from anatomist.axes.precisions import matmul_precision
     from anatomist.estimate.flops import step_flops
+    from anatomist.recipe.axis_values import matmul_precision
     recipe = recipe.resolved(workload)
 
     return step_flops(workload, recipe, gpu.compute_capability), gpu.peak_tflops(matmul_precision(recipe, gpu)) * 1e12

@@ -1,5 +1,7 @@
 """Write a recipe as the real libraries take it: TrainingArguments, accelerate config, DeepSpeed,
-TRL, and for LoRA/QLoRA PEFT's LoraConfig and transformers' BitsAndBytesConfig.
+TRL, and for LoRA/QLoRA PEFT's LoraConfig and transformers' BitsAndBytesConfig (the keyword arguments
+of TrainingArguments, TRL, PEFT and bitsandbytes are spelled in `recipe/spellings.py`; this module
+adds the accelerate and DeepSpeed configs, the snippets, the launch commands and the files).
 
 Each output is loaded by the library itself in the tests: `TrainingArguments(**kwargs)` (`SFTConfig` /
 `DPOConfig` for a recipe of TRL's trainers), accelerate's `load_config_from_file`,
@@ -20,8 +22,8 @@ import yaml
 from anatomist.axes.shardings import DEEPSPEED_SETTINGS, FSDP2_ACCELERATE, installed, release
 from anatomist.errors import InputError
 from anatomist.estimate.sharding import overlap_comm
-from anatomist.recipe import DPO_BETA, DPO_LOSS_TYPE, Recipe
-from anatomist.workload import PEFT_TASK_TYPES
+from anatomist.recipe import Recipe
+from anatomist.recipe.spellings import bnb_config, lora_config, trainer_kwargs, trl_config
 
 Target = Literal["trainer", "accelerate", "deepspeed", "trl"]
 TARGETS: tuple[str, ...] = ("trainer", "accelerate", "deepspeed", "trl")
@@ -60,109 +62,9 @@ def deepspeed_config(recipe: Recipe, num_gpus: int = 1) -> dict[str, Any]:
     return config
 
 
-def trainer_kwargs(recipe: Recipe, seq_len: int = 1024) -> dict[str, Any]:
-    """TrainingArguments keyword arguments (everything but output_dir). For a recipe of TRL's trainers, SFTConfig's
-    (DPOConfig's), a TrainingArguments with the trainer's own fields (`trl_args`), and the model's load arguments in
-    its model_init_kwargs: the trainer loads the model it is given by name (trl/scripts/dpo.py does so)."""
-    if recipe.trainer == "trainer":
-        return recipe.to_training_arguments_kwargs()
-    return trl_args(recipe, seq_len) | {"model_init_kwargs": model_init_kwargs(recipe)}
-
-
 def trl_script(recipe: Recipe) -> str:
     """The `trl` command that runs the recipe: dpo for DPOTrainer, else sft (SFTTrainer)."""
     return "dpo" if recipe.trainer == "dpo" else "sft"
-
-
-def trl_args(recipe: Recipe, seq_len: int) -> dict[str, Any]:
-    """SFTConfig (DPOConfig) keyword arguments: TrainingArguments', the longest sequence kept, and the trainer's own
-    fields (`_trl_trainer_fields`)."""
-    # padding-free without packing: TRL refuses a max_length (it would not be enforced)
-    max_length = None if recipe.padding_free and not recipe.packing else seq_len
-    return {"max_length": max_length, **recipe.to_training_arguments_kwargs(), **_trl_trainer_fields(recipe)}
-
-
-def model_init_kwargs(recipe: Recipe) -> dict[str, Any]:
-    """What TRL's trainers pass to from_pretrained (SFTConfig/DPOConfig.model_init_kwargs): the load dtype, the
-    attention kernel where the recipe names one, and, where not transformers' default, the experts' kernel. TRL dequantizes 4-bit weights to
-    its `dtype` (get_quantization_config), so a 4-bit base is loaded in its compute dtype;
-    `prepare_model_for_kbit_training` casts the rest to fp32 anyway."""
-    kwargs: dict[str, Any] = {"dtype": recipe.bnb_4bit_compute_dtype if recipe.load_in_4bit else recipe.dtype}
-    if recipe.attn_implementation:  # unset: transformers' own pick for the model
-        kwargs["attn_implementation"] = recipe.attn_implementation
-    if recipe.experts_implementation != "grouped_mm":  # transformers' default, and no argument for a dense model
-        kwargs["experts_implementation"] = recipe.experts_implementation
-    return kwargs
-
-
-def lora_config(recipe: Recipe, task: str = "causal-lm") -> dict[str, Any] | None:
-    """peft.LoraConfig keyword arguments of a LoRA/QLoRA recipe (None for full fine-tuning)."""
-    return recipe.lora_config_kwargs(PEFT_TASK_TYPES.get(task)) if recipe.peft != "none" else None
-
-
-def bnb_config(recipe: Recipe) -> dict[str, Any] | None:
-    """transformers.BitsAndBytesConfig keyword arguments of a quantized base (None otherwise)."""
-    skipped = [n.strip() for n in (recipe.llm_int8_skip_modules or "").split(",") if n.strip()]
-    skip = {"llm_int8_skip_modules": skipped} if skipped else {}
-    if recipe.load_in_8bit:
-        return {"load_in_8bit": True, **skip}
-    if not recipe.load_in_4bit:
-        return None
-    kwargs: dict[str, Any] = {"load_in_4bit": True, "bnb_4bit_quant_type": recipe.bnb_4bit_quant_type,
-                              "bnb_4bit_use_double_quant": recipe.bnb_4bit_use_double_quant,
-                              "bnb_4bit_compute_dtype": recipe.bnb_4bit_compute_dtype, **skip}
-    if recipe.fsdp != "none" or recipe.zero_stage == 3:  # the codes sharded with the rest: stored in the same float
-        kwargs["bnb_4bit_quant_storage"] = recipe.bnb_4bit_compute_dtype  # dtype (bitsandbytes' FSDP-QLoRA guide)
-    return kwargs
-
-
-def trl_config(recipe: Recipe, *, model: str = "MODEL", seq_len: int = 1024,
-               deepspeed: str = "ds_config.json") -> dict[str, Any]:
-    """The YAML `trl sft --config` reads (`trl dpo --config` for a DPO recipe): SFTConfig (DPOConfig), ModelConfig
-    and ScriptArguments fields (TRL's field names); under ZeRO its `deepspeed` names the ds_config `deepspeed`."""
-    load = model_init_kwargs(recipe)
-    config: dict[str, Any] = {
-        "model_name_or_path": model,
-        "dtype": load.pop("dtype"),
-        **({"attn_implementation": attention} if (attention := load.pop("attn_implementation", None)) else {}),
-        "dataset_name": "DATASET",
-        "output_dir": "out",
-        **trl_args(recipe, seq_len),
-    }
-    if load:  # the experts' kernel: no ModelConfig field
-        config["model_init_kwargs"] = load
-    if recipe.zero_stage:
-        config["deepspeed"] = deepspeed
-    if recipe.peft != "none":
-        config.update({"use_peft": True, "lora_r": recipe.lora_r, "lora_alpha": recipe.lora_alpha,
-                       "lora_dropout": recipe.lora_dropout})
-        lora = recipe.lora_config_kwargs(None)
-        targets = lora.get("target_modules")
-        if targets is not None:
-            config["lora_target_modules"] = [targets] if isinstance(targets, str) else targets
-        if lora.get("target_parameters"):
-            config["lora_target_parameters"] = lora["target_parameters"]
-    if recipe.load_in_8bit:
-        config["load_in_8bit"] = True
-    if recipe.load_in_4bit:
-        config.update({"load_in_4bit": True, "bnb_4bit_quant_type": recipe.bnb_4bit_quant_type,
-                       "use_bnb_nested_quant": recipe.bnb_4bit_use_double_quant})
-    return config
-
-
-def _trl_trainer_fields(recipe: Recipe) -> dict[str, Any]:
-    """SFTConfig's padding_free/packing where set; DPOConfig's loss as anatomist computes it (beta, loss_type) and
-    how the reference model is held (precompute_ref_log_probs), always written: a field only DPOConfig has is what
-    tells `--recipe` that a file is `trl dpo`'s; either's activation_offloading where set."""
-    fields: dict[str, Any] = {"activation_offloading": True} if recipe.activation_offloading else {}
-    if recipe.trainer == "dpo":
-        return fields | {"beta": DPO_BETA, "loss_type": [DPO_LOSS_TYPE],
-                         "precompute_ref_log_probs": recipe.precompute_ref_log_probs}
-    if recipe.padding_free:
-        fields["padding_free"] = True
-    if recipe.packing:
-        fields["packing"] = True
-    return fields
 
 
 def reference_model(recipe: Recipe) -> str:
@@ -364,7 +266,7 @@ def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = Fals
             # adapters: the base loaded on rank 0 only and broadcast (PEFT's FSDP-QLoRA config)
             "fsdp_cpu_ram_efficient_loading": recipe.peft != "none",
             # FSDP's own checkpointing is every layer's, on the device; partial or offloaded: TrainingArguments'
-            "fsdp_activation_checkpointing": recipe.checkpointing == "on",
+            "fsdp_activation_checkpointing": recipe.checkpoints_every_layer,
         }
     if recipe.torch_compile:
         config["dynamo_config"] = {"dynamo_backend": "INDUCTOR"}

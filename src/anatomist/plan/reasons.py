@@ -12,8 +12,7 @@ from collections.abc import Callable
 
 from anatomist.anatomy import GIB, MIB
 from anatomist.axes.optimizers import runs_with
-from anatomist.axes.precisions import precision, precision_of
-from anatomist.axes.shardings import sharding_of
+from anatomist.axes.precisions import precision
 from anatomist.errors import InputError
 from anatomist.estimate.traces import prefetch
 from anatomist.hardware import GPU
@@ -28,6 +27,7 @@ from anatomist.plan.space import (
     searched_precisions,
 )
 from anatomist.recipe import ResolvedRecipe
+from anatomist.recipe.axis_values import precision_of, sharding_of
 from anatomist.workload import Workload
 
 Alternatives = Callable[[ResolvedRecipe], list[tuple[str, ResolvedRecipe]]]

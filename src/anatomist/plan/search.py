@@ -114,7 +114,7 @@ def checkpointing_variants(recipes: list[ResolvedRecipe], best: Candidate | None
         return (best is None or objective == "memory"
                 or evaluate.time(recipe).samples_per_second > best.samples_per_second * (1 + SPEED_TIE))
 
-    every_layer = [r for r in recipes if r.checkpointing == "on"]
+    every_layer = [r for r in recipes if r.checkpoints_every_layer]
     open_plain = [r for r in every_layer if objective == "throughput"
                   and not (r.torch_compile and r.use_liger_kernel)  # compiled Liger is modelled only checkpointed
                   and (plain := r.replace(gradient_checkpointing=False)) in searched

@@ -14,7 +14,6 @@ passed), reach the Hub unless the server was started with `--allow-network`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import io
 import json
@@ -40,7 +39,7 @@ EMIT_FILES = {"trainer": "training_args.json", "accelerate": "accelerate_config.
 """The file each `plan --emit` target is written to (the trainer snippet names ds_config.json)."""
 CHARTS = ("memory", "throughput")
 FILE_REFERENCES = ("deepspeed", "fsdp_config", "deepspeed_config_file")
-"""Keys whose string value makes a recipe file read another file (recipe_files: referenced_file)."""
+"""Keys whose string value makes a recipe file read another file (recipe/files: referenced_file)."""
 CLI_ADVICE = {
     "rerun with --trust-remote-code if you trust it":
         "the page never runs a model's own code (anatomist estimate --trust-remote-code does, on your machine)",
@@ -60,7 +59,7 @@ def warm_up() -> None:
     import anatomist.estimate.predict  # noqa: F401
     import anatomist.plan.emit  # noqa: F401
     import anatomist.plan.search  # noqa: F401
-    import anatomist.recipe_files  # noqa: F401
+    import anatomist.recipe.files  # noqa: F401
     import anatomist.report.charts  # noqa: F401
 
     fields()
@@ -88,11 +87,11 @@ def fields() -> tuple[Field, ...]:
     from anatomist.estimate.communication import default_network, networks
     from anatomist.plan.candidates import Objective
     from anatomist.recipe import Recipe, field_kinds
+    from anatomist.recipe.help import FIELD_HELP
     from anatomist.workload import TASKS
 
     est, plan, both = ("estimate",), ("plan",), VIEWS
     kinds, defaults = field_kinds(), Recipe().to_dict()
-    by_name = {f.name: f for f in dataclasses.fields(Recipe)}
 
     def field(name: str, flag: str | None, kind: str, group: str, help: str, *, views: tuple[str, ...] = both,
               choices: tuple[Any, ...] | None = None, default: Any = None, minimum: float | None = None,
@@ -105,7 +104,7 @@ def fields() -> tuple[Field, ...]:
         kind = kinds[name]
         web_kind = "bool" if kind.type is bool else "choice" if kind.choices is not None else kind.type.__name__
         low, high, below = RECIPE_BOUNDS.get(name, (None, None, False))
-        return field(name, flag_name(name), web_kind, group, by_name[name].metadata["help"], views=views,
+        return field(name, flag_name(name), web_kind, group, FIELD_HELP[name].text, views=views,
                      choices=kind.choices, default=defaults[name], minimum=low, maximum=high, below_maximum=below)
 
     data, gpus, search, trainer, lora = ("model and data", "GPUs and memory", "what the plan searches",
@@ -434,8 +433,8 @@ def _refuse_path(name: str, what: str) -> None:
 
 def _read_recipe(upload: Upload) -> None:
     """Read an uploaded recipe file as --recipe does, refusing what would read a file beside it on the server."""
-    from anatomist.recipe_files import read_recipe_file
-    from anatomist.recipe_files.reading import load_mapping
+    from anatomist.recipe.files import read_recipe_file
+    from anatomist.recipe.files.reading import load_mapping
 
     for key, value in _references(load_mapping(upload.path)):
         raise InputError(f"{upload.name}: {key} names another file ({value!r}); the page reads one file: write "
@@ -458,7 +457,7 @@ def _looks_like_a_config(upload: Upload) -> None:
         return  # load_workload says where the JSON breaks
     if not isinstance(data, dict) or "model_type" in data:
         return
-    from anatomist.recipe_files import read_recipe_file
+    from anatomist.recipe.files import read_recipe_file
 
     what = "a model's config.json"
     try:

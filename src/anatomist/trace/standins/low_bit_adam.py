@@ -11,12 +11,11 @@ when the GPU runs short. The arithmetic is not that of Adam; only the memory is.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:  # the registry builds this layout: a run-time import back would be a circle
-    from anatomist.axes.optimizers import QuantizedState
+from anatomist.axes.optimizers import QuantizedState
 
 
 class QuantizedAdamLayout(torch.optim.Optimizer):

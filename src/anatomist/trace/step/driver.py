@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,11 +23,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from anatomist.anatomy import MemoryCategory, Phase
-from anatomist.axes.optimizers import optimizer as optimizer_spec
-from anatomist.axes.precisions import autocast_dtype
 from anatomist.errors import InputError
 from anatomist.hardware import cublas_workspace_bytes
 from anatomist.recipe import ResolvedRecipe
+from anatomist.recipe.axis_values import autocast_dtype
 from anatomist.trace.depth.configs import traced_config
 from anatomist.trace.engine.autocast import cuda_autocast_policy
 from anatomist.trace.engine.cuda_paths import cuda_code_paths, cuda_grouped_mm, fake_parameters, saved_on_host
@@ -38,6 +36,7 @@ from anatomist.trace.step import fsdp as sharded
 from anatomist.trace.step import trainers
 from anatomist.trace.step.experts import build_kwargs, check_traceable, compiled_experts_path
 from anatomist.trace.step.inputs import rows_not_packed
+from anatomist.trace.step.optimizer_build import build_optimizer, import_optimizer_module
 from anatomist.trace.step.passes import forward_backward, inference_step
 from anatomist.trace.step.peft import apply_peft, counted_parameters
 from anatomist.trace.store.keys import (
@@ -54,11 +53,6 @@ def lower_dtype(recipe: ResolvedRecipe) -> torch.dtype | None:
     """The autocast dtype of `recipe` (None: no autocast)."""
     name = autocast_dtype(recipe)
     return getattr(torch, name) if name else None
-
-
-def build_optimizer(recipe: ResolvedRecipe, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizer the Trainer builds for `recipe` (as it behaves on CUDA: `axes.optimizers`)."""
-    return optimizer_spec(recipe.optim).build(params)
 
 
 def trace_step(
@@ -93,8 +87,7 @@ def trace_step(
             (`trace.step.fsdp`), any other as one device.
     """
     if part in ("optimizer", "train-step"):
-        for module in optimizer_spec(recipe.optim).imports:  # not under the tracer: see OptimizerSpec.imports
-            importlib.import_module(module)
+        import_optimizer_module(recipe)  # not under the tracer: see OptimizerSpec.optimizer_class
     fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with contextlib.ExitStack() as world:
         model = traced_model(workload, recipe, depth, fake_mode if fake else None)

@@ -51,10 +51,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
 from anatomist.anatomy import MemoryCategory, Phase
-from anatomist.axes.precisions import autocast_dtype
 from anatomist.axes.shardings import RESHARD_AFTER_FORWARD
 from anatomist.errors import InputError
 from anatomist.recipe import ResolvedRecipe
+from anatomist.recipe.axis_values import autocast_dtype
 from anatomist.trace.engine.records import ALL_GATHER_STREAM, COMPUTE_STREAM, REDUCE_SCATTER_STREAM, Allocation, Event
 from anatomist.trace.engine.tracer import DEVICE_QUERY, StepTracer
 

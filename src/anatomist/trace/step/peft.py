@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from anatomist.axes.quantization import BLOCK_4BIT, NESTED_BLOCK
 from anatomist.errors import InputError
 from anatomist.recipe import ResolvedRecipe
+from anatomist.recipe.spellings import lora_config_kwargs
 from anatomist.workload import PEFT_TASK_TYPES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -130,7 +131,7 @@ def apply_peft(model: torch.nn.Module, recipe: ResolvedRecipe, task: str) -> tor
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=recipe.gradient_checkpointing)
         if recipe.cut_cross_entropy:
             _half_head_for_cce(model, recipe.dtype)
-    config = peft.LoraConfig(**recipe.lora_config_kwargs(PEFT_TASK_TYPES.get(task)))
+    config = peft.LoraConfig(**lora_config_kwargs(recipe, PEFT_TASK_TYPES.get(task)))
     _check_target_parameters(model, config.target_parameters or [])
     try:
         return peft.get_peft_model(model, config)

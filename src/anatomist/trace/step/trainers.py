@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from anatomist.recipe import DPO_BETA, ResolvedRecipe
+from anatomist.axes.methods import DPO_BETA
+from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.standins.trl_head import DPO_OUTPUTS, SFT_OUTPUTS, add_fused_lm_head
 from anatomist.trace.step.inputs import IGNORE_INDEX, make_batch
 from anatomist.workload import Workload

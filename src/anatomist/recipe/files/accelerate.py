@@ -23,10 +23,10 @@ from functools import cache
 from typing import Any
 
 from anatomist.errors import InputError
-from anatomist.recipe_files.deepspeed import read_deepspeed
-from anatomist.recipe_files.known import refuse_unknown
-from anatomist.recipe_files.reading import Reading, fsdp_mode, fsdp_offload, load_mapping, referenced_file, zero_offload
-from anatomist.recipe_files.unmodelled import refuse_unmodelled
+from anatomist.recipe.files.deepspeed import read_deepspeed
+from anatomist.recipe.files.known import refuse_unknown
+from anatomist.recipe.files.reading import Reading, fsdp_mode, fsdp_offload, load_mapping, referenced_file, zero_offload
+from anatomist.recipe.files.unmodelled import refuse_unmodelled
 
 MARKERS = ("compute_environment", "distributed_type")
 ENGINES = ("NO", "MULTI_GPU", "DEEPSPEED", "FSDP")

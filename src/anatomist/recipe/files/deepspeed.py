@@ -25,7 +25,7 @@ from typing import Any
 from anatomist.axes.shardings import DEEPSPEED_SETTINGS
 from anatomist.deepspeed_bounds import deepspeed_bounds
 from anatomist.errors import InputError
-from anatomist.recipe_files.known import (
+from anatomist.recipe.files.known import (
     TYPO_RATIO,
     closest,
     deepspeed_keys,
@@ -33,8 +33,8 @@ from anatomist.recipe_files.known import (
     deepspeed_removed,
     refuse_unknown,
 )
-from anatomist.recipe_files.reading import Reading, zero_offload
-from anatomist.recipe_files.unmodelled import refuse_unmodelled
+from anatomist.recipe.files.reading import Reading, zero_offload
+from anatomist.recipe.files.unmodelled import refuse_unmodelled
 
 MARKERS = ("zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size", "zero_allow_untested_optimizer")
 """Top-level keys only a DeepSpeed config has."""

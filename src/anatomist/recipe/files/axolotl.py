@@ -50,9 +50,9 @@ from __future__ import annotations
 from typing import Any
 
 from anatomist.errors import InputError
-from anatomist.recipe_files.known import closest, framework_fields
-from anatomist.recipe_files.reading import Reading, fsdp_mode, fsdp_offload, load_mapping, referenced_file
-from anatomist.recipe_files.unmodelled import refuse_unmodelled
+from anatomist.recipe.files.known import closest, framework_fields
+from anatomist.recipe.files.reading import Reading, fsdp_mode, fsdp_offload, load_mapping, referenced_file
+from anatomist.recipe.files.unmodelled import refuse_unmodelled
 
 MARKERS = ("base_model", "micro_batch_size", "sequence_len", "adapter")
 """Keys only an axolotl config has."""
@@ -241,7 +241,7 @@ def _checkpointing(data: dict[str, Any], reading: Reading, file: str) -> None:
     if checkpointing is not None:
         reading.set("gradient_checkpointing", bool(checkpointing), file, "gradient_checkpointing")
     if reading.get("gradient_checkpointing") and data.get("gradient_checkpointing_kwargs"):
-        from anatomist.recipe_files.trainer import read_checkpointing_kwargs
+        from anatomist.recipe.files.trainer import read_checkpointing_kwargs
 
         read_checkpointing_kwargs(data["gradient_checkpointing_kwargs"], reading, file, "gradient_checkpointing_kwargs")
 
@@ -296,7 +296,7 @@ def _adapter(data: dict[str, Any], reading: Reading, file: str) -> None:
 
 def _sharding(data: dict[str, Any], reading: Reading, file: str) -> None:
     if data.get("deepspeed"):
-        from anatomist.recipe_files.trainer import read_deepspeed_reference
+        from anatomist.recipe.files.trainer import read_deepspeed_reference
 
         read_deepspeed_reference(data["deepspeed"], reading, file, tool="axolotl")
     config = data.get("fsdp_config") or {}

@@ -24,11 +24,11 @@ from typing import Any
 
 from anatomist.errors import InputError
 from anatomist.recipe import Recipe
-from anatomist.recipe_files.deepspeed import read_deepspeed
-from anatomist.recipe_files.known import TRAINER_CLASSES, historical_fields, refuse_unknown
-from anatomist.recipe_files.known import TRL_CLASSES as TRL_HISTORY
-from anatomist.recipe_files.reading import Reading, fsdp_mode, fsdp_offload, load_mapping, referenced_file
-from anatomist.recipe_files.unmodelled import refuse_unmodelled
+from anatomist.recipe.files.deepspeed import read_deepspeed
+from anatomist.recipe.files.known import TRAINER_CLASSES, historical_fields, refuse_unknown
+from anatomist.recipe.files.known import TRL_CLASSES as TRL_HISTORY
+from anatomist.recipe.files.reading import Reading, fsdp_mode, fsdp_offload, load_mapping, referenced_file
+from anatomist.recipe.files.unmodelled import refuse_unmodelled
 
 RECIPE_FIELDS = frozenset(f.name for f in dataclasses.fields(Recipe))
 TRL_CLASSES = ("ScriptArguments", "SFTConfig", "ModelConfig", "DatasetMixtureConfig")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from anatomist.errors import InputError
-from anatomist.recipe_files.reading import is_off
+from anatomist.recipe.files.reading import is_off
 
 UNMODELLED: dict[str, str] = {
     "fp16_master_weights_and_grads": "DeepSpeed's fp16 master weights and gradients: they would be predicted in fp32",

@@ -36,12 +36,12 @@ from typing import Any, Literal
 
 from anatomist.errors import InputError
 from anatomist.recipe import Recipe
-from anatomist.recipe_files.accelerate import looks_like_accelerate, read_accelerate
-from anatomist.recipe_files.axolotl import looks_like_axolotl, read_axolotl
-from anatomist.recipe_files.deepspeed import looks_like_deepspeed, read_deepspeed
-from anatomist.recipe_files.llamafactory import looks_like_llamafactory, read_llamafactory
-from anatomist.recipe_files.reading import OPTIMIZER_ALIASES, WORKLOAD_KEYS, Reading, load_mapping
-from anatomist.recipe_files.trainer import read_trainer
+from anatomist.recipe.files.accelerate import looks_like_accelerate, read_accelerate
+from anatomist.recipe.files.axolotl import looks_like_axolotl, read_axolotl
+from anatomist.recipe.files.deepspeed import looks_like_deepspeed, read_deepspeed
+from anatomist.recipe.files.llamafactory import looks_like_llamafactory, read_llamafactory
+from anatomist.recipe.files.reading import OPTIMIZER_ALIASES, WORKLOAD_KEYS, Reading, load_mapping
+from anatomist.recipe.files.trainer import read_trainer
 
 Kind = Literal["anatomist", "TrainingArguments", "TRL", "accelerate", "DeepSpeed", "axolotl", "LLaMA-Factory"]
 

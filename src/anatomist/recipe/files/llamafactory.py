@@ -27,9 +27,9 @@ from __future__ import annotations
 from typing import Any
 
 from anatomist.errors import InputError
-from anatomist.recipe_files.known import TRAINER_CLASSES, framework_fields, historical_fields, refuse_unknown
-from anatomist.recipe_files.reading import Reading
-from anatomist.recipe_files.unmodelled import refuse_unmodelled
+from anatomist.recipe.files.known import TRAINER_CLASSES, framework_fields, historical_fields, refuse_unknown
+from anatomist.recipe.files.reading import Reading
+from anatomist.recipe.files.unmodelled import refuse_unmodelled
 
 MARKERS = ("finetuning_type", "stage", "template", "cutoff_len", "lora_target", "quantization_bit")
 """Keys only a LLaMA-Factory file has (neither TrainingArguments nor TRL nor axolotl names them)."""
@@ -62,7 +62,7 @@ def looks_like_llamafactory(data: dict[str, Any]) -> bool:
 
 def read_llamafactory(data: dict[str, Any], reading: Reading, file: str) -> None:
     """Add the file's settings to `reading`; its TrainingArguments keys through `read_trainer`."""
-    from anatomist.recipe_files.trainer import read_trainer, trainer_fields
+    from anatomist.recipe.files.trainer import read_trainer, trainer_fields
 
     training = set(trainer_fields()) | historical_fields(TRAINER_CLASSES)
     refuse_unknown(data, framework_fields("LLaMA-Factory") | training, file,
