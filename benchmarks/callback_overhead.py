@@ -24,7 +24,7 @@ from transformers import Trainer, TrainerCallback
 from anatomist.bench.worker import build_dataset
 from anatomist.measure import AnatomistCallback
 from anatomist.recipe import Recipe
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 REPEATS = 5
 CALLS = 20000

@@ -18,7 +18,7 @@ from anatomist.plan import SearchSpace, plan
 from anatomist.plan.emit import bnb_config, lora_config, render, trainer_snippet, trl_config, write
 from anatomist.plan.space import enumerate_recipes, method_of
 from anatomist.recipe import Recipe
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 TINY_LLAMA = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,

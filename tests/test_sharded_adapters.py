@@ -19,7 +19,7 @@ from anatomist.plan import SearchSpace
 from anatomist.plan.emit import accelerate_config, bnb_config, write
 from anatomist.plan.space import enumerate_recipes, method_of
 from anatomist.recipe import Recipe
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 GPU = get_gpu("A100-80GB")
 QLORA_FSDP = Recipe.with_presets(peft="qlora", fsdp="full_shard", bf16=True, dtype="bfloat16")

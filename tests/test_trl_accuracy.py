@@ -17,7 +17,7 @@ from trl_steps import VARLEN, cuda_trl_paths, measure_trainer_step, register_var
 from anatomist.estimate.memory import estimate_memory
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 trl = pytest.importorskip("trl")
 

@@ -74,7 +74,7 @@ def main() -> None:
     from anatomist.bench.worker import enable_checkpointing, optimizer_class, training_model
     from anatomist.recipe import Recipe
     from anatomist.trace.step.inputs import make_batch
-    from anatomist.workload import load_workload
+    from anatomist.workload_loader import load_workload
 
     workload = load_workload(args.model, seq_len=args.seq_len, task=args.task)
     recipe = Recipe.from_dict(json.loads(args.recipe)).resolved(workload)

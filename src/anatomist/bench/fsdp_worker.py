@@ -116,7 +116,7 @@ def main() -> None:
     from anatomist.bench.worker import enable_checkpointing, optimizer_class, training_model
     from anatomist.recipe import Recipe
     from anatomist.trace.step.inputs import make_batch
-    from anatomist.workload import load_workload
+    from anatomist.workload_loader import load_workload
 
     on_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if on_cuda else "gloo")

@@ -27,7 +27,8 @@ from anatomist.cli.render import Column, console, devices, gib, print_table
 from anatomist.errors import InputError
 from anatomist.estimate.communication import UNFITTED_TERMS, adds_device_terms, describe_network
 from anatomist.hardware import GPU, get_gpu
-from anatomist.workload import Workload, load_workload
+from anatomist.workload import Workload
+from anatomist.workload_loader import load_workload
 
 if TYPE_CHECKING:
     from anatomist.estimate.predict import Estimate

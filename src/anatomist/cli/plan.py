@@ -34,7 +34,7 @@ from anatomist.plan.emit import render as render_emit
 from anatomist.plan.space import SearchSpace, method_of
 from anatomist.recipe import TRAINERS, Recipe
 from anatomist.recipe_labels import differing, shared, summary
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 if TYPE_CHECKING:
     from anatomist.plan.candidates import Candidate

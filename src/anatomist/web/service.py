@@ -86,9 +86,9 @@ def fields() -> tuple[Field, ...]:
     from anatomist.cli.estimate import DEFAULT_GPU, DEFAULT_MODEL
     from anatomist.cli.recipe_flags import flag_name, recipe_groups
     from anatomist.estimate.communication import default_network, networks
+    from anatomist.model_facts import TASKS
     from anatomist.plan.candidates import Objective
     from anatomist.recipe import Recipe, field_kinds
-    from anatomist.workload import TASKS
 
     est, plan, both = ("estimate",), ("plan",), VIEWS
     kinds, defaults = field_kinds(), Recipe().to_dict()
@@ -234,7 +234,7 @@ def check_upload(upload: Upload, uploads: UploadStore) -> None:
     """
     from anatomist.cli.common import INT_MAX
     from anatomist.token_stats import read_lengths
-    from anatomist.workload import load_workload
+    from anatomist.workload_loader import load_workload
 
     try:
         if upload.kind == "config":

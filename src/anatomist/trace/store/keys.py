@@ -137,9 +137,9 @@ def plan_key(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ...]:
 
 
 TRACE_SOURCES: tuple[str, ...] = (
-    "__init__.py", "anatomy.py", "config_fields.py", "errors.py", "hardware.py", "model_catalog.py", "model_facts.py",
-    "op_classes.py", "deepspeed_bounds.py", "recipe.py", "token_stats.py", "trainer_defaults.py", "user_cache.py",
-    "workload.py",
+    "__init__.py", "anatomy.py", "config_fields.py", "errors.py", "hardware.py", "model_catalog.py", "model_config.py",
+    "model_facts.py", "op_classes.py", "deepspeed_bounds.py", "recipe.py", "token_stats.py", "trainer_defaults.py",
+    "user_cache.py", "workload.py", "workload_loader.py",
     "axes/__init__.py", "axes/liger.py", "axes/optimizers.py", "axes/precisions.py", "axes/quantization.py",
     "axes/shardings.py",
     "trace/__init__.py",
