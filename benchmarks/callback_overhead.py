@@ -25,7 +25,7 @@ from anatomist.bench.worker import build_dataset
 from anatomist.measure import AnatomistCallback
 from anatomist.recipe import Recipe
 from anatomist.recipe.spellings import training_arguments
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 REPEATS = 5
 CALLS = 20000

@@ -31,7 +31,7 @@ from anatomist.hardware import get_gpu  # noqa: E402
 from anatomist.measure import AnatomistCallback  # noqa: E402
 from anatomist.measure.live import live_recipe  # noqa: E402
 from anatomist.trace.store import cache  # noqa: E402
-from anatomist.workload import load_workload  # noqa: E402
+from anatomist.workload_loader import load_workload  # noqa: E402
 
 REPEATS = 5
 MODEL, SEQ, GPU = "Qwen2.5-0.5B", 512, "A100-80GB"

@@ -147,7 +147,7 @@ def measure(config: str, seq_len: int, batch: int, case: dict[str, Any]) -> dict
 
     from anatomist.bench.trackers import as_on_cuda
     from anatomist.trace.step.inputs import make_batch
-    from anatomist.workload import load_workload
+    from anatomist.workload_loader import load_workload
 
     torch.set_num_threads(1)  # ranks side by side on a small machine; the memory does not depend on it
     PartialState(cpu=True)  # accelerate's logging needs a state

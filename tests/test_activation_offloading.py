@@ -18,7 +18,7 @@ from anatomist.recipe import Recipe
 from anatomist.trace.step import offload
 from anatomist.trace.step.driver import trace_step
 from anatomist.trace.step.inputs import make_batch
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 trl_offloading = pytest.importorskip("trl.models.activation_offloading")
 

@@ -17,7 +17,7 @@ import torch
 
 from anatomist.trace.engine.autocast import cuda_autocast_policy
 from anatomist.trace.step.inputs import make_batch
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 # https://pytorch.org/docs/stable/amp.html#cuda-ops-that-can-autocast-to-float16
 CUDA_TO_HALF = {

@@ -21,7 +21,7 @@ from anatomist.estimate.time import estimate_time
 from anatomist.estimate.time_fit import COARSE as EFFICIENCY_GRID
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # BERT-large-sized blocks: some matrix products are compute-bound at the true factors. With hidden 256

@@ -15,8 +15,9 @@ import pytest
 from anatomist.cli import main
 from anatomist.errors import InputError
 from anatomist.model_catalog import catalog_aliases, catalog_entries, find_entry, resolve, summarize
+from anatomist.model_config import config_from_dict
 from anatomist.model_facts import facts_of
-from anatomist.workload import config_from_dict, load_workload
+from anatomist.workload_loader import load_workload
 
 ENTRIES = sorted(catalog_entries())
 ALIASES = list(catalog_aliases())
@@ -63,7 +64,7 @@ def test_a_checkpoint_dtype_is_recorded_only_where_the_config_names_none():
     """`--dtype auto` of DeepSeek-V2-Lite and gpt-oss-20b loads their bf16 checkpoints in bfloat16, as
     from_pretrained(dtype="auto") does from the checkpoint where the config names no dtype; a config with a dtype
     keeps its own."""
-    from anatomist.workload import load_workload
+    from anatomist.workload_loader import load_workload
 
     recorded = {e.name for e in catalog_entries().values() if e.checkpoint_dtype is not None}
     assert {"DeepSeek-V2-Lite", "gpt-oss-20b"} <= recorded

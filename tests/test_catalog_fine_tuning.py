@@ -14,7 +14,7 @@ import pytest
 
 from anatomist.model_catalog import catalog_entries
 from anatomist.recipe import Recipe
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 METHODS = {"full": (), "lora": ("--peft", "lora"), "qlora": ("--peft", "qlora")}
 

@@ -23,7 +23,7 @@ from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.recipe.files import read_recipe_file
 from anatomist.trace.standins import cce
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 DATA = Path(__file__).parent / "data"
 Shape = tuple[tuple[int, ...], torch.dtype]

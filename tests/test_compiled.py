@@ -17,7 +17,7 @@ from anatomist.recipe import Recipe
 from anatomist.trace.step.compiled import fusion_plan
 from anatomist.trace.step.driver import trace_step
 from anatomist.trace.store.keys import part_key
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 GPU = get_gpu("A100-80GB")
 

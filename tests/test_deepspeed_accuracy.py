@@ -27,7 +27,7 @@ from anatomist.estimate.memory import estimate_memory
 from anatomist.hardware import cublas_workspace_bytes, get_gpu
 from anatomist.recipe import Recipe
 from anatomist.trace.engine.allocator import round_size
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 from tests.conftest import write_config
 
 pytest.importorskip("deepspeed")

@@ -22,7 +22,7 @@ from anatomist.hardware import get_gpu
 from anatomist.plan.emit import deepspeed_config
 from anatomist.recipe import Recipe
 from anatomist.recipe.files import read_recipe_file
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 GPU = get_gpu("A100-80GB")
 

@@ -23,7 +23,7 @@ from anatomist.plan.emit import deepspeed_config
 from anatomist.recipe import Recipe
 from anatomist.recipe.files import read_recipe_file
 from anatomist.trace.step.optimizer_build import build_optimizer
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 GPU = get_gpu("H100")
 

@@ -21,7 +21,7 @@ import pytest
 from anatomist.plan.emit import launch_commands, launch_warnings, render, trainer_snippet, write
 from anatomist.recipe import Recipe
 from anatomist.recipe.files import read_recipe_file
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 ALL = frozenset(f.name for f in dataclasses.fields(Recipe))
 ADAPTERS = frozenset({"peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit",

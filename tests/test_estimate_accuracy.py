@@ -34,7 +34,7 @@ from memtracker_step import count_as_on_cuda, measure_step, round_to_block
 from anatomist.estimate.memory import estimate_memory
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 GPU = get_gpu("A100-80GB")
 BATCH = 5  # outside the traced batch sizes (2, 3): extrapolated

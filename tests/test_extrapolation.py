@@ -17,7 +17,7 @@ from anatomist.estimate.memory import estimate_memory, moment_peaks
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.trace.step.driver import trace_step
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 GPU = get_gpu("A100-80GB")
 BATCH = 5  # outside the traced batch sizes (2, 3): extrapolated

@@ -16,7 +16,8 @@ from anatomist.recipe import Recipe
 from anatomist.trace.engine.op_costs import CUSTOM_FLOPS
 from anatomist.trace.step.driver import trace_step
 from anatomist.trace.store.parts import trace_part
-from anatomist.workload import Workload, load_workload
+from anatomist.workload import Workload
+from anatomist.workload_loader import load_workload
 
 CC = "8.0"
 

@@ -59,7 +59,8 @@ from anatomist.estimate.memory import Moment, estimate_memory, moment_peaks
 from anatomist.hardware import cublas_workspace_bytes, get_gpu
 from anatomist.recipe import Recipe
 from anatomist.trace.engine.allocator import round_size
-from anatomist.workload import Workload, load_workload
+from anatomist.workload import Workload
+from anatomist.workload_loader import load_workload
 from tests.conftest import write_config
 
 GPU = get_gpu("A100-80GB")

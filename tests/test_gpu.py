@@ -24,7 +24,7 @@ import torch
 from anatomist.estimate.memory import estimate_memory
 from anatomist.hardware import detect_local_gpu
 from anatomist.recipe import Recipe
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,7 +35,7 @@ MEASURE = """
 import json, sys, torch
 from anatomist.measure.profile import training_step
 from anatomist.recipe import Recipe
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 folder, seq_len, recipe = sys.argv[1], int(sys.argv[2]), Recipe(**json.loads(sys.argv[3]))
 step = training_step(load_workload(folder, seq_len=seq_len), recipe, torch.device("cuda"))
 step()

@@ -24,7 +24,7 @@ from anatomist.estimate.memory import estimate_memory
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.trace.standins import liger_kernels as liger
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 Shape = tuple[tuple[int, ...], torch.dtype]
 

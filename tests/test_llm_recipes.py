@@ -17,7 +17,7 @@ from anatomist.hardware import get_gpu
 from anatomist.plan.emit import render, write
 from anatomist.recipe import Recipe
 from anatomist.token_stats import read_lengths
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 GPU = get_gpu("A100-80GB")
 

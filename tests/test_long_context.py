@@ -16,7 +16,7 @@ from anatomist.estimate.traces import step_traces
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.trace.store import cache
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 GPU = get_gpu("H100-80GB")
 MAX_POSITIONS = 131072

@@ -14,7 +14,7 @@ from anatomist.measure import AnatomistCallback, track
 from anatomist.measure.monitor import device_snapshot
 from anatomist.recipe import Recipe
 from anatomist.recipe.spellings import training_arguments
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 TINY_BERT = {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
              "intermediate_size": 64, "vocab_size": 30522, "max_position_embeddings": 64}

@@ -11,7 +11,7 @@ from anatomist.bench.worker import build_dataset, predict, training_model
 from anatomist.measure import AnatomistCallback
 from anatomist.recipe import Recipe
 from anatomist.recipe.spellings import training_arguments
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 TINY_LLAMA = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,

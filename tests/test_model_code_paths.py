@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from anatomist.errors import InputError
 from anatomist.recipe import Recipe
 from anatomist.trace.step.driver import data_dependent_code_is_input_error
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 DEBERTA_V2 = {
     "model_type": "deberta-v2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,

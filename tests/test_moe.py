@@ -16,7 +16,7 @@ from anatomist.estimate.predict import estimate
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.trace.step.driver import trace_step
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 GPU = get_gpu("H100-80GB")
 SEQ = 64

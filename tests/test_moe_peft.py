@@ -24,7 +24,7 @@ from anatomist.hardware import get_gpu
 from anatomist.recipe import LORA_FALLBACK_TARGETS, Recipe
 from anatomist.trace.depth.plan import model_plan
 from anatomist.trace.engine.cuda_paths import _grouped_mm_output
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 GPU = get_gpu("A100-80GB")
 SEQ = 64

@@ -20,7 +20,7 @@ from anatomist.plan import SearchSpace, plan
 from anatomist.plan.emit import MAIN_NODE, launch_commands, write
 from anatomist.recipe import Recipe
 from anatomist.recipe.files import read_recipe_file
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 from tests.conftest import write_config
 
 

@@ -25,7 +25,7 @@ from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.trace.depth.plan import model_plan
 from anatomist.trace.step.inputs import make_batch
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 GPU = get_gpu("A100-80GB")
 BATCH = 5

@@ -19,7 +19,7 @@ from anatomist.plan.space import enumerate_recipes, method_of
 from anatomist.recipe import Recipe
 from anatomist.recipe.axis_values import precision_of
 from anatomist.recipe.spellings import bnb_config, lora_config, trl_config
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 TINY_LLAMA = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,

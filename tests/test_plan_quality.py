@@ -33,7 +33,8 @@ from anatomist.measure.profile import training_step
 from anatomist.plan import SearchSpace, plan
 from anatomist.recipe import Recipe
 from anatomist.trace.step.driver import trace_step
-from anatomist.workload import Workload, load_workload
+from anatomist.workload import Workload
+from anatomist.workload_loader import load_workload
 
 CONFIG = {
     "model_type": "bert", "hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,

@@ -22,7 +22,7 @@ from anatomist.measure import AnatomistCallback
 from anatomist.measure.preflight import PreflightRefused
 from anatomist.measure.records import append_record, read_records
 from anatomist.recipe import Recipe
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 SEQ = 64
 GPU = "A100-80GB"

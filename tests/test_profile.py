@@ -10,7 +10,7 @@ import pytest
 
 from anatomist.measure.profile import profile_training
 from anatomist.recipe import Recipe
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from anatomist.hardware import get_gpu
+from anatomist.model_config import catalog_names
 from anatomist.recipe import Recipe
-from anatomist.workload import catalog_names
 
 PUBLISHED = Path(__file__).parents[1] / "benchmarks" / "published"
 sys.path.insert(0, str(PUBLISHED))

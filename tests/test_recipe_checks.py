@@ -19,7 +19,7 @@ from anatomist.recipe import Recipe
 from anatomist.recipe.checks import check_gpu, emulated_bf16_note
 from anatomist.recipe.help import FIELD_HELP
 from anatomist.trace.store.keys import TRACE_SOURCES
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 V100, T4 = get_gpu("V100-16GB"), get_gpu("T4")
 

@@ -20,7 +20,7 @@ from anatomist.errors import InputError
 from anatomist.plan.emit import write
 from anatomist.recipe import Recipe
 from anatomist.recipe.files import read_recipe_file
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 A100 = ("--gpu", "A100-80GB")
 

@@ -82,7 +82,7 @@ def test_axolotl_dpo_runs_trls_dpo_trainer() -> None:
     """axolotl's rl: dpo builds AxolotlDPOTrainer, TRL's DPOTrainer (core/builders/rl.py), with max_length =
     sequence_len; without an adapter it loads the model again as the reference (train.py setup_reference_model)."""
     from anatomist.trace.step.trainers import needs_reference_copy
-    from anatomist.workload import load_workload
+    from anatomist.workload_loader import load_workload
 
     path = DATA / "axolotl/qwen2-dpo.yaml"
     raw = yaml.safe_load(path.read_text())
@@ -96,7 +96,7 @@ def test_axolotl_dpo_runs_trls_dpo_trainer() -> None:
 
 def test_axolotl_dpo_with_an_adapter_keeps_no_second_model() -> None:
     from anatomist.trace.step.trainers import needs_reference_copy
-    from anatomist.workload import load_workload
+    from anatomist.workload_loader import load_workload
 
     r = read_recipe_file(DATA / "axolotl/instruct-dpo-lora-8b.yml").recipe
     assert (r.trainer, r.peft, r.load_in_8bit, r.lora_r) == ("dpo", "lora", True, 32)

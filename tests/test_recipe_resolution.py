@@ -11,7 +11,7 @@ import pytest
 
 from anatomist.errors import InputError
 from anatomist.recipe import QLORA_PRESET, Recipe, ResolvedRecipe
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 
 def test_a_recipe_never_rewrites_what_it_is_given() -> None:

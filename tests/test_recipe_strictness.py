@@ -17,7 +17,7 @@ import yaml
 
 from anatomist.errors import InputError
 from anatomist.recipe.files import read_recipe_file
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 DATA = Path(__file__).parent / "data"
 

@@ -20,7 +20,7 @@ from anatomist.plan.space import enumerate_recipes, method_of
 from anatomist.recipe import Recipe
 from anatomist.recipe.axis_values import sharding_of
 from anatomist.recipe.spellings import bnb_config, lora_config_kwargs
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 GPU = get_gpu("A100-80GB")
 QLORA_FSDP = Recipe.with_presets(peft="qlora", fsdp="full_shard", bf16=True, dtype="bfloat16")

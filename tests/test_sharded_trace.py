@@ -19,7 +19,7 @@ from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.trace.step.driver import trace_step
 from anatomist.trace.store.keys import part_key
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 GPU = get_gpu("A100-80GB")
 BATCH = 5  # outside the traced batch sizes (2, 3): extrapolated

@@ -15,7 +15,8 @@ from anatomist.estimate.time import estimate_time
 from anatomist.estimate.time_fit import COARSE as EFFICIENCY_GRID
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
-from anatomist.workload import Workload, load_workload
+from anatomist.workload import Workload
+from anatomist.workload_loader import load_workload
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

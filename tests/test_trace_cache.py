@@ -16,7 +16,7 @@ from anatomist.recipe import Recipe
 from anatomist.trace.store import cache
 from anatomist.trace.store.keys import part_key
 from anatomist.trace.store.parts import trace_part
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 GPU = get_gpu("A100-80GB")
 

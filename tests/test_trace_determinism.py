@@ -23,12 +23,13 @@ import pytest
 
 from anatomist.recipe import Recipe
 from anatomist.trace.step.driver import trace_step
-from anatomist.workload import Workload, load_workload
+from anatomist.workload import Workload
+from anatomist.workload_loader import load_workload
 
 _FRESH = """
 import json, sys
 from anatomist.recipe import Recipe
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 from tests.test_trace_determinism import curves
 
 workload = load_workload(sys.argv[1], seq_len=16)

@@ -20,7 +20,7 @@ from anatomist.recipe import Recipe
 from anatomist.trace.engine.records import StepTrace
 from anatomist.trace.step import driver
 from anatomist.trace.store import parts, pool
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 CC = "8.0"
 

@@ -18,7 +18,7 @@ from anatomist.recipe import Recipe
 from anatomist.trace.depth.worlds import derive, derive_batch
 from anatomist.trace.engine.records import Allocation, Event, RankEvents, StepTrace, Trace, curves_of
 from anatomist.trace.store import parts
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 CC = "8.0"
 RECIPES = {

@@ -18,7 +18,7 @@ from anatomist.estimate.memory import estimate_memory
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.recipe.spellings import lora_config_kwargs
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 trl = pytest.importorskip("trl")
 

@@ -26,12 +26,14 @@ from anatomist.estimate.predict import estimate
 from anatomist.estimate.traces import implied_parameters, step_traces
 from anatomist.hardware import get_gpu
 from anatomist.model_catalog import catalog_entries
+from anatomist.model_config import config_from_dict
 from anatomist.model_facts import facts_of
 from anatomist.recipe import Recipe
 from anatomist.trace.depth import plan as cuts_module
 from anatomist.trace.step.driver import trace_step
 from anatomist.trace.store import cache
-from anatomist.workload import Workload, config_from_dict, load_workload
+from anatomist.workload import Workload
+from anatomist.workload_loader import load_workload
 
 GPU = get_gpu("A100-80GB")
 BATCH = 3  # one of the traced batch sizes: what is compared is the extrapolation in depth

@@ -10,7 +10,7 @@ from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.recipe.spellings import training_arguments
 from anatomist.trace.engine.allocator import CachingAllocator, round_size, segment_size
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 
 def test_allocator_rounding_and_segments():

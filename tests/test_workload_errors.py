@@ -10,7 +10,7 @@ import pytest
 
 from anatomist.cli import main
 from anatomist.errors import InputError
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"
 

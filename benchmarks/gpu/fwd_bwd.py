@@ -243,7 +243,7 @@ def attention_or_oom(cell: Cell, workload: Any, device: Device) -> dict[str, Any
 
 def run(args: argparse.Namespace) -> None:
     from anatomist.hardware import detect_local_gpu, get_gpu
-    from anatomist.workload import load_workload
+    from anatomist.workload_loader import load_workload
 
     log, device = ResultsLog(path=args.results), Device(args.dry_run)
     gpu = (None if args.dry_run else detect_local_gpu()) or get_gpu("H100-SXM")

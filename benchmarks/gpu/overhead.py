@@ -119,7 +119,7 @@ def sdpa_probe(device: torch.device) -> None:
 
 
 def step_workload(dry_run: bool, folder: Path) -> Any:
-    from anatomist.workload import load_workload
+    from anatomist.workload_loader import load_workload
 
     if not dry_run:
         return load_workload(STEP_MODEL, seq_len=STEP_SEQ_LEN)

@@ -49,7 +49,7 @@ def load_checks() -> list[dict[str, Any]]:
 
 
 def _workload(run: dict[str, Any], folder: Path) -> Any:
-    from anatomist.workload import load_workload
+    from anatomist.workload_loader import load_workload
 
     model = run["model"]
     config = HERE / "configs" / f"{model}.json"

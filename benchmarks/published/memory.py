@@ -81,7 +81,7 @@ def generation(row: dict[str, Any]) -> str:
 
 def workload(row: dict[str, Any], folder: Path) -> Any:
     """The row's workload: a catalog model, or a config under configs/ (copied as `folder`/config.json)."""
-    from anatomist.workload import load_workload
+    from anatomist.workload_loader import load_workload
 
     model = row["model"]
     config = CONFIGS / f"{model}.json"

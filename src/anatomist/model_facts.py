@@ -2,7 +2,7 @@
 
 Everything an estimate needs from the transformers config beyond what its traces hold: the task it
 defaults to, how long a sequence may be, the load dtype "auto" means, the vocabulary, its experts.
-`facts_of` reads them from a built config; `workload.load_workload` keeps them in the trace cache
+`facts_of` reads them from a built config; `workload_loader.load_workload` keeps them in the trace cache
 under the config.json's own content, so a repeated estimate of that config reads them from disk
 without importing transformers (or torch).
 """

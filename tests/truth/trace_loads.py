@@ -24,7 +24,7 @@ import anatomist  # noqa: E402
 from anatomist.recipe import Recipe  # noqa: E402
 from anatomist.trace.depth.plan import model_plan  # noqa: E402
 from anatomist.trace.store.parts import trace_part  # noqa: E402
-from anatomist.workload import load_workload  # noqa: E402
+from anatomist.workload_loader import load_workload  # noqa: E402
 
 RECIPES = [  # between them: fp16 (GradScaler), checkpointing, accumulation, a low-bit optimizer's layout, QLoRA
     Recipe(per_device_train_batch_size=2, fp16=True, dtype="float32", gradient_checkpointing=True,

@@ -132,3 +132,30 @@ def test_the_same_request_has_the_same_key() -> None:
     a = parse({"view": "estimate", "model": "gpt2", "seq_len": "128"}, service.fields())
     b = parse({"seq_len": "128", "model": "gpt2", "gpu": ""}, service.fields())
     assert a.key() == b.key() != Form(view="plan", values=a.values).key()
+
+
+@pytest.mark.parametrize("params", [
+    {"view": "estimate", "model": "gpt2", "gpu": "A100-80GB", "seq_len": "256", "per_device_train_batch_size": "16",
+     "gradient_checkpointing": "true", "dataloader_pin_memory": "false", "zero_stage": "2", "optim": "adafactor",
+     "lora_dropout": "0", "gpus": "2", "nodes": "2", "network": "infiniband-ndr", "memory_margin": "0.2",
+     "mode": "inference", "task": "causal-lm", "avg_seq_len": "100", "prompt_len": "10"},
+    {"view": "estimate"},
+    {"view": "plan", "model": "gpt2", "gpu": "T4", "optims": "adamw_torch_fused", "precisions": "fp16,fp32",
+     "shardings": "none,zero3", "no_compile": "true", "no_liger_kernel": "false", "peft": "lora,qlora", "lora_r": "8",
+     "lora_dropout": "0", "trainer": "dpo", "precompute_ref_log_probs": "true", "padding_free": "false",
+     "global_batch_size": "64", "max_nodes": "2", "objective": "memory", "memory_margin": "0.05"},
+    {"view": "plan", "gpu": "T4"},
+])
+def test_the_page_asks_the_request_the_cli_reads_from_its_flags(params: dict[str, str]) -> None:
+    """The form's request (`form.estimate_request` / `plan_request`) is the one the CLI makes of the same flags."""
+    from anatomist.cli.requests import estimate_request, plan_request
+    from anatomist.web import form as page
+
+    form = parse(params, service.fields())
+    model = form.get("model")
+    args = build_parser().parse_args([form.view, *flags(form, service.fields()), *(["--", model] if model else [])])
+    files = page.Files(model=model)
+    if form.view == "estimate":
+        assert page.estimate_request(form, files, allow_network=False) == estimate_request(args)
+    else:
+        assert page.plan_request(form, files, allow_network=False) == plan_request(args)

@@ -22,7 +22,8 @@ from anatomist.estimate.measured_calibration import TimedStep, fit_calibration
 from anatomist.estimate.time import estimate_time
 from anatomist.hardware import match_catalog
 from anatomist.recipe import Recipe
-from anatomist.workload import Workload, load_workload
+from anatomist.workload import Workload
+from anatomist.workload_loader import load_workload
 
 
 @dataclass(kw_only=True, slots=True)

@@ -23,6 +23,7 @@ import json
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,22 +60,65 @@ def _tracked(step: Callable[[Any], None], recipe: Any, *external: Any) -> dict[s
     return {str(k).rsplit(".", 1)[-1]: int(v) for k, v in peak.items()}
 
 
-def main() -> None:
+def arguments(*, task_required: bool) -> argparse.Namespace:
+    """The worker's command line (distributed.py writes it): the model, its task and sequence length, the recipe as
+    JSON, the steps to time and the folder each rank writes to."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
-    parser.add_argument("--task", default="sequence-classification")
+    if task_required:
+        parser.add_argument("--task", required=True)
+    else:
+        parser.add_argument("--task", default="sequence-classification")
     parser.add_argument("--seq-len", type=int, required=True)
     parser.add_argument("--recipe", required=True, help="recipe JSON")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+@dataclass
+class _Training:
+    """This process's model, optimizer and Accelerator, and one optimizer step of them."""
+
+    workload: Any
+    recipe: Any
+    accelerator: Any
+    model: Any
+    optimizer: Any
+    grads_bytes: int = 0
+    """Bytes of the local `.grad` tensors just before the last optimizer step."""
+
+    @property
+    def engine(self) -> str:
+        """What wraps the model: "deepspeed" where the accelerate config says so, else "ddp"."""
+        return "deepspeed" if "DEEPSPEED" in str(self.accelerator.distributed_type) else "ddp"
+
+    def step(self, tracker: Any = None) -> None:
+        """One optimizer step of the recipe's micro-batches, as the Trainer's loop runs it under accelerate."""
+        from anatomist.trace.step.inputs import make_batch
+
+        recipe, accelerator, model = self.recipe, self.accelerator, self.model
+        for micro in range(recipe.gradient_accumulation_steps):
+            if micro and tracker is not None:
+                tracker.reset_mod_stats()  # MemTracker follows one call of each module; its peak stays
+            with accelerator.accumulate(model):
+                loss = model(**make_batch(self.workload, recipe.per_device_train_batch_size)).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and recipe.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
+                self.grads_bytes = local_nbytes([p.grad for p in model.parameters() if p.grad is not None])
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+
+
+def _training(args: argparse.Namespace) -> _Training:
+    """The workload, the resolved recipe, the Accelerator, and the model and optimizer as bench/worker.py builds them
+    (not yet prepared by the Accelerator)."""
     from accelerate import Accelerator
 
     from anatomist.bench.worker import enable_checkpointing, optimizer_class, training_model
     from anatomist.recipe import Recipe
-    from anatomist.trace.step.inputs import make_batch
-    from anatomist.workload import load_workload
+    from anatomist.workload_loader import load_workload
 
     workload = load_workload(args.model, seq_len=args.seq_len, task=args.task)
     recipe = Recipe.from_dict(json.loads(args.recipe)).resolved(workload)
@@ -89,70 +133,77 @@ def main() -> None:
     enable_checkpointing(model, recipe)
     optimizer = cls([p for p in model.parameters() if p.requires_grad], **kwargs)
     model.train()
-    grads_bytes = 0
+    return _Training(workload=workload, recipe=recipe, accelerator=accelerator, model=model, optimizer=optimizer)
 
-    def step(tracker: Any = None) -> None:
-        """One optimizer step of the recipe's micro-batches, as the Trainer's loop runs it under accelerate."""
-        nonlocal grads_bytes
-        for micro in range(recipe.gradient_accumulation_steps):
-            if micro and tracker is not None:
-                tracker.reset_mod_stats()  # MemTracker follows one call of each module; its peak stays
-            with accelerator.accumulate(model):
-                loss = model(**make_batch(workload, recipe.per_device_train_batch_size)).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and recipe.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
-                grads_bytes = local_nbytes([p.grad for p in model.parameters() if p.grad is not None])
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
 
-    engine = "deepspeed" if "DEEPSPEED" in str(accelerator.distributed_type) else "ddp"
-    peak = buckets = tracked = None
-    if engine == "ddp":
-        # One step on this process alone makes the optimizer state; DDP's buckets are then made under the tracker,
-        # as accelerate wraps the model, and held through the steady-state step it measures.
-        step()
+@dataclass(frozen=True)
+class _DDPPeak:
+    """What the tracked steady-state step of DDP measured (module docstring)."""
 
-        def wrapped_step(tracker: Any) -> None:
-            nonlocal model, optimizer
-            model, optimizer = accelerator.prepare(model, optimizer)
-            step(tracker)
+    peak: int
+    buckets: list[int]
+    tracked: dict[str, int]
 
-        tracked = _tracked(wrapped_step, recipe, model, optimizer)
-        peak = tracked["Total"]
-        logged = getattr(model, "_get_ddp_logging_data", None)  # accelerate wraps in DDP from two processes on
-        reported = str(logged().get("bucket_sizes", "")) if logged else ""
-        buckets = [int(b) for b in reported.replace(" ", "").split(",") if b]
-    else:
-        model, optimizer = accelerator.prepare(model, optimizer)
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    elapsed = time.perf_counter() - start
-    inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+
+def _prepared(run: _Training) -> _DDPPeak | None:
+    """Hand the model and optimizer to the Accelerator; under DDP, measure a steady-state step as it does (None under
+    DeepSpeed)."""
+    if run.engine != "ddp":
+        run.model, run.optimizer = run.accelerator.prepare(run.model, run.optimizer)
+        return None
+    # One step on this process alone makes the optimizer state; DDP's buckets are then made under the tracker,
+    # as accelerate wraps the model, and held through the steady-state step it measures.
+    run.step()
+
+    def wrapped_step(tracker: Any) -> None:
+        run.model, run.optimizer = run.accelerator.prepare(run.model, run.optimizer)
+        run.step(tracker)
+
+    tracked = _tracked(wrapped_step, run.recipe, run.model, run.optimizer)
+    logged = getattr(run.model, "_get_ddp_logging_data", None)  # accelerate wraps in DDP from two processes on
+    reported = str(logged().get("bucket_sizes", "")) if logged else ""
+    return _DDPPeak(peak=tracked["Total"], buckets=[int(b) for b in reported.replace(" ", "").split(",") if b],
+                    tracked=tracked)
+
+
+def _row(run: _Training, ddp: _DDPPeak | None, elapsed: float, steps: int) -> dict[str, Any]:
+    """What this process writes: its tensors' bytes by category, DDP's peak and buckets, the timed steps."""
+    model, accelerator = run.model, run.accelerator
+    inner = run.optimizer.optimizer if hasattr(run.optimizer, "optimizer") else run.optimizer
     states = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-    row = {
+    return {
         "rank": accelerator.process_index,
         "num_processes": accelerator.num_processes,
-        "engine": engine,
+        "engine": run.engine,
         "distributed_type": str(accelerator.distributed_type),
         "memory": {
             "weights": local_nbytes(list(model.parameters()) + list(model.buffers())),
-            "gradients": grads_bytes,
+            "gradients": run.grads_bytes,
             "optimizer_states": local_nbytes(states),
-            "peak_allocated": peak,
+            "peak_allocated": ddp.peak if ddp else None,
         },
-        "ddp_buckets": buckets,
-        "mem_tracker_peak": tracked,
+        "ddp_buckets": ddp.buckets if ddp else None,
+        "mem_tracker_peak": ddp.tracked if ddp else None,
         "tensor_counts": {
             "weights": len(list(model.parameters())) + len(list(model.buffers())),
             "gradients": sum(1 for p in model.parameters() if p.requires_grad),
             "optimizer_states": len(states),
         },
         "train_runtime_s": elapsed,
-        "steps": args.steps,
+        "steps": steps,
     }
-    Path(args.out, f"rank{accelerator.process_index}.json").write_text(json.dumps(row))
+
+
+def main() -> None:
+    args = arguments(task_required=False)
+    run = _training(args)
+    ddp = _prepared(run)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        run.step()
+    elapsed = time.perf_counter() - start
+    row = _row(run, ddp, elapsed, args.steps)
+    Path(args.out, f"rank{run.accelerator.process_index}.json").write_text(json.dumps(row))
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ def run_distributed(
         InputError, RuntimeError: see `launch`.
     """
     from anatomist.estimate.memory import estimate_memory
-    from anatomist.workload import load_workload
+    from anatomist.workload_loader import load_workload
 
     ranks = launch(model, recipe, num_processes, task=task, seq_len=seq_len, steps=steps, timeout_s=timeout_s)
     workload = load_workload(model, seq_len=seq_len, task=task)

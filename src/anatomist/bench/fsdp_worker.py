@@ -42,13 +42,14 @@ import statistics
 import tempfile
 import time
 import types
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from anatomist.bench.dist_worker import local_nbytes
+from anatomist.bench.dist_worker import arguments, local_nbytes
 
 TRACKER_CATEGORIES: dict[str, tuple[str, ...]] = {
     "weights": ("SHARDED_PARAM", "UNSHARDED_PARAM", "BUFFER"),
@@ -102,34 +103,60 @@ def _version(package: str) -> str:
     return version(package)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--task", required=True)
-    parser.add_argument("--seq-len", type=int, required=True)
-    parser.add_argument("--recipe", required=True, help="recipe JSON")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+def _device() -> torch.device:
+    """This rank's device, its process group formed (nccl on CUDA; gloo without, the ranks then sharing the cores)."""
+    on_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if on_cuda else "gloo")
+    if on_cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        return torch.device("cuda", torch.cuda.current_device())
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))  # ranks side by side on the same cores
+    return torch.device("cpu")
 
+
+@dataclass
+class _Training:
+    """This rank's sharded model, its optimizer and micro-batches, and one optimizer step of them (the Trainer's)."""
+
+    recipe: Any
+    device: torch.device
+    model: Any
+    """An FSDPModule: its methods are not nn.Module's."""
+    params: list[torch.Tensor]
+    optimizer: Any
+    batches: list[dict[str, torch.Tensor]]
+    half: torch.dtype | None
+    """The autocast dtype of the recipe's mixed precision, None without."""
+    wrapped_by: str
+    grads_bytes: int = 0
+    """Bytes of the local `.grad` shards just before the last optimizer step."""
+
+    def step(self) -> None:
+        accumulation = len(self.batches)
+        for micro, inputs in enumerate(self.batches):
+            self.model.set_requires_gradient_sync(micro == accumulation - 1)
+            autocast = (torch.autocast(self.device.type, dtype=self.half) if self.half is not None
+                        else contextlib.nullcontext())
+            with autocast:
+                loss = self.model(**inputs).loss
+            (loss / accumulation).backward()
+        if self.recipe.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.recipe.max_grad_norm)
+        self.grads_bytes = local_nbytes([p.grad for p in self.params if p.grad is not None])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _training(args: argparse.Namespace, device: torch.device) -> _Training:
+    """The model built as bench/worker.py builds it, sharded (`_shard`), its optimizer, and this rank's micro-batches."""
     from anatomist.bench.worker import enable_checkpointing, optimizer_class, training_model
     from anatomist.recipe import Recipe
     from anatomist.recipe.axis_values import autocast_dtype
     from anatomist.trace.step.inputs import make_batch
-    from anatomist.workload import load_workload
+    from anatomist.workload_loader import load_workload
 
-    on_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if on_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if on_cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks side by side on the same cores
     workload = load_workload(args.model, seq_len=args.seq_len, task=args.task)
     recipe = Recipe.from_dict(json.loads(args.recipe)).resolved(workload)
-    accumulation = recipe.gradient_accumulation_steps
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="anatomist-fsdp-") as folder:
         model = training_model(workload, recipe, folder).to(device)
@@ -138,66 +165,66 @@ def main() -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     cls, kwargs = optimizer_class(recipe)
     optimizer = cls(params, **kwargs)
-    fsdp: Any = model  # an FSDPModule: its methods are not nn.Module's
     name = autocast_dtype(recipe)
-    half = getattr(torch, name) if name is not None else None
-    torch.manual_seed(rank)  # each rank its own data, as a distributed sampler gives it
+    torch.manual_seed(dist.get_rank())  # each rank its own data, as a distributed sampler gives it
     batches = [{k: v.to(device) for k, v in make_batch(workload, recipe.per_device_train_batch_size).items()}
-               for _ in range(accumulation)]
-    grads_bytes = 0
+               for _ in range(recipe.gradient_accumulation_steps)]
+    return _Training(recipe=recipe, device=device, model=model, params=params, optimizer=optimizer, batches=batches,
+                     half=getattr(torch, name) if name is not None else None, wrapped_by=wrapped_by)
 
-    def step() -> None:
-        nonlocal grads_bytes
-        for micro, inputs in enumerate(batches):
-            fsdp.set_requires_gradient_sync(micro == accumulation - 1)
-            autocast = torch.autocast(device.type, dtype=half) if half is not None else contextlib.nullcontext()
-            with autocast:
-                loss = model(**inputs).loss
-            (loss / accumulation).backward()
-        if recipe.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(params, recipe.max_grad_norm)
-        grads_bytes = local_nbytes([p.grad for p in params if p.grad is not None])
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
 
+def _measured(run: _Training, steps: int) -> tuple[list[float], dict[str, int]]:
+    """The times of `steps` timed steps, then FSDPMemTracker's peak (by its categories) of one more, steady-state."""
     from anatomist.bench.trackers import GroupedFSDPMemTracker, as_on_cuda, collectives_hold_nothing
 
+    on_cuda = run.device.type == "cuda"
     times: list[float] = []
-    model.train()
-    with as_on_cuda(half is not None):
-        for _ in range(args.steps):
+    run.model.train()
+    with as_on_cuda(run.half is not None):
+        for _ in range(steps):
             if on_cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            step()
+            run.step()
             if on_cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-        tracker = GroupedFSDPMemTracker(model, optimizer)
+        tracker = GroupedFSDPMemTracker(run.model, run.optimizer)
         with tracker, contextlib.nullcontext() if on_cuda else collectives_hold_nothing():
-            step()
+            run.step()
     snapshot = tracker.get_tracker_snapshot("peak")
-    raw = {str(k).rsplit(".", 1)[-1]: int(v) for k, v in snapshot.get(device, {}).items()}
+    return times, {str(k).rsplit(".", 1)[-1]: int(v) for k, v in snapshot.get(run.device, {}).items()}
+
+
+def _row(run: _Training, times: list[float], raw: dict[str, int], steps: int) -> dict[str, Any]:
+    """What this rank writes (module docstring)."""
+    model, optimizer = run.model, run.optimizer
     states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-    row = {
-        "rank": rank,
-        "num_processes": world,
+    return {
+        "rank": dist.get_rank(),
+        "num_processes": dist.get_world_size(),
         "engine": "fsdp2",
         "backend": dist.get_backend(),
-        "wrapped_by": wrapped_by,
+        "wrapped_by": run.wrapped_by,
         "memory": {"peak_allocated": raw.get("Total"),
                    **{c: sum(raw.get(k, 0) for k in kinds) for c, kinds in TRACKER_CATEGORIES.items()}},
         "fsdp_mem_tracker_peak": raw,
         "local_shards": {
             "weights": local_nbytes(list(model.parameters()) + list(model.buffers())),
-            "gradients": grads_bytes,
+            "gradients": run.grads_bytes,
             "optimizer_states": local_nbytes(states),
         },
         "train_runtime_s": sum(times),
         "median_step_s": statistics.median(times),
-        "steps": args.steps,
+        "steps": steps,
     }
-    Path(args.out, f"rank{rank}.json").write_text(json.dumps(row))
+
+
+def main() -> None:
+    args = arguments(task_required=True)
+    run = _training(args, _device())
+    times, raw = _measured(run, args.steps)
+    Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(_row(run, times, raw, args.steps)))
     dist.destroy_process_group()
 
 

@@ -22,7 +22,8 @@ from anatomist.bench.store import ResultsFile, row_key
 from anatomist.bench.suites import Row, Suite
 from anatomist.errors import InputError
 from anatomist.measure.monitor import cuda_available, device_info, device_snapshot, versions
-from anatomist.workload import Task, load_workload
+from anatomist.workload import Task
+from anatomist.workload_loader import load_workload
 
 DISTRIBUTED_STEPS = 3
 """Optimizer steps of a row on several processes (the first makes the optimizer state); FSDP rows run

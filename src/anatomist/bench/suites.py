@@ -16,9 +16,10 @@ from typing import Any, Literal
 import yaml
 
 from anatomist.errors import InputError
+from anatomist.model_facts import TASKS
 from anatomist.recipe import Recipe
 from anatomist.recipe.packages import missing_packages
-from anatomist.workload import TASKS, Task
+from anatomist.workload import Task
 
 Loop = Literal["trainer", "accelerate"]
 _SUITE_KEYS = {"name", "description", "model", "task", "seq_len", "num_samples", "num_train_epochs", "num_processes",

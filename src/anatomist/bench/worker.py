@@ -26,7 +26,8 @@ from anatomist.measure.monitor import cuda_available, device_info, versions
 from anatomist.measure.recorder import RunSummary, mfu_inputs
 from anatomist.recipe import Recipe, ResolvedRecipe
 from anatomist.recipe.spellings import training_arguments, training_arguments_kwargs
-from anatomist.workload import Workload, load_workload
+from anatomist.workload import Workload
+from anatomist.workload_loader import load_workload
 
 CPU_REFERENCE_GPU = "A100-80GB"
 """The catalog GPU whose code paths the CPU prediction uses (any Ampere part would do)."""

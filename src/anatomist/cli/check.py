@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from anatomist.cli.common import (
     add_cache_flag,
@@ -22,6 +23,10 @@ from anatomist.cli.common import (
 )
 from anatomist.cli.recipe_flags import add_recipe_flags
 from anatomist.errors import InputError
+
+if TYPE_CHECKING:
+    from anatomist.cli.requests import CheckRequest
+    from anatomist.measure.preflight import Preflight
 
 NOT_FITTING_EXIT = 3
 """The exit code of a recipe that will not fit (2 is bad input, as for every command)."""
@@ -43,16 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from anatomist.cli.estimate import estimate_inputs
-    from anatomist.measure.preflight import preflight, target_gpu
+    from anatomist.cli.requests import check_request
 
-    if args.limit_gib is not None and args.limit_gib <= 0:
-        raise InputError(f"--limit-gib must be greater than 0, got {args.limit_gib}")
-    limit = int(args.limit_gib * 2**30) if args.limit_gib is not None else None
-    gpu, margin = target_gpu(None if args.gpu in ("local", "auto") else args.gpu, limit, args.memory_margin)
-    with tracing_progress():
-        workload, recipe, gpu, (num_gpus, _) = estimate_inputs(args, gpu)  # whether it fits: the same on any node
-        result = preflight(workload, recipe, gpu, num_gpus=num_gpus, margin=margin, mode="refuse", budget_bytes=limit)
+    result = build_check(check_request(args))
     if args.json:
         print_json(result.to_dict())
     else:
@@ -60,3 +58,18 @@ def run(args: argparse.Namespace) -> int:
     if not result.fits:
         print(result.refusal(), file=sys.stderr)
     return NOT_FITTING_EXIT if result.refused else 0
+
+
+def build_check(request: CheckRequest) -> Preflight:
+    """The pre-flight `request` asks for: "refuse"'s verdict and, where it does not fit, the smallest change that does."""
+    from anatomist.cli.estimate import estimate_inputs
+    from anatomist.measure.preflight import preflight, target_gpu
+
+    if request.limit_gib is not None and request.limit_gib <= 0:
+        raise InputError(f"--limit-gib must be greater than 0, got {request.limit_gib}")
+    limit = int(request.limit_gib * 2**30) if request.limit_gib is not None else None
+    asked = request.estimate
+    gpu, margin = target_gpu(None if asked.gpu in ("local", "auto") else asked.gpu, limit, asked.memory_margin)
+    with tracing_progress():
+        workload, recipe, gpu, (num_gpus, _) = estimate_inputs(asked, gpu)  # whether it fits: the same on any node
+        return preflight(workload, recipe, gpu, num_gpus=num_gpus, margin=margin, mode="refuse", budget_bytes=limit)

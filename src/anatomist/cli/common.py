@@ -18,8 +18,6 @@ from anatomist.recipe import Recipe
 from anatomist.recipe.packages import missing_packages
 
 if TYPE_CHECKING:
-    from anatomist.estimate.calibration import Calibration
-    from anatomist.hardware import GPU
     from anatomist.recipe.files import RecipeFile
 
 
@@ -75,24 +73,18 @@ def add_devices_flags(parser: argparse.ArgumentParser, gpus_help: str) -> None:
                         help=f"the network between the nodes (default {default_network()}; known: {', '.join(networks())})")
 
 
-def devices_from_args(args: argparse.Namespace, source: RecipeFile | None) -> tuple[int, int]:
-    """(GPUs in all, nodes): --gpus per node times --nodes, else the --recipe file's (a RecipeFile's num_gpus
-    counts every node's devices, as accelerate's num_processes does), else one GPU on one node."""
-    from anatomist.estimate.communication import check_cluster
+def read_recipe_source(path: str | None) -> RecipeFile | None:
+    """The recipe file at `path` (--recipe), read, or None; what it sets that anatomist does not model is said once
+    on stderr."""
+    if not path:
+        return None
+    from anatomist.recipe.files import read_recipe_file
 
-    nodes = args.nodes if args.nodes is not None else (source.nodes if source and source.nodes else 1)
-    if args.gpus is not None:
-        if args.gpus <= 0:
-            raise InputError(f"--gpus must be greater than 0, got {args.gpus}")
-        num_gpus = args.gpus * nodes
-    elif source and source.num_gpus:
-        num_gpus = source.num_gpus
-    elif nodes > 1:
-        raise InputError("--nodes needs --gpus, the GPUs of one node")
-    else:
-        num_gpus = 1
-    check_cluster(num_gpus, nodes, args.network)
-    return num_gpus, nodes
+    source = read_recipe_file(path)
+    note = source.note()
+    if note:
+        warn(note)
+    return source
 
 
 def warn(message: str) -> None:
@@ -152,9 +144,9 @@ def add_cache_flag(p: argparse.ArgumentParser) -> None:
                    help="neither read nor write the on-disk trace cache (env ANATOMIST_NO_CACHE=1 does the same)")
 
 
-def apply_cache_flag(args: argparse.Namespace) -> None:
+def apply_cache_flag(no_cache: bool) -> None:
     """Turn the disk trace cache off for this process when --no-cache was given."""
-    if getattr(args, "no_cache", False):
+    if no_cache:
         from anatomist.trace.store.cache import set_disk_cache
 
         set_disk_cache(False)
@@ -169,13 +161,6 @@ def add_calibration_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration", metavar="FILE", default=None,
                    help="time-model factors measured on this GPU by `anatomist calibrate` (default: the user's "
                         "<cache>/calibration/<GPU>.toml if any, else the published calibration of the GPU's generation)")
-
-
-def calibration_from_args(args: argparse.Namespace, gpu: GPU) -> Calibration:
-    """The time calibration for `gpu`: --calibration FILE, else the lookup of `calibration_for`."""
-    from anatomist.estimate.calibration import calibration_for
-
-    return calibration_for(gpu, args.calibration)
 
 
 NATIVE_LOG_LINE = re.compile(r"^[A-Z]*:?\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)? +\d+:\d+ +\w+\.(cpp|cc|h):\d+\] ")

@@ -13,24 +13,26 @@ from anatomist.cli.common import (
     add_margin_flag,
     add_model_flags,
     apply_cache_flag,
-    calibration_from_args,
-    devices_from_args,
     note_missing_packages,
     print_json,
+    read_recipe_source,
     tracing_progress,
     warn,
 )
-from anatomist.cli.recipe_flags import add_recipe_flags, recipe_file_from_args, recipe_from_args
+from anatomist.cli.recipe_flags import add_recipe_flags
 from anatomist.cli.render import Column, console, devices, gib, print_table
+from anatomist.cli.requests import EstimateRequest, estimate_request
 from anatomist.estimate.communication import UNFITTED_TERMS, adds_device_terms, describe_network
 from anatomist.hardware import GPU, get_gpu
+from anatomist.recipe import Recipe
 from anatomist.recipe.axis_values import sharding_of
 from anatomist.recipe.checks import check_gpu, emulated_bf16_note
-from anatomist.workload import Workload, load_workload
+from anatomist.workload import Workload
+from anatomist.workload_loader import load_workload
 
 if TYPE_CHECKING:
     from anatomist.estimate.predict import Estimate
-    from anatomist.recipe import Recipe, ResolvedRecipe
+    from anatomist.recipe import ResolvedRecipe
 
 DEFAULT_MODEL = "bert-large-uncased"
 DEFAULT_GPU = "V100-16GB"
@@ -59,37 +61,42 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-def build_estimate(args: argparse.Namespace) -> Estimate:
-    gpu = get_gpu(args.gpu)
-    calibration = calibration_from_args(args, gpu)  # a bad calibration file is said before any heavy import
-    workload, recipe, gpu, (num_gpus, nodes) = estimate_inputs(args, gpu)
+def build_estimate(request: EstimateRequest) -> Estimate:
+    """The estimate `request` asks for: the CLI's and the page's."""
+    from anatomist.estimate.calibration import calibration_for
+
+    gpu = get_gpu(request.gpu)
+    calibration = calibration_for(gpu, request.calibration)  # a bad calibration file is said before any heavy import
+    workload, recipe, gpu, (num_gpus, nodes) = estimate_inputs(request, gpu)
     from anatomist.estimate.predict import estimate  # torch only if something must be traced
 
-    return estimate(workload, recipe, gpu, mode=args.mode, num_gpus=num_gpus, calibration=calibration,
-                    margin=args.memory_margin, nodes=nodes, network=args.network)
+    return estimate(workload, recipe, gpu, mode=request.mode, num_gpus=num_gpus, calibration=calibration,
+                    margin=request.memory_margin, nodes=nodes, network=request.devices.network)
 
 
 def estimate_inputs(
-    args: argparse.Namespace, gpu: GPU | None = None
+    request: EstimateRequest, gpu: GPU | None = None
 ) -> tuple[Workload, ResolvedRecipe, GPU, tuple[int, int]]:
-    """The workload, resolved recipe, GPU (`gpu`, else --gpu), and devices in all and nodes, that the
-    flags and the --recipe file describe, checked (`anatomist check` reads the same flags)."""
-    apply_cache_flag(args)
-    gpu = gpu or get_gpu(args.gpu)
-    source = recipe_file_from_args(args)
+    """The workload, resolved recipe, GPU (`gpu`, else the request's), and devices in all and nodes, that the
+    request and its recipe file describe, checked (`anatomist check` asks the same)."""
+    apply_cache_flag(request.no_cache)
+    gpu = gpu or get_gpu(request.gpu)
+    source = read_recipe_source(request.recipe_file)
+    asked = request.model
     # What the command line gives wins over what the file says; without MODEL from either: the
     # seeds' experiment, with the batch size the seeds name.
-    model = _given(args.model, source.model if source else None)
-    seq_len = _given(args.seq_len, source.seq_len if source else None)
-    devices = devices_from_args(args, source)
+    model = _given(asked.model, source.model if source else None)
+    seq_len = _given(asked.seq_len, source.seq_len if source else None)
+    devices = request.devices.counted(source)
     # The recipe, then the model: a bad value or a mistyped name is said before anything imports
     # transformers (Recipe's defaults are kept on disk per transformers version).
-    recipe = recipe_from_args(args, base=SEEDS_RECIPE if model is None else None, source=source)
+    base = dict(source.fields) if source is not None else dict(SEEDS_RECIPE if model is None else {})
+    recipe = Recipe.from_dict({**base, **request.recipe}, source="flags")
     check_gpu(recipe, gpu)
     workload = load_workload(
-        model or DEFAULT_MODEL, seq_len=seq_len, task=args.task,
-        trust_remote_code=args.trust_remote_code, allow_network=args.allow_network,
-        avg_seq_len=args.avg_seq_len, lengths=args.lengths, prompt_len=args.prompt_len,
+        model or DEFAULT_MODEL, seq_len=seq_len, task=asked.task,
+        trust_remote_code=asked.trust_remote_code, allow_network=asked.allow_network,
+        avg_seq_len=asked.avg_seq_len, lengths=asked.lengths, prompt_len=asked.prompt_len,
     )
     recipe = recipe.resolved(workload)  # refuses what the model cannot take before any note is said
     workload.for_recipe(recipe)  # and what the data cannot (padding-free without its lengths)
@@ -107,7 +114,7 @@ def _given(*values: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     with tracing_progress():
-        result = build_estimate(args)
+        result = build_estimate(estimate_request(args))
         change = what_would_fit(result) if not args.json and result.memory.max_batch_size == 0 else None
     if args.json:
         print_json(result.to_dict())

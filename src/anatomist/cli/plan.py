@@ -18,15 +18,14 @@ from anatomist.cli.common import (
     add_margin_flag,
     add_model_flags,
     apply_cache_flag,
-    calibration_from_args,
-    devices_from_args,
     print_json,
+    read_recipe_source,
     tracing_progress,
     warn,
     whole_number,
 )
-from anatomist.cli.recipe_flags import recipe_file_from_args
 from anatomist.cli.render import Column, console, devices, gib, print_table
+from anatomist.cli.requests import PlanRequest, plan_request
 from anatomist.errors import InputError
 from anatomist.hardware import get_gpu
 from anatomist.plan.emit import TARGETS, launch_commands, launch_warnings, write
@@ -35,7 +34,7 @@ from anatomist.plan.space import SearchSpace, method_of
 from anatomist.recipe import Recipe
 from anatomist.recipe.checks import check_cce_gpu
 from anatomist.recipe_labels import differing, shared, summary
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 if TYPE_CHECKING:
     from anatomist.plan.candidates import Candidate
@@ -96,32 +95,33 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-def _names(flag: str, what: str, text: str, known: tuple[str, ...], *, allow_none: bool = False) -> tuple[str, ...]:
-    """The comma-separated names of `flag`, each one of `known`."""
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
+def _names(flag: str, what: str, names: tuple[str, ...], known: tuple[str, ...], *, allow_none: bool = False) -> tuple[str, ...]:
+    """`names` (given to `flag`), each one of `known`."""
     unknown = [n for n in names if n not in known]
     if unknown or not (names or allow_none):
         raise InputError(f"{flag}: unknown {what}(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(known)}")
     return names
 
 
-def build_plan(args: argparse.Namespace) -> Plan:
-    """The plan the flags ask for (with --max-nodes: the chosen cluster size's, `build_clusters`)."""
-    if args.max_nodes is None:
-        return _plan(*_search(args))
-    chosen = build_clusters(args)[1].plan
+def build_plan(request: PlanRequest) -> Plan:
+    """The plan `request` asks for (with max_nodes: the chosen cluster size's, `build_clusters`): the CLI's and the
+    page's."""
+    if request.max_nodes is None:
+        return _plan(*_search(request))
+    chosen = build_clusters(request)[1].plan
     assert chosen is not None  # plan_clusters chooses among the sizes with a plan
     return chosen
 
 
-def build_clusters(args: argparse.Namespace) -> tuple[list[Cluster], Cluster]:
+def build_clusters(request: PlanRequest) -> tuple[list[Cluster], Cluster]:
     """--max-nodes: every cluster size planned (`plan.clusters`), and the chosen one."""
     from anatomist.plan.clusters import cluster_sizes, plan_clusters
 
-    if args.nodes is not None:
+    assert request.max_nodes is not None  # what asks for clusters
+    if request.devices.nodes is not None:
         raise InputError("--max-nodes chooses the number of nodes: leave --nodes out")
-    sizes = cluster_sizes(args.gpus if args.gpus is not None else 8, args.max_nodes)
-    workload, gpu, space, objective, margin, time_model = _search(args, one_size=True)
+    sizes = cluster_sizes(request.devices.gpus if request.devices.gpus is not None else 8, request.max_nodes)
+    workload, gpu, space, objective, margin, time_model = _search(request, one_size=True)
     progress = console(stderr=True)
     return plan_clusters(space, sizes, lambda sized: _plan(workload, gpu, sized, objective, margin, time_model),
                          lambda sized: _best(workload, gpu, sized, objective, margin, time_model),
@@ -142,25 +142,32 @@ def _plan(workload: Any, gpu: Any, space: SearchSpace, objective: str, margin: f
                 time_model=time_model)
 
 
-def _search(args: argparse.Namespace, *, one_size: bool = False) -> tuple[Any, Any, SearchSpace, str, float, Any]:
+def _searched(request: PlanRequest) -> tuple[tuple[str, ...], tuple[str, ...] | None, tuple[str, ...] | None,
+                                             tuple[str, ...]]:
+    """The optimizers, precisions (None: all), shardings (None: all) and PEFT methods searched, each name checked."""
+    optims = _names("--optims", "optimizer", request.optims, tuple(OPTIMIZERS))
+    precisions = None if request.precisions is None else _names("--precisions", "precision", request.precisions,
+                                                                 FULL_PRECISIONS)
+    shardings = None if request.shardings is None else _names("--shardings", "sharding", request.shardings,
+                                                               SHARDING_NAMES)
+    return optims, precisions, shardings, _names("--peft", "method", request.peft, ("lora", "qlora"), allow_none=True)
+
+
+def _search(request: PlanRequest, *, one_size: bool = False) -> tuple[Any, Any, SearchSpace, str, float, Any]:
     """What `plan` is given: the workload, the GPU, the search space (`one_size`: one GPU, its size set later), the
     objective, the margin and the time model."""
-    apply_cache_flag(args)
-    gpu = get_gpu(args.gpu)
-    calibration = calibration_from_args(args, gpu)
-    optims = _names("--optims", "optimizer", args.optims, tuple(OPTIMIZERS))
-    precisions = None if args.precisions is None else _names("--precisions", "precision", args.precisions, FULL_PRECISIONS)
-    shardings = None if args.shardings is None else _names("--shardings", "sharding", args.shardings, SHARDING_NAMES)
-    added = _names("--peft", "method", args.peft, ("lora", "qlora"), allow_none=True)
-    lora = {k: getattr(args, k) for k in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
-            if getattr(args, k) is not None}
-    trainer = {k: getattr(args, k) for k in ("trainer", "precompute_ref_log_probs", "padding_free")
-               if getattr(args, k) is not None}
+    from anatomist.estimate.calibration import calibration_for
+
+    apply_cache_flag(request.no_cache)
+    gpu = get_gpu(request.gpu)
+    calibration = calibration_for(gpu, request.calibration)
+    optims, precisions, shardings, added = _searched(request)
+    lora, trainer = dict(request.lora), dict(request.trainer)
     if trainer.get("padding_free"):
         trainer["attn_implementation"] = "flash_attention_2"  # the attention that takes packed sequences
     if lora and not added:
         raise InputError(f"--{next(iter(lora)).replace('_', '-')} needs --peft lora and/or qlora")
-    source = recipe_file_from_args(args)
+    source = read_recipe_source(request.recipe_file)
     fixed = dict(source.fields) if source else {}
     check_cce_gpu(bool(fixed.get("cut_cross_entropy")), gpu)
     methods = ("full", *dict.fromkeys(added))
@@ -168,37 +175,39 @@ def _search(args: argparse.Namespace, *, one_size: bool = False) -> tuple[Any, A
         if added:
             raise InputError(f"--peft: {source.path} fixes the fine-tuning method ({method_of(source.recipe)})")
         methods = (method_of(source.recipe),)
-    model = args.model if args.model is not None else source.model if source else None
+    asked = request.model
+    model = asked.model if asked.model is not None else source.model if source else None
     if model is None:
         raise InputError("plan needs a MODEL (or a --recipe file that names one)")
-    seq_len = args.seq_len if args.seq_len is not None else source.seq_len if source else None
-    num_gpus, nodes = (1, 1) if one_size else devices_from_args(args, source)
-    workload = load_workload(model, seq_len=seq_len, task=args.task,
-                             trust_remote_code=args.trust_remote_code, allow_network=args.allow_network,
-                             avg_seq_len=args.avg_seq_len, lengths=args.lengths, prompt_len=args.prompt_len)
+    seq_len = asked.seq_len if asked.seq_len is not None else source.seq_len if source else None
+    num_gpus, nodes = (1, 1) if one_size else request.devices.counted(source)
+    workload = load_workload(model, seq_len=seq_len, task=asked.task,
+                             trust_remote_code=asked.trust_remote_code, allow_network=asked.allow_network,
+                             avg_seq_len=asked.avg_seq_len, lengths=asked.lengths, prompt_len=asked.prompt_len)
     space = SearchSpace(
-        global_batch_size=args.global_batch_size, num_gpus=num_gpus, nodes=nodes, network=args.network, optims=optims,
-        compile_options=(False,) if args.no_compile else (False, True),
-        liger_options=(False,) if args.no_liger_kernel else None,
+        global_batch_size=request.global_batch_size, num_gpus=num_gpus, nodes=nodes, network=request.devices.network,
+        optims=optims, compile_options=(False,) if request.no_compile else (False, True),
+        liger_options=(False,) if request.no_liger_kernel else None,
         precisions=precisions, shardings=shardings, methods=methods, base=Recipe(**lora, **trainer), fixed=fixed,
     )
     from anatomist.estimate.communication import predict_time
 
     time_model = functools.partial(predict_time, calibration=calibration)
-    return workload, gpu, space, args.objective, args.memory_margin, time_model
+    return workload, gpu, space, request.objective, request.memory_margin, time_model
 
 
 def run(args: argparse.Namespace) -> int:
     if args.output and not args.emit:
         raise InputError(f"-o/--output needs --emit {'|'.join(TARGETS)}")
+    request = plan_request(args)
     clusters: list[Cluster] = []
     with tracing_progress():
-        if args.max_nodes is not None:
-            clusters, chosen = build_clusters(args)
+        if request.max_nodes is not None:
+            clusters, chosen = build_clusters(request)
             result = chosen.plan
             assert result is not None  # the chosen size has a plan
         else:
-            result = build_plan(args)
+            result = build_plan(request)
     if args.emit:
         for warning in launch_warnings(result.best.recipe, args.emit):
             warn(warning)

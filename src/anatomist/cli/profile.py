@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from anatomist.cli.common import add_model_flags, native_log_lines_kept_off, print_json, whole_number
 from anatomist.cli.recipe_flags import add_recipe_flags, recipe_file_from_args, recipe_from_args
 from anatomist.cli.render import Column, console, print_table
-from anatomist.workload import load_workload
+from anatomist.workload_loader import load_workload
 
 if TYPE_CHECKING:
     from anatomist.measure.profile import ProfileResult

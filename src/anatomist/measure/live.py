@@ -14,7 +14,8 @@ from typing import Any
 
 from anatomist.errors import InputError
 from anatomist.recipe import Recipe
-from anatomist.workload import Task, Workload, workload_from_config
+from anatomist.workload import Task, Workload
+from anatomist.workload_loader import workload_from_config
 
 TASK_SUFFIXES: dict[str, Task] = {
     "ForSequenceClassification": "sequence-classification",

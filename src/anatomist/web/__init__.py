@@ -2,9 +2,11 @@
 
 Layout, one job per file:
 
-- `service.py`: every call into anatomist (the CLI's own parser and `build_estimate` /
-  `build_plan`, the report's charts, `plan.emit`): the one file to adapt when the library changes;
-- `form.py`: the page's fields (its URL query) checked and turned into the command line they mean;
+- `service.py`: every call into anatomist (the CLI's own `build_estimate` / `build_plan`, the
+  report's charts, `plan.emit`): the one file to adapt when the library changes;
+- `fields.py`: the page's fields, generated from the Recipe dataclass and the CLI's options;
+- `form.py`: the page's query checked against them, and the CLI's request (`cli.requests`) and
+  command line it means;
 - `uploads.py`: uploaded config.json and recipe files, size-limited, parsed (never executed);
 - `jobs.py`: one worker thread runs estimates and plans, the page polls a job's progress;
 - `capture.py`: what a job prints on stderr (the CLI's notes) kept for that job's page;

@@ -3,13 +3,15 @@
 The page's state is its URL query (`?view=estimate&model=gpt2&gpu=A100-80GB&per_device_train_batch_size=16`):
 one key per field, named as the CLI flag's destination (a Recipe field's name, `seq_len`, `gpu`),
 so a link reproduces the view and reads like the command. `parse` checks every key and value
-against the fields `service.fields()` describes (generated from the Recipe dataclass and the
-plan's options) and `flags` turns them into the CLI's flags, which the CLI's own parser then reads:
-the page and `anatomist estimate|plan` go through one path.
+against the fields `fields.fields()` describes (generated from the Recipe dataclass and the
+plan's options); `estimate_request` and `plan_request` make of them the request the CLI makes of its
+flags (`cli.requests`), which the same functions answer; `flags` writes the command line a user would
+type for the same answer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -17,7 +19,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from anatomist.anatomy import DEFAULT_MEMORY_MARGIN
+from anatomist.axes.optimizers import DEFAULT_SEARCH
 from anatomist.cli.common import INT_MAX
+from anatomist.cli.requests import (
+    LORA_FIELDS,
+    TRAINER_FIELDS,
+    DevicesRequest,
+    EstimateRequest,
+    ModelRequest,
+    PlanRequest,
+)
 from anatomist.errors import InputError
 
 View = Literal["estimate", "plan"]
@@ -190,3 +202,53 @@ def flags(form: Form, fields: Iterable[Field]) -> list[str]:
         if form.view in f.views and f.name in form.values:
             out += f.argv(form.values[f.name])
     return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Files:
+    """What the form's model and uploads name on the server (each checked as when it was uploaded)."""
+
+    model: str | None
+    """MODEL: a catalog name or Hub id, or the path of the uploaded config.json."""
+    recipe: str | None = None
+    """The uploaded recipe file's path."""
+    lengths: str | None = None
+    """The uploaded lengths file's path."""
+
+
+def estimate_request(form: Form, files: Files, *, allow_network: bool) -> EstimateRequest:
+    """The `anatomist estimate` request the estimate view's form asks (as the CLI reads it from `flags`)."""
+    from anatomist.cli.estimate import DEFAULT_GPU
+    from anatomist.recipe import Recipe
+
+    get = form.values.get
+    recipe = {f.name: form.values[f.name] for f in dataclasses.fields(Recipe) if f.name in form.values}
+    return EstimateRequest(model=_model_request(form, files, allow_network), gpu=get("gpu", DEFAULT_GPU),
+                           devices=_devices_request(form), recipe_file=files.recipe, recipe=recipe,
+                           mode=get("mode", "train"), memory_margin=get("memory_margin", DEFAULT_MEMORY_MARGIN))
+
+
+def plan_request(form: Form, files: Files, *, allow_network: bool) -> PlanRequest:
+    """The `anatomist plan` request the plan view's form asks (as the CLI reads it from `flags`)."""
+    get = form.values.get
+    given = {name: value for name, value in form.values.items() if value is not False}  # an unticked flag: not given
+    return PlanRequest(
+        model=_model_request(form, files, allow_network), gpu=form.values["gpu"], recipe_file=files.recipe,
+        global_batch_size=get("global_batch_size"), devices=_devices_request(form), max_nodes=get("max_nodes"),
+        objective=get("objective", "throughput"), memory_margin=get("memory_margin", DEFAULT_MEMORY_MARGIN),
+        optims=tuple(get("optims", DEFAULT_SEARCH)), precisions=get("precisions"), shardings=get("shardings"),
+        no_compile=bool(get("no_compile")), no_liger_kernel=bool(get("no_liger_kernel")), peft=get("peft", ()),
+        lora={name: given[name] for name in LORA_FIELDS if name in given},
+        trainer={name: given[name] for name in TRAINER_FIELDS if name in given},
+    )
+
+
+def _model_request(form: Form, files: Files, allow_network: bool) -> ModelRequest:
+    get = form.values.get
+    return ModelRequest(model=files.model, seq_len=get("seq_len"), task=get("task"), allow_network=allow_network,
+                        avg_seq_len=get("avg_seq_len"), lengths=files.lengths, prompt_len=get("prompt_len"))
+
+
+def _devices_request(form: Form) -> DevicesRequest:
+    get = form.values.get
+    return DevicesRequest(gpus=get("gpus"), nodes=get("nodes"), network=get("network"))

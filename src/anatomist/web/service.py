@@ -1,9 +1,9 @@
 """Every call the page makes into anatomist, in one place.
 
-The page asks what `anatomist estimate` and `anatomist plan` answer, so a request becomes their
-command line (`form.flags`), is read by the CLI's own parser (`cli.build_parser`) and goes through
-the CLI's own `build_estimate` / `build_plan`: the page, the CLI and a link's "same as" command
-agree by construction. The rest is the report's charts (`report.load`, `report.charts`) and the
+The page asks what `anatomist estimate` and `anatomist plan` answer, so its form becomes the request
+the CLI makes of their flags (`form.estimate_request` / `form.plan_request`, `cli.requests`) and goes
+through the CLI's own `build_estimate` / `build_plan`; the "same as" command it shows is the form's
+flags (`form.flags`): the page, the CLI and that command agree by construction. The rest is the report's charts (`report.load`, `report.charts`) and the
 files `plan.emit.write` writes. Only this module imports the library's computing parts; when the
 library changes, this is the file to adapt.
 
@@ -14,7 +14,6 @@ passed), reach the Hub unless the server was started with `--allow-network`.
 
 from __future__ import annotations
 
-import functools
 import io
 import json
 import shlex
@@ -22,13 +21,13 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, cast, get_args
+from typing import Any
 
-from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, MemoryCategory
+from anatomist.anatomy import MemoryCategory
 from anatomist.errors import InputError
 from anatomist.web import capture
-from anatomist.web.form import QUESTION, VIEWS, Field, Form, Kind, flags
-from anatomist.web.labels import choice_labels, field_label
+from anatomist.web.fields import fields
+from anatomist.web.form import Files, Form, estimate_request, flags, plan_request
 from anatomist.web.uploads import Upload, UploadStore
 
 Progress = Callable[[int, int], None]
@@ -63,124 +62,6 @@ def warm_up() -> None:
     import anatomist.report.charts  # noqa: F401
 
     fields()
-
-
-RECIPE_BOUNDS: dict[str, tuple[float | None, float | None, bool]] = {
-    "per_device_train_batch_size": (1, None, False), "gradient_accumulation_steps": (1, None, False),
-    "checkpoint_every": (1, None, False), "dataloader_num_workers": (0, None, False), "lora_r": (1, None, False),
-    "lora_alpha": (1, None, False), "lora_dropout": (0, 1, True), "max_grad_norm": (0, None, False),
-}
-"""(minimum, maximum, the maximum refused) of the Recipe fields Recipe checks so: the page names the limit as the
-value is given (an int's maximum is INT_MAX)."""
-
-
-@functools.cache
-def fields() -> tuple[Field, ...]:
-    """The page's fields, in the page's order: the question asked first (model, GPU, method, trainer, length, batch,
-    GPUs, nodes), then every other option of `anatomist estimate` and `anatomist plan`, grouped as their `--help`
-    groups them. Recipe fields come from the dataclass (name, Literal choices, help, default), as the CLI's flags."""
-    from anatomist.axes.optimizers import DEFAULT_SEARCH, OPTIMIZERS
-    from anatomist.axes.precisions import FULL_PRECISIONS
-    from anatomist.axes.shardings import SHARDING_NAMES
-    from anatomist.cli.estimate import DEFAULT_GPU, DEFAULT_MODEL
-    from anatomist.cli.recipe_flags import flag_name, recipe_groups
-    from anatomist.estimate.communication import default_network, networks
-    from anatomist.plan.candidates import Objective
-    from anatomist.recipe import Recipe, field_kinds
-    from anatomist.recipe.help import FIELD_HELP
-    from anatomist.workload import TASKS
-
-    est, plan, both = ("estimate",), ("plan",), VIEWS
-    kinds, defaults = field_kinds(), Recipe().to_dict()
-
-    def field(name: str, flag: str | None, kind: str, group: str, help: str, *, views: tuple[str, ...] = both,
-              choices: tuple[Any, ...] | None = None, default: Any = None, minimum: float | None = None,
-              maximum: float | None = None, below_maximum: bool = False, label: str | None = None) -> Field:
-        return Field(name=name, flag=flag, kind=cast(Kind, kind), help=help, label=label or field_label(name), group=group,
-                     choices=choices, choice_labels=choice_labels(name, choices), default=default, views=views,
-                     minimum=minimum, maximum=maximum, below_maximum=below_maximum)
-
-    def recipe_field(name: str, group: str, views: tuple[str, ...] = est) -> Field:
-        kind = kinds[name]
-        web_kind = "bool" if kind.type is bool else "choice" if kind.choices is not None else kind.type.__name__
-        low, high, below = RECIPE_BOUNDS.get(name, (None, None, False))
-        return field(name, flag_name(name), web_kind, group, FIELD_HELP[name].text, views=views,
-                     choices=kind.choices, default=defaults[name], minimum=low, maximum=high, below_maximum=below)
-
-    data, gpus, search, trainer, lora = ("model and data", "GPUs and memory", "what the plan searches",
-                                         "the trainer (kept as given, not searched)",
-                                         "parameter-efficient fine-tuning (LoRA, QLoRA)")
-    out = [
-        field("model", None, "str", QUESTION, default=DEFAULT_MODEL,
-              help="A catalog name (anatomist models), a name people type for one (an instruct or re-uploaded "
-                   "variant), or a Hub id; or upload the model's config.json."),
-        field("config", None, "upload", QUESTION,
-              help="The model's config.json: read as JSON, never executed; a model that needs its own code is refused."),
-        field("gpu", "--gpu", "str", QUESTION, default=DEFAULT_GPU,
-              help="Target GPU: a catalog name or as people write it (4090, a100 80gb, H100)."),
-        recipe_field("peft", QUESTION),
-        field("peft", "--peft", "multi", QUESTION, views=plan, choices=("lora", "qlora"),
-              label="Methods: full fine-tuning, and also",
-              help="Full fine-tuning is always searched; tick LoRA (bf16/fp32 base) or QLoRA (4-bit NF4 base) to "
-                   "search them too: they change what is trained."),
-        recipe_field("trainer", QUESTION, views=both),
-        field("seq_len", "--seq-len", "int", QUESTION, default=512, minimum=1,
-              help="Tokens per sample (512, or the model's maximum if lower)."),
-        recipe_field("per_device_train_batch_size", QUESTION),
-        field("global_batch_size", "--global-batch-size", "int", QUESTION, views=plan, minimum=1,
-              help="Samples per optimizer step over all GPUs (empty: any batch, no accumulation)."),
-        field("gpus", "--gpus", "int", QUESTION, default=1, minimum=1,
-              help="Data-parallel GPUs on each node (ZeRO and FSDP shard across all of them)."),
-        field("nodes", "--nodes", "int", QUESTION, default=1, minimum=1,
-              help="Machines the GPUs are spread over (each with the GPUs above)."),
-        # the data and the model's head
-        field("task", "--task", "choice", data, choices=TASKS,
-              help="The head trained (default: sequence classification for encoders, causal LM for decoders)."),
-        field("recipe", None, "upload", data,
-              help="Your TrainingArguments, TRL (trl sft --config), accelerate or DeepSpeed file, JSON or YAML, as "
-                   "--recipe reads it: for an estimate the fields here override it; for a plan what it sets is held "
-                   "fixed and the rest searched."),
-        field("avg_seq_len", "--avg-seq-len", "int", data, minimum=1,
-              help="Mean tokens per example (at most the sequence length): what padding-free training and packing "
-                   "process."),
-        field("lengths", None, "upload", data,
-              help="The token count of every example: one integer per line, or a JSON list (instead of the average)."),
-        field("prompt_len", "--prompt-len", "int", data, minimum=0,
-              help="DPO: tokens of each prompt, which the loss does not score (default 0: every token)."),
-        field("mode", "--mode", "choice", data, views=est, choices=("train", "inference"), default="train",
-              help="A training step, or a forward pass only."),
-        # the devices
-        field("network", "--network", "choice", gpus, choices=tuple(networks()), default=default_network(),
-              help="The network between the nodes (only the time changes)."),
-        field("memory_margin", "--memory-margin", "float", gpus, default=DEFAULT_MEMORY_MARGIN, minimum=0, maximum=1,
-              below_maximum=True, help="Share of the GPU's memory kept free when deciding what fits."),
-        field("max_nodes", "--max-nodes", "int", gpus, views=plan, minimum=1,
-              help="Plan 1, 2, 4 ... GPUs on one node, then 2 ... N whole nodes, and pick the size with the most "
-                   "samples/s per GPU (leave Nodes empty)."),
-        # the plan's search
-        field("objective", "--objective", "choice", search, views=plan, choices=get_args(Objective),
-              default="throughput", help="The top pick: the fastest that fits, or the smallest."),
-        field("optims", "--optims", "multi", search, views=plan, choices=tuple(OPTIMIZERS), default=list(DEFAULT_SEARCH),
-              help="Optimizers searched."),
-        field("precisions", "--precisions", "multi", search, views=plan, choices=FULL_PRECISIONS,
-              help="Precisions searched (none ticked: all the GPU supports)."),
-        field("shardings", "--shardings", "multi", search, views=plan, choices=SHARDING_NAMES,
-              help="Sharding options searched, each where it runs (none ticked: all those of the GPU count)."),
-        field("no_compile", "--no-compile", "flag", search, views=plan, help="Do not consider torch.compile."),
-        field("no_liger_kernel", "--no-liger-kernel", "flag", search, views=plan,
-              help="Do not consider Liger Kernel (searched by default for the causal LMs whose kernels anatomist "
-                   "traces)."),
-        field("precompute_ref_log_probs", "--precompute-ref-log-probs", "flag", trainer, views=plan,
-              help="DPO: reference log-probabilities computed before training (no reference model held)."),
-        field("padding_free", "--padding-free", "flag", trainer, views=plan,
-              help="SFT: padding-free micro-batches (needs the data's lengths; flash_attention_2 searched only)."),
-    ]
-    for name in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"):
-        out.append(recipe_field(name, lora, views=plan))
-    asked = {f.name for f in out if f.group == QUESTION}
-    for title, group in recipe_groups():
-        out += [recipe_field(f.name, title) for f in group if f.name not in asked]
-    return tuple(out)
 
 
 def schema(*, allow_network: bool) -> dict[str, Any]:
@@ -233,7 +114,7 @@ def check_upload(upload: Upload, uploads: UploadStore) -> None:
     """
     from anatomist.cli.common import INT_MAX
     from anatomist.token_stats import read_lengths
-    from anatomist.workload import load_workload
+    from anatomist.workload_loader import load_workload
 
     try:
         if upload.kind == "config":
@@ -264,16 +145,25 @@ def run_view(form: Form, uploads: UploadStore, *, allow_network: bool, progress:
     return json.loads(uploads.shown(json.dumps(view)))
 
 
-def _file_flags(form: Form, uploads: UploadStore) -> list[str]:
-    """--recipe and --lengths of the uploads the form names, each checked as when it was uploaded."""
-    out = []
+def _files(form: Form, uploads: UploadStore, model: str | None) -> Files:
+    """What `model` (`_model_argument`) and the form's uploads name on the server, each upload checked as when it
+    was uploaded."""
+    recipe = lengths = None
     if form.get("recipe"):
         upload = uploads.get(form.values["recipe"], "recipe")
         _read_recipe(upload)
-        out.append(f"--recipe={upload.path}")
+        recipe = str(upload.path)
     if form.get("lengths"):
-        out.append(f"--lengths={uploads.get(form.values['lengths'], 'lengths').path}")
-    return out
+        lengths = str(uploads.get(form.values["lengths"], "lengths").path)
+    return Files(model=model, recipe=recipe, lengths=lengths)
+
+
+def _argv(form: Form, files: Files, allow_network: bool) -> list[str]:
+    """The command line a user would type for the same answer (the uploads by their paths here)."""
+    uploaded = [f"--recipe={files.recipe}"] if files.recipe else []
+    uploaded += [f"--lengths={files.lengths}"] if files.lengths else []
+    return [form.view, *flags(form, fields()), *uploaded, *(["--allow-network"] if allow_network else []),
+            *(["--", files.model] if files.model else [])]
 
 
 def _estimate(form: Form, uploads: UploadStore, allow_network: bool, progress: Progress) -> dict[str, Any]:
@@ -281,10 +171,9 @@ def _estimate(form: Form, uploads: UploadStore, allow_network: bool, progress: P
     from anatomist.trace.store import pool
 
     model, shown = _model_argument(form, uploads)
-    argv = ["estimate", *flags(form, fields()), *_file_flags(form, uploads), *_network(allow_network),
-            *(["--", model] if model else [])]
+    files = _files(form, uploads, model)
     with pool.watch(progress):
-        result = build_estimate(_parse(argv))
+        result = build_estimate(estimate_request(form, files, allow_network=allow_network))
         change = what_would_fit(result) if result.memory.max_batch_size == 0 else None
     data = result.to_dict()
     if shown:
@@ -296,7 +185,7 @@ def _estimate(form: Form, uploads: UploadStore, allow_network: bool, progress: P
     word, _ = verdict(result)
     return {
         "kind": "estimate",
-        "command": _command(argv, uploads),
+        "command": _command(_argv(form, files, allow_network), uploads),
         "result": data,
         "verdict": word,
         "largest_batch": largest_batch(result),
@@ -321,10 +210,9 @@ def _plan(form: Form, uploads: UploadStore, allow_network: bool, progress: Progr
         raise InputError("name a model (a catalog name or a Hub id) or upload its config.json")
     if not form.get("gpu"):
         raise InputError("name the GPU to plan for")
-    argv = ["plan", *flags(form, fields()), *_file_flags(form, uploads), *_network(allow_network),
-            *(["--", model] if model else [])]
+    files = _files(form, uploads, model)
     with pool.watch(progress):
-        result = build_plan(_parse(argv))
+        result = build_plan(plan_request(form, files, allow_network=allow_network))
     data = result.to_dict()
     if shown:
         data["model"] = f"uploaded {result.workload.model_type} {shown}"
@@ -338,7 +226,7 @@ def _plan(form: Form, uploads: UploadStore, allow_network: bool, progress: Progr
     } for c in entries]
     return {
         "kind": "plan",
-        "command": _command(argv, uploads),
+        "command": _command(_argv(form, files, allow_network), uploads),
         "result": data,
         "columns": [{"key": f.key, "header": f.header} for f in facets],
         "shared": shared([c.recipe for c in entries], n),
@@ -388,27 +276,6 @@ def chart_png(view: dict[str, Any], chart: str) -> bytes:
         buffer = io.BytesIO()
         fig.savefig(buffer, format="png", dpi=PNG_DPI)
     return buffer.getvalue()
-
-
-def _network(allow_network: bool) -> list[str]:
-    return ["--allow-network"] if allow_network else []
-
-
-@functools.cache
-def _parser() -> Any:
-    from anatomist.cli import build_parser
-
-    return build_parser()
-
-
-def _parse(argv: list[str]) -> Any:
-    """The CLI's own parser on `argv`; what it would print and exit 2 with becomes an InputError."""
-    with capture.captured() as written:
-        try:
-            return _parser().parse_args(argv)
-        except SystemExit:
-            said = "".join(written).strip().splitlines()
-            raise InputError(said[-1].removeprefix("anatomist: error: ") if said else "invalid request") from None
 
 
 def _model_argument(form: Form, uploads: UploadStore) -> tuple[str | None, str | None]:

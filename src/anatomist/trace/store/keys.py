@@ -137,8 +137,9 @@ def plan_key(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ...]:
 
 
 TRACE_SOURCES: tuple[str, ...] = (
-    "__init__.py", "anatomy.py", "config_fields.py", "errors.py", "hardware.py", "model_catalog.py", "model_facts.py",
-    "op_classes.py", "deepspeed_bounds.py", "token_stats.py", "trainer_defaults.py", "user_cache.py", "workload.py",
+    "__init__.py", "anatomy.py", "config_fields.py", "errors.py", "hardware.py", "model_catalog.py", "model_config.py",
+    "model_facts.py", "op_classes.py", "deepspeed_bounds.py", "token_stats.py", "trainer_defaults.py", "user_cache.py",
+    "workload.py", "workload_loader.py",
     "recipe/__init__.py", "recipe/axis_values.py", "recipe/checks.py", "recipe/fields.py", "recipe/kinds.py",
     "recipe/presets.py", "recipe/recipe.py", "recipe/spellings.py",
     "axes/__init__.py", "axes/kernels.py", "axes/liger.py", "axes/methods.py", "axes/optimizers.py",
