@@ -17,7 +17,7 @@ from anatomist.errors import InputError
 from anatomist.recipe import Recipe
 
 if TYPE_CHECKING:
-    from anatomist.estimate.calibration import Calibration
+    from anatomist.calibration.lookup import Calibration
     from anatomist.hardware import GPU
     from anatomist.recipe_files import RecipeFile
 
@@ -64,7 +64,7 @@ def add_model_flags(parser: argparse.ArgumentParser, *, model_required: bool = T
 
 def add_devices_flags(parser: argparse.ArgumentParser, gpus_help: str) -> None:
     """--gpus, and the machines they are spread over (--nodes, --network)."""
-    from anatomist.estimate.communication import default_network, networks
+    from anatomist.estimate.time.network import default_network, networks
 
     parser.add_argument("--gpus", type=whole_number, default=None, metavar="N",
                         help=f"{gpus_help}; with --nodes, the GPUs of one node")
@@ -77,7 +77,7 @@ def add_devices_flags(parser: argparse.ArgumentParser, gpus_help: str) -> None:
 def devices_from_args(args: argparse.Namespace, source: RecipeFile | None) -> tuple[int, int]:
     """(GPUs in all, nodes): --gpus per node times --nodes, else the --recipe file's (a RecipeFile's num_gpus
     counts every node's devices, as accelerate's num_processes does), else one GPU on one node."""
-    from anatomist.estimate.communication import check_cluster
+    from anatomist.estimate.time.network import check_cluster
 
     nodes = args.nodes if args.nodes is not None else (source.nodes if source and source.nodes else 1)
     if args.gpus is not None:
@@ -182,7 +182,7 @@ def add_calibration_flag(p: argparse.ArgumentParser) -> None:
 
 def calibration_from_args(args: argparse.Namespace, gpu: GPU) -> Calibration:
     """The time calibration for `gpu`: --calibration FILE, else the lookup of `calibration_for`."""
-    from anatomist.estimate.calibration import calibration_for
+    from anatomist.calibration.lookup import calibration_for
 
     return calibration_for(gpu, args.calibration)
 

@@ -25,7 +25,8 @@ from anatomist.cli.common import (
 from anatomist.cli.recipe_flags import add_recipe_flags, recipe_file_from_args, recipe_from_args
 from anatomist.cli.render import Column, console, devices, gib, print_table
 from anatomist.errors import InputError
-from anatomist.estimate.communication import UNFITTED_TERMS, adds_device_terms, describe_network
+from anatomist.estimate.time.cluster import UNFITTED_TERMS, adds_device_terms
+from anatomist.estimate.time.network import describe_network
 from anatomist.hardware import GPU, get_gpu
 from anatomist.workload import Workload, load_workload
 

@@ -181,7 +181,7 @@ def _search(args: argparse.Namespace, *, one_size: bool = False) -> tuple[Any, A
         liger_options=(False,) if args.no_liger_kernel else None,
         precisions=precisions, shardings=shardings, methods=methods, base=Recipe(**lora, **trainer), fixed=fixed,
     )
-    from anatomist.estimate.communication import predict_time
+    from anatomist.estimate.time.cluster import predict_time
 
     time_model = functools.partial(predict_time, calibration=calibration)
     return workload, gpu, space, args.objective, args.memory_margin, time_model

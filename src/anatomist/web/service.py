@@ -85,7 +85,7 @@ def fields() -> tuple[Field, ...]:
     from anatomist.axes.shardings import SHARDING_NAMES
     from anatomist.cli.estimate import DEFAULT_GPU, DEFAULT_MODEL
     from anatomist.cli.recipe_flags import flag_name, recipe_groups
-    from anatomist.estimate.communication import default_network, networks
+    from anatomist.estimate.time.network import default_network, networks
     from anatomist.plan.candidates import Objective
     from anatomist.recipe import Recipe, field_kinds
     from anatomist.workload import TASKS
