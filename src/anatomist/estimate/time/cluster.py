@@ -1,6 +1,6 @@
 """The multi-device step time: one device's step (estimate/time/device.py) plus what sharding, offload and
-communication change. Both `estimate` and `plan` call `predict_time`, so one recipe on N devices has
-one step time.
+communication change. `plan` calls `predict_time`, `estimate()` its body `time_across_devices` with the model's
+size it has read already: one recipe on N devices has one step time.
 
 `anatomist.estimate.time.device.estimate_time` (a roofline per traced op, factors from
 `calibration.lookup.calibration_for`) predicts one device running the whole step. Across devices and
