@@ -137,15 +137,17 @@ def test_a_mask_near_the_threshold_does_not_change_the_ops_with_the_batch(tiny_m
 @pytest.mark.slow  # over 15 s on 2 cores
 def test_the_copies_cost_time_over_pcie(workload):
     """The way out hides under the forward up to its compute; the way back adds its whole transfer."""
-    from anatomist.estimate.communication import activation_offloading_s, constants, predict_time
+    from anatomist.estimate.time.cluster import predict_time
+    from anatomist.estimate.time.constants import constants
+    from anatomist.estimate.time.transfers import activation_offloading_s
     from anatomist.estimate.traces import offloaded_bytes, step_traces
 
     recipe = Recipe(per_device_train_batch_size=BATCH, dtype="float32", gradient_accumulation_steps=2,
                     activation_offloading=True).resolved(workload)
-    one_way = offloaded_bytes(step_traces(workload, recipe, GPU.compute_capability), BATCH) * 2 / (
-        constants()["offload"]["pcie_gbps"] * 1e9)
-    assert activation_offloading_s(workload, recipe, GPU, forward_s=0.0) == pytest.approx(2 * one_way)
-    assert activation_offloading_s(workload, recipe, GPU, forward_s=10 * one_way) == pytest.approx(one_way)
+    copied = offloaded_bytes(step_traces(workload, recipe, GPU.compute_capability), BATCH)
+    one_way = copied * 2 / (constants()["offload"]["pcie_gbps"] * 1e9)
+    assert activation_offloading_s(recipe, copied, forward_s=0.0) == pytest.approx(2 * one_way)
+    assert activation_offloading_s(recipe, copied, forward_s=10 * one_way) == pytest.approx(one_way)
     plain = predict_time(workload, recipe.replace(activation_offloading=False), GPU)
     assert predict_time(workload, recipe, GPU).step_s > plain.step_s
 

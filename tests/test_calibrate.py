@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from anatomist.bench.calibrate import calibrate
+from anatomist.calibration.fit import COARSE as EFFICIENCY_GRID
+from anatomist.calibration.from_bench import calibrate
+from anatomist.calibration.lookup import load_calibration, published
 from anatomist.errors import InputError
-from anatomist.estimate.calibration import load_calibration, published
-from anatomist.estimate.time import estimate_time
-from anatomist.estimate.time_fit import COARSE as EFFICIENCY_GRID
+from anatomist.estimate.time.device import estimate_time
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.workload_loader import load_workload

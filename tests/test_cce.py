@@ -83,7 +83,7 @@ def test_the_stand_in_refuses_an_fp32_head_as_cce_s_backward_does(bf16_capable) 
 def test_cut_cross_entropy_removes_the_logits_from_the_peak(tiny_model) -> None:
     """On a causal LM whose peak is the loss's logits, CCE lowers it by more than four copies of them; the step's
     FLOPs keep the head's product in forward and count three in backward (the recomputed one, one per gradient)."""
-    from anatomist.estimate.flops import step_flops
+    from anatomist.estimate.time.ops import step_flops
 
     workload = load_workload(str(tiny_model("llama", num_hidden_layers=2, vocab_size=32000)), seq_len=128)
     gpu = get_gpu("A100-80GB")

@@ -11,7 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from anatomist.anatomy import OpClass
 from anatomist.estimate.memory import estimate_memory
-from anatomist.estimate.time import estimate_time
+from anatomist.estimate.time.device import estimate_time
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.trace.step.compiled import fusion_plan

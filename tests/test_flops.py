@@ -11,7 +11,7 @@ import pytest
 from torch.utils.flop_counter import FlopCounterMode
 
 from anatomist.anatomy import Phase, StepFlops
-from anatomist.estimate.flops import OpRecord, _record, _step_at_depth, passes_ops, step_flops, step_ops
+from anatomist.estimate.time.ops import OpRecord, _record, _step_at_depth, passes_ops, step_flops, step_ops
 from anatomist.recipe import Recipe
 from anatomist.trace.engine.op_costs import CUSTOM_FLOPS
 from anatomist.trace.step.driver import trace_step

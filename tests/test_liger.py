@@ -165,7 +165,7 @@ def test_liger_removes_the_logits_from_the_peak(tiny_model):
 
 
 def test_liger_keeps_the_step_s_flops(llama):
-    from anatomist.estimate.time import estimate_time
+    from anatomist.estimate.time.device import estimate_time
 
     plain, fused = (estimate_time(llama, Recipe(per_device_train_batch_size=3, use_liger_kernel=on).resolved(llama), GPU)
                     for on in (False, True))

@@ -9,7 +9,7 @@ import torch
 
 from anatomist.anatomy import TENSOR_CATEGORIES, MemoryAnatomy
 from anatomist.bench.worker import build_dataset, predict
-from anatomist.estimate.flops import step_flops
+from anatomist.estimate.time.ops import step_flops
 from anatomist.measure import AnatomistCallback, track
 from anatomist.measure.monitor import device_snapshot
 from anatomist.recipe import Recipe

@@ -172,7 +172,7 @@ def test_trained_and_quantized_parameters_are_those_of_the_real_objects(tmp_path
     assert (predicted.trainable_parameters, predicted.parameters) == (trainable, total)
     four_bit = [m for m in real.modules() if isinstance(m, bnb.nn.Linear4bit)]
     quantized = sum(m.in_features * m.out_features for m in four_bit)
-    assert model_plan(workload, recipe).quantized_parameters == quantized
+    assert model_plan(workload, recipe).size.quantized_parameters == quantized
     codes = {id(m.weight) for m in four_bit}
     rest = sum(round_to_block(p.numel() * p.element_size()) for p in real.parameters() if id(p) not in codes)
     if peft_method == "qlora":

@@ -13,8 +13,10 @@ import pytest
 import yaml
 
 from anatomist.errors import InputError
-from anatomist.estimate.communication import bus_bytes_per_s, constants, networks, predict_time
 from anatomist.estimate.predict import estimate
+from anatomist.estimate.time.cluster import predict_time
+from anatomist.estimate.time.constants import constants
+from anatomist.estimate.time.network import bus_bytes_per_s, networks
 from anatomist.hardware import get_gpu
 from anatomist.plan import SearchSpace, plan
 from anatomist.plan.emit import MAIN_NODE, launch_commands, write

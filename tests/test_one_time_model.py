@@ -1,5 +1,5 @@
 """One time model: `estimate` and `plan` give the same step time for the same recipe on the same number of
-GPUs (estimate/communication.py `predict_time`), communication included."""
+GPUs (estimate/time/cluster.py `predict_time`), communication included."""
 
 from __future__ import annotations
 

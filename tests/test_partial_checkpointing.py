@@ -170,7 +170,7 @@ def test_the_cuts_of_one_layer_in_n_are_traced_once_for_every_n(workload, cache_
     import pickle
 
     from anatomist.trace.depth.cuts import Cut
-    from anatomist.trace.store.parts import trace_part, trace_request
+    from anatomist.trace.store.parts import PartRequest, trace_part, trace_request
 
     served, patterns, cuts_seen = set(), set(), 0
     for every in everies:
@@ -182,7 +182,7 @@ def test_the_cuts_of_one_layer_in_n_are_traced_once_for_every_n(workload, cache_
         for cut in cuts:
             trace = trace_part(workload, recipe, "forward-backward", depth=cut, batch_size=2, compute_capability="8.0",
                                num_gpus=num_gpus)
-            own = trace_request(workload, (recipe, "forward-backward", cut, 2, num_gpus), "8.0")
+            own = trace_request(workload, PartRequest(recipe, "forward-backward", cut, 2, num_gpus), "8.0")
             assert pickle.dumps(own) == pickle.dumps(trace)
             served.add(id(trace))
             patterns.add(tuple(recipe.checkpointed(layer) for layer in cut.stacks[0].kept))

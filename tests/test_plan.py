@@ -13,12 +13,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from anatomist.axes.shardings import shardings_for
 from anatomist.errors import InputError
-from anatomist.estimate.communication import parameter_count, predict_time
-from anatomist.estimate.time import estimate_time
+from anatomist.estimate.time.cluster import predict_time
+from anatomist.estimate.time.collectives import parameter_count
+from anatomist.estimate.time.device import estimate_time
 from anatomist.hardware import get_gpu
 from anatomist.plan import SearchSpace, plan
 from anatomist.plan.candidates import SPEED_UP_ERROR, pareto_front
 from anatomist.recipe import Recipe
+from anatomist.trace.depth.plan import model_plan
 from anatomist.workload_loader import load_workload
 
 TINY_BERT = {
@@ -63,7 +65,7 @@ def test_sharding_terms_of_the_time_model(tiny) -> None:
     # One device, no sharding: the estimator's step, nothing added.
     assert predict_time(tiny, r.resolved(tiny), gpu).step_s == pytest.approx(one.step_s)
     # ZeRO-Offload: the GPU optimizer step is replaced by PCIe traffic and CPU Adam (fp32: 4 B down, 4 B up).
-    n = parameter_count(tiny, r.resolved(tiny))
+    n = parameter_count(r.resolved(tiny), model_plan(tiny, r.resolved(tiny)).size)
     offloaded = predict_time(tiny, (r.replace(zero_stage=2, offload="cpu")).resolved(tiny), gpu)
     assert offloaded.phases_s["optimizer"] == 0
     assert offloaded.phases_s["offload"] == pytest.approx(n * 8 / 12e9 + n / 1e9)

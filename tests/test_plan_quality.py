@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from anatomist.anatomy import TimeAnatomy
-from anatomist.estimate.flops import step_ops
-from anatomist.estimate.measured_calibration import TimedStep, fit_calibration
-from anatomist.estimate.time import time_from_ops
+from anatomist.calibration.measured import TimedStep, fit_calibration
+from anatomist.estimate.time.device import time_from_ops
+from anatomist.estimate.time.ops import step_ops
 from anatomist.hardware import GPU, get_gpu
 from anatomist.measure.profile import training_step
 from anatomist.plan import SearchSpace, plan

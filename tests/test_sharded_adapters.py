@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from anatomist.anatomy import MemoryCategory
-from anatomist.estimate.communication import communication_s
 from anatomist.estimate.memory import estimate_memory
+from anatomist.estimate.time.collectives import communication_s
 from anatomist.hardware import get_gpu
 from anatomist.plan import SearchSpace
 from anatomist.plan.emit import accelerate_config, write
@@ -20,6 +20,7 @@ from anatomist.plan.space import enumerate_recipes, method_of
 from anatomist.recipe import Recipe
 from anatomist.recipe.axis_values import sharding_of
 from anatomist.recipe.spellings import bnb_config, lora_config_kwargs
+from anatomist.trace.depth.plan import model_plan
 from anatomist.workload_loader import load_workload
 
 GPU = get_gpu("A100-80GB")
@@ -68,13 +69,14 @@ def test_a_sharded_base_is_gathered_every_step(tiny_model):
     ring all-gathers ((N-1)/N x the bytes each: the linear layers' 4-bit codes, 0.5 B per weight, the rest in
     bf16, the adapters included) beside the adapters' reduce-scatter ((N-1)/N x their fp32 gradients, half
     the all-reduce's volume). The model counted here as bitsandbytes stores it, independently of anatomist."""
-    from anatomist.estimate.communication import constants
+    from anatomist.estimate.time.constants import constants
 
     workload = load_workload(str(tiny_model("llama")), seq_len=64)
     recipe = QLORA_FSDP.resolved(workload)
     bus = constants()["interconnect"]["bus_gbps"] * 1e9
     ring = (4 - 1) / 4
-    all_reduce = communication_s(workload, recipe.replace(fsdp="none"), num_gpus=4)  # 2 x ring x gradient bytes
+    size = model_plan(workload, recipe).size
+    all_reduce = communication_s(recipe.replace(fsdp="none"), size, num_gpus=4)  # 2 x ring x gradient bytes
     gradient_bytes = all_reduce * bus / (2 * ring)
     import torch
     from peft import LoraConfig, get_peft_model
@@ -86,4 +88,4 @@ def test_a_sharded_base_is_gathered_every_step(tiny_model):
     rest = sum(p.numel() for p in adapters.parameters()) - linear
     gathered = 0.5 * linear + 2 * rest
     expected = ring * (gradient_bytes + 2 * gathered) / bus
-    assert communication_s(workload, recipe, num_gpus=4) == pytest.approx(expected, rel=1e-9)
+    assert communication_s(recipe, size, num_gpus=4) == pytest.approx(expected, rel=1e-9)

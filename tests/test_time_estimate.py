@@ -8,11 +8,11 @@ import os
 
 import pytest
 
-from anatomist.estimate.calibration import published
-from anatomist.estimate.measured_calibration import TimedStep, fit_calibration
-from anatomist.estimate.published import PRIOR
-from anatomist.estimate.time import estimate_time
-from anatomist.estimate.time_fit import COARSE as EFFICIENCY_GRID
+from anatomist.calibration.fit import COARSE as EFFICIENCY_GRID
+from anatomist.calibration.lookup import published
+from anatomist.calibration.measured import TimedStep, fit_calibration
+from anatomist.calibration.published import PRIOR
+from anatomist.estimate.time.device import estimate_time
 from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.workload import Workload
@@ -99,7 +99,7 @@ def test_backward_about_twice_forward_and_consistent_totals(workload: Workload) 
 
 
 def test_the_default_calibration_is_the_published_one_of_the_generation() -> None:
-    from anatomist.estimate.calibration import calibration_for
+    from anatomist.calibration.lookup import calibration_for
 
     cal = calibration_for(get_gpu(A100))
     assert cal.calibrated and cal.kind == "published" and cal.generation == "A100"

@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 
-from anatomist.estimate.calibration import Calibration, CalibrationError, calibration_for, generation_of_gpu, published
+from anatomist.calibration.lookup import Calibration, CalibrationError, calibration_for, generation_of_gpu, published
 from anatomist.estimate.intervals import time_accuracy, time_errors, time_interval
 from anatomist.hardware import catalog, get_gpu
 from anatomist.recipe import Recipe

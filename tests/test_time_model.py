@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from anatomist.estimate.time_fit import Components, fit, predict
-from anatomist.estimate.time_model import HOST_PHASE_WEIGHTS, Factors
+from anatomist.calibration.fit import Components, fit, predict
+from anatomist.estimate.time.roofline import HOST_PHASE_WEIGHTS, Factors
 
 F = Factors(tensor_core_efficiency=0.5, fp32_efficiency=0.5, bandwidth_efficiency=0.5, kernel_overhead_s=2e-6,
             micro_batch_overhead_s=1e-3, host_op_s=20e-6)

@@ -16,15 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from anatomist.estimate.calibration import (
-    TIME_MODEL_VERSION,
-    calibration_for,
-    calibration_toml,
-    published,
-    user_calibration_path,
-)
-from anatomist.estimate.intervals import time_accuracy
-from anatomist.estimate.published import (
+from anatomist.calibration.fit import Components, predict
+from anatomist.calibration.lookup import TIME_MODEL_VERSION, calibration_for, published, user_calibration_path
+from anatomist.calibration.measured import calibration_toml
+from anatomist.calibration.published import (
     Run,
     cross_validate,
     fit_generation,
@@ -33,7 +28,7 @@ from anatomist.estimate.published import (
     measured_step_s,
     run_key,
 )
-from anatomist.estimate.time_fit import Components, predict
+from anatomist.estimate.intervals import time_accuracy
 from anatomist.hardware import get_gpu
 
 PUBLISHED = Path(__file__).parents[1] / "benchmarks" / "published"

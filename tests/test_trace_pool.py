@@ -44,9 +44,10 @@ def _requests(folder: Path) -> tuple[object, list[parts.PartRequest]]:
     recipe = Recipe(bf16=True).resolved(workload)
     two = dataclasses.replace(recipe, gradient_accumulation_steps=2)  # its first micro-batch: the first request
     sharded = dataclasses.replace(recipe, fsdp="full_shard")  # one rank of 4 (trace/step/fsdp.py)
-    return workload, [(recipe, "forward-backward", 2, 2, 1), (recipe, "forward-backward", 3, 2, 1),
-                      (recipe, "optimizer", 2, 1, 1), (two, "forward-backward", 2, 2, 1),
-                      (sharded, "forward-backward", 2, 2, 4)]
+    request = parts.PartRequest
+    return workload, [request(recipe, "forward-backward", 2, 2, 1), request(recipe, "forward-backward", 3, 2, 1),
+                      request(recipe, "optimizer", 2, 1, 1), request(two, "forward-backward", 2, 2, 1),
+                      request(sharded, "forward-backward", 2, 2, 4)]
 
 
 @pytest.mark.slow
@@ -57,7 +58,8 @@ def test_workers_trace_what_this_process_would(tiny_model, cache_folder: Path, t
     parts.trace_parts(workload, requests, CC)
     assert traced_here == []  # all in the workers
     assert stored_kinds(cache_folder)["StepTrace"] == len(requests)  # stored by this process
-    for recipe, part, depth, batch, num_gpus in requests:
+    for r in requests:
+        recipe, part, depth, batch, num_gpus = r.recipe, r.part, r.depth, r.batch_size, r.num_gpus
         from_worker = parts.trace_part(workload, recipe.resolved(workload), part, depth=depth, batch_size=batch,
                                        compute_capability=CC, num_gpus=num_gpus)
         here = parts.trace_part(workload, recipe.resolved(workload), part, depth=depth, batch_size=batch, compute_capability=CC,
@@ -140,7 +142,8 @@ def test_no_trace_depends_on_the_cyclic_collector(tiny_model, request_index: int
     """A storage kept alive by a reference cycle would die when the collector runs: collecting as
     often as it can and not at all must give the same trace."""
     workload, requests = _requests(tiny_model("llama"))
-    recipe, part, depth, batch, num_gpus = requests[request_index]
+    r = requests[request_index]
+    recipe, part, depth, batch, num_gpus = r.recipe, r.part, r.depth, r.batch_size, r.num_gpus
 
     def traced() -> bytes:
         return pickle.dumps(driver.trace_step(workload, recipe.resolved(workload), part=part, depth=depth, batch_size=batch,
@@ -164,7 +167,8 @@ def test_a_trace_ends_with_its_step(tiny_model, request_index: int) -> None:
     frees are no events of the step (they were appended to one rank's events, so that a trace pickled
     after a collection differed from one pickled before)."""
     workload, requests = _requests(tiny_model("llama"))
-    recipe, part, depth, batch, num_gpus = requests[request_index]
+    r = requests[request_index]
+    recipe, part, depth, batch, num_gpus = r.recipe, r.part, r.depth, r.batch_size, r.num_gpus
     gc.disable()
     try:
         trace = driver.trace_step(workload, recipe.resolved(workload), part=part, depth=depth, batch_size=batch,

@@ -33,7 +33,7 @@ NAMES = [name if name == "fp32 full_shard" else pytest.param(name, marks=pytest.
 
 
 def _traced(workload, recipe, part, world, batch=2):
-    return parts.trace_request(workload, (recipe, part, 2, batch if part != "optimizer" else 1, world), CC)
+    return parts.trace_request(workload, parts.PartRequest(recipe, part, 2, batch if part != "optimizer" else 1, world), CC)
 
 
 def _assert_same_rank(got, want):
@@ -79,9 +79,9 @@ def test_padded_shards_are_traced_not_derived(tiny_model):
     lo, hi = (_traced(workload, recipe, "optimizer", n) for n in (2, 4))
     assert derive(lo, hi, 16) is None  # 1,000 rows over 16 ranks: padded to 1,008
     with parts.worlds_derived_from(2, 4):
-        assert parts._basis_requests(workload, (recipe, "optimizer", 2, 1, 16)) == []
-        assert len(parts._basis_requests(workload, (recipe, "optimizer", 2, 1, 8))) == 2
-    assert parts._basis_requests(workload, (recipe, "optimizer", 2, 1, 8)) == []  # outside the block: traced
+        assert parts._basis_requests(workload, parts.PartRequest(recipe, "optimizer", 2, 1, 16)) == []
+        assert len(parts._basis_requests(workload, parts.PartRequest(recipe, "optimizer", 2, 1, 8))) == 2
+    assert parts._basis_requests(workload, parts.PartRequest(recipe, "optimizer", 2, 1, 8)) == []  # outside the block: traced
 
 
 def _trace(category, sizes):

@@ -129,8 +129,8 @@ def test_the_load_dtype_follows_the_config_unless_given(tiny_model):
     trains in pure bf16 (weights, gradients and AdamW moments at 2 B/param each); --dtype
     float32 gives fp32 master weights (4 B/param) that fp16 autocast casts per op (SDPA too:
     rotary embeddings leave Llama's q and k in fp32)."""
-    from anatomist.estimate.flops import step_ops
     from anatomist.estimate.memory import estimate_memory
+    from anatomist.estimate.time.ops import step_ops
 
     workload = load_workload(str(tiny_model("llama", dtype="bfloat16", torch_dtype="bfloat16")), seq_len=32)
     gpu = get_gpu("A100-80GB")
@@ -182,14 +182,14 @@ def test_deepspeed_mixed_precision_is_the_zero_papers_arithmetic(stage, per_para
     master weights and moments whatever the trace's moments were."""
     from anatomist.anatomy import MemoryCategory as C
     from anatomist.anatomy import Phase
-    from anatomist.estimate.sharding import ModelSize, shard
+    from anatomist.estimate.sharding import ZeroSize, shard
     from anatomist.trace.engine.records import PhasePeak
 
     n = 1 << 20
     traced = {C.WEIGHTS: 2 * n, C.GRADIENTS: 2 * n, C.OPTIMIZER_STATES: 4 * n, C.ACTIVATIONS: 123,
               C.TEMPORARY: 0, C.FUNCTIONALITY: 0}
     peak = PhasePeak(allocated=sum(traced.values()), reserved=sum(traced.values()) + 1000, categories=traced)
-    size = ModelSize(parameters=n, trainable=n)  # no parameter kept whole, none gathered: the paper's model
+    size = ZeroSize(parameters=n, trainable=n)  # no parameter kept whole, none gathered: the paper's model
     out = shard(peak, Recipe(zero_stage=stage, bf16=True), size, 4, "train", Phase.BACKWARD)
     states = out.categories[C.WEIGHTS] + out.categories[C.GRADIENTS] + out.categories[C.OPTIMIZER_STATES]
     assert states == per_param * n

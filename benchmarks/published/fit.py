@@ -4,14 +4,14 @@
     PYTHONPATH=src python benchmarks/published/fit.py fit          # fit, cross-validate, write the calibration
 
 `components` traces each run of runs.toml (and the seeds' V100 check, checks.toml) on fake
-tensors and stores, per run, the op components the time model needs (`time_fit.Components`) in
+tensors and stores, per run, the op components the time model needs (`fit.Components`) in
 components.json: the fit, the cross-validation and the fast tests read that file instead of
 tracing again (tests/test_time_published.py has a slow test that re-traces a sample and compares).
 
 `fit` fits the factors per GPU generation (data/time_generations: which catalog GPUs form one) in
 two stages: five of the six factors on every run (pooled; the host time per micro-batch kept), then
 the tensor-core and fp32 efficiencies on the generation's runs, the rest kept from the pooled fit.
-Every factor stays within the bounds of what it physically is (estimate/time_model.py). The error it claims is
+Every factor stays within the bounds of what it physically is (estimate/time/roofline.py). The error it claims is
 leave-one-source-out cross-validation: each source of a generation is predicted by a fit
 (both stages) on every other source; for "any" (a GPU in no generation), each generation is
 predicted by the pooled fit of the others. It writes src/anatomist/data/time_calibration.toml (the
@@ -37,13 +37,13 @@ CALIBRATION = HERE.parents[1] / "src" / "anatomist" / "data" / "time_calibration
 ACCURACY = HERE.parents[1] / "src" / "anatomist" / "data" / "time_accuracy.toml"
 
 def load_runs() -> list[dict[str, Any]]:
-    from anatomist.estimate.published import load_runs as load
+    from anatomist.calibration.published import load_runs as load
 
     return load(RUNS)
 
 
 def load_checks() -> list[dict[str, Any]]:
-    from anatomist.estimate.published import load_runs as load
+    from anatomist.calibration.published import load_runs as load
 
     return load(CHECKS)
 
@@ -85,7 +85,7 @@ def run_ops(run: dict[str, Any], workload: Any, recipe: Any, compute_capability:
     from loops import STEPS, apex_o2_ops, sdpa_benchmark_ops, trainer_2022_optimizer_ops
 
     from anatomist.anatomy import Phase
-    from anatomist.estimate.flops import StepOps, step_ops
+    from anatomist.estimate.time.ops import StepOps, step_ops
 
     step = run.get("step", "trainer")
     if step not in STEPS:
@@ -103,7 +103,7 @@ def run_ops(run: dict[str, Any], workload: Any, recipe: Any, compute_capability:
 
 def run_components(run: dict[str, Any]) -> dict[str, Any]:
     """The stored inputs of one run: its components on its GPU (see time_fit.components)."""
-    from anatomist.estimate.time_fit import components
+    from anatomist.calibration.fit import components
     from anatomist.hardware import get_gpu
 
     gpu = get_gpu(run["gpu"])
@@ -116,7 +116,7 @@ def run_components(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_key(run: dict[str, Any]) -> str:
-    from anatomist.estimate.published import run_key as key
+    from anatomist.calibration.published import run_key as key
 
     return str(key(run))
 
@@ -136,8 +136,8 @@ def cmd_components() -> None:
 
 
 def cmd_fit() -> None:
-    from anatomist.estimate.calibration import generation_of_gpu, published_toml
-    from anatomist.estimate.published import cross_validate, fit_all, load_inputs
+    from anatomist.calibration.lookup import generation_of_gpu
+    from anatomist.calibration.published import cross_validate, fit_all, load_inputs, published_toml
 
     stored = json.loads(COMPONENTS.read_text())
     inputs = load_inputs(load_runs(), stored)
@@ -204,7 +204,7 @@ def accuracy_toml(cv: dict[str, Any], measured: str) -> str:
 def print_checks(factors: Any) -> None:
     """The guide's V100 check (checks.toml, never fitted): published and predicted samples/s per recipe, and
     each recipe's speed-up over vanilla, with the V100 generation's factors, fastest published first."""
-    from anatomist.estimate.time_fit import Components, predict
+    from anatomist.calibration.fit import Components, predict
 
     stored = json.loads(COMPONENTS.read_text())
     rows = []

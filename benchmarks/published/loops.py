@@ -58,7 +58,7 @@ def _logits_sum(model: Any, reference: Any, workload: Any, recipe: Any, batch_si
 
 def sdpa_benchmark_ops(workload: Any, recipe: Any, compute_capability: str) -> Any:
     """`StepOps` of the SDPA benchmark's loop: forward and backward at the recipe's batch, no optimizer."""
-    from anatomist.estimate.flops import ops_of
+    from anatomist.estimate.time.ops import ops_of
     from anatomist.trace.step import trainers
     from anatomist.trace.store.parts import trace_part
 
@@ -73,7 +73,7 @@ def apex_o2_ops(workload: Any, recipe: Any, compute_capability: str) -> Any:
     import dataclasses
 
     from anatomist.anatomy import Phase
-    from anatomist.estimate.flops import StepOps, step_ops
+    from anatomist.estimate.time.ops import StepOps, step_ops
 
     half = dataclasses.replace(recipe, dtype="float16", fp16=False)
     passes = [r for r in step_ops(workload, half, compute_capability).records if r.phase is not Phase.OPTIMIZER]
@@ -114,7 +114,7 @@ def _optimizer_phase_2022(params: list[Any], optimizer: Any, recipe: Any, tracer
 
 def trainer_2022_optimizer_ops(workload: Any, recipe: Any, compute_capability: str) -> Any:
     """`StepOps` of the January 2022 Trainer's optimizer step (and the accumulation it adds to backward)."""
-    from anatomist.estimate.flops import ops_of
+    from anatomist.estimate.time.ops import ops_of
     from anatomist.trace.step import driver
 
     with _patched(driver, build_optimizer=_build_2022, optimizer_phase=_optimizer_phase_2022):

@@ -74,7 +74,7 @@ def precision(row: dict[str, Any]) -> str:
 
 def generation(row: dict[str, Any]) -> str:
     """The GPU generation of the row's catalog GPU (the time model's data/time_generations.toml)."""
-    from anatomist.estimate.calibration import generation_of_gpu
+    from anatomist.calibration.lookup import generation_of_gpu
 
     return generation_of_gpu(row["gpu"])
 

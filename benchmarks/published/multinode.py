@@ -61,7 +61,7 @@ def predict(run: dict[str, Any]) -> tuple[float, float]:
     sys.path.insert(0, str(HERE))
     import fit
 
-    from anatomist.estimate.communication import predict_time
+    from anatomist.estimate.time.cluster import predict_time
     from anatomist.hardware import get_gpu
 
     gpu, network = GPUS[run["gpu"]]

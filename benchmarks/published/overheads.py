@@ -9,7 +9,7 @@
    optimizer step (clipping, for-loop AdamW and zero_ per parameter, in Python), on tensors so small that the
    kernels themselves take almost nothing.
 
-The time model bounds its overheads by these (estimate/time_model.py: KERNEL_OVERHEAD_MAX_S,
+The time model bounds its overheads by these (estimate/time/roofline.py: KERNEL_OVERHEAD_MAX_S,
 MICRO_BATCH_OVERHEAD_S and MICRO_BATCH_OVERHEAD_MAX_S), so that an overhead never absorbs work the roofline misses,
 and weighs the host's time per kernel by phase with the ratios of 3 (HOST_PHASE_WEIGHTS). A GPU host adds the launch
 itself and a host-to-device copy; it usually has a faster CPU than this one.

@@ -166,7 +166,7 @@ def predict(workload: Workload, recipe: ResolvedRecipe, *, num_gpus: int = 1) ->
     """The estimator's prediction for this row on this device (per device of `num_gpus`), and notes on how
     it was made."""
     from anatomist.estimate.memory import estimate_memory
-    from anatomist.estimate.time import estimate_time
+    from anatomist.estimate.time.device import estimate_time
     from anatomist.hardware import cublas_workspace_bytes, detect_local_gpu, get_gpu
 
     notes: list[str] = []

@@ -63,7 +63,7 @@ def add_model_flags(parser: argparse.ArgumentParser, *, model_required: bool = T
 
 def add_devices_flags(parser: argparse.ArgumentParser, gpus_help: str) -> None:
     """--gpus, and the machines they are spread over (--nodes, --network)."""
-    from anatomist.estimate.communication import default_network, networks
+    from anatomist.estimate.time.network import default_network, networks
 
     parser.add_argument("--gpus", type=whole_number, default=None, metavar="N",
                         help=f"{gpus_help}; with --nodes, the GPUs of one node")

@@ -22,7 +22,8 @@ from anatomist.cli.common import (
 from anatomist.cli.recipe_flags import add_recipe_flags
 from anatomist.cli.render import Column, console, devices, gib, print_table
 from anatomist.cli.requests import EstimateRequest, estimate_request
-from anatomist.estimate.communication import UNFITTED_TERMS, adds_device_terms, describe_network
+from anatomist.estimate.time.cluster import UNFITTED_TERMS, adds_device_terms
+from anatomist.estimate.time.network import describe_network
 from anatomist.hardware import GPU, get_gpu
 from anatomist.recipe import Recipe
 from anatomist.recipe.axis_values import sharding_of
@@ -63,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def build_estimate(request: EstimateRequest) -> Estimate:
     """The estimate `request` asks for: the CLI's and the page's."""
-    from anatomist.estimate.calibration import calibration_for
+    from anatomist.calibration.lookup import calibration_for
 
     gpu = get_gpu(request.gpu)
     calibration = calibration_for(gpu, request.calibration)  # a bad calibration file is said before any heavy import

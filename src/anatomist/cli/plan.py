@@ -156,7 +156,7 @@ def _searched(request: PlanRequest) -> tuple[tuple[str, ...], tuple[str, ...] | 
 def _search(request: PlanRequest, *, one_size: bool = False) -> tuple[Any, Any, SearchSpace, str, float, Any]:
     """What `plan` is given: the workload, the GPU, the search space (`one_size`: one GPU, its size set later), the
     objective, the margin and the time model."""
-    from anatomist.estimate.calibration import calibration_for
+    from anatomist.calibration.lookup import calibration_for
 
     apply_cache_flag(request.no_cache)
     gpu = get_gpu(request.gpu)
@@ -190,7 +190,7 @@ def _search(request: PlanRequest, *, one_size: bool = False) -> tuple[Any, Any, 
         liger_options=(False,) if request.no_liger_kernel else None,
         precisions=precisions, shardings=shardings, methods=methods, base=Recipe(**lora, **trainer), fixed=fixed,
     )
-    from anatomist.estimate.communication import predict_time
+    from anatomist.estimate.time.cluster import predict_time
 
     time_model = functools.partial(predict_time, calibration=calibration)
     return workload, gpu, space, request.objective, request.memory_margin, time_model

@@ -66,7 +66,7 @@ class DevicesRequest:
         Raises:
             InputError: --gpus below 1, --nodes without --gpus, a cluster the network model refuses.
         """
-        from anatomist.estimate.communication import check_cluster
+        from anatomist.estimate.time.network import check_cluster
 
         nodes = self.nodes if self.nodes is not None else (source.nodes if source and source.nodes else 1)
         if self.gpus is not None:

@@ -14,7 +14,7 @@ from typing import Any
 
 __all__ = ["Estimate", "MemoryEstimate", "estimate", "estimate_memory", "estimate_time"]
 _HOME = {"Estimate": "predict", "estimate": "predict", "MemoryEstimate": "memory", "estimate_memory": "memory",
-         "estimate_time": "time"}
+         "estimate_time": "time.device"}
 
 
 def __getattr__(name: str) -> Any:

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from anatomist.estimate.calibration import ANY_GENERATION, Calibration
+from anatomist.calibration.lookup import ANY_GENERATION, Calibration
 from anatomist.recipe import Recipe
 
 Verdict = Literal["fits", "borderline", "does not fit"]

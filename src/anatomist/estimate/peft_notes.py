@@ -1,14 +1,14 @@
 """What an estimate says of LoRA and QLoRA beyond the rule: which layers the adapters reach where the recipe left
 it to PEFT, and what bitsandbytes leaves unquantized (a Mixture of Experts' fused experts, a classifier's head).
 
-Torch-free: read from the recipe, the workload's facts and the model plan (`trace.depth.plan.ModelPlan`).
+Torch-free: read from the recipe, the workload's facts and the model's size (`trace.depth.plan.ModelSize`).
 """
 
 from __future__ import annotations
 
 from anatomist.anatomy import GIB
 from anatomist.recipe import CLASSIFIER_HEADS, LORA_FALLBACK_TARGETS, ResolvedRecipe
-from anatomist.trace.depth.plan import ModelPlan
+from anatomist.trace.depth.plan import ModelSize
 from anatomist.workload import Workload
 
 EXPERT_PARAMETERS = "mlp.experts.gate_up_proj,mlp.experts.down_proj"
@@ -16,7 +16,7 @@ EXPERT_PARAMETERS = "mlp.experts.gate_up_proj,mlp.experts.down_proj"
 gpt-oss), as --lora-target-parameters names them."""
 
 
-def peft_notes(workload: Workload, recipe: ResolvedRecipe, plan: ModelPlan) -> list[str]:
+def peft_notes(workload: Workload, recipe: ResolvedRecipe, size: ModelSize) -> list[str]:
     """The notes of a LoRA / QLoRA `recipe` on `workload` (none without PEFT)."""
     if recipe.peft == "none":
         return []
@@ -27,12 +27,12 @@ def peft_notes(workload: Workload, recipe: ResolvedRecipe, plan: ModelPlan) -> l
                      "paper trains, axolotl's lora_target_linear), as the emitted LoraConfig says; "
                      "--lora-target-modules names others")
     if workload.is_moe:
-        notes.append(_experts_adapted(plan.adapted_parameters))
-    unquantized = plan.parameters - plan.trainable_parameters - plan.quantized_parameters
+        notes.append(_experts_adapted(size.adapted_parameters))
+    unquantized = size.parameters - size.trainable_parameters - size.quantized_parameters
     if recipe.quantized and workload.is_moe:
         notes.append(f"{'4' if recipe.load_in_4bit else '8'}-bit base of a Mixture of Experts: transformers' "
                      "bitsandbytes integration quantizes nn.Linear layers only; the experts' fused weights are "
-                     f"parameters of their own, so {_count(unquantized)} of the {_count(plan.parameters)} "
+                     f"parameters of their own, so {_count(unquantized)} of the {_count(size.parameters)} "
                      f"parameters (the experts, embeddings, norms and head) stay unquantized, loaded in {recipe.dtype} "
                      f"and cast to float32 by prepare_model_for_kbit_training ({unquantized * 4 / GIB:,.1f} GiB)")
     if recipe.quantized and recipe.llm_int8_skip_modules == CLASSIFIER_HEADS and workload.task == "sequence-classification":

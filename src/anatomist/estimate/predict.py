@@ -6,18 +6,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN
-from anatomist.estimate.calibration import Calibration, calibration_for
-from anatomist.estimate.communication import (
-    DEFAULT_NODES,
-    adds_device_terms,
-    check_cluster,
-    cluster_fields,
-    predict_time,
-)
-from anatomist.estimate.memory import MemoryEstimate, estimate_memory
+from anatomist.calibration.lookup import Calibration, calibration_for
+from anatomist.estimate.memory import MemoryEstimate, memory_from_traces
 from anatomist.estimate.moe import MoeRouting, moe_routing
-from anatomist.estimate.time import estimate_time
-from anatomist.estimate.traces import Mode
+from anatomist.estimate.time.cluster import adds_device_terms, time_across_devices
+from anatomist.estimate.time.device import estimate_time
+from anatomist.estimate.time.network import DEFAULT_NODES, check_cluster, cluster_fields
+from anatomist.estimate.traces import Mode, offloaded_bytes, step_traces
 from anatomist.hardware import GPU
 from anatomist.recipe import Recipe
 from anatomist.recipe.checks import check_gpu
@@ -45,7 +40,7 @@ class Estimate:
     nodes: int = 1
     """Machines those devices are spread over (only the time changes: collectives cross `network`)."""
     network: str | None = None
-    """The network between the nodes (a name of `communication.networks()`); None: one node, or the default."""
+    """The network between the nodes (a name of `network.networks()`); None: one node, or the default."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -82,8 +77,8 @@ def estimate(
     nodes: int = DEFAULT_NODES, network: str | None = None,
 ) -> Estimate:
     """Predict memory (and, in training, time) of one step of `recipe` on `gpu`; `calibration`:
-    the time model's factors (default: `calibration_for(gpu)`, the lookup of estimate/calibration.py);
-    `num_gpus` devices in all, on `nodes` machines joined by `network` (`communication.networks()`).
+    the time model's factors (default: `calibration_for(gpu)`, the lookup of calibration/lookup.py);
+    `num_gpus` devices in all, on `nodes` machines joined by `network` (`network.networks()`).
 
     Raises:
         InputError: what `gpu` cannot run (`recipe.checks.check_gpu`: bfloat16 weights run, emulated, on any GPU),
@@ -93,13 +88,16 @@ def estimate(
     check_gpu(recipe, gpu, dtype_given=False)
     recipe = recipe.resolved(workload)  # the library's entry point: everything below takes it resolved
     workload = workload.for_recipe(recipe)  # padding-free: the data's sequences, not the longest
-    memory = estimate_memory(workload, recipe, gpu, mode=mode, num_gpus=num_gpus, margin=margin)
+    traces = step_traces(workload, recipe, gpu.compute_capability, mode, num_gpus=num_gpus)  # read once, handed down
+    memory = memory_from_traces(workload, recipe, gpu, traces, mode=mode, num_gpus=num_gpus, margin=margin)
     calibration = calibration or calibration_for(gpu)
     time = None
     if mode == "train":  # the plan's time model: one device's step, plus sharding, offload and communication terms
-        time = (predict_time(workload, recipe, gpu, num_gpus=num_gpus, calibration=calibration, nodes=nodes,
-                             network=network) if adds_device_terms(recipe, num_gpus)
-                else estimate_time(workload, recipe, gpu, calibration))
+        # TRL's activation offloading is refused under FSDP: these are the traces `predict_time` would read
+        offloaded = offloaded_bytes(traces, recipe.per_device_train_batch_size) if recipe.activation_offloading else 0.0
+        time = (time_across_devices(workload, recipe, gpu, traces.size, micro_batch_offload_bytes=offloaded,
+                                    num_gpus=num_gpus, calibration=calibration, nodes=nodes, network=network)
+                if adds_device_terms(recipe, num_gpus) else estimate_time(workload, recipe, gpu, calibration))
     return Estimate(workload=workload, recipe=recipe, gpu=gpu, mode=mode, margin=margin, memory=memory, time=time,
                     moe=moe_routing(workload, recipe, memory.anatomy), extra={"time_calibration": calibration.describe()},
                     num_gpus=num_gpus, nodes=nodes, network=network)

@@ -97,7 +97,7 @@ def ddp_bucket_bytes(trainable_bytes: int) -> int:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ModelSize:
+class ZeroSize:
     """What the ZeRO arithmetic needs of the model as the recipe trains it."""
 
     parameters: int
@@ -124,7 +124,7 @@ def persistent_parameters(numels: tuple[int, ...], threshold: int) -> int:
     return sum(n for n in numels if n <= threshold)
 
 
-def shard(peak: PhasePeak, recipe: ResolvedRecipe, model: ModelSize, num_gpus: int, mode: str,
+def shard(peak: PhasePeak, recipe: ResolvedRecipe, model: ZeroSize, num_gpus: int, mode: str,
           phase: Phase) -> PhasePeak:
     """`peak` of `phase` (traced on one device) as one of `num_gpus` devices holds it under DeepSpeed ZeRO, or under
     data parallelism (one device's and DDP's gradient buckets); FSDP's unchanged (its peak is traced per rank)."""
@@ -144,7 +144,7 @@ def shard(peak: PhasePeak, recipe: ResolvedRecipe, model: ModelSize, num_gpus: i
     return PhasePeak(allocated=allocated, reserved=max(reserved, allocated), categories=categories)
 
 
-def _zero_categories(categories: dict[MemoryCategory, int], recipe: ResolvedRecipe, model: ModelSize, n: int,
+def _zero_categories(categories: dict[MemoryCategory, int], recipe: ResolvedRecipe, model: ZeroSize, n: int,
                      phase: Phase) -> dict[MemoryCategory, int]:
     """One device's categories under ZeRO, from one device's traced step as DeepSpeed runs it (`as_deepspeed_runs`:
     weights and gradients already in the engine's dtype). The module docstring says what each rule follows."""
@@ -173,7 +173,7 @@ def _zero_categories(categories: dict[MemoryCategory, int], recipe: ResolvedReci
     return categories
 
 
-def _stage3_weight_bytes(traced: int, recipe: ResolvedRecipe, model: ModelSize, n: int, *, gathered: bool) -> int:
+def _stage3_weight_bytes(traced: int, recipe: ResolvedRecipe, model: ZeroSize, n: int, *, gathered: bool) -> int:
     """ZeRO-3's weights on one device: its partition of the parameters (none under offload_param), those kept whole,
     and in forward and backward the gathered ones (module docstring; backward's last module releases them before the
     step), in the dtype of the traced weights."""

@@ -14,6 +14,7 @@ depth; where even that disagrees, the notes say so.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, TypeVar
@@ -24,11 +25,11 @@ from anatomist.errors import InputError
 from anatomist.estimate.sharding import as_deepspeed_runs
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.depth.cuts import Depth
-from anatomist.trace.depth.plan import TRACE_DEPTHS, TracePlan, full_plan, model_plan
+from anatomist.trace.depth.plan import TRACE_DEPTHS, ModelSize, TracePlan, full_plan, model_plan
 from anatomist.trace.engine.records import StepTrace
 from anatomist.trace.step.experts import check_traceable
 from anatomist.trace.store.keys import Part
-from anatomist.trace.store.parts import trace_part, trace_parts
+from anatomist.trace.store.parts import PartRequest, trace_part, trace_parts
 from anatomist.workload import Workload
 
 __all__ = ["TRACE_BATCHES", "TRACE_DEPTHS", "Mode", "StepTraces", "affine", "implied_parameters", "offloaded_bytes",
@@ -57,12 +58,20 @@ class StepTraces:
     plan: TracePlan
     passes: dict[tuple[Depth, int], StepTrace]
     optimizer: dict[Depth, StepTrace] | None
-    parameters: int
-    """Exact parameters of the full model as the recipe trains it (the meta-device count)."""
-    trainable_parameters: int
+    size: ModelSize
+    """The full model's exact size as the recipe trains it (the meta-device count): what the traces must add up to,
+    and what the estimate's other arithmetic reads of the model."""
     notes: tuple[str, ...]
     """What the Estimate must say of how it was traced (plans other than uniform, a count that
     does not add up)."""
+
+    @property
+    def parameters(self) -> int:
+        return self.size.parameters
+
+    @property
+    def trainable_parameters(self) -> int:
+        return self.size.trainable_parameters
 
 
 def step_traces(workload: Workload, recipe: ResolvedRecipe, compute_capability: str, mode: Mode = "train",
@@ -74,38 +83,35 @@ def step_traces(workload: Workload, recipe: ResolvedRecipe, compute_capability: 
     check_traceable(workload, recipe)  # before the caches: a config's experts kernel is not in their keys
     recipe = as_deepspeed_runs(recipe)
     model = model_plan(workload, recipe, use_cache=use_cache)
-    if recipe.fsdp != "none" and model.blocks == 0:
+    if recipe.fsdp != "none" and model.size.blocks == 0:
         raise InputError(f"{workload.name}: FSDP shards a model block by block, and this model has no repeated block to "
                          "wrap (its layers are shared or unlisted); use DeepSpeed ZeRO (--zero-stage) instead")
 
     def traced(plan: TracePlan) -> StepTraces:
         parts = parts_of(plan, mode)
         if use_cache:
-            trace_parts(workload, [(recipe, *p, num_gpus) for p in parts], compute_capability)
+            trace_parts(workload, [PartRequest(recipe, *p, num_gpus) for p in parts], compute_capability)
         traces = {(part, c, b): trace_part(workload, recipe, part, depth=c, batch_size=b,
                                            compute_capability=compute_capability, use_cache=use_cache,
                                            num_gpus=num_gpus)
                   for part, c, b in parts}
         passes = {(c, b): t for (part, c, b), t in traces.items() if part != "optimizer"}
         optimizer = {c: t for (part, c, _), t in traces.items() if part == "optimizer"} if mode == "train" else None
-        return StepTraces(plan=plan, passes=passes, optimizer=optimizer, parameters=model.parameters,
-                          trainable_parameters=model.trainable_parameters,
+        return StepTraces(plan=plan, passes=passes, optimizer=optimizer, size=model.size,
                           notes=(plan.note,) if plan.note else ())
 
     traces = traced(model.plan)
     implied = implied_parameters(traces)
-    exact = (model.parameters, model.trainable_parameters)
+    exact = (model.size.parameters, model.size.trainable_parameters)
     if implied != exact and model.plan.how != "full":
         why = (f"the traced cuts imply {implied[0]:,} parameters ({implied[1]:,} trainable), the model has "
                f"{exact[0]:,} ({exact[1]:,})")
-        traces = traced(full_plan(model.blocks, why))
+        traces = traced(full_plan(model.size.blocks, why))
         implied = implied_parameters(traces)
     if implied != exact:
         note = (f"the traces count {implied[0]:,} parameters ({implied[1]:,} trainable) but the model built on "
                 f"the meta device has {exact[0]:,} ({exact[1]:,}): memory and time may be off accordingly")
-        traces = StepTraces(plan=traces.plan, passes=traces.passes, optimizer=traces.optimizer,
-                            parameters=traces.parameters, trainable_parameters=traces.trainable_parameters,
-                            notes=(*traces.notes, note))
+        traces = dataclasses.replace(traces, notes=(*traces.notes, note))
     return traces
 
 
@@ -130,7 +136,7 @@ def prefetch(workload: Workload, recipes: Iterable[ResolvedRecipe], compute_capa
         except InputError:
             continue  # step_traces says so, in its turn
         plan = model_plan(workload, recipe).plan
-        requests += [(recipe, *p, num_gpus) for p in parts_of(plan, mode)]
+        requests += [PartRequest(recipe, *p, num_gpus) for p in parts_of(plan, mode)]
     trace_parts(workload, requests, compute_capability)
 
 

@@ -35,7 +35,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from anatomist.anatomy import OpClass, Phase
 from anatomist.axes.optimizers import optimizer
 from anatomist.errors import InputError
-from anatomist.estimate.flops import step_flops, step_ops
+from anatomist.estimate.time.ops import step_flops, step_ops
 from anatomist.hardware import detect_local_gpu
 from anatomist.op_classes import classify, is_known
 from anatomist.recipe import Recipe, ResolvedRecipe

@@ -150,7 +150,7 @@ class Recorder:
 
 def mfu_inputs(workload: Workload, recipe: Recipe) -> tuple[StepFlops | None, float | None]:
     """What MFU and HFU need: the model and hardware FLOPs of one optimizer step on one device
-    (counted on fake tensors by `anatomist.estimate.flops.step_flops`) and the local GPU's
+    (counted on fake tensors by `anatomist.estimate.time.ops.step_flops`) and the local GPU's
     dense peak FLOP/s for the recipe's precision. (None, None) where there is no GPU, or one
     the catalog does not know."""
     from anatomist.hardware import detect_local_gpu
@@ -158,7 +158,7 @@ def mfu_inputs(workload: Workload, recipe: Recipe) -> tuple[StepFlops | None, fl
     gpu = detect_local_gpu()
     if gpu is None:
         return None, None
-    from anatomist.estimate.flops import step_flops
+    from anatomist.estimate.time.ops import step_flops
     from anatomist.recipe.axis_values import matmul_precision
     recipe = recipe.resolved(workload)
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from anatomist.anatomy import TimeAnatomy
-from anatomist.estimate.communication import TimeModel
 from anatomist.estimate.memory import MemoryEstimate, estimate_memory
+from anatomist.estimate.time.cluster import TimeModel
 from anatomist.hardware import GPU, catalog
 from anatomist.recipe import Recipe, ResolvedRecipe
 from anatomist.workload import Workload

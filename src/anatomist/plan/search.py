@@ -2,7 +2,7 @@
 
 Memory comes from `estimate_memory` (fake-tensor traces, cached per trace-shaping fields, so
 batch size, accumulation and sharding variations are arithmetic); time from the time model
-(`communication.predict_time`). A recipe fits when the top of its predicted device total's interval (what
+(`cluster.predict_time`). A recipe fits when the top of its predicted device total's interval (what
 nvidia-smi would show, as far above the prediction as published GPU runs were: `estimate.intervals`) is at most
 (1 - margin) x the GPU's memory; among recipes the time model cannot rank (predicted within its median held-out
 error of the fastest: `candidates.speed_error`) the pick prefers headroom, then the simplest (`candidates.choose`).
@@ -17,17 +17,10 @@ from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, GIB
 from anatomist.axes.precisions import searchable_on
 from anatomist.axes.shardings import shardings_for
 from anatomist.errors import InputError
-from anatomist.estimate.communication import (
-    UNFITTED_TERMS,
-    TimeModel,
-    adds_device_terms,
-    check_cluster,
-    cluster_fields,
-    describe_network,
-    predict_time,
-)
-from anatomist.estimate.flops import recomputing_nothing
 from anatomist.estimate.memory import memory_limit_bytes
+from anatomist.estimate.time.cluster import UNFITTED_TERMS, TimeModel, adds_device_terms, predict_time
+from anatomist.estimate.time.network import check_cluster, cluster_fields, describe_network
+from anatomist.estimate.time.ops import recomputing_nothing
 from anatomist.estimate.traces import prefetch
 from anatomist.hardware import GPU
 from anatomist.plan.candidates import (
@@ -288,7 +281,7 @@ def _fastest_of(recipes: list[ResolvedRecipe], evaluate: Evaluator) -> Candidate
 
 def _time_traced(recipes: list[ResolvedRecipe]) -> list[ResolvedRecipe]:
     """The recipes whose traces the time of `recipes` reads: one device's step (`keys.one_device`) and, where it
-    checkpoints, the same step without (its model FLOPs: `flops.step_flops`)."""
+    checkpoints, the same step without (its model FLOPs: `ops.step_flops`)."""
     one = [one_device(r) for r in recipes]
     plain = [recomputing_nothing(r) for r in one if r.gradient_checkpointing]
     return list(dict.fromkeys(one + plain))

@@ -58,9 +58,9 @@ class SearchSpace:
     num_gpus: int = 1
     """Data-parallel devices, every node's."""
     nodes: int = 1
-    """Machines the devices are spread over: the collectives cross `network` (estimate/communication.py)."""
+    """Machines the devices are spread over: the collectives cross `network` (estimate/time/cluster.py)."""
     network: str | None = None
-    """The network between the nodes (a name of `communication.networks()`); None: the default."""
+    """The network between the nodes (a name of `network.networks()`); None: the default."""
     optims: tuple[str, ...] = DEFAULT_SEARCH
     compile_options: tuple[bool, ...] = (False, True)
     checkpointing_options: tuple[bool, ...] = (False, True)

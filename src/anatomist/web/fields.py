@@ -124,7 +124,7 @@ def _data() -> list[Field]:
 
 def _devices() -> list[Field]:
     """The network between the nodes, the memory kept free, the cluster sizes a plan chooses among."""
-    from anatomist.estimate.communication import default_network, networks
+    from anatomist.estimate.time.network import default_network, networks
 
     return [
         _field("network", "--network", "choice", GPUS, choices=tuple(networks()), default=default_network(),

@@ -88,12 +88,13 @@ class TracePlan:
 
 
 @dataclass(frozen=True, slots=True)
-class ModelPlan:
-    """What the estimator keeps of a model's layout: its plan and its exact size."""
+class ModelSize:
+    """The full model's size as the recipe trains it, counted on the model built on the meta device
+    (`layout.Layout`): what the estimator reads beside the traces (the exact parameter count the traces must add up
+    to, the arithmetic of sharding, collectives and offload, the notes)."""
 
-    plan: TracePlan
     parameters: int
-    """Parameters of the full model as the recipe trains it (`stack.Layout.parameters`)."""
+    """Parameters of the full model as the recipe trains it (`layout.Layout.parameters`)."""
     trainable_parameters: int
     blocks: int
     """Repeated blocks of the full model (0 where no stack was found)."""
@@ -105,15 +106,23 @@ class ModelPlan:
     quantized_codes: int = 0
     """Bytes of a quantized base's 4-/8-bit codes, whose elements `parameter_numels` counts too."""
     quantized_parameters: int = 0
-    """Parameters of the base that bitsandbytes quantizes, as its authors count them (`stack.Layout`)."""
+    """Parameters of the base that bitsandbytes quantizes, as its authors count them (`layout.Layout`)."""
     adapted_parameters: tuple[str, ...] = ()
-    """The parameters PEFT adapts directly (its target_parameters), named within their layer (`stack.Layout`)."""
+    """The parameters PEFT adapts directly (its target_parameters), named within their layer (`layout.Layout`)."""
     rows_divisor: int = 1
     """The greatest common divisor of every parameter's rows (dim 0): FSDP's shards at a world size that divides it
     are even (`trace.depth.worlds`)."""
     trainable_bytes: int = 0
     """Bytes of the trainable parameters in their dtypes, as their gradients are: what DistributedDataParallel's
     gradient buckets hold (`estimate.sharding.ddp_bucket_bytes`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPlan:
+    """What the estimator keeps of a model's layout: which cuts to trace, and the full model's size."""
+
+    plan: TracePlan
+    size: ModelSize
 
 
 def model_plan(workload: Workload, recipe: ResolvedRecipe, *, use_cache: bool = True) -> ModelPlan:
@@ -124,13 +133,13 @@ def model_plan(workload: Workload, recipe: ResolvedRecipe, *, use_cache: bool = 
         from anatomist.trace.depth.layout import layout_of  # builds the model: imports torch
 
         layout = layout_of(workload, recipe)
-        return ModelPlan(plan=trace_plan(workload, recipe, layout), parameters=layout.parameters,
-                         trainable_parameters=layout.trainable_parameters, blocks=layout.blocks,
-                         parameter_numels=layout.parameter_numels, block_parameters=layout.block_parameters,
-                         quantized_codes=layout.quantized_codes, quantized_parameters=layout.quantized_parameters,
-                         adapted_parameters=layout.adapted_parameters,
-                         rows_divisor=layout.rows_divisor,
+        size = ModelSize(parameters=layout.parameters, trainable_parameters=layout.trainable_parameters,
+                         blocks=layout.blocks, parameter_numels=layout.parameter_numels,
+                         block_parameters=layout.block_parameters, quantized_codes=layout.quantized_codes,
+                         quantized_parameters=layout.quantized_parameters,
+                         adapted_parameters=layout.adapted_parameters, rows_divisor=layout.rows_divisor,
                          trainable_bytes=layout.trainable_bytes)
+        return ModelPlan(plan=trace_plan(workload, recipe, layout), size=size)
 
     if not use_cache:
         return make()

@@ -103,4 +103,4 @@ def op_signature(func: Any, args: Any, kwargs: Any, out: Any, phase: Phase) -> S
         moved = _nbytes(inputs) + _nbytes(outputs)
         if not outputs:  # in-place ops that return nothing (foreach): they write their first argument
             moved += _nbytes(tensors_in(args[0])) if args else 0
-    return (name, op_class, phase, dtype, flops, approx, moved, view, is_known(name))
+    return Signature(name, op_class, phase, dtype, flops, approx, moved, view, is_known(name))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -22,10 +22,40 @@ from anatomist.trace.engine.allocator import CachingAllocator, round_size
 SEGMENTS = ("pre", "blocks", "post")
 """Where in a phase an event happens: before, inside and after the repeated blocks."""
 
-Signature = tuple[str, OpClass, Phase, str, int, int, int, bool, bool]
-"""One op call: (name, class, phase, dtype, flops, approx_flops, bytes, view, known)."""
-COST_FIELDS = (4, 5, 6)
-"""The signature's per-call costs: flops, approx_flops, bytes."""
+class Signature(NamedTuple):
+    """The cost of one op call, as the tracer records it (`trace.engine.op_costs.op_signature`).
+
+    A typed tuple, not a dataclass: one is made per traced op and thousands are read back with every cached trace;
+    a frozen dataclass made both measurably slower (tracing, and a warm estimate's unpickling)."""
+
+    name: str
+    """ATen base name, e.g. `addmm`, `native_layer_norm_backward`."""
+    op_class: OpClass
+    phase: Phase
+    dtype: str
+    """dtype of the op's first floating-point input (the precision its kernel runs in)."""
+    flops: int
+    """FLOPs by flop_counter's formulas (0 for ops it does not count)."""
+    approx_flops: int
+    """FLOPs of a non-contraction op, approximated per element (not in `flops`)."""
+    bytes: int
+    """Bytes read and written: input + output tensor bytes (0 for views)."""
+    view: bool
+    known: bool
+    """False when op_classes.toml does not list the op (it is then `other`)."""
+
+    def kind(self) -> tuple[str, OpClass, Phase, str, bool, bool]:
+        """The signature less its per-call costs: what the same op has at every batch size and depth."""
+        return self.name, self.op_class, self.phase, self.dtype, self.view, self.known
+
+    def costs(self) -> tuple[int, int, int]:
+        """The per-call costs (flops, approx_flops, bytes): affine in the batch size."""
+        return self.flops, self.approx_flops, self.bytes
+
+    def with_costs(self, flops: int, approx_flops: int, moved: int) -> Signature:
+        """The same op at other per-call costs."""
+        return Signature(self.name, self.op_class, self.phase, self.dtype, flops, approx_flops, moved, self.view,
+                         self.known)
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from anatomist.anatomy import STEP_PHASES, MemoryCategory, Phase
 from anatomist.trace.engine.allocator import round_size
 from anatomist.trace.engine.op_costs import op_signature, tensors_in
-from anatomist.trace.engine.records import Allocation, Event, Trace
+from anatomist.trace.engine.records import Allocation, Event, Signature, Trace
 
 _aten = torch.ops.aten
 DEVICE_QUERY = torch.ops.prim.device.default
@@ -94,7 +94,7 @@ class StepTracer(TorchDispatchMode):
         finally:
             self.record_ops = recording
         if self.record_ops and self.micro_step == 0 and self.phase in STEP_PHASES:
-            self.trace.ops.extend((op[0], op[1], self.phase, *op[2:]) for op in ops)  # type: ignore[misc]
+            self.trace.ops.extend(Signature(op[0], op[1], self.phase, *op[2:]) for op in ops)
 
     # -- registration of what exists before the step -------------------------------
     def register(self, tensor: torch.Tensor, category: MemoryCategory) -> None:

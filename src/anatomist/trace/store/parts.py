@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from anatomist.trace.depth.cuts import Cut, Depth
@@ -26,9 +27,25 @@ if TYPE_CHECKING:
     from anatomist.recipe import ResolvedRecipe
     from anatomist.workload import Workload
 
-PartRequest = tuple["ResolvedRecipe", Part, Depth, int, int]
-"""A part of a recipe's step at a depth and batch size, on a number of data-parallel devices (only an
-FSDP recipe's trace depends on it: `keys.traced_world`): what `trace_part` is asked for."""
+@dataclass(frozen=True, slots=True)
+class PartRequest:
+    """A part of a recipe's step at a depth and batch size, on a number of data-parallel devices: what `trace_part`
+    is asked for."""
+
+    recipe: ResolvedRecipe
+    part: Part
+    depth: Depth
+    batch_size: int
+    num_gpus: int = 1
+    """Data-parallel devices: only an FSDP recipe's trace depends on it (`keys.traced_world`)."""
+
+    def key(self, workload: Workload, compute_capability: str) -> tuple[Any, ...]:
+        """The trace cache's key of this part (`keys.part_key`)."""
+        return part_key(workload, self.recipe, self.part, self.depth, self.batch_size, compute_capability,
+                        self.num_gpus)
+
+    def replace(self, **changes: Any) -> PartRequest:
+        return dataclasses.replace(self, **changes)
 
 
 def trace_part(workload: Workload, recipe: ResolvedRecipe, part: Part, *, depth: Depth, batch_size: int,
@@ -38,8 +55,7 @@ def trace_part(workload: Workload, recipe: ResolvedRecipe, part: Part, *, depth:
     Served from the trace cache (memory, then disk: `trace.store.cache`) when the same part was
     traced before with everything that shapes it equal (`keys.part_key`).
     """
-    request = _as_traced(workload, (recipe, part, depth, batch_size, num_gpus))
-    recipe, part, depth, batch_size, num_gpus = request
+    request = _as_traced(workload, PartRequest(recipe, part, depth, batch_size, num_gpus))
     if not use_cache:
         return dataclasses.replace(trace_request(workload, request, compute_capability), first_micro_batch=None)
 
@@ -47,7 +63,7 @@ def trace_part(workload: Workload, recipe: ResolvedRecipe, part: Part, *, depth:
         return _derived(workload, request, compute_capability) or _keep_first_micro_batch(
             workload, request, compute_capability, trace_request(workload, request, compute_capability))
 
-    return cache.get_or_trace(part_key(workload, recipe, part, depth, batch_size, compute_capability, num_gpus), traced)
+    return cache.get_or_trace(request.key(workload, compute_capability), traced)
 
 
 def trace_parts(workload: Workload, requests: Iterable[PartRequest], compute_capability: str) -> None:
@@ -58,8 +74,7 @@ def trace_parts(workload: Workload, requests: Iterable[PartRequest], compute_cap
     what can be derived from the others is derived once they are traced (`_basis_requests`)."""
 
     def key_of(request: PartRequest) -> tuple[Any, ...]:
-        recipe, part, depth, batch, num_gpus = request
-        return part_key(workload, recipe, part, depth, batch, compute_capability, num_gpus)
+        return request.key(workload, compute_capability)
 
     needed: dict[tuple[Any, ...], PartRequest] = {}
     """Each part to put in the cache, and those it is derived from at other world sizes."""
@@ -71,11 +86,12 @@ def trace_parts(workload: Workload, requests: Iterable[PartRequest], compute_cap
     carried = {key: request for key, request in needed.items()
                if _basis_requests(workload, request, lambda r: key_of(r) in needed or cache.has(key_of(r)))}
     first_micro_batches = {_first_micro_batch_key(workload, r, compute_capability) for r in needed.values()
-                           if r[1] == "forward-backward" and r[0].gradient_accumulation_steps > 1 and r[0].fsdp == "none"}
+                           if r.part == "forward-backward" and r.recipe.gradient_accumulation_steps > 1
+                           and r.recipe.fsdp == "none"}
     _side_by_side(workload, {k: r for k, r in needed.items() if k not in carried and k not in first_micro_batches},
                   compute_capability)
     left = {}
-    for key, request in sorted(carried.items(), key=lambda item: (item[1][4] != _bases[-1][1], item[1][3])):
+    for key, request in sorted(carried.items(), key=lambda item: (item[1].num_gpus != _bases[-1][1], item[1].batch_size)):
         trace = _derived(workload, request, compute_capability)  # world b's first: the other sizes derive from them
         if trace is not None:
             cache.put(key, trace)
@@ -94,7 +110,7 @@ def _as_traced(workload: Workload, request: PartRequest) -> PartRequest:
     - passes depend only on which of its layers checkpoint, in order, not on their numbers in the full model or on N:
       they are traced as the cut of the same length that checkpoints the same ones of its layers under one in two
       (`_one_in_two`), and recipes that checkpoint one layer in 2, 3 or 4 share those traces."""
-    recipe, part, depth, batch, num_gpus = request
+    recipe, depth = request.recipe, request.depth
     if not isinstance(depth, Cut) or recipe.checkpoint_every == 1:
         return request
     from anatomist.trace.depth.plan import model_plan  # from the cache, else the model built on the meta device
@@ -102,10 +118,10 @@ def _as_traced(workload: Workload, request: PartRequest) -> PartRequest:
     plain = model_plan(workload, recipe.replace(checkpoint_every=1)).plan
     if plain.how != "uniform":
         return request
-    if part == "optimizer":
-        return recipe, part, depth.blocks, batch, num_gpus
+    if request.part == "optimizer":
+        return request.replace(depth=depth.blocks)
     one_in_two = _one_in_two(recipe, depth) if len(plain.deltas[0].inserted) == 1 else None
-    return (recipe.replace(checkpoint_every=2), part, one_in_two, batch, num_gpus) if one_in_two else request
+    return request.replace(recipe=recipe.replace(checkpoint_every=2), depth=one_in_two) if one_in_two else request
 
 
 def _one_in_two(recipe: ResolvedRecipe, cut: Cut) -> Cut | None:
@@ -127,9 +143,9 @@ def _side_by_side(workload: Workload, wanted: dict[tuple[Any, ...], PartRequest]
     size and several depths are one job: the worker compiles the blocks once for all of them (`trace.step.compiled`)."""
     groups: dict[Any, list[tuple[tuple[Any, ...], PartRequest]]] = {}
     for key, request in wanted.items():
-        recipe, part, _, batch, num_gpus = request
-        shared = part == "forward-backward" and traced_compile(recipe)
-        groups.setdefault((compile_context(workload, recipe), batch, num_gpus) if shared else key, []).append((key, request))
+        shared = request.part == "forward-backward" and traced_compile(request.recipe)
+        group = (compile_context(workload, request.recipe), request.batch_size, request.num_gpus) if shared else key
+        groups.setdefault(group, []).append((key, request))
     # the longest first: no long job left for the end
     jobs = sorted(groups.values(), key=lambda job: -sum(_size_guess(r) for _, r in job))
     work = [functools.partial(trace_requests, workload, [r for _, r in job], compute_capability) for job in jobs]
@@ -167,20 +183,21 @@ def _basis_requests(workload: Workload, request: PartRequest,
       sample some copies are views: `estimate.traces.TRACE_BATCHES`);
     - at any other world size: the same part at a and b (`worlds.derive`), unless the shards would be padded at
       one of the three."""
-    recipe, part, depth, batch, num_gpus = request
-    if not _bases or recipe.fsdp == "none" or num_gpus == _bases[-1][0]:
+    recipe, batch = request.recipe, request.batch_size
+    if not _bases or recipe.fsdp == "none" or request.num_gpus == _bases[-1][0]:
         return []
     lo, hi = _bases[-1]
-    if num_gpus == hi:
-        basis = [(recipe, part, depth, batch - 1, lo), (recipe, part, depth, batch, lo), (recipe, part, depth, batch - 1, hi)]
-        passes = part in ("forward-backward", "inference") and batch - 1 >= 2
+    if request.num_gpus == hi:
+        basis = [request.replace(batch_size=batch - 1, num_gpus=lo), request.replace(num_gpus=lo),
+                 request.replace(batch_size=batch - 1)]
+        passes = request.part in ("forward-backward", "inference") and batch - 1 >= 2
         return basis if passes and available is not None and all(map(available, basis)) else []
     from anatomist.trace.depth.plan import model_plan  # from the cache, else the model built on the meta device
 
-    rows = model_plan(workload, recipe).rows_divisor
-    if any(rows % n for n in (lo, hi, num_gpus)):
+    rows = model_plan(workload, recipe).size.rows_divisor
+    if any(rows % n for n in (lo, hi, request.num_gpus)):
         return []
-    return [(recipe, part, depth, batch, n) for n in (lo, hi)]
+    return [request.replace(num_gpus=n) for n in (lo, hi)]
 
 
 def _derived(workload: Workload, request: PartRequest, compute_capability: str) -> StepTrace | None:
@@ -189,28 +206,27 @@ def _derived(workload: Workload, request: PartRequest, compute_capability: str) 
     from anatomist.trace.depth.worlds import derive, derive_batch
 
     def cached(one: PartRequest) -> bool:
-        recipe, part, depth, batch, num_gpus = one
-        return cache.has(part_key(workload, recipe, part, depth, batch, compute_capability, num_gpus))
+        return cache.has(one.key(workload, compute_capability))
 
     basis = _basis_requests(workload, request, cached)
     if not basis:
         return None
-    traces = [trace_part(workload, r[0], r[1], depth=r[2], batch_size=r[3], compute_capability=compute_capability,
-                         num_gpus=r[4]) for r in basis]
-    if request[4] == _bases[-1][1]:
+    traces = [trace_part(workload, r.recipe, r.part, depth=r.depth, batch_size=r.batch_size,
+                         compute_capability=compute_capability, num_gpus=r.num_gpus) for r in basis]
+    if request.num_gpus == _bases[-1][1]:
         lo, lo_next, other = traces
         return derive_batch(lo, lo_next, other)
     lo, hi = traces
-    return derive(lo, hi, request[4])
+    return derive(lo, hi, request.num_gpus)
 
 
 def trace_request(workload: Workload, request: PartRequest, compute_capability: str) -> StepTrace:
     """The trace of `request`, with its ops recorded: what `trace_part` stores."""
     from anatomist.trace.step.driver import trace_step  # imports torch: only when something is traced
 
-    recipe, part, depth, batch, num_gpus = request
-    return trace_step(workload, recipe, depth=depth, batch_size=batch, compute_capability=compute_capability,
-                      part=part, record_ops=True, num_gpus=num_gpus)
+    return trace_step(workload, request.recipe, depth=request.depth, batch_size=request.batch_size,
+                      compute_capability=compute_capability, part=request.part, record_ops=True,
+                      num_gpus=request.num_gpus)
 
 
 def trace_requests(workload: Workload, requests: list[PartRequest], compute_capability: str) -> list[StepTrace]:
@@ -220,7 +236,7 @@ def trace_requests(workload: Workload, requests: list[PartRequest], compute_capa
 
 def _size_guess(request: PartRequest) -> float:
     """How long a part takes to trace, roughly (its ops): blocks, micro-batches, recomputation."""
-    recipe, part, depth, _, _ = request
+    recipe, part, depth = request.recipe, request.part, request.depth
     blocks = depth if isinstance(depth, int) else depth.blocks if isinstance(depth, Cut) else 100
     if part == "optimizer":
         return blocks
@@ -228,9 +244,8 @@ def _size_guess(request: PartRequest) -> float:
 
 
 def _first_micro_batch_key(workload: Workload, request: PartRequest, compute_capability: str) -> tuple[Any, ...]:
-    recipe, part, depth, batch, num_gpus = request
-    one = dataclasses.replace(recipe, gradient_accumulation_steps=1)
-    return part_key(workload, one, part, depth, batch, compute_capability, num_gpus)
+    one = dataclasses.replace(request.recipe, gradient_accumulation_steps=1)
+    return request.replace(recipe=one).key(workload, compute_capability)
 
 
 def _keep_first_micro_batch(workload: Workload, request: PartRequest, compute_capability: str,

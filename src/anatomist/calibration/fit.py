@@ -3,7 +3,7 @@ calibration (benchmarks/published/fit.py) share.
 
 A measured step is reduced to its *components*: for every kernel-launching op record, its
 seconds at 100% of the datasheet peaks (tensor cores, CUDA cores, memory), its calls per
-optimizer step and its phase; and the micro-batches the step runs. The model (`time_model`) then
+optimizer step and its phase; and the micro-batches the step runs. The model (`estimate.time.roofline`) then
 predicts
 
     step_s = sum over phases of max(sum(calls x kernel_s(tc_s, cuda_s, memory_s)), calls x weight x host_op_s)
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from anatomist.estimate.time_model import (
+from anatomist.estimate.time.roofline import (
     EFFICIENCY_MIN,
     HOST_OP_MAX_S,
     HOST_PHASE_WEIGHTS,
@@ -36,7 +36,7 @@ from anatomist.estimate.time_model import (
 )
 
 if TYPE_CHECKING:
-    from anatomist.estimate.flops import StepOps
+    from anatomist.estimate.time.ops import StepOps
     from anatomist.hardware import GPU
     from anatomist.recipe import ResolvedRecipe
 
@@ -85,7 +85,7 @@ def components(ops: StepOps, recipe: ResolvedRecipe, gpu: GPU, *, optimizer_shar
             FSDP shards the optimizer state over N devices).
     """
     from anatomist.anatomy import STEP_PHASES, Phase
-    from anatomist.estimate.time import peak_seconds
+    from anatomist.estimate.time.device import peak_seconds
 
     records = [r for r in ops.records if not r.view]
     peaks = np.array([peak_seconds(r, recipe, gpu) for r in records], dtype=np.float64).reshape(-1, 3)

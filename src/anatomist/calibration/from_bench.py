@@ -1,10 +1,10 @@
 """Fit the time model to `anatomist bench` rows measured on a GPU: `anatomist calibrate`.
 
 Each finished GPU row gives a measured step (its median optimizer-step time, from the
-callback) of a known workload, recipe and GPU; `estimate.measured_calibration.fit_calibration` finds the
+callback) of a known workload, recipe and GPU; `calibration.measured.fit_calibration` finds the
 factors that predict them best. The result is a measured calibration for that GPU (and
 software stack): a file for `--calibration FILE`, or, installed, the user's calibration of that
-GPU that estimate and plan then use by default (`estimate.calibration.calibration_for`).
+GPU that estimate and plan then use by default (`calibration.lookup.calibration_for`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from anatomist.bench.store import open_results
+from anatomist.calibration.lookup import Calibration
+from anatomist.calibration.measured import TimedStep, fit_calibration
 from anatomist.errors import InputError
-from anatomist.estimate.calibration import Calibration
-from anatomist.estimate.measured_calibration import TimedStep, fit_calibration
-from anatomist.estimate.time import estimate_time
+from anatomist.estimate.time.device import estimate_time
 from anatomist.hardware import match_catalog
 from anatomist.recipe import Recipe
 from anatomist.workload import Workload

@@ -1,19 +1,21 @@
 """A calibration fitted to steps measured on one GPU (`anatomist calibrate` on bench rows).
 
-The published calibration (`estimate/published.py`) starts the fit; `time_fit.fit` moves each
+The published calibration (`calibration/published.py`) starts the fit; `fit.fit` moves each
 factor within its bounds towards the measured step times.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
 
-from anatomist.estimate.calibration import Calibration, CalibrationError
-from anatomist.estimate.flops import step_ops
-from anatomist.estimate.published import PRIOR
-from anatomist.estimate.time_fit import components, fit, relative_errors
+from anatomist.calibration.fit import components, fit, relative_errors
+from anatomist.calibration.lookup import Calibration, CalibrationError
+from anatomist.calibration.published import PRIOR
+from anatomist.estimate.time.ops import step_ops
+from anatomist.estimate.time.roofline import FACTOR_FIELDS, TIME_MODEL_VERSION
 from anatomist.hardware import GPU
 from anatomist.recipe import ResolvedRecipe
 from anatomist.workload import Workload
@@ -32,7 +34,7 @@ class TimedStep:
 def fit_calibration(steps: list[TimedStep], *, source: str) -> Calibration:
     """The factors that best predict `steps` measured on one GPU (`anatomist calibrate`).
 
-    All six factors are fitted (`time_fit.fit`, starting from the published PRIOR); an
+    All six factors are fitted (`fit.fit`, starting from the published PRIOR); an
     efficiency the steps cannot tell, and the overheads where there are fewer steps than factors,
     keep the prior's value. The result is a measured calibration for the steps' GPU, with the
     fit's own (in-sample) error.
@@ -54,3 +56,22 @@ def fit_calibration(steps: list[TimedStep], *, source: str) -> Calibration:
         error=CalibrationError(median_error_pct=float(np.median(errors)), worst_error_pct=float(errors.max()),
                                runs=len(steps), sources=1, method="in-sample"),
     )
+
+
+def calibration_toml(cal: Calibration) -> str:
+    """A measured calibration as a file (the format `load_calibration` reads)."""
+    if cal.gpu is None:
+        raise ValueError("a calibration file names the GPU it was measured on")
+    lines = [
+        "# Factors of anatomist's time model measured on one GPU (anatomist calibrate); see",
+        "# anatomist/calibration/lookup.py for the lookup and the format.",
+        f"time_model_version = {TIME_MODEL_VERSION}",
+        f"gpu = {json.dumps(cal.gpu)}",
+        f"source = {json.dumps(cal.source)}",
+        *(f"{n} = {getattr(cal.factors, n)!r}" for n in FACTOR_FIELDS),
+    ]
+    if cal.error is not None:
+        e = cal.error
+        lines += ["", "[fit]", f"runs = {e.runs}", f"median_error_pct = {e.median_error_pct:.2f}",
+                  f"worst_error_pct = {e.worst_error_pct:.2f}", f"method = {json.dumps(e.method)}"]
+    return "\n".join(lines) + "\n"

@@ -1,12 +1,12 @@
 """The time model's six factors, the time of one kernel and of one phase: the formulas the estimate
-(time.py), the fit (time_fit.py) and the calibration files (calibration.py) share.
+(`device`), the fit (`calibration.fit`) and the calibration files (`calibration.lookup`) share.
 
 One kernel (an op of the traced step, or a fused kernel of compiled code) takes, on the GPU,
 
     max(tensor_core_s / tensor_core_efficiency + cuda_core_s / fp32_efficiency,
         memory_s / bandwidth_efficiency) + kernel_overhead_s
 
-where the three `_s` are its seconds at 100% of the GPU's datasheet peaks (`time.peak_seconds`). The
+where the three `_s` are its seconds at 100% of the GPU's datasheet peaks (`device.peak_seconds`). The
 host issues the kernels one by one and runs ahead of the GPU (a launch is asynchronous): each kernel
 costs it `host_op_s` in the forward (the model's Python around the op, the dispatcher, autograd's
 bookkeeping, the launch), and a measured fraction of that in the backward (the autograd engine's C++ issues

@@ -18,7 +18,7 @@ A measured file holds one GPU's factors:
     time_model_version = 4
     gpu = "A100-80GB"                      # the catalog name; another GPU's file is refused
     source = "anatomist calibrate: 12 bench rows of bench.jsonl on A100-80GB"
-    tensor_core_efficiency = 0.61          # the six factors of estimate/time_model.py, in their bounds
+    tensor_core_efficiency = 0.61          # the six factors of estimate/time/roofline.py, in their bounds
     fp32_efficiency = 0.8
     bandwidth_efficiency = 0.55
     kernel_overhead_s = 4.2e-06
@@ -35,7 +35,6 @@ measured it; its error is the fit's own (in-sample), not cross-validated.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import tomllib
@@ -46,7 +45,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from anatomist.errors import InputError
-from anatomist.estimate.time_model import FACTOR_FIELDS, TIME_MODEL_VERSION, Factors
+from anatomist.estimate.time.roofline import FACTOR_FIELDS, TIME_MODEL_VERSION, Factors
 from anatomist.hardware import GPU
 
 ANY_GENERATION = "any"
@@ -66,7 +65,7 @@ class CalibrationError:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Calibration:
-    """The factors of the time model (estimate/time_model.py) and where they come from."""
+    """The factors of the time model (estimate/time/roofline.py) and where they come from."""
 
     calibrated: bool
     """True when the factors were fitted to measured steps (published or the user's own)."""
@@ -150,25 +149,6 @@ def load_calibration(path: str | Path, gpu: GPU | None = None) -> Calibration:
                        error=_error(raw.get("fit"), "in-sample"), factors=factors)
 
 
-def calibration_toml(cal: Calibration) -> str:
-    """A measured calibration as a file (the format `load_calibration` reads)."""
-    if cal.gpu is None:
-        raise ValueError("a calibration file names the GPU it was measured on")
-    lines = [
-        "# Factors of anatomist's time model measured on one GPU (anatomist calibrate); see",
-        "# anatomist/estimate/calibration.py for the lookup and the format.",
-        f"time_model_version = {TIME_MODEL_VERSION}",
-        f"gpu = {json.dumps(cal.gpu)}",
-        f"source = {json.dumps(cal.source)}",
-        *(f"{n} = {getattr(cal.factors, n)!r}" for n in FACTOR_FIELDS),
-    ]
-    if cal.error is not None:
-        e = cal.error
-        lines += ["", "[fit]", f"runs = {e.runs}", f"median_error_pct = {e.median_error_pct:.2f}",
-                  f"worst_error_pct = {e.worst_error_pct:.2f}", f"method = {json.dumps(e.method)}"]
-    return "\n".join(lines) + "\n"
-
-
 # --- published (shipped) calibration -----------------------------------------------------------
 
 @cache
@@ -230,25 +210,3 @@ def calibration_for(gpu: GPU, path: str | Path | None = None) -> Calibration:
         return load_calibration(Path(str(shipped)), gpu)
     tables = published()
     return tables.get(generation_of_gpu(gpu.name)) or tables[ANY_GENERATION]
-
-
-def published_toml(fitted: dict[str, Factors], cv: dict[str, Any]) -> str:
-    """data/time_calibration.toml from fit.py's factors per generation and cross-validation
-    (`published.CrossValidated` per generation; its signed errors per regime go to data/time_accuracy.toml)."""
-    lines = [
-        "# The time model's factors per GPU generation, fitted to published training runs by",
-        "# benchmarks/published/fit.py (the runs and their sources: benchmarks/published/runs.toml).",
-        "# Generated: edit the runs or the model, then run `fit.py components` and `fit.py fit`.",
-        "# cross_validation: leave-one-source-out (each source predicted by a fit without it); for",
-        "# 'any' (GPUs in no generation) leave-one-generation-out. Errors are |predicted/measured - 1|;",
-        "# the signed errors themselves, per generation and per regime: data/time_accuracy.toml.",
-        f"time_model_version = {TIME_MODEL_VERSION}",
-    ]
-
-    for name, f in fitted.items():
-        c = cv[name]
-        lines += ["", f"[generations.{name}]", *(f"{n} = {getattr(f, n):.4g}" for n in FACTOR_FIELDS),
-                  "", f"[generations.{name}.cross_validation]", f"median_error_pct = {c.median_error_pct:.1f}",
-                  f"worst_error_pct = {c.worst_error_pct:.1f}", f"runs = {c.runs}", f"sources = {c.sources}",
-                  f"method = {json.dumps(c.method)}"]
-    return "\n".join(lines) + "\n"

@@ -1,8 +1,8 @@
 """Fit and cross-validate the time model on published runs (benchmarks/published): the two-stage
 fit per generation and the leave-one-source-out error that the shipped calibration claims.
 
-Stage 1 fits five of the six factors (`time_model.Factors`) on every run given (pooled): the host
-time per micro-batch is the measured one (`time_model.MICRO_BATCH_OVERHEAD_S`), since every source
+Stage 1 fits five of the six factors (`roofline.Factors`) on every run given (pooled): the host
+time per micro-batch is the measured one (`roofline.MICRO_BATCH_OVERHEAD_S`), since every source
 launches about as many kernels per micro-batch and the runs cannot tell it from the per-kernel
 overhead. Stage 2 refits the tensor-core and fp32 efficiencies on one generation's runs with the pooled
 bandwidth efficiency and overheads kept (a generation has too few runs, all of large steps, to tell the
@@ -31,9 +31,15 @@ from typing import Any
 
 import numpy as np
 
-from anatomist.estimate.calibration import ANY_GENERATION, generation_of_gpu
-from anatomist.estimate.time_fit import Components, fit, relative_errors
-from anatomist.estimate.time_model import HOST_OP_S, MICRO_BATCH_OVERHEAD_S, Factors
+from anatomist.calibration.fit import Components, fit, relative_errors
+from anatomist.calibration.lookup import ANY_GENERATION, generation_of_gpu
+from anatomist.estimate.time.roofline import (
+    FACTOR_FIELDS,
+    HOST_OP_S,
+    MICRO_BATCH_OVERHEAD_S,
+    TIME_MODEL_VERSION,
+    Factors,
+)
 
 PRIOR = Factors(tensor_core_efficiency=0.6, fp32_efficiency=0.8, bandwidth_efficiency=0.7,
                 kernel_overhead_s=5e-6, micro_batch_overhead_s=MICRO_BATCH_OVERHEAD_S, host_op_s=HOST_OP_S)
@@ -145,7 +151,7 @@ def load_inputs(runs: list[dict[str, Any]], stored: dict[str, Any]) -> list[Run]
 
 
 def _fit(runs: list[Run], *, base: Factors = PRIOR, generation: bool = False) -> Factors:
-    """The fit of `runs`, the host time per micro-batch kept at `base`'s (see `time_model.MICRO_BATCH_OVERHEAD_S`); a
+    """The fit of `runs`, the host time per micro-batch kept at `base`'s (see `roofline.MICRO_BATCH_OVERHEAD_S`); a
     `generation`'s (stage 2) keeps every factor of `base` but the matrix products' efficiencies."""
     return fit([r.components for r in runs], [r.measured_s for r in runs], base=base, fixed_overheads=generation,
                fixed_bandwidth=generation, fixed_micro_batch_overhead=True)[0]
@@ -211,3 +217,25 @@ def _errors(held: list[Run], factors: Factors) -> dict[str, float]:
     """predicted / measured - 1 of each of `held`, with `factors`."""
     return dict(zip([r.key for r in held], relative_errors([r.components for r in held], [r.measured_s for r in held],
                                                            factors).tolist(), strict=True))
+
+
+def published_toml(fitted: dict[str, Factors], cv: dict[str, Any]) -> str:
+    """data/time_calibration.toml from fit.py's factors per generation and cross-validation
+    (`published.CrossValidated` per generation; its signed errors per regime go to data/time_accuracy.toml)."""
+    lines = [
+        "# The time model's factors per GPU generation, fitted to published training runs by",
+        "# benchmarks/published/fit.py (the runs and their sources: benchmarks/published/runs.toml).",
+        "# Generated: edit the runs or the model, then run `fit.py components` and `fit.py fit`.",
+        "# cross_validation: leave-one-source-out (each source predicted by a fit without it); for",
+        "# 'any' (GPUs in no generation) leave-one-generation-out. Errors are |predicted/measured - 1|;",
+        "# the signed errors themselves, per generation and per regime: data/time_accuracy.toml.",
+        f"time_model_version = {TIME_MODEL_VERSION}",
+    ]
+
+    for name, f in fitted.items():
+        c = cv[name]
+        lines += ["", f"[generations.{name}]", *(f"{n} = {getattr(f, n):.4g}" for n in FACTOR_FIELDS),
+                  "", f"[generations.{name}.cross_validation]", f"median_error_pct = {c.median_error_pct:.1f}",
+                  f"worst_error_pct = {c.worst_error_pct:.1f}", f"runs = {c.runs}", f"sources = {c.sources}",
+                  f"method = {json.dumps(c.method)}"]
+    return "\n".join(lines) + "\n"

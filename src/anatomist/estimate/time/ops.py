@@ -1,7 +1,7 @@
 """FLOPs and bytes moved by every op of one training step, from the estimator's traces.
 
 The traces (`traces.step_traces`, fake tensors, no GPU) record each op's cost signature
-(`trace.ops.op_signature`: FLOPs by PyTorch's flop_counter formulas, 2 per multiply-add;
+(`trace.engine.op_costs.op_signature`: FLOPs by PyTorch's flop_counter formulas, 2 per multiply-add;
 bytes read + written; class; phase) for one micro-batch's forward and backward (with
 recomputation under gradient checkpointing) and one optimizer step. The same traces give the
 memory prediction. `step_flops` counts a step two ways: hardware FLOPs (what runs, recomputation
@@ -24,7 +24,7 @@ import dataclasses
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +34,7 @@ from anatomist.estimate.traces import TRACE_BATCHES, TRACE_DEPTHS, affine, step_
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.depth.cuts import Depth
 from anatomist.trace.depth.plan import TracePlan
-from anatomist.trace.engine.records import COST_FIELDS, Signature
+from anatomist.trace.engine.records import Signature
 from anatomist.trace.store import cache
 from anatomist.trace.store.keys import one_device, part_key
 from anatomist.trace.store.parts import trace_part
@@ -113,12 +113,11 @@ def _passes_ops(workload: Workload, recipe: ResolvedRecipe, depth: Depth, batch:
     lo, hi = (traced(b) for b in TRACE_BATCHES)
     if batch in TRACE_BATCHES:
         return lo if batch == TRACE_BATCHES[0] else hi
-    first, last = COST_FIELDS[0], COST_FIELDS[-1] + 1  # the costs are one run of fields
-    if [a[:first] + a[last:] for a in lo] != [b[:first] + b[last:] for b in hi]:
+    if [a.kind() for a in lo] != [b.kind() for b in hi]:
         return traced(batch)
-    costs = np.rint(affine(np.array([a[first:last] for a in lo], dtype=np.float64),
-                           np.array([b[first:last] for b in hi], dtype=np.float64), batch, TRACE_BATCHES[0]))
-    return tuple(a[:first] + tuple(map(int, c)) + a[last:] for a, c in zip(lo, costs.tolist(), strict=True))  # type: ignore[misc]
+    costs = np.rint(affine(np.array([a.costs() for a in lo], dtype=np.float64),
+                           np.array([b.costs() for b in hi], dtype=np.float64), batch, TRACE_BATCHES[0]))
+    return tuple(a.with_costs(*map(int, c)) for a, c in zip(lo, costs.tolist(), strict=True))
 
 
 def _step_at_depth(workload: Workload, recipe: ResolvedRecipe, depth: Depth, compute_capability: str) -> Counter[Signature]:
@@ -137,7 +136,7 @@ def step_ops(workload: Workload, recipe: ResolvedRecipe, compute_capability: str
     """Op records of one micro-batch (forward, backward) and one optimizer step, at full depth: from
     the cuts of the estimator's plan (`traces.step_traces`), or a cut as deep as the model; of one
     device's step (`keys.one_device`: a rank computes what one device does on its micro-batch; what
-    sharding adds is the communication model's; under DeepSpeed, its step as the engine runs it:
+    sharding adds is `cluster.predict_time`'s; under DeepSpeed, its step as the engine runs it:
     `sharding.as_deepspeed_runs`). The result is shared: do not change it."""
     recipe = as_deepspeed_runs(one_device(recipe))
     key = (part_key(workload, recipe, "forward-backward", None, recipe.per_device_train_batch_size, compute_capability),
@@ -164,9 +163,8 @@ def ops_of(signatures: Iterable[Signature]) -> StepOps:
 
 
 def _record(sig: Signature, count: float) -> OpRecord:
-    name, cls, phase, dtype, flops, approx, moved, view, known = sig
-    return OpRecord(name=name, op_class=cls, phase=phase, dtype=dtype, flops=flops, approx_flops=approx,
-                    bytes=moved, count=count, view=view, known=known)
+    return OpRecord(name=sig.name, op_class=sig.op_class, phase=sig.phase, dtype=sig.dtype, flops=sig.flops,
+                    approx_flops=sig.approx_flops, bytes=sig.bytes, count=count, view=sig.view, known=sig.known)
 
 
 def _extrapolate(plan: TracePlan, counts: dict[Depth, Counter[Signature]]) -> list[OpRecord]:
@@ -178,17 +176,14 @@ def _extrapolate(plan: TracePlan, counts: dict[Depth, Counter[Signature]]) -> li
     over all parameters) has its totals extrapolated and is costed at the mean per call.
     """
 
-    def group(sig: Signature) -> tuple[Any, ...]:
-        return tuple(v for i, v in enumerate(sig) if i not in COST_FIELDS)
-
     def count_at(sig: Signature) -> float:
         return plan.combine(lambda c: counts[c].get(sig, 0))
 
     groups: dict[tuple[Any, ...], list[Signature]] = {}
     for sig in dict.fromkeys(s for calls in counts.values() for s in calls):  # in trace order: sums do not depend on hashing
-        groups.setdefault(group(sig), []).append(sig)
+        groups.setdefault(sig.kind(), []).append(sig)
     records: list[OpRecord] = []
-    for key, sigs in groups.items():
+    for sigs in groups.values():
         at = {sig: count_at(sig) for sig in sigs}
         if all(n >= 0 for n in at.values()):
             records.extend(_record(sig, float(n)) for sig, n in at.items() if n > 0)
@@ -196,11 +191,8 @@ def _extrapolate(plan: TracePlan, counts: dict[Depth, Counter[Signature]]) -> li
         count = sum(at.values())
         if count <= 0:
             continue
-        mean_cost = [sum(cast(int, sig[i]) * at[sig] for sig in sigs) / count for i in COST_FIELDS]
-        name, cls, phase, dtype, view, known = key
-        mean: Signature = (name, cls, phase, dtype, round(mean_cost[0]), round(mean_cost[1]), round(mean_cost[2]),
-                           view, known)
-        records.append(_record(mean, count))
+        mean_cost = [sum(sig.costs()[i] * at[sig] for sig in sigs) / count for i in range(3)]
+        records.append(_record(sigs[0].with_costs(*(round(c) for c in mean_cost)), count))
     return records
 
 

@@ -1,24 +1,24 @@
 """Predict the time of one training step from its ops: a roofline per op, offline.
 
-Each op of the traced step (`flops.step_ops`: FLOPs and bytes moved per call, fake
+Each op of the traced step (`ops.step_ops`: FLOPs and bytes moved per call, fake
 tensors; with torch.compile, each fused kernel: `trace.step.compiled`) takes
 
     max(flops / (peak(dtype) x efficiency), bytes / (bandwidth x bandwidth_efficiency)) + kernel overhead
 
-on the target GPU (`time_model.kernel_s`). The peak follows the precision the op's kernel runs in: fp16/bf16 tensor
+on the target GPU (`roofline.kernel_s`). The peak follows the precision the op's kernel runs in: fp16/bf16 tensor
 cores for matrix products under autocast, TF32 when the recipe allows it and the GPU has it,
 else fp32; normalizations stay in fp32 under autocast, as the trace shows. The micro-batch's
 forward and backward repeat `gradient_accumulation_steps` times; gradient checkpointing's
 recomputation is already in the traced backward; the optimizer step runs once and is
 bytes-bound (foreach AdamW's kernels read and write weights, gradients and both moments).
 MFU counts the model FLOPs (the step without gradient checkpointing), HFU the hardware FLOPs
-(recomputation included): `flops.step_flops`.
+(recomputation included): `ops.step_flops`.
 
 A phase (forward, backward, optimizer) takes at least the host's time to issue its kernels, one by
-one (`time_model.phase_s`): a small batch or a Python loop over the parameters (Adafactor, a for-loop
+one (`roofline.phase_s`): a small batch or a Python loop over the parameters (Adafactor, a for-loop
 AdamW) is bound by the host, not the GPU. Each micro-batch adds the host's own time (the training
-loop's Python, the batch's collation and copy). The factors (`time_model.Factors` in a `calibration.Calibration`) come from the lookup of
-`calibration.calibration_for`: the user's measured calibration of the GPU if any, else the
+loop's Python, the batch's collation and copy). The factors (`roofline.Factors` in a `lookup.Calibration`) come from the lookup of
+`lookup.calibration_for`: the user's measured calibration of the GPU if any, else the
 published calibration of its generation, fitted to published training runs
 (benchmarks/published) with its cross-validated error.
 
@@ -31,10 +31,10 @@ their traces record as eager ops.
 from __future__ import annotations
 
 from anatomist.anatomy import OpClass, Phase, TimeAnatomy
-from anatomist.estimate.calibration import Calibration, calibration_for
-from anatomist.estimate.flops import OpRecord, StepOps, step_flops, step_ops
+from anatomist.calibration.lookup import Calibration, calibration_for
 from anatomist.estimate.intervals import time_interval
-from anatomist.estimate.time_model import HOST_PHASE_WEIGHTS, kernel_s, phase_s
+from anatomist.estimate.time.ops import OpRecord, StepOps, step_flops, step_ops
+from anatomist.estimate.time.roofline import HOST_PHASE_WEIGHTS, kernel_s, phase_s
 from anatomist.hardware import GPU, Precision
 from anatomist.recipe import ResolvedRecipe
 from anatomist.recipe.axis_values import matmul_precision
@@ -71,7 +71,7 @@ def time_from_ops(
     ops: StepOps, workload: Workload, recipe: ResolvedRecipe, gpu: GPU, cal: Calibration | None = None
 ) -> TimeAnatomy:
     """Add the per-kernel times of `ops` up into a step's TimeAnatomy: each phase the slower of its kernels' GPU time
-    and the host's time to issue them (`time_model.phase_s`), plus the host's time per micro-batch (`cal`: the
+    and the host's time to issue them (`roofline.phase_s`), plus the host's time per micro-batch (`cal`: the
     factors to use; default `calibration_for(gpu)`). Where the host is the bound, the GPU's idle time counts as
     `other` (the host's, as the time per micro-batch)."""
     cal = cal or calibration_for(gpu)

@@ -1,0 +1,147 @@
+"""The data-parallel collectives of one optimizer step, and what of them compute does not hide.
+
+The collectives, in (N-1)/N x bytes per ring, at the bus bandwidth (`bus_bytes_per_s`: across nodes the
+slower of the intra-node bus and the network):
+
+    DDP                 all-reduce of the gradients, 2x their bytes, on the last micro-batch (no_sync
+                        before), in 25 MiB buckets while the backward runs (bucket_cap_mb)
+    ZeRO-1              the same volume, after the last backward: reduce-scatter of the gradients, then
+                        all-gather of the updated weights after the optimizer step
+    ZeRO-2              reduce-scatter on every micro-batch (DeepSpeed keeps only its partition of the
+                        gradients), in reduce_bucket_size buckets under the backward (overlap_comm, as
+                        `plan --emit deepspeed` writes it), all-gather of the updated weights after the step
+    ZeRO-3, FSDP        every weight (a frozen base's too) all-gathered before each micro-batch's forward
+    full_shard          and again before its backward, unit by unit (a block, and the root), the next
+                        unit's prefetched while one computes; reduce-scatter per unit under the backward,
+                        on every micro-batch (DeepSpeed) or the last (FSDP's no_sync)
+    FSDP shard_grad_op  as full_shard without the backward all-gather (the weights stay whole from
+                        forward to backward)
+
+A phase takes max(compute, its collectives) plus what cannot overlap: the first unit's all-gather (nothing
+computes before it) and the last reduction (its gradients exist only when the backward ends: the last
+unit's, or the last bucket). Rajbhandari et al. 2020 (ZeRO, sec. 7): ZeRO-3 moves 1.5x the all-reduce's
+volume; Zhao et al. 2023 (PyTorch FSDP, sec. 3.3-3.4): the backward prefetch and the overlap of the
+reduce-scatter with the backward. Checked against llm-foundry's published MPT runs on 16 to 512 GPUs
+(docs/time.md, "Beyond one node").
+
+Their constants live in data/plan_throughput.toml with their sources; none was measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from anatomist.estimate.sharding import overlap_comm
+from anatomist.estimate.time.network import DEFAULT_NODES, bus_bytes_per_s
+from anatomist.hardware import GPU
+from anatomist.recipe import ResolvedRecipe
+from anatomist.trace.depth.plan import ModelSize
+
+DDP_BUCKET_BYTES = 25 * 2**20
+"""DistributedDataParallel's default bucket_cap_mb (25 MiB), which the Trainer leaves as it is."""
+
+
+@dataclass(frozen=True, slots=True)
+class Collectives:
+    """One device's collectives in one optimizer step, as seconds at the bus bandwidth, and when they run."""
+
+    micro_batches: int
+    gather_forward_s: float = 0.0
+    """All-gather of the weights before each micro-batch's forward (ZeRO-3, FSDP)."""
+    gather_backward_s: float = 0.0
+    """And before its backward (ZeRO-3, FSDP full_shard)."""
+    reduce_s: float = 0.0
+    """Gradient reduction of one reducing micro-batch."""
+    reduces_every_micro_batch: bool = False
+    """DeepSpeed ZeRO-2/3 reduce each micro-batch's gradients; DDP and FSDP only the last's (no_sync)."""
+    reduce_overlapped: bool = True
+    """Whether the reduction runs while the backward computes (ZeRO-1 reduces after it)."""
+    reduce_tail_s: float = 0.0
+    """What of a reduction starts only when the backward ends: the last bucket or unit."""
+    units: int = 1
+    """Units gathered one after another (blocks and the root): the first one's gather is not hidden."""
+    after_step_s: float = 0.0
+    """ZeRO-1/2's all-gather of the updated weights after the optimizer step."""
+
+    def total_s(self) -> float:
+        """Every collective of the step, hidden or not."""
+        reductions = self.micro_batches if self.reduces_every_micro_batch else 1
+        return (self.micro_batches * (self.gather_forward_s + self.gather_backward_s) + reductions * self.reduce_s
+                + self.after_step_s)
+
+    def exposed_s(self, forward_s: float, backward_s: float) -> float:
+        """What of them the device waits for, given the step's forward and backward compute (all micro-batches)."""
+        k = self.micro_batches
+        forward, backward = forward_s / k, backward_s / k
+        exposed = k * _phase_exposed_s(self.gather_forward_s, 0.0, forward, self.units)
+        for micro in range(k):
+            reduce = self.reduce_s if self.reduces_every_micro_batch or micro == k - 1 else 0.0
+            if self.reduce_overlapped:
+                tail = self.reduce_tail_s if reduce else 0.0
+                exposed += _phase_exposed_s(self.gather_backward_s, reduce, backward, self.units) + tail
+            else:
+                exposed += _phase_exposed_s(self.gather_backward_s, 0.0, backward, self.units) + reduce
+        return exposed + self.after_step_s
+
+
+def _phase_exposed_s(gather_s: float, reduce_s: float, compute_s: float, units: int) -> float:
+    """A phase's collectives beyond its compute, plus its first unit's all-gather, which nothing hides."""
+    return max(gather_s + reduce_s - compute_s, 0.0) + gather_s / units
+
+
+def collectives(
+    recipe: ResolvedRecipe, size: ModelSize, *, num_gpus: int = 1, nodes: int = DEFAULT_NODES,
+    network: str | None = None, gpu: GPU | None = None,
+) -> Collectives:
+    """The collectives of one optimizer step of `recipe` on `num_gpus` devices (module docstring), for a model of
+    `size`."""
+    k = recipe.gradient_accumulation_steps
+    if num_gpus <= 1:
+        return Collectives(micro_batches=k)
+    bus = bus_bytes_per_s(num_gpus, nodes, network, gpu)
+    ring = (num_gpus - 1) / num_gpus
+    # PEFT makes adapters in fp32 whatever the base's dtype. Full fine-tuning reduces gradients in the weights'
+    # dtype: half weights' own; under autocast of fp32 weights DDP's are fp32, while DeepSpeed keeps the model in
+    # the half dtype and FSDP's MixedPrecisionPolicy reduces in it.
+    sharded = recipe.zero_stage > 0 or recipe.fsdp != "none"
+    half = recipe.peft == "none" and (recipe.half_weights or (recipe.mixed_precision != "no" and sharded))
+    element = 2 if half else 4
+    grad_bytes = parameter_count(recipe, size) * element
+    reduce_scatter = ring * grad_bytes / bus
+    if recipe.sharding_stage >= 3 or recipe.fsdp == "shard_grad_op":
+        gather = ring * gathered_weight_bytes(recipe, size) / bus
+        units = size.blocks + 1
+        return Collectives(micro_batches=k, gather_forward_s=gather,
+                           gather_backward_s=gather if recipe.sharding_stage >= 3 else 0.0,
+                           reduce_s=reduce_scatter, reduces_every_micro_batch=recipe.zero_stage >= 2,
+                           reduce_tail_s=reduce_scatter / units, units=units)
+    if recipe.zero_stage == 0:  # DDP
+        return Collectives(micro_batches=k, reduce_s=2 * reduce_scatter,
+                           reduce_tail_s=2 * reduce_scatter * min(1.0, DDP_BUCKET_BYTES / grad_bytes))
+    bucket = recipe.reduce_bucket_size * element if recipe.reduce_bucket_size else grad_bytes
+    return Collectives(micro_batches=k, reduce_s=reduce_scatter, reduces_every_micro_batch=recipe.zero_stage >= 2,
+                       reduce_overlapped=overlap_comm(recipe), reduce_tail_s=reduce_scatter * min(1.0, bucket / grad_bytes),
+                       after_step_s=reduce_scatter)
+
+
+def communication_s(
+    recipe: ResolvedRecipe, size: ModelSize, *, num_gpus: int = 1, nodes: int = DEFAULT_NODES,
+    network: str | None = None, gpu: GPU | None = None,
+) -> float:
+    """Seconds per step of every collective of `recipe` over `num_gpus` `gpu`s on `nodes` machines joined by
+    `network` (a name of `networks()`; None: the default), hidden behind compute or not."""
+    return collectives(recipe, size, num_gpus=num_gpus, nodes=nodes, network=network, gpu=gpu).total_s()
+
+
+def parameter_count(recipe: ResolvedRecipe, size: ModelSize) -> int:
+    """The parameters `recipe` trains (of the estimator's exact count, `trace.depth.plan.ModelSize`): every
+    parameter of the task model, or with LoRA/QLoRA the adapters', as PEFT makes them."""
+    return size.trainable_parameters if recipe.peft != "none" else size.parameters
+
+
+def gathered_weight_bytes(recipe: ResolvedRecipe, size: ModelSize) -> float:
+    """Bytes of one all-gather of the whole model under ZeRO-3 / FSDP full_shard: a quantized base's codes as
+    they are stored (bitsandbytes' FSDP-QLoRA guide stores them in a float dtype: the same bytes), every
+    other parameter in the dtype it is gathered in (the half dtype under mixed precision or half weights)."""
+    element = 2 if recipe.mixed_precision != "no" or recipe.half_weights else 4
+    return size.quantized_codes + (sum(size.parameter_numels) - size.quantized_codes) * element
