@@ -188,7 +188,7 @@ class TimeAnatomy:
     phases_s: dict[str, float] = field(default_factory=dict)
     """Seconds per phase: forward, backward, optimizer."""
     hidden_communication_s: float = 0.0
-    """Seconds of collectives that run while the device computes: not in `step_s` (estimate/communication.py)."""
+    """Seconds of collectives that run while the device computes: not in `step_s` (estimate/time/collectives.py)."""
     classes_s: dict[str, float] = field(default_factory=dict)
     """Seconds per operation class: contraction, normalization, elementwise, other."""
     calibrated: bool = False

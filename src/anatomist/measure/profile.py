@@ -8,7 +8,7 @@ gradient_checkpointing_kwargs), each step wrapped in `record_function` ranges "f
 the SELF time of every ATen op (`aten::*` events; self time, so a composite such as
 `aten::linear` does not count its `aten::addmm` twice) by class (data/op_classes.toml), and
 takes the phase times from the three ranges. FLOPs per class come from the fake-tensor
-count of the same step (`estimate.flops`): matrix products exactly (flop_counter), other
+count of the same step (`estimate.time.ops`): matrix products exactly (flop_counter), other
 ops approximately (per element).
 
 Known limitations: on CPU the time split is the CPU's, not a GPU's (a CPU is far slower at

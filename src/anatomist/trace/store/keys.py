@@ -99,7 +99,7 @@ def compile_context(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ..
 
 def one_device(recipe: ResolvedRecipe) -> ResolvedRecipe:
     """`recipe` as one device runs its computation: without FSDP, whose trace is one rank's. The op costs
-    of the time model are one device's; the sharded step's collectives are `estimate.communication`'s."""
+    of the time model are one device's; the sharded step's collectives are `estimate.time.collectives`'."""
     return recipe if recipe.fsdp == "none" else recipe.replace(fsdp="none", offload="none")
 
 
