@@ -15,6 +15,17 @@ import anatomist
 PACKAGE = Path(anatomist.__file__).parent
 MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 400
+LAYERS = (
+    ("errors", "anatomy", "axes", "hardware", "data", "op_classes", "user_cache", "config_fields", "token_stats",
+     "trainer_defaults", "deepspeed_bounds", "model_catalog", "envinfo"),
+    ("recipe", "workload", "model_config", "model_facts"),
+    ("trace",),
+    ("workload_loader",),
+    ("calibration", "estimate"),
+    ("plan", "measure", "bench", "report", "recipe_labels"),
+    ("cli", "web", "__main__"),
+)
+"""The package's layers, lowest first (CONTRIBUTING.md): a module imports from its own layer or a lower one."""
 
 
 def _modules() -> dict[str, Path]:
@@ -76,6 +87,20 @@ def test_no_import_circles() -> None:
     modules = _modules()
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
     assert _cycles(graph) == []
+
+
+def _layer(module: str) -> int | None:
+    top = module.split(".")[1] if "." in module else None
+    return next((i for i, names in enumerate(LAYERS) if top in names), None)
+
+
+def test_every_module_has_a_layer_and_imports_none_above_it() -> None:
+    modules = _modules()
+    unplaced = [name for name in modules if name != "anatomist" and _layer(name) is None]
+    upward = [f"{name} -> {imported}" for name, path in modules.items() if name != "anatomist"
+              for imported in _imports(name, path, modules)
+              if imported != "anatomist" and _layer(imported) > _layer(name)]  # type: ignore[operator]
+    assert (unplaced, upward) == ([], [])
 
 
 def test_the_cycle_finder_finds_one() -> None:

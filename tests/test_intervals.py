@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from anatomist.estimate.intervals import ADAPTERS, ONE_GPU, SHARDED, Interval, memory_accuracy, memory_interval
+from anatomist.anatomy import Interval
+from anatomist.estimate.intervals import ADAPTERS, ONE_GPU, SHARDED, memory_accuracy, memory_interval
 from anatomist.recipe import Recipe
 
 ROOT = Path(__file__).parents[1]

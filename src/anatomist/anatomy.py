@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from anatomist.estimate.intervals import Interval
+from typing import Any, Literal
 
 GIB = 2**30
 MIB = 2**20
@@ -22,6 +19,34 @@ DEFAULT_MEMORY_MARGIN = 0.10
 """Share of the GPU's memory kept free when deciding whether a recipe fits (`estimate` and
 `plan` alike, `--memory-margin`): the allocator's fragmentation varies run to run and the
 prediction has an error (see the benchmark tables)."""
+
+
+Verdict = Literal["fits", "borderline", "does not fit"]
+"""Whether a step fits the GPU, its interval's top and bottom against the limit (`Interval.verdict`)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Interval:
+    """The likely range of a predicted figure, and what it rests on."""
+
+    low: float
+    high: float
+    validated: bool
+    """Whether runs of the prediction's own regime measured it (else another regime's runs stand in)."""
+    basis: str
+    """What the range was measured on, in words."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"low": self.low, "high": self.high, "validated": self.validated, "basis": self.basis}
+
+    def relative(self, predicted: float) -> tuple[float, float]:
+        """The range as fractions of `predicted` (-0.1, +0.15: 10% below to 15% above)."""
+        return self.low / predicted - 1, self.high / predicted - 1
+
+    def verdict(self, limit: float) -> Verdict:
+        if self.high <= limit:
+            return "fits"
+        return "does not fit" if self.low > limit else "borderline"
 
 
 class MemoryCategory(enum.StrEnum):

@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from anatomist.calibration.from_bench import calibrate
+    from anatomist.bench.calibrate import calibrate
     from anatomist.calibration.lookup import user_calibration_path
     from anatomist.calibration.measured import calibration_toml
     from anatomist.hardware import get_gpu

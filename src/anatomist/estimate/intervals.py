@@ -29,43 +29,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
+from anatomist.anatomy import Interval
 from anatomist.calibration.lookup import ANY_GENERATION, Calibration
 from anatomist.recipe import Recipe
-
-Verdict = Literal["fits", "borderline", "does not fit"]
-VERDICTS: tuple[Verdict, ...] = ("fits", "borderline", "does not fit")
 
 ONE_GPU, ADAPTERS, SHARDED = "one GPU, full fine-tune", "adapters (LoRA, QLoRA)", "sharded (FSDP2, ZeRO)"
 MEMORY_REGIMES = (ONE_GPU, ADAPTERS, SHARDED)
 """The regimes published GPU runs are grouped by (benchmarks/published/memory.py)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Interval:
-    """The likely range of a predicted figure, and what it rests on."""
-
-    low: float
-    high: float
-    validated: bool
-    """Whether runs of the prediction's own regime measured it (else another regime's runs stand in)."""
-    basis: str
-    """What the range was measured on, in words."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"low": self.low, "high": self.high, "validated": self.validated, "basis": self.basis}
-
-    def relative(self, predicted: float) -> tuple[float, float]:
-        """The range as fractions of `predicted` (-0.1, +0.15: 10% below to 15% above)."""
-        return self.low / predicted - 1, self.high / predicted - 1
-
-    def verdict(self, limit: float) -> Verdict:
-        if self.high <= limit:
-            return "fits"
-        return "does not fit" if self.low > limit else "borderline"
 
 
 def memory_regime(recipe: Recipe, num_gpus: int) -> tuple[str, str | None]:

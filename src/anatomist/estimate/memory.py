@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
-from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, MemoryAnatomy, MemoryCategory, Phase
+from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, Interval, MemoryAnatomy, MemoryCategory, Phase, Verdict
 from anatomist.errors import InputError
 from anatomist.estimate.curves import ExtrapolatedCurves
-from anatomist.estimate.intervals import Interval, Verdict, memory_interval
+from anatomist.estimate.intervals import memory_interval
 from anatomist.estimate.memory_notes import memory_notes
 from anatomist.estimate.rules import BytesPerParamRule, bytes_per_param_rule
 from anatomist.estimate.sharding import ZeroSize, as_deepspeed_runs, persistent_parameters, shard, sharding_notes

@@ -21,9 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, MemoryCategory
+from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, MemoryCategory, Verdict
 from anatomist.errors import InputError
-from anatomist.estimate.intervals import Verdict
 from anatomist.hardware import GPU, detect_local_gpu, get_gpu
 
 if TYPE_CHECKING:
