@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from anatomist.calibration.fit import COARSE as EFFICIENCY_GRID
 from anatomist.bench.calibrate import calibrate
+from anatomist.calibration.fit import COARSE as EFFICIENCY_GRID
 from anatomist.calibration.lookup import load_calibration, published
 from anatomist.errors import InputError
 from anatomist.estimate.time.device import estimate_time

@@ -51,3 +51,14 @@ def test_the_digest_changes_with_any_source(monkeypatch, tmp_path: Path) -> None
     finally:
         monkeypatch.undo()
         keys.code_digest.cache_clear()
+
+
+def test_a_model_keys_its_traces_alike_cold_and_warm(tmp_path: Path) -> None:
+    """A first process reads a model's facts through transformers, the next from the cache: both must key the
+    same traces (transformers writes rope_theta into the rope_parameters dict it is handed; a key taken after
+    that made the first repeated estimate trace everything again)."""
+    script = "from anatomist.workload_loader import load_workload; print(repr(load_workload('Llama-3.2-1B').trace_key()))"
+    env = {**os.environ, "ANATOMIST_CACHE_DIR": str(tmp_path / "cache")}
+    keys = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True,
+                           timeout=300).stdout for _ in range(2)]
+    assert keys[0] and keys[0] == keys[1]

@@ -16,6 +16,7 @@ lookup); what the workload keeps of a config is `workload_loader`'s.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 from dataclasses import dataclass
@@ -137,7 +138,9 @@ def config_from_dict(data: dict[str, Any], where: str, trust_remote_code: bool, 
     for name in ESTIMATOR_FIELDS:
         _positive(data.get(aliases.get(name, name)), aliases.get(name, name), where)
     try:
-        config = config_cls.from_dict({k: v for k, v in data.items() if k != "model_type"})
+        # A deep copy: transformers writes into the nested dicts it is given (rope_parameters gains rope_theta),
+        # and `data` is what the workload's trace key is made of.
+        config = config_cls.from_dict(copy.deepcopy({k: v for k, v in data.items() if k != "model_type"}))
     except Exception as exc:  # transformers raises TypeError, ValueError or huggingface_hub's StrictDataclassError
         if not isinstance(exc, (TypeError, ValueError)) and type(exc).__name__ not in _CONFIG_ERRORS:
             raise
