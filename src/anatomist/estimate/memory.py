@@ -22,7 +22,14 @@ from anatomist.estimate.curves import ExtrapolatedCurves
 from anatomist.estimate.intervals import memory_interval
 from anatomist.estimate.memory_notes import memory_notes
 from anatomist.estimate.rules import BytesPerParamRule, bytes_per_param_rule
-from anatomist.estimate.sharding import ZeroSize, as_deepspeed_runs, persistent_parameters, shard, sharding_notes
+from anatomist.estimate.sharding import (
+    ZeroSize,
+    as_deepspeed_runs,
+    persistent_bytes,
+    persistent_parameters,
+    shard,
+    sharding_notes,
+)
 from anatomist.estimate.traces import Mode, StepTraces, step_traces
 from anatomist.hardware import GPU
 from anatomist.recipe import ResolvedRecipe
@@ -220,8 +227,10 @@ def _zero_size(recipe: ResolvedRecipe, traces: StepTraces) -> ZeroSize:
     if recipe.zero_stage < 3:
         return size
     threshold = recipe.stage3_param_persistence_threshold or 0
-    return dataclasses.replace(size, block=model.block_parameters,
-                               persistent=persistent_parameters(model.parameter_numels, threshold))
+    element_bytes = model.parameter_bytes / max(model.parameters, 1)
+    return dataclasses.replace(size, block=model.block_parameters, parameter_bytes=model.parameter_bytes,
+                               persistent=persistent_parameters(model.parameter_numels, threshold),
+                               persistent_bytes=persistent_bytes(model.parameter_numels, threshold, element_bytes))
 
 
 NCCL_BYTES = {2: 544 * 2**20, 3: 688 * 2**20}

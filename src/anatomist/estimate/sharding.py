@@ -111,6 +111,10 @@ class ZeroSize:
     """Parameters of the largest repeated block."""
     trainable_bytes: int = 0
     """Bytes of the trainable parameters in their dtypes (data parallelism's gradient buckets)."""
+    parameter_bytes: int = 0
+    """Bytes of every parameter in its dtype as the step runs it (ZeRO-3's flat partitions)."""
+    persistent_bytes: int = 0
+    """What the parameters kept whole take: each a tensor of its own, rounded as the caching allocator rounds it."""
 
     @property
     def trainable_element_bytes(self) -> int:
@@ -122,6 +126,11 @@ def persistent_parameters(numels: tuple[int, ...], threshold: int) -> int:
     """Elements of the parameters ZeRO-3 keeps whole: those of at most `threshold` elements
     (`stage3.py`: `ds_persist` when numel <= param_persistence_threshold)."""
     return sum(n for n in numels if n <= threshold)
+
+
+def persistent_bytes(numels: tuple[int, ...], threshold: int, element_bytes: float) -> int:
+    """What the parameters ZeRO-3 keeps whole take on the device: one tensor each, rounded by the allocator."""
+    return sum(round_size(math.ceil(n * element_bytes)) for n in numels if n <= threshold)
 
 
 def shard(peak: PhasePeak, recipe: ResolvedRecipe, model: ZeroSize, num_gpus: int, mode: str,
@@ -176,12 +185,14 @@ def _zero_categories(categories: dict[MemoryCategory, int], recipe: ResolvedReci
 def _stage3_weight_bytes(traced: int, recipe: ResolvedRecipe, model: ZeroSize, n: int, *, gathered: bool) -> int:
     """ZeRO-3's weights on one device: its partition of the parameters (none under offload_param), those kept whole,
     and in forward and backward the gathered ones (module docstring; backward's last module releases them before the
-    step), in the dtype of the traced weights."""
-    weight_bytes = traced / max(model.parameters, 1)
+    step). The partition and the gathered parameters are flat buffers in the parameters' dtype (`stage3.py`, the
+    coalesced all-gather): not rounded tensor by tensor, as the traced weights (`traced`, the fallback) are."""
+    element_bytes = (model.parameter_bytes or traced) / max(model.parameters, 1)
     partitioned = model.parameters - model.persistent
     kept = max(recipe.stage3_max_reuse_distance or 0, model.block) + (recipe.stage3_prefetch_bucket_size or 0)
     on_device = 0 if recipe.offload != "none" else math.ceil(partitioned / n)
-    return round(weight_bytes * (on_device + model.persistent + (min(partitioned, kept) if gathered else 0)))
+    flat = on_device + (min(partitioned, kept) if gathered else 0)
+    return round(element_bytes * flat) + model.persistent_bytes
 
 
 def zero_optimizer_bytes(recipe: ResolvedRecipe, part: int) -> int:

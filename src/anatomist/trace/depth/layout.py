@@ -79,6 +79,8 @@ class Layout:
     """The greatest common divisor of every parameter's rows (dim 0; `plan.ModelPlan.rows_divisor`)."""
     trainable_bytes: int = 0
     """Bytes of the trainable parameters in their dtypes (`plan.ModelPlan.trainable_bytes`)."""
+    parameter_bytes: int = 0
+    """Bytes of every parameter in its dtype (`plan.ModelSize.parameter_bytes`)."""
 
     @property
     def blocks(self) -> int:
@@ -259,7 +261,8 @@ def layout_of(workload: Workload, recipe: ResolvedRecipe) -> Layout:
     adapted = tuple(sorted({in_layer(n) for n in getattr(model, "targeted_parameter_names", None) or ()}))
     sizes: dict[str, Any] = {"quantized_codes": codes, "quantized_parameters": sum(m.original_numel for m in quantized),
                              "adapted_parameters": adapted, "rows_divisor": rows_divisor(model.parameters()),
-                             "trainable_bytes": trainable_bytes}
+                             "trainable_bytes": trainable_bytes,
+                             "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
     if found is None:
         return Layout(stacks=(), parameters=parameters, trainable_parameters=trainable, signatures=(),
                       parameter_numels=numels, **sizes)

@@ -115,6 +115,8 @@ class ModelSize:
     trainable_bytes: int = 0
     """Bytes of the trainable parameters in their dtypes, as their gradients are: what DistributedDataParallel's
     gradient buckets hold (`estimate.sharding.ddp_bucket_bytes`)."""
+    parameter_bytes: int = 0
+    """Bytes of every parameter in its dtype, as one flat buffer holds them (ZeRO-3's partitions)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +140,7 @@ def model_plan(workload: Workload, recipe: ResolvedRecipe, *, use_cache: bool = 
                          block_parameters=layout.block_parameters, quantized_codes=layout.quantized_codes,
                          quantized_parameters=layout.quantized_parameters,
                          adapted_parameters=layout.adapted_parameters, rows_divisor=layout.rows_divisor,
-                         trainable_bytes=layout.trainable_bytes)
+                         trainable_bytes=layout.trainable_bytes, parameter_bytes=layout.parameter_bytes)
         return ModelPlan(plan=trace_plan(workload, recipe, layout), size=size)
 
     if not use_cache:
