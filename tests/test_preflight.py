@@ -20,7 +20,7 @@ from anatomist.estimate.predict import estimate
 from anatomist.hardware import get_gpu
 from anatomist.measure import AnatomistCallback
 from anatomist.measure.preflight import PreflightRefused
-from anatomist.measure.records import append_record, read_records
+from anatomist.measure.run_log import append_record, read_records
 from anatomist.recipe import Recipe
 from anatomist.workload_loader import load_workload
 

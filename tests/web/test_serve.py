@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 import anatomist
-from anatomist.web.space import WEB_REQUIREMENTS, requirements
+from anatomist.web.hf_space import WEB_REQUIREMENTS, requirements
 
 SRC = Path(anatomist.__file__).resolve().parents[1]
 PYPROJECT = SRC.parent / "pyproject.toml"

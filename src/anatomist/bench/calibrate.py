@@ -44,7 +44,7 @@ def _workload(spec: dict[str, Any], folder: Path) -> Workload:
 
 def calibrate(results: str | Path | None, *, records: str | Path | None = None) -> Calibrated:
     """Fit the roofline factors to the finished GPU rows of a bench results file and/or the run
-    records AnatomistCallback and track() keep (`records`: a runs.jsonl, `anatomist.measure.records`).
+    records AnatomistCallback and track() keep (`records`: a runs.jsonl, `anatomist.measure.run_log`).
 
     Raises:
         InputError: not a results file, no finished GPU row with a step time (CPU rows cannot
@@ -53,7 +53,7 @@ def calibrate(results: str | Path | None, *, records: str | Path | None = None) 
     # run records are bench rows (same keys), read after the results file's
     rows = list(open_results(results, create=False).rows) if results is not None else []
     if records is not None:
-        from anatomist.measure.records import read_records
+        from anatomist.measure.run_log import read_records
 
         rows += read_records(records)
     named = results if results is not None else records

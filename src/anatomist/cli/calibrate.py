@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from anatomist.calibration.lookup import user_calibration_path
     from anatomist.calibration.measured import calibration_toml
     from anatomist.hardware import get_gpu
-    from anatomist.measure.records import records_path  # anatomist.measure imports transformers
+    from anatomist.measure.run_log import records_path  # anatomist.measure imports transformers
 
     if args.results is None and args.records is None:
         raise InputError("calibrate needs RESULTS (a bench results file) or --records (runs this machine watched)")

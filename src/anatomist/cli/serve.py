@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.write_space:
-        from anatomist.web.space import write_space
+        from anatomist.web.hf_space import write_space
 
         written = write_space(args.write_space)
         print(f"wrote the Space into {args.write_space} ({len(written)} files); see its README.md to deploy it",

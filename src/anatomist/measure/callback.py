@@ -19,7 +19,7 @@ as the Trainer's own `auto_find_batch_size` does (`Trainer._update_auto_batch_si
 
 After `compare_after_steps` optimizer steps the measured peaks and step time are put beside the
 prediction: logged through `trainer.log` when attached (so TensorBoard, W&B or trackio show
-them), else on the `anatomist` logger, and appended as a run record (`anatomist.measure.records`).
+them), else on the `anatomist` logger, and appended as a run record (`anatomist.measure.run_log`).
 
 Per step the callback costs two perf_counter calls and a list append (benchmarks/callback_overhead.py).
 """

@@ -155,7 +155,7 @@ class Watch:
 
     def _keep(self, measured: dict[str, Any], predicted: dict[str, Any], median_s: float, samples: int) -> None:
         from anatomist.measure.monitor import device_info, versions
-        from anatomist.measure.records import append_record
+        from anatomist.measure.run_log import append_record
 
         assert self.result is not None
         e = self.running or self.result.estimate

@@ -11,7 +11,7 @@ Layout, one job per file:
 - `jobs.py`: one worker thread runs estimates and plans, the page polls a job's progress;
 - `capture.py`: what a job prints on stderr (the CLI's notes) kept for that job's page;
 - `app.py`: the Starlette routes; `server.py`: uvicorn on a socket, the URL printed;
-- `space.py`: the folder that runs the same page as a Hugging Face Space.
+- `hf_space.py`: the folder that runs the same page as a Hugging Face Space.
 
 This package imports nothing heavy at import time: `anatomist serve` says which extra is missing
 before anything else is loaded (`server.require_extra`).
