@@ -202,7 +202,7 @@ def test_deepspeed_mixed_precision_is_the_zero_papers_arithmetic(stage, per_para
 
 
 def test_nccl_buffers_are_on_the_device_of_every_rank_of_several():
-    """NVIDIA/nccl issue #964 (4 x A100, NVLink, through PyTorch): 544 MB for a group of 2, 688 MB for more."""
+    """https://github.com/NVIDIA/nccl/issues/964 (4 x A100, NVLink, through PyTorch): 544 MB for a group of 2, 688 MB for more."""
     from anatomist.estimate.memory import outside_allocator_bytes
     from anatomist.hardware import get_gpu
 

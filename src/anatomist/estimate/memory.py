@@ -235,9 +235,11 @@ def _zero_size(recipe: ResolvedRecipe, traces: StepTraces) -> ZeroSize:
 
 NCCL_BYTES = {2: 544 * 2**20, 3: 688 * 2**20}
 """What NCCL holds on each GPU outside PyTorch's allocator once a process group of 2 (or of 3 and more) devices
-has run a collective: 544 and 688 MB, measured through PyTorch on 4 x A100 with NVLink (NVIDIA/nccl issue #964).
+has run a collective: 544 and 688 MB, measured through PyTorch on 4 x A100 with NVLink
+(https://github.com/NVIDIA/nccl/issues/964).
 NCCL's maintainers say it grows with the channels (more to reach an H100's NVLink bandwidth) and the GPUs, not
-beyond two nodes (NVIDIA/nccl issue #986): the A100 figures stand for every GPU; a data-parallel step uses one communicator."""
+beyond two nodes
+(https://github.com/NVIDIA/nccl/issues/986): the A100 figures stand for every GPU; a data-parallel step uses one communicator."""
 
 
 def outside_allocator_bytes(gpu: GPU, num_gpus: int) -> int:
@@ -272,7 +274,7 @@ def _nccl_note(num_gpus: int) -> list[str]:
         return []
     nccl = NCCL_BYTES[min(num_gpus, 3)]
     return [f"runtime overhead: includes NCCL's own buffers, {nccl / 2**30:.2f} GiB per GPU (measured on A100s with "
-            "NVLink, NVIDIA/nccl issue #964; more channels, as on H100, take more)"]
+            "NVLink, through PyTorch; more channels, as on H100, take more)"]
 
 
 def _largest_batch(workload: Workload, recipe: ResolvedRecipe, gpu: GPU, mode: Mode, num_gpus: int, limit: int,
