@@ -46,6 +46,8 @@ class GPU:
     bf16: bool
     """Whether the tensor cores support bf16 (Ampere or newer)."""
     compute_capability: str
+    sm_count: int
+    """Streaming multiprocessors: a matrix product's output tiles run on them in waves (`estimate.time.tiles`)."""
     cuda_context_bytes: int
     """Memory outside the caching allocator: CUDA context, kernels."""
     cuda_context_source: str
@@ -85,6 +87,7 @@ class GPU:
             "bf16_tflops": self.bf16_tflops,
             "bf16": self.bf16,
             "compute_capability": self.compute_capability,
+            "sm_count": self.sm_count,
             "cuda_context_bytes": self.cuda_context_bytes,
             "detected": self.detected,
         }

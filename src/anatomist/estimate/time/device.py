@@ -35,9 +35,11 @@ from anatomist.calibration.lookup import Calibration, calibration_for
 from anatomist.estimate.intervals import time_interval
 from anatomist.estimate.time.ops import OpRecord, StepOps, step_flops, step_ops
 from anatomist.estimate.time.roofline import HOST_PHASE_WEIGHTS, kernel_s, phase_s
+from anatomist.estimate.time.tiles import busy_fraction
 from anatomist.hardware import GPU, Precision
 from anatomist.recipe import ResolvedRecipe
 from anatomist.recipe.axis_values import matmul_precision
+from anatomist.trace.engine.records import ATTENTION_PREFIX
 from anatomist.workload import Workload
 
 
@@ -45,8 +47,8 @@ def peak_seconds(record: OpRecord, recipe: ResolvedRecipe, gpu: GPU) -> tuple[fl
     """(tensor-core, CUDA-core, memory) seconds of one call at 100% of the datasheet peaks.
 
     A matrix product runs at the peak of its dtype: fp16/bf16 under autocast, TF32 where the
-    recipe allows it and the GPU has it (tensor cores), else fp32 (CUDA cores). The
-    approximate arithmetic of other ops runs on CUDA cores.
+    recipe allows it and the GPU has it (tensor cores), else fp32 (CUDA cores), on the share of the GPU its shape
+    keeps busy (`tiles.busy_fraction`). The approximate arithmetic of other ops runs on CUDA cores.
     """
     memory_s = record.bytes / (gpu.bandwidth_gbps * 1e9)
     if record.flops <= 0:
@@ -56,7 +58,10 @@ def peak_seconds(record: OpRecord, recipe: ResolvedRecipe, gpu: GPU) -> tuple[fl
     else:
         precision = "tf32" if recipe.tf32 and gpu.tf32 else "fp32"
     # A GPU without tensor cores for the dtype still runs it, at most at its fp32 rate.
-    seconds = record.flops / ((gpu.peak_tflops(precision) or gpu.fp32_tflops) * 1e12)
+    peak = gpu.peak_tflops(precision)
+    busy = busy_fraction(record.gemm, gpu.sm_count, tensor_cores=precision != "fp32" and peak > 0,
+                         attention=record.name.startswith(ATTENTION_PREFIX))
+    seconds = record.flops / ((peak or gpu.fp32_tflops) * 1e12 * busy)
     return (0.0, seconds, memory_s) if precision == "fp32" else (seconds, 0.0, memory_s)
 
 

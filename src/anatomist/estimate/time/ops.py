@@ -65,6 +65,8 @@ class OpRecord:
     view: bool
     known: bool
     """False when op_classes.toml does not list the op (it is then `other`)."""
+    gemm: tuple[int, int, int, int] = (0, 0, 0, 0)
+    """A matrix product's (batch, m, n, k) (`Signature.gemm`); zeros for other ops."""
 
     def calls_per_step(self, accumulation: int) -> float:
         """Calls in one optimizer step: the passes repeat per micro-batch, the optimizer step runs once."""
@@ -164,7 +166,8 @@ def ops_of(signatures: Iterable[Signature]) -> StepOps:
 
 def _record(sig: Signature, count: float) -> OpRecord:
     return OpRecord(name=sig.name, op_class=sig.op_class, phase=sig.phase, dtype=sig.dtype, flops=sig.flops,
-                    approx_flops=sig.approx_flops, bytes=sig.bytes, count=count, view=sig.view, known=sig.known)
+                    approx_flops=sig.approx_flops, bytes=sig.bytes, count=count, view=sig.view, known=sig.known,
+                    gemm=sig.gemm)
 
 
 def _extrapolate(plan: TracePlan, counts: dict[Depth, Counter[Signature]]) -> list[OpRecord]:
@@ -191,7 +194,7 @@ def _extrapolate(plan: TracePlan, counts: dict[Depth, Counter[Signature]]) -> li
         count = sum(at.values())
         if count <= 0:
             continue
-        mean_cost = [sum(sig.costs()[i] * at[sig] for sig in sigs) / count for i in range(3)]
+        mean_cost = [sum(sig.costs()[i] * at[sig] for sig in sigs) / count for i in range(len(sigs[0].costs()))]
         records.append(_record(sigs[0].with_costs(*(round(c) for c in mean_cost)), count))
     return records
 

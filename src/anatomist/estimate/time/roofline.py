@@ -6,9 +6,9 @@ One kernel (an op of the traced step, or a fused kernel of compiled code) takes,
     max(tensor_core_s / tensor_core_efficiency + cuda_core_s / fp32_efficiency,
         memory_s / bandwidth_efficiency) + kernel_overhead_s
 
-where the three `_s` are its seconds at 100% of the GPU's datasheet peaks (`device.peak_seconds`). The
-host issues the kernels one by one and runs ahead of the GPU (a launch is asynchronous): each kernel
-costs it `host_op_s` in the forward (the model's Python around the op, the dispatcher, autograd's
+where the three `_s` are its seconds at 100% of the GPU's datasheet peaks (`device.peak_seconds`), a matrix
+product's on the share of the SMs its shape keeps busy (`tiles.busy_fraction`). The host issues the kernels one
+by one and runs ahead of the GPU (a launch is asynchronous): each kernel costs it `host_op_s` in the forward (the model's Python around the op, the dispatcher, autograd's
 bookkeeping, the launch), and a measured fraction of that in the backward (the autograd engine's C++ issues
 those) and in the optimizer step (`HOST_PHASE_WEIGHTS`). A phase of the step (a micro-batch's forward, its
 backward, the optimizer step) therefore takes
@@ -34,11 +34,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-TIME_MODEL_VERSION = 4
+TIME_MODEL_VERSION = 5
 """Bumped when the meaning of the factors changes; a calibration file of another version is refused.
 1: roofline + launch overhead (placeholders); 2: + per-step overhead, bandwidth factor up to 8,
 fitted to published runs; 3: every factor bounded to what it physically is, host overhead per
-micro-batch; 4: + the host's time per kernel, a phase bound by the slower of the GPU and the host."""
+micro-batch; 4: + the host's time per kernel, a phase bound by the slower of the GPU and the host; 5: a matrix
+product runs on the share of the GPU its shape keeps busy (`tiles`), so the efficiencies are a busy GPU's."""
 
 EFFICIENCY_MIN = 0.02
 """The lowest efficiency a fit may give (2% of a peak): below it a kernel is not compute- or

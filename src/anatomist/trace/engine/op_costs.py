@@ -20,7 +20,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from anatomist.anatomy import OpClass, Phase
 from anatomist.op_classes import base_name, classify, is_known, is_view
-from anatomist.trace.engine.records import Signature
+from anatomist.trace.engine.records import ATTENTION_PREFIX, Signature
 
 _aten = torch.ops.aten
 
@@ -79,6 +79,29 @@ def tensors_in(tree: Any) -> list[torch.Tensor]:
     return []
 
 
+_GEMMS = frozenset(("mm", "addmm", "bmm", "baddbmm"))
+
+
+def gemm_shape(name: str, inputs: list[torch.Tensor]) -> tuple[int, int, int, int]:
+    """(batch, m, n, k) of a matrix product `name` whose tensor arguments are `inputs`, in order; zeros for other ops.
+
+    mm and addmm multiply (m x k) by (k x n), bmm and baddbmm `batch` of them (a bias comes first). An attention
+    kernel's first product is Q (Sq x D) by K transposed, over batch x heads (its backward takes the output's gradient
+    first, then Q, K, V)."""
+    if name in _GEMMS:
+        a, b = inputs[-2:]
+        if a.dim() == 2 and b.dim() == 2:
+            return 1, a.shape[0], b.shape[1], a.shape[1]
+        if a.dim() == 3 and b.dim() == 3:
+            return a.shape[0], a.shape[1], b.shape[2], a.shape[2]
+        return 0, 0, 0, 0
+    if name.startswith(ATTENTION_PREFIX) and len(inputs) >= 3:
+        q, k = inputs[1:3] if name.endswith("_backward") else inputs[:2]
+        if q.dim() == 4 and k.dim() == 4:
+            return q.shape[0] * q.shape[1], q.shape[2], k.shape[2], q.shape[3]
+    return 0, 0, 0, 0
+
+
 def _nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -103,4 +126,5 @@ def op_signature(func: Any, args: Any, kwargs: Any, out: Any, phase: Phase) -> S
         moved = _nbytes(inputs) + _nbytes(outputs)
         if not outputs:  # in-place ops that return nothing (foreach): they write their first argument
             moved += _nbytes(tensors_in(args[0])) if args else 0
-    return Signature(name, op_class, phase, dtype, flops, approx, moved, view, is_known(name))
+    gemm = gemm_shape(name, inputs) if flops else (0, 0, 0, 0)
+    return Signature(name, op_class, phase, dtype, flops, approx, moved, view, is_known(name), gemm)

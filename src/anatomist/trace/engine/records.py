@@ -22,6 +22,11 @@ from anatomist.trace.engine.allocator import CachingAllocator, round_size
 SEGMENTS = ("pre", "blocks", "post")
 """Where in a phase an event happens: before, inside and after the repeated blocks."""
 
+ATTENTION_PREFIX = "_scaled_dot_product"
+"""The names of the fused attention kernels (and of their CPU stand-ins): (batch x heads) products of Sq x Sk, each a
+sum over the head dimension."""
+
+
 class Signature(NamedTuple):
     """The cost of one op call, as the tracer records it (`trace.engine.op_costs.op_signature`).
 
@@ -43,19 +48,23 @@ class Signature(NamedTuple):
     view: bool
     known: bool
     """False when op_classes.toml does not list the op (it is then `other`)."""
+    gemm: tuple[int, int, int, int] = (0, 0, 0, 0)
+    """A matrix product's (batch, m, n, k): its output is `batch` matrices of m x n, each a sum over k (the
+    time model tiles it: `estimate.time.tiles`); zeros for every other op (`trace.engine.op_costs.gemm_shape`)."""
 
     def kind(self) -> tuple[str, OpClass, Phase, str, bool, bool]:
         """The signature less its per-call costs: what the same op has at every batch size and depth."""
         return self.name, self.op_class, self.phase, self.dtype, self.view, self.known
 
-    def costs(self) -> tuple[int, int, int]:
-        """The per-call costs (flops, approx_flops, bytes): affine in the batch size."""
-        return self.flops, self.approx_flops, self.bytes
+    def costs(self) -> tuple[int, ...]:
+        """The per-call costs (flops, approx_flops, bytes) and the product's shape (`gemm`): each affine in the batch
+        size (a shape's rows, its sum or its batch grow with the samples, the others stay)."""
+        return self.flops, self.approx_flops, self.bytes, *self.gemm
 
-    def with_costs(self, flops: int, approx_flops: int, moved: int) -> Signature:
-        """The same op at other per-call costs."""
+    def with_costs(self, flops: int, approx_flops: int, moved: int, *gemm: int) -> Signature:
+        """The same op at other per-call costs (and product shape, as `costs` orders them)."""
         return Signature(self.name, self.op_class, self.phase, self.dtype, flops, approx_flops, moved, self.view,
-                         self.known)
+                         self.known, (gemm[0], gemm[1], gemm[2], gemm[3]) if gemm else self.gemm)
 
 
 @dataclass(slots=True)
