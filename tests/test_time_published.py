@@ -115,16 +115,16 @@ def _check_predictions(stored: dict) -> list[tuple[str, float, float]]:
 
 
 def test_the_guides_v100_table(stored: dict) -> None:
-    """The guide's V100 recipes (never fitted), as docs/time.md reports them: every recipe within 15% of its
-    published speed (worst today: accumulation + checkpointing + fp16, -12.5%), every speed-up over vanilla within
-    10% of the published one (worst: accumulation + checkpointing, +9.1%), and the recipes ranked from fastest to
-    slowest with a rank correlation of at least 0.95 (one pair of neighbours swapped today)."""
+    """The guide's V100 recipes (never fitted), as docs/time.md reports them: every recipe within 12% of its
+    published speed (worst today, time model 5: accumulation + checkpointing + fp16, -10.6%), every speed-up over
+    vanilla within 9% of the published one (worst: adafactor, +8.4%), and the recipes ranked from fastest to slowest
+    with a rank correlation of at least 0.95 (one pair of neighbours swapped today)."""
     rows = _check_predictions(stored)
     _, vanilla_published, vanilla_predicted = next(r for r in rows if r[0] == "vanilla")
     for name, published_sps, predicted_sps in rows:
-        assert abs(predicted_sps / published_sps - 1) < 0.15, name
+        assert abs(predicted_sps / published_sps - 1) < 0.12, name
         speed_up = (predicted_sps / vanilla_predicted) / (published_sps / vanilla_published)
-        assert abs(speed_up - 1) < 0.10, name
+        assert abs(speed_up - 1) < 0.09, name
     published_order = [n for n, m, _ in sorted(rows, key=lambda r: -r[1])]
     predicted_order = [n for n, _, p in sorted(rows, key=lambda r: -r[2])]
     rank_p = {n: i for i, n in enumerate(published_order)}
