@@ -31,6 +31,7 @@ from anatomist.plan.candidates import (
     choose,
     pareto_front,
     speed_error,
+    speed_note,
     with_pick,
 )
 from anatomist.plan.reasons import explain, explain_infeasible
@@ -207,8 +208,7 @@ def plan(
     notes.append(f"{best.time.calibration}; {UNFITTED_TERMS}" if adds_device_terms(best.recipe, space.num_gpus)
                  else best.time.calibration)
     if objective == "throughput":
-        notes.append(f"speed: recipes predicted within {error:.0%} of the fastest are not ranked (the time model's "
-                     "median held-out error); of them the pick keeps the most headroom, then prefers the simplest")
+        notes.append(speed_note(best.time, error))
     return Plan(
         workload=workload, gpu=gpu, space=space, objective=objective, margin=margin, limit_bytes=limit,
         candidates=candidates, pareto=front, best=best, time_calibrated=calibrated, speed_error=error, notes=notes,
