@@ -34,7 +34,7 @@ from anatomist.estimate.traces import TRACE_BATCHES, TRACE_DEPTHS, affine, step_
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.depth.cuts import Depth
 from anatomist.trace.depth.plan import TracePlan
-from anatomist.trace.engine.records import Signature
+from anatomist.trace.engine.records import NO_GEMM, Signature
 from anatomist.trace.store import cache
 from anatomist.trace.store.keys import one_device, part_key
 from anatomist.trace.store.parts import trace_part
@@ -65,7 +65,7 @@ class OpRecord:
     view: bool
     known: bool
     """False when op_classes.toml does not list the op (it is then `other`)."""
-    gemm: tuple[int, int, int, int] = (0, 0, 0, 0)
+    gemm: tuple[int, int, int, int] = NO_GEMM
     """A matrix product's (batch, m, n, k) (`Signature.gemm`); zeros for other ops."""
 
     def calls_per_step(self, accumulation: int) -> float:

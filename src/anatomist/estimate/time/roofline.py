@@ -8,10 +8,10 @@ One kernel (an op of the traced step, or a fused kernel of compiled code) takes,
 
 where the three `_s` are its seconds at 100% of the GPU's datasheet peaks (`device.peak_seconds`), a matrix
 product's on the share of the SMs its shape keeps busy (`tiles.busy_fraction`). The host issues the kernels one
-by one and runs ahead of the GPU (a launch is asynchronous): each kernel costs it `host_op_s` in the forward (the model's Python around the op, the dispatcher, autograd's
-bookkeeping, the launch), and a measured fraction of that in the backward (the autograd engine's C++ issues
-those) and in the optimizer step (`HOST_PHASE_WEIGHTS`). A phase of the step (a micro-batch's forward, its
-backward, the optimizer step) therefore takes
+by one and runs ahead of the GPU (a launch is asynchronous): each kernel costs it `host_op_s` in the forward (the
+model's Python around the op, the dispatcher, autograd's bookkeeping, the launch), and a measured fraction of that
+in the backward (the autograd engine's C++ issues those) and in the optimizer step (`HOST_PHASE_WEIGHTS`). A phase
+of the step (a micro-batch's forward, its backward, the optimizer step) therefore takes
 
     max(sum of its kernels' GPU times, its kernels x weight of the phase x host_op_s)
 

@@ -20,7 +20,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from anatomist.anatomy import OpClass, Phase
 from anatomist.op_classes import base_name, classify, is_known, is_view
-from anatomist.trace.engine.records import ATTENTION_PREFIX, Signature
+from anatomist.trace.engine.records import ATTENTION_PREFIX, NO_GEMM, Signature
 
 _aten = torch.ops.aten
 
@@ -94,12 +94,12 @@ def gemm_shape(name: str, inputs: list[torch.Tensor]) -> tuple[int, int, int, in
             return 1, a.shape[0], b.shape[1], a.shape[1]
         if a.dim() == 3 and b.dim() == 3:
             return a.shape[0], a.shape[1], b.shape[2], a.shape[2]
-        return 0, 0, 0, 0
+        return NO_GEMM
     if name.startswith(ATTENTION_PREFIX) and len(inputs) >= 3:
         q, k = inputs[1:3] if name.endswith("_backward") else inputs[:2]
         if q.dim() == 4 and k.dim() == 4:
             return q.shape[0] * q.shape[1], q.shape[2], k.shape[2], q.shape[3]
-    return 0, 0, 0, 0
+    return NO_GEMM
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
@@ -126,5 +126,5 @@ def op_signature(func: Any, args: Any, kwargs: Any, out: Any, phase: Phase) -> S
         moved = _nbytes(inputs) + _nbytes(outputs)
         if not outputs:  # in-place ops that return nothing (foreach): they write their first argument
             moved += _nbytes(tensors_in(args[0])) if args else 0
-    gemm = gemm_shape(name, inputs) if flops else (0, 0, 0, 0)
+    gemm = gemm_shape(name, inputs) if flops else NO_GEMM
     return Signature(name, op_class, phase, dtype, flops, approx, moved, view, is_known(name), gemm)

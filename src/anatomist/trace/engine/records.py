@@ -22,6 +22,8 @@ from anatomist.trace.engine.allocator import CachingAllocator, round_size
 SEGMENTS = ("pre", "blocks", "post")
 """Where in a phase an event happens: before, inside and after the repeated blocks."""
 
+NO_GEMM = (0, 0, 0, 0)
+"""`Signature.gemm` of an op that is no matrix product."""
 ATTENTION_PREFIX = "_scaled_dot_product"
 """The names of the fused attention kernels (and of their CPU stand-ins): (batch x heads) products of Sq x Sk, each a
 sum over the head dimension."""
@@ -48,7 +50,7 @@ class Signature(NamedTuple):
     view: bool
     known: bool
     """False when op_classes.toml does not list the op (it is then `other`)."""
-    gemm: tuple[int, int, int, int] = (0, 0, 0, 0)
+    gemm: tuple[int, int, int, int] = NO_GEMM
     """A matrix product's (batch, m, n, k): its output is `batch` matrices of m x n, each a sum over k (the
     time model tiles it: `estimate.time.tiles`); zeros for every other op (`trace.engine.op_costs.gemm_shape`)."""
 
@@ -61,10 +63,10 @@ class Signature(NamedTuple):
         size (a shape's rows, its sum or its batch grow with the samples, the others stay)."""
         return self.flops, self.approx_flops, self.bytes, *self.gemm
 
-    def with_costs(self, flops: int, approx_flops: int, moved: int, *gemm: int) -> Signature:
-        """The same op at other per-call costs (and product shape, as `costs` orders them)."""
+    def with_costs(self, flops: int, approx_flops: int, moved: int, batch: int, m: int, n: int, k: int) -> Signature:
+        """The same op at other per-call costs and product shape, as `costs` orders them."""
         return Signature(self.name, self.op_class, self.phase, self.dtype, flops, approx_flops, moved, self.view,
-                         self.known, (gemm[0], gemm[1], gemm[2], gemm[3]) if gemm else self.gemm)
+                         self.known, (batch, m, n, k))
 
 
 @dataclass(slots=True)
