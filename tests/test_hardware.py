@@ -96,7 +96,7 @@ def test_every_entry_says_where_its_figures_come_from() -> None:
         # tensor-core rates are at least the CUDA-core fp32 rate where the GPU has them
         assert gpu.fp16_tflops >= gpu.fp32_tflops and (not gpu.tf32 or gpu.tf32_tflops >= gpu.fp32_tflops), gpu.name
     # the new entries keep the CUDA-context assumption of [defaults], said as such
-    assert catalog()["L40S"].cuda_context_bytes == 500 * MIB
+    assert catalog()["L40S"].cuda_context_bytes == catalog()["H200"].cuda_context_bytes  # the H200's measurement
     assert catalog()["L40S"].cuda_context_source.startswith("assumption")
 
 
@@ -128,6 +128,7 @@ def test_detect_local_gpu_through_nvml(monkeypatch: pytest.MonkeyPatch, nvml_nam
     gpu = detect_local_gpu()
     assert gpu is not None and gpu.detected
     assert gpu.name == f"{expected} ({nvml_name})"
+    assert gpu.catalog_name == expected
     assert gpu.memory_bytes == 12345 * MIB  # what this device has, not the catalog's figure
     assert gpu.bf16_tflops == catalog()[expected].bf16_tflops
 
@@ -228,3 +229,15 @@ def test_gpus_table_lists_the_new_entries(monkeypatch: pytest.MonkeyPatch, capsy
     assert set(NEW_ENTRIES) <= set(names)
     assert "No NVIDIA GPU detected here (NVML)." in out
     assert "* CUDA context assumed, not measured" in out
+
+
+def test_a_detected_gpu_takes_its_generations_calibration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found on a real H200: its name also says NVML's ("H200 (NVIDIA H200)"), and its time is still
+    predicted with the H100 generation's factors, not the pooled ones of a GPU in no generation."""
+    from anatomist.calibration.lookup import calibration_for
+
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml("NVIDIA H200", 143771 * MIB))
+    gpu = detect_local_gpu()
+    assert gpu is not None and gpu.name == "H200 (NVIDIA H200)"
+    assert calibration_for(gpu) == calibration_for(get_gpu("H200"))
+    assert "H100 generation" in calibration_for(gpu).describe()

@@ -28,7 +28,7 @@ SEQ = 64
 GPU = "A100-80GB"
 BARE = dataclasses.replace(get_gpu(GPU), cuda_context_bytes=0)
 """The A100 without its CUDA context: a tiny model's recipes then differ by more than the memory interval's width
-(the context, 0.49 GiB, would be most of each total), so a budget can refuse one and fit another."""
+(the context, 1.35 GiB, would be most of each total), so a budget can refuse one and fit another."""
 NUM_SAMPLES = 32
 
 

@@ -101,7 +101,7 @@ def write_snippet(log: ResultsLog, out: Path) -> Path:
     lines = [
         "# The runtime overhead measured by benchmarks/gpu/validate.sh (part a), in the form of",
         "# src/anatomist/data/gpus.toml: merge these keys into that entry, replacing the [defaults]",
-        "# 500 MiB assumption for this GPU. Do not paste the table header twice.",
+        "# assumption for this GPU. Do not paste the table header twice.",
         f"# {stack}",
         "# memory outside the caching allocator at each stage (NVML used - before CUDA - reserved):",
     ]

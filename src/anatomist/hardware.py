@@ -61,6 +61,13 @@ class GPU:
     """What `nvmlDeviceGetName` returns for this GPU, exactly; `match_catalog` matches on these."""
     detected: bool = False
     """True when this entry describes the GPU found on this machine through NVML."""
+    catalog_name: str = ""
+    """The catalog entry's name: what calibrations and generations are keyed by (`name` of a detected GPU also
+    says what NVML calls it). Set by `__post_init__` where not given."""
+
+    def __post_init__(self) -> None:
+        if not self.catalog_name:
+            object.__setattr__(self, "catalog_name", self.name)
 
     @property
     def tf32(self) -> bool:
@@ -283,4 +290,4 @@ def detect_local_gpu() -> GPU | None:
     match = match_catalog(name, total)
     if match is None:
         return None
-    return replace(match, name=f"{match.name} ({name})", memory_bytes=total, detected=True)
+    return replace(match, name=f"{match.name} ({name})", memory_bytes=total, detected=True, catalog_name=match.name)

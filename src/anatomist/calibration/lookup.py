@@ -142,8 +142,8 @@ def load_calibration(path: str | Path, gpu: GPU | None = None) -> Calibration:
     fitted_on = raw.get("gpu")
     if not isinstance(fitted_on, str):
         raise InputError(f"{p}: not a calibration file (no gpu = \"NAME\"); write one with `anatomist calibrate`")
-    if gpu is not None and fitted_on != gpu.name:
-        raise InputError(f"{p}: calibration measured on {fitted_on}, not {gpu.name}; calibrate {gpu.name} "
+    if gpu is not None and fitted_on != gpu.catalog_name:
+        raise InputError(f"{p}: calibration measured on {fitted_on}, not {gpu.catalog_name}; calibrate {gpu.catalog_name} "
                          "or leave --calibration out to use the published one")
     return Calibration(calibrated=True, kind="measured", gpu=fitted_on, source=f"measured: {raw.get('source', p)} ({p})",
                        error=_error(raw.get("fit"), "in-sample"), factors=factors)
@@ -190,7 +190,7 @@ def user_calibration_path(gpu: GPU) -> Path:
         import platformdirs
 
         root = platformdirs.user_cache_dir("anatomist", appauthor=False)
-    return Path(root) / "calibration" / f"{gpu.name}.toml"
+    return Path(root) / "calibration" / f"{gpu.catalog_name}.toml"
 
 
 def calibration_for(gpu: GPU, path: str | Path | None = None) -> Calibration:
@@ -205,8 +205,8 @@ def calibration_for(gpu: GPU, path: str | Path | None = None) -> Calibration:
     user = user_calibration_path(gpu)
     if user.is_file():
         return load_calibration(user, gpu)
-    shipped = resources.files("anatomist.data").joinpath("measured", f"{gpu.name}.toml")
+    shipped = resources.files("anatomist.data").joinpath("measured", f"{gpu.catalog_name}.toml")
     if shipped.is_file():
         return load_calibration(Path(str(shipped)), gpu)
     tables = published()
-    return tables.get(generation_of_gpu(gpu.name)) or tables[ANY_GENERATION]
+    return tables.get(generation_of_gpu(gpu.catalog_name)) or tables[ANY_GENERATION]

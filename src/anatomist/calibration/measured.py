@@ -44,7 +44,7 @@ def fit_calibration(steps: list[TimedStep], *, source: str) -> Calibration:
     """
     if not steps:
         raise ValueError("fit_calibration needs at least one measured step")
-    gpus = {s.gpu.name for s in steps}
+    gpus = {s.gpu.catalog_name for s in steps}
     if len(gpus) > 1:
         raise ValueError(f"fit_calibration fits one GPU at a time, got {sorted(gpus)}")
     comps = [components(step_ops(s.workload, s.recipe, s.gpu.compute_capability), s.recipe, s.gpu) for s in steps]
@@ -52,7 +52,7 @@ def fit_calibration(steps: list[TimedStep], *, source: str) -> Calibration:
     factors, _ = fit(comps, measured, base=PRIOR)
     errors = abs(relative_errors(comps, measured, factors)) * 100
     return Calibration(
-        calibrated=True, kind="measured", gpu=steps[0].gpu.name, source=source, factors=factors,
+        calibrated=True, kind="measured", gpu=steps[0].gpu.catalog_name, source=source, factors=factors,
         error=CalibrationError(median_error_pct=float(np.median(errors)), worst_error_pct=float(errors.max()),
                                runs=len(steps), sources=1, method="in-sample"),
     )

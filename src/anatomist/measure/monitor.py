@@ -9,7 +9,8 @@ the Trainer's runtime and throughput. This module makes that a small library:
 - `allocator_stats()`: the caching allocator's own counters (allocated, reserved, their
   peaks, allocation retries, OOMs) from `torch.cuda.memory_stats`; None without CUDA.
 - `measure_cuda_context_bytes()`: memory the device holds once CUDA is initialised and
-  before any tensor is allocated (the seeds' "kernels take 1.3 GB").
+  before any tensor is allocated (the seeds' "kernels take 1.3 GB"); `outside_allocator_bytes()`
+  the same at any later moment, once the step's kernels have loaded.
 """
 
 from __future__ import annotations
@@ -150,6 +151,17 @@ def measure_cuda_context_bytes() -> int | None:
     if not cuda_available():
         return None
     torch.ones((1,), device="cuda")
+    return outside_allocator_bytes()
+
+
+def outside_allocator_bytes() -> int | None:
+    """Device memory in use (total - free) less what the caching allocator reserved, now; None without CUDA.
+
+    It grows after CUDA's initialisation as kernels load lazily: an H200 (CUDA 13.0, torch 2.11) held 619 MiB
+    once CUDA was up and 1,366-1,382 MiB after the seeds' Trainer steps (benchmarks/gpu/H200/bench.jsonl).
+    """
+    if not cuda_available():
+        return None
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     return int(total - free - torch.cuda.memory_reserved())
