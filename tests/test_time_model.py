@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
+from conftest import TINY_CONFIGS
 
+from anatomist.anatomy import Phase
 from anatomist.calibration.fit import Components, fit, predict
-from anatomist.estimate.time.roofline import HOST_PHASE_WEIGHTS, Factors
+from anatomist.estimate.time.ops import recomputed_kernels, step_ops
+from anatomist.estimate.time.roofline import HOST_PHASE_WEIGHTS, RECOMPUTE_HOST_WEIGHT, Factors
+from anatomist.recipe import Recipe
+from anatomist.workload_loader import load_workload
 
 F = Factors(tensor_core_efficiency=0.5, fp32_efficiency=0.5, bandwidth_efficiency=0.5, kernel_overhead_s=2e-6,
             micro_batch_overhead_s=1e-3, host_op_s=20e-6)
@@ -44,3 +52,41 @@ def test_the_fit_finds_the_hosts_time_per_kernel() -> None:
     fitted, loss = fit(steps, measured, base=F.replace(host_op_s=5e-6), fixed_micro_batch_overhead=True)
     assert loss < 1e-8
     assert fitted.host_op_s == pytest.approx(30e-6, rel=1e-3)
+
+
+def _checkpointed(recomputed: float) -> Components:
+    """`_step` with every layer checkpointed: 50 kernels more in the backward (1 us memory-bound each), the layers'
+    forward run again, `recomputed` of them counted as such."""
+    return Components(tensor_core_s=np.array([0.0, 100e-6, 0.0, 0.0]), cuda_core_s=np.zeros(4),
+                      memory_s=np.array([8e-6, 0.0, 0.5e-6, 1e-6]), calls=np.array([100.0, 10.0, 1000.0, 50.0]),
+                      phase=np.array([0, 1, 2, 1]), micro_batches=1.0, recomputed=recomputed)
+
+
+def test_a_recomputed_forward_costs_the_host_twice_a_forward_kernel() -> None:
+    assert RECOMPUTE_HOST_WEIGHT == 2.0
+    # backward: GPU 10 x 202 us + 50 x (1/0.5 + 2) us = 2.22 ms; host (10 x 0.46 + 50 x 2.0) x 20 us = 2.092 ms
+    assert predict(_checkpointed(50.0), F) == pytest.approx(2e-3 + 2.22e-3 + 3.4e-3 + 1e-3)
+    # a host twice as slow: forward 4 ms, backward (10 x 0.46 + 50 x 2.0) x 40 us = 4.184 ms, optimizer 6.8 ms
+    slow = F.replace(host_op_s=40e-6)
+    assert predict(_checkpointed(50.0), slow) == pytest.approx(4e-3 + 4.184e-3 + 6.8e-3 + 1e-3)
+    # counted as ordinary backward kernels (time model 5), 60 x 0.46 x 40 us = 1.1 ms: the GPU's 2.22 ms instead
+    assert predict(_checkpointed(0.0), slow) == pytest.approx(4e-3 + 2.22e-3 + 6.8e-3 + 1e-3)
+
+
+def test_the_recomputed_kernels_are_the_checkpointed_layers_forward(tmp_path: Path) -> None:
+    """Traced: what checkpointing adds to the backward of a tiny Llama is its layers' forward (less than the whole
+    forward, which also embeds and scores), and checkpointing one layer in two adds about half as many."""
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_CONFIGS["llama"], "num_hidden_layers": 4}))
+    workload = load_workload(str(tmp_path), seq_len=32, task="causal-lm")
+
+    def recomputed(recipe: Recipe) -> tuple[float, float]:
+        resolved = recipe.resolved(workload)
+        ops = step_ops(workload, resolved)
+        return recomputed_kernels(workload, resolved), ops.kernels(Phase.FORWARD)
+
+    none, forward = recomputed(Recipe())
+    every, _ = recomputed(Recipe(gradient_checkpointing=True))
+    half, _ = recomputed(Recipe(gradient_checkpointing=True, checkpoint_every=2))
+    assert none == 0
+    assert 0.5 * forward < every < forward
+    assert half == pytest.approx(every / 2, rel=0.1)

@@ -104,6 +104,7 @@ def run_ops(run: dict[str, Any], workload: Any, recipe: Any, compute_capability:
 def run_components(run: dict[str, Any]) -> dict[str, Any]:
     """The stored inputs of one run: its components on its GPU (see time_fit.components)."""
     from anatomist.calibration.fit import components
+    from anatomist.estimate.time.ops import recomputed_kernels
     from anatomist.hardware import get_gpu
 
     gpu = get_gpu(run["gpu"])
@@ -112,7 +113,17 @@ def run_components(run: dict[str, Any]) -> dict[str, Any]:
         recipe = _recipe(run).resolved(workload)
         ops = run_ops(run, workload, recipe, gpu.compute_capability)
         share = 1.0 / run["num_gpus"] if run.get("sharding", "none") != "none" else 1.0
-        return components(ops, recipe, gpu, optimizer_share=share).to_dict()
+        return components(ops, recipe, gpu, optimizer_share=share,
+                          recomputed=recomputed_kernels(workload, recipe, gpu.compute_capability),
+                          recompute_weight=recompute_weight(run)).to_dict()
+
+
+def recompute_weight(run: dict[str, Any]) -> float:
+    """The host's time per recomputed kernel of a run (`roofline.host_kernels`): the 2022 Trainer on torch 1.10
+    checkpointed reentrantly, as torch did before 1.11; today's Trainer does not."""
+    from anatomist.estimate.time.roofline import RECOMPUTE_HOST_WEIGHT, REENTRANT_RECOMPUTE_HOST_WEIGHT
+
+    return REENTRANT_RECOMPUTE_HOST_WEIGHT if run.get("step") == "trainer-2022" else RECOMPUTE_HOST_WEIGHT
 
 
 def run_key(run: dict[str, Any]) -> str:
@@ -126,7 +137,9 @@ def cmd_components() -> None:
     todo = [(run_key(r), r) for r in load_runs() + load_checks()]
     todo.sort(key=lambda kv: "llm-foundry" in kv[1]["source"])  # the small models first
     for n, (key, run) in enumerate(todo):
-        if key in stored and "phase" in stored[key]["components"]:  # time model 3's have no phases: traced again
+        kept = stored.get(key, {}).get("components", {})
+        # time model 3's have no phases, and time model 5's no recomputed kernels: traced again
+        if "phase" in kept and ("recomputed" in kept or not _recipe(run).gradient_checkpointing):
             continue
         stored[key] = {"quote": run.get("quote"), "components": run_components(run)}
         print(f"[{n + 1}/{len(todo)}] {key}", file=sys.stderr, flush=True)

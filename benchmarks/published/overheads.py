@@ -86,10 +86,12 @@ def eager_op_s(length: int = 100, repeats: int = 30) -> float:
     return min(chain() for _ in range(repeats)) / (2 * length + 1)
 
 
-def host_s_per_kernel_by_phase(steps: int = 200) -> tuple[tuple[int, int, int], tuple[float, float, float]]:
+def host_s_per_kernel_by_phase(steps: int = 200, *, checkpointing: bool = False,
+                               ) -> tuple[tuple[int, int, int], tuple[float, float, float]]:
     """(kernels, host seconds per kernel) of the forward, the backward and a 2022 Trainer optimizer step of a
     12-layer BERT of hidden size 32 on this CPU, one thread: the fastest of `steps` steps (contention only adds
-    time); views are not kernels."""
+    time); views are not kernels. With `checkpointing`, every layer checkpointed as the Trainer does it
+    (transformers' default, non-reentrant torch.utils.checkpoint): the backward also reruns the layers' forward."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import BertConfig, BertForMaskedLM
@@ -107,6 +109,8 @@ def host_s_per_kernel_by_phase(steps: int = 200) -> tuple[tuple[int, int, int], 
     config = BertConfig(hidden_size=32, num_hidden_layers=12, num_attention_heads=2, intermediate_size=64, vocab_size=64,
                         max_position_embeddings=64, attn_implementation="eager")
     model = BertForMaskedLM(config).train()
+    if checkpointing:
+        model.activation_checkpointing_enable()
     ids = torch.randint(0, 64, (1, 8))
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, foreach=False)
@@ -154,3 +158,8 @@ if __name__ == "__main__":
     print(f"BERT step (forward, backward, 2022 optimizer step): {kernels} kernels, "
           f"{', '.join(f'{s * 1e6:.1f}' for s in per_kernel)} us of host time per kernel "
           f"({', '.join(f'{s / per_kernel[0]:.2f}' for s in per_kernel)} of the forward's)")
+    (_, ckpt_backward, _), (_, ckpt_per_kernel, _) = host_s_per_kernel_by_phase(checkpointing=True)
+    recomputed = ckpt_backward - kernels[1]
+    per_recomputed = (ckpt_backward * ckpt_per_kernel - kernels[1] * per_kernel[1]) / recomputed
+    print(f"checkpointing every layer: the backward issues {recomputed} kernels more (the recomputed forward), "
+          f"{per_recomputed * 1e6:.1f} us of host time each ({per_recomputed / per_kernel[0]:.2f} of the forward's)")

@@ -27,10 +27,11 @@ import numpy as np
 from anatomist.estimate.time.roofline import (
     EFFICIENCY_MIN,
     HOST_OP_MAX_S,
-    HOST_PHASE_WEIGHTS,
     KERNEL_OVERHEAD_MAX_S,
     MICRO_BATCH_OVERHEAD_MAX_S,
+    RECOMPUTE_HOST_WEIGHT,
     Factors,
+    host_kernels,
     kernel_s,
     phase_s,
 )
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
 
 PHASES = 3
 """Phases of a step, as components number them: 0 forward, 1 backward, 2 optimizer (`anatomy.STEP_PHASES`)."""
-WEIGHTS = np.array(HOST_PHASE_WEIGHTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,30 +59,45 @@ class Components:
     """Each record's phase (0 forward, 1 backward, 2 optimizer)."""
     micro_batches: float
     """Forward-backward passes per optimizer step (gradient accumulation steps)."""
+    recomputed: float = 0.0
+    """Kernel calls per optimizer step of checkpointed layers' forward run again in the backward (`ops.
+    recomputed_kernels`); they are among the backward's, and cost the host more (`roofline.host_kernels`)."""
+    recompute_weight: float = RECOMPUTE_HOST_WEIGHT
+    """Their host time per kernel relative to the forward's (reentrant checkpointing's is lower)."""
 
     ARRAYS: ClassVar[tuple[str, ...]] = ("tensor_core_s", "cuda_core_s", "memory_s", "calls")
 
     def to_dict(self) -> dict[str, Any]:
         """Rounded to 4 significant digits (the stored inputs of benchmarks/published)."""
         return {**{k: [float(f"{v:.4g}") for v in getattr(self, k)] for k in self.ARRAYS},
-                "phase": [int(v) for v in self.phase], "micro_batches": self.micro_batches}
+                "phase": [int(v) for v in self.phase], "micro_batches": self.micro_batches, "recomputed": self.recomputed,
+                "recompute_weight": self.recompute_weight}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Components:
         return cls(**{k: np.asarray(data[k], dtype=np.float64) for k in cls.ARRAYS},
-                   phase=np.asarray(data["phase"], dtype=np.int64), micro_batches=float(data["micro_batches"]))
+                   phase=np.asarray(data["phase"], dtype=np.int64), micro_batches=float(data["micro_batches"]),
+                   recomputed=float(data.get("recomputed", 0.0)),
+                   recompute_weight=float(data.get("recompute_weight", RECOMPUTE_HOST_WEIGHT)))
 
     def kernels(self) -> np.ndarray:
         """Kernel calls per optimizer step in each phase."""
         return np.bincount(self.phase, weights=self.calls, minlength=PHASES)
 
+    def host_kernels(self) -> np.ndarray:
+        """Kernel calls per optimizer step in each phase in forward kernels' worth of host time."""
+        return host_kernels(self.kernels(), self.recomputed, self.recompute_weight)
 
-def components(ops: StepOps, recipe: ResolvedRecipe, gpu: GPU, *, optimizer_share: float = 1.0) -> Components:
+
+def components(ops: StepOps, recipe: ResolvedRecipe, gpu: GPU, *, optimizer_share: float = 1.0,
+               recomputed: float = 0.0, recompute_weight: float = RECOMPUTE_HOST_WEIGHT) -> Components:
     """The components of one optimizer step of `ops` on `gpu`.
 
     Args:
         optimizer_share: the fraction of the optimizer step this device runs (1/N when ZeRO or
             FSDP shards the optimizer state over N devices).
+        recomputed: kernels per micro-batch that checkpointing reruns (`ops.recomputed_kernels`).
+        recompute_weight: their host time per kernel, relative to the forward's (`roofline.host_kernels`).
     """
     from anatomist.anatomy import STEP_PHASES, Phase
     from anatomist.estimate.time.device import peak_seconds
@@ -93,13 +108,14 @@ def components(ops: StepOps, recipe: ResolvedRecipe, gpu: GPU, *, optimizer_shar
                       * (optimizer_share if r.phase is Phase.OPTIMIZER else 1.0) for r in records])
     return Components(tensor_core_s=peaks[:, 0], cuda_core_s=peaks[:, 1], memory_s=peaks[:, 2], calls=calls,
                       phase=np.array([STEP_PHASES.index(r.phase) for r in records], dtype=np.int64),
-                      micro_batches=float(recipe.gradient_accumulation_steps))
+                      micro_batches=float(recipe.gradient_accumulation_steps),
+                      recomputed=recomputed * recipe.gradient_accumulation_steps, recompute_weight=recompute_weight)
 
 
 def predict(c: Components, f: Factors) -> float:
     """Predicted seconds of the step `c` with factors `f`."""
     gpu = np.bincount(c.phase, weights=c.calls * kernel_s(c.tensor_core_s, c.cuda_core_s, c.memory_s, f), minlength=PHASES)
-    return float(phase_s(gpu, c.kernels(), WEIGHTS, f).sum()) + f.micro_batch_overhead_s * c.micro_batches
+    return float(phase_s(gpu, c.host_kernels(), f).sum()) + f.micro_batch_overhead_s * c.micro_batches
 
 
 def relative_errors(steps: list[Components], measured_s: list[float] | np.ndarray, f: Factors) -> np.ndarray:
@@ -128,6 +144,8 @@ class _Flat:
     """The (step, phase) each record belongs to: step x PHASES + phase."""
     kernels: np.ndarray
     """Kernel calls per (step, phase), [steps, PHASES]."""
+    host_kernels: np.ndarray
+    """The same in forward kernels' worth of host time (`Components.host_kernels`)."""
     micro_batches: np.ndarray
     n: int
 
@@ -139,6 +157,7 @@ def _flatten(steps: list[Components]) -> _Flat:
     return _Flat(tc=cat("tensor_core_s"), cuda=cat("cuda_core_s"), mem=cat("memory_s"), calls=cat("calls"),
                  cell=np.concatenate([i * PHASES + c.phase for i, c in enumerate(steps)]),
                  kernels=np.array([c.kernels() for c in steps]).reshape(-1, PHASES),
+                 host_kernels=np.array([c.host_kernels() for c in steps]).reshape(-1, PHASES),
                  micro_batches=np.array([c.micro_batches for c in steps]), n=len(steps))
 
 
@@ -146,7 +165,7 @@ def _predicted(flat: _Flat, f: Factors) -> np.ndarray:
     """Predicted seconds of every step of `flat` with factors `f` (`predict`, at once)."""
     per_call = kernel_s(flat.tc, flat.cuda, flat.mem, f)
     gpu = np.bincount(flat.cell, weights=flat.calls * per_call, minlength=flat.n * PHASES).reshape(-1, PHASES)
-    return phase_s(gpu, flat.kernels, WEIGHTS, f).sum(axis=1) + f.micro_batch_overhead_s * flat.micro_batches
+    return phase_s(gpu, flat.host_kernels, f).sum(axis=1) + f.micro_batch_overhead_s * flat.micro_batches
 
 
 def _bounded_least_squares(a: np.ndarray, b: np.ndarray, upper: tuple[float, float]) -> tuple[float, float]:
@@ -246,7 +265,7 @@ def fit(steps: list[Components], measured_s: list[float] | np.ndarray, *, base: 
         f = base.replace(**values, kernel_overhead_s=0.0)
         per_call = kernel_s(flat.tc, flat.cuda, flat.mem, f)
         rooflines = np.bincount(flat.cell, weights=flat.calls * per_call, minlength=flat.n * PHASES).reshape(-1, PHASES)
-        host = flat.kernels * WEIGHTS * f.host_op_s
+        host = flat.host_kernels * f.host_op_s
         error, k, m = _overheads(rooflines, host, flat, measured, fixed_k, fixed_m)
         return error, f.replace(kernel_overhead_s=k, micro_batch_overhead_s=m)
 

@@ -15,7 +15,7 @@ Lookup, for a target GPU (`calibration_for`), first found wins:
 
 A measured file holds one GPU's factors:
 
-    time_model_version = 5
+    time_model_version = 6
     gpu = "A100-80GB"                      # the catalog name; another GPU's file is refused
     source = "anatomist calibrate: 12 bench rows of bench.jsonl on A100-80GB"
     tensor_core_efficiency = 0.61          # the six factors of estimate/time/roofline.py, in their bounds

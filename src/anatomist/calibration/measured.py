@@ -14,7 +14,7 @@ import numpy as np
 from anatomist.calibration.fit import components, fit, relative_errors
 from anatomist.calibration.lookup import Calibration, CalibrationError
 from anatomist.calibration.published import PRIOR
-from anatomist.estimate.time.ops import step_ops
+from anatomist.estimate.time.ops import recomputed_kernels, step_ops
 from anatomist.estimate.time.roofline import FACTOR_FIELDS, TIME_MODEL_VERSION
 from anatomist.hardware import GPU
 from anatomist.recipe import ResolvedRecipe
@@ -47,7 +47,8 @@ def fit_calibration(steps: list[TimedStep], *, source: str) -> Calibration:
     gpus = {s.gpu.catalog_name for s in steps}
     if len(gpus) > 1:
         raise ValueError(f"fit_calibration fits one GPU at a time, got {sorted(gpus)}")
-    comps = [components(step_ops(s.workload, s.recipe, s.gpu.compute_capability), s.recipe, s.gpu) for s in steps]
+    comps = [components(step_ops(s.workload, s.recipe, s.gpu.compute_capability), s.recipe, s.gpu,
+                        recomputed=recomputed_kernels(s.workload, s.recipe, s.gpu.compute_capability)) for s in steps]
     measured = [s.step_s for s in steps]
     factors, _ = fit(comps, measured, base=PRIOR)
     errors = abs(relative_errors(comps, measured, factors)) * 100

@@ -30,11 +30,13 @@ their traces record as eager ops.
 
 from __future__ import annotations
 
+import numpy as np
+
 from anatomist.anatomy import OpClass, Phase, TimeAnatomy
 from anatomist.calibration.lookup import Calibration, calibration_for
 from anatomist.estimate.intervals import time_interval
-from anatomist.estimate.time.ops import OpRecord, StepOps, step_flops, step_ops
-from anatomist.estimate.time.roofline import HOST_PHASE_WEIGHTS, kernel_s, phase_s
+from anatomist.estimate.time.ops import OpRecord, StepOps, recomputed_kernels, step_flops, step_ops
+from anatomist.estimate.time.roofline import host_kernels, kernel_s, phase_s
 from anatomist.estimate.time.tiles import busy_fraction
 from anatomist.hardware import GPU, Precision
 from anatomist.recipe import ResolvedRecipe
@@ -92,7 +94,9 @@ def time_from_ops(
         gpu_s[record.phase] += seconds
         kernels[record.phase] += calls
         classes[record.op_class] += seconds
-    phases = {p: float(phase_s(gpu_s[p], kernels[p], HOST_PHASE_WEIGHTS[i], cal.factors)) for i, p in enumerate(gpu_s)}
+    weighted = host_kernels(np.array(list(kernels.values())), recomputed_kernels(workload, recipe, gpu.compute_capability)
+                            * accumulation)
+    phases = {p: float(phase_s(gpu_s[p], weighted[i], cal.factors)) for i, p in enumerate(gpu_s)}
     host_s = cal.factors.micro_batch_overhead_s * accumulation
     step_s = sum(phases.values()) + host_s
     # the training loop's own time, and the GPU's waiting for the host: no op class of their own

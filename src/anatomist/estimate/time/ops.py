@@ -82,6 +82,10 @@ class StepOps:
     def flops(self, phase: Phase | None = None) -> float:
         return sum(r.flops * r.count for r in self.records if phase is None or r.phase is phase)
 
+    def kernels(self, phase: Phase) -> float:
+        """Kernel calls of `phase` per micro-batch (forward, backward) or per step (optimizer); views are none."""
+        return sum(r.count for r in self.records if r.phase is phase and not r.view)
+
     def flops_per_step(self, accumulation: int) -> int:
         """FLOPs of one optimizer step of `accumulation` micro-batches."""
         return round(accumulation * (self.flops(Phase.FORWARD) + self.flops(Phase.BACKWARD)) + self.flops(Phase.OPTIMIZER))
@@ -205,6 +209,18 @@ def recomputing_nothing(recipe: ResolvedRecipe) -> ResolvedRecipe:
     matrix product."""
     return dataclasses.replace(recipe, gradient_checkpointing=False, checkpoint_every=1, checkpoint_offload=False,
                                torch_compile=recipe.torch_compile and not recipe.use_liger_kernel)
+
+
+def recomputed_kernels(workload: Workload, recipe: ResolvedRecipe,
+                       compute_capability: str = DEFAULT_COMPUTE_CAPABILITY) -> float:
+    """Kernels per micro-batch that checkpointing adds to the backward (the checkpointed layers' forward, run
+    again): the backward's kernels of the step less those of the same step traced without checkpointing (both the
+    Trainer's step: a loop of another code, benchmarks/published/loops.py, adds kernels of its own to the backward)."""
+    if not recipe.gradient_checkpointing:
+        return 0.0
+    plain = step_ops(workload, recomputing_nothing(recipe), compute_capability)
+    return max(0.0, step_ops(workload, recipe, compute_capability).kernels(Phase.BACKWARD)
+               - plain.kernels(Phase.BACKWARD))
 
 
 def step_flops(workload: Workload, recipe: ResolvedRecipe, compute_capability: str = DEFAULT_COMPUTE_CAPABILITY, *,

@@ -10,10 +10,11 @@ where the three `_s` are its seconds at 100% of the GPU's datasheet peaks (`devi
 product's on the share of the SMs its shape keeps busy (`tiles.busy_fraction`). The host issues the kernels one
 by one and runs ahead of the GPU (a launch is asynchronous): each kernel costs it `host_op_s` in the forward (the
 model's Python around the op, the dispatcher, autograd's bookkeeping, the launch), and a measured fraction of that
-in the backward (the autograd engine's C++ issues those) and in the optimizer step (`HOST_PHASE_WEIGHTS`). A phase
+in the backward (the autograd engine's C++ issues those) and in the optimizer step (`HOST_PHASE_WEIGHTS`), and twice
+that for a checkpointed layer's forward run again in the backward (`RECOMPUTE_HOST_WEIGHT`). A phase
 of the step (a micro-batch's forward, its backward, the optimizer step) therefore takes
 
-    max(sum of its kernels' GPU times, its kernels x weight of the phase x host_op_s)
+    max(sum of its kernels' GPU times, its kernels x their weights x host_op_s)
 
 whichever of the two is slower: the GPU's work, or the host's issuing of it (a small batch, a Python
 loop over parameters). Each micro-batch adds `micro_batch_overhead_s` of host time the GPU waits for
@@ -34,12 +35,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-TIME_MODEL_VERSION = 5
+TIME_MODEL_VERSION = 6
 """Bumped when the meaning of the factors changes; a calibration file of another version is refused.
 1: roofline + launch overhead (placeholders); 2: + per-step overhead, bandwidth factor up to 8,
 fitted to published runs; 3: every factor bounded to what it physically is, host overhead per
 micro-batch; 4: + the host's time per kernel, a phase bound by the slower of the GPU and the host; 5: a matrix
-product runs on the share of the GPU its shape keeps busy (`tiles`), so the efficiencies are a busy GPU's."""
+product runs on the share of the GPU its shape keeps busy (`tiles`), so the efficiencies are a busy GPU's; 6: a
+checkpointed layer's recomputed forward costs the host twice a forward kernel (`RECOMPUTE_HOST_WEIGHT`)."""
 
 EFFICIENCY_MIN = 0.02
 """The lowest efficiency a fit may give (2% of a peak): below it a kernel is not compute- or
@@ -63,6 +65,17 @@ machine's CPU (one thread, 376 / 673 / 2434 kernels), the fastest of 200 steps, 
 26.8 / 11.8 / 4.2, 44.4 / 20.3 / 6.5 and 40.1 / 19.4 / 7.5 us per kernel: backward 0.44-0.48 of the forward,
 optimizer 0.15-0.19, their means here (benchmarks/published/overheads.py). On a GPU each kernel's launch adds a few
 microseconds the CPU run has not, which would bring the three closer."""
+RECOMPUTE_HOST_WEIGHT = 2.0
+"""The host's time per kernel of a checkpointed layer's recomputed forward, relative to the forward's: the backward
+reruns the layer's Python forward through the saved-tensor hooks of non-reentrant torch.utils.checkpoint
+(transformers' default). The same BERT on the build machine's CPU, every layer checkpointed: 360 kernels more in the
+backward at 1.96, 2.13 and 2.14 times the forward's host time per kernel (three runs, benchmarks/published/
+overheads.py); the seeds' bert-large Trainer steps on an H200 show 1.6 (fp16) to 1.9 (fp32) (benchmarks/gpu/H200:
+checkpointing's added step time over its added kernels, with the host time per kernel of the same rows without it)."""
+REENTRANT_RECOMPUTE_HOST_WEIGHT = 1.2
+"""The same for reentrant torch.utils.checkpoint (torch's only kind until 1.11; transformers' before 4.35): the
+backward reruns the layer's forward as plain Python, without the saved-tensor hooks. The same BERT on the build
+machine's CPU: 1.19, 1.20 and 1.23 (three runs, `use_reentrant=True`). The guide's 2022 V100 runs are traced so."""
 HOST_OP_MAX_S = 60e-6
 """Upper bound of the host's time per kernel: several times what one eager op with autograd costs the build
 machine's host (10-12 us, benchmarks/published/overheads.py), room for a slower host and a model's own Python
@@ -117,7 +130,17 @@ def kernel_s(tensor_core_s: F, cuda_core_s: F, memory_s: F, f: Factors) -> F:
     return np.maximum(compute, memory_s / f.bandwidth_efficiency) + f.kernel_overhead_s  # type: ignore[no-any-return]
 
 
-def phase_s(gpu_s: F, kernels: F, weight: F | float, f: Factors) -> F:
+def host_kernels(kernels: np.ndarray, recomputed: float = 0.0, recompute_weight: float = RECOMPUTE_HOST_WEIGHT,
+                 ) -> np.ndarray:
+    """Kernels per phase (forward, backward, optimizer) in forward kernels' worth of the host's time: each phase's
+    at its HOST_PHASE_WEIGHTS, the backward's `recomputed` ones (a checkpointed forward run again) at
+    `recompute_weight` (RECOMPUTE_HOST_WEIGHT, or REENTRANT_RECOMPUTE_HOST_WEIGHT for reentrant checkpointing)."""
+    weighted = np.asarray(kernels, dtype=np.float64) * np.array(HOST_PHASE_WEIGHTS)
+    weighted[1] += recomputed * (recompute_weight - HOST_PHASE_WEIGHTS[1])
+    return weighted
+
+
+def phase_s(gpu_s: F, host_kernels: F, f: Factors) -> F:
     """Seconds of one phase (or of each of arrays of them): its kernels' GPU seconds, unless the host takes
-    longer to issue them (`kernels` x the phase's `weight` (HOST_PHASE_WEIGHTS) x `host_op_s`)."""
-    return np.maximum(gpu_s, kernels * weight * f.host_op_s)  # type: ignore[no-any-return]
+    longer to issue them (`host_kernels`, its kernels weighted by phase (`host_kernels`), x `host_op_s`)."""
+    return np.maximum(gpu_s, host_kernels * f.host_op_s)  # type: ignore[no-any-return]

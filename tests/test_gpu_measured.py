@@ -1,0 +1,56 @@
+"""Predictions against the Trainer steps a real GPU ran: the seeds' bert-large rows on an H200
+(benchmarks/gpu/H200/bench.jsonl, `anatomist bench` through benchmarks/gpu/validate.sh, 2026-11-28; the CUDA
+allocator's counters and NVML), predicted again by this tree offline (benchmarks/gpu/repredict.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+H200 = ROOT / "benchmarks" / "gpu" / "H200"
+sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+
+from repredict import measured, predicted  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[str, Any], dict[str, float]]]:
+    """Row name -> (predicted, measured)."""
+    out = {}
+    for line in (H200 / "bench.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row.get("status") == "ok":
+            out[row["name"]] = (predicted(row, tmp_path_factory.mktemp("row")), measured(row))
+    return out
+
+
+@pytest.mark.slow  # eight bert-large recipes traced: minutes cold
+def test_memory_on_the_h200(rows: dict[str, tuple[dict[str, Any], dict[str, float]]]) -> None:
+    """The allocated peak within 1% on every row (-0.6% to -0.0% today); the device total, nvidia-smi's figure,
+    never more than 1% under and at most 11% over (+1.1% to +10.5%: the allocator model keeps more cached)."""
+    assert len(rows) == 8
+    for name, (p, m) in rows.items():
+        assert abs(p["peak_allocated"] / m["peak_allocated"] - 1) < 0.01, name
+        assert -0.01 < p["device_total"] / m["device_total"] - 1 < 0.11, name
+
+
+@pytest.mark.slow
+def test_what_checkpointing_costs_on_the_h200(rows: dict[str, tuple[dict[str, Any], dict[str, float]]]) -> None:
+    """Where the host bounds the step (one sample per micro-batch), checkpointing's cost is its recomputed forward
+    issued again through non-reentrant checkpoint's hooks (`roofline.RECOMPUTE_HOST_WEIGHT`): measured 1.92x the
+    step without it in fp32, and 7.67x from fp16 at batch 4 to fp16 at 1 x 4 with checkpointing; predicted within
+    10% (1.90x and 7.95x; time model 5 said 1.22x and 4.76x). This host is slower than the published runs' (every
+    step time is 20-49% too fast), so the ratios are what is checked."""
+
+    def ratio(slow: str, fast: str, source: dict[str, float] | dict[str, Any]) -> float:
+        return float(source[slow]["step_s"] / source[fast]["step_s"])
+
+    pred = {name: p for name, (p, _) in rows.items()}
+    meas = {name: m for name, (_, m) in rows.items()}
+    for slow, fast in (("grad-accum+checkpointing", "grad-accum"), ("fp16+accum+checkpointing", "fp16")):
+        assert ratio(slow, fast, pred) == pytest.approx(ratio(slow, fast, meas), rel=0.1), (slow, fast)
