@@ -39,8 +39,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _small_gpu(limit_bytes: int):
-    """A100 rates with a tiny memory and no CUDA context, so that the tiny model can not-fit."""
-    return replace(get_gpu("A100-80GB"), name="tiny-gpu", memory_bytes=limit_bytes, cuda_context_bytes=0)
+    """A100 rates with a tiny memory and no CUDA context, so that the tiny model can not-fit; in no generation."""
+    return replace(get_gpu("A100-80GB"), name="tiny-gpu", catalog_name="tiny-gpu", memory_bytes=limit_bytes, cuda_context_bytes=0)
 
 
 def test_space_batch_options_form_the_global_batch() -> None:
