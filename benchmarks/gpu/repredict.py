@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from anatomist.bench.calibrate import _workload
+from anatomist.bench.calibrate import row_workload
 from anatomist.estimate.memory import estimate_memory
 from anatomist.estimate.time.device import estimate_time
 from anatomist.hardware import match_catalog
@@ -46,7 +46,7 @@ def predicted(row: dict[str, Any], folder: Path) -> dict[str, Any]:
     gpu = match_catalog(device["name"], int(device["memory_bytes"]))
     if gpu is None:
         sys.exit(f"repredict: {device['name']!r} is not in the GPU catalog")
-    workload = _workload(row["workload"], folder)
+    workload = row_workload(row["workload"], folder)
     recipe = Recipe.from_dict(row["recipe"]).resolved(workload)
     memory = estimate_memory(workload, recipe, gpu).anatomy
     time = estimate_time(workload, recipe, gpu)

@@ -34,7 +34,8 @@ class Calibrated:
     """Per row used: name, measured and fitted step seconds, error %."""
 
 
-def _workload(spec: dict[str, Any], folder: Path) -> Workload:
+def row_workload(spec: dict[str, Any], folder: Path) -> Workload:
+    """The workload of a bench row's `workload` field (its config written to `folder` where the row carries one)."""
     model = spec["model"]
     if spec.get("model_config"):
         (folder / "config.json").write_text(json.dumps(spec["model_config"]))
@@ -74,7 +75,7 @@ def calibrate(results: str | Path | None, *, records: str | Path | None = None) 
                                  "does not know (anatomist gpus)")
             folder = Path(tmp, str(i))
             folder.mkdir()
-            workload = _workload(row["workload"], folder)
+            workload = row_workload(row["workload"], folder)
             steps.append(TimedStep(workload=workload, recipe=Recipe.from_dict(row["recipe"]).resolved(workload),
                                    gpu=gpu, step_s=float(step_s)))
             names.append(row["name"])

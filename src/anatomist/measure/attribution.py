@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from anatomist.anatomy import TENSOR_CATEGORIES, MemoryAnatomy, MemoryCategory, Phase
-from anatomist.measure.monitor import outside_allocator_bytes
+from anatomist.measure.monitor import context_bytes_now
 from anatomist.trace.engine.cuda_paths import cuda_code_paths
 from anatomist.trace.engine.records import curves_of
 from anatomist.trace.engine.tracer import StepTracer
@@ -221,8 +221,7 @@ class StepAttributor:
         rest = max(0, peak - weights - opt - grads)
         activations = min(self._forward_kept, rest) if phase is not Phase.OPTIMIZER else 0
         reserved = int(self._reserved_peak)
-        # The context grows as the step's kernels load: what lies outside the allocator now, after the step.
-        outside = max(self.context_bytes, outside_allocator_bytes() or 0) if self.context_bytes is not None else None
+        outside = context_bytes_now(self.context_bytes)  # after the step: its kernels have loaded
         total = reserved + outside if outside is not None else None
         return MemoryAnatomy(
             weights=weights, optimizer_states=opt, gradients=grads, activations=activations,

@@ -10,7 +10,7 @@ the Trainer's runtime and throughput. This module makes that a small library:
   peaks, allocation retries, OOMs) from `torch.cuda.memory_stats`; None without CUDA.
 - `measure_cuda_context_bytes()`: memory the device holds once CUDA is initialised and
   before any tensor is allocated (the seeds' "kernels take 1.3 GB"); `outside_allocator_bytes()`
-  the same at any later moment, once the step's kernels have loaded.
+  the same at any later moment, once the step's kernels have loaded (`context_bytes_now`).
 """
 
 from __future__ import annotations
@@ -165,6 +165,12 @@ def outside_allocator_bytes() -> int | None:
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     return int(total - free - torch.cuda.memory_reserved())
+
+
+def context_bytes_now(at_start: int | None) -> int | None:
+    """The context measured at the start (`measure_cuda_context_bytes`), grown to what lies outside the allocator
+    now, once kernels have loaded; None where nothing was measured at the start (no CUDA)."""
+    return None if at_start is None else max(at_start, outside_allocator_bytes() or 0)
 
 
 def reset_peaks() -> None:

@@ -19,10 +19,10 @@ from anatomist.anatomy import MemoryAnatomy, StepFlops
 from anatomist.measure.attribution import StepAttributor
 from anatomist.measure.monitor import (
     allocator_stats,
+    context_bytes_now,
     cuda_available,
     device_snapshot,
     measure_cuda_context_bytes,
-    outside_allocator_bytes,
 )
 
 if TYPE_CHECKING:
@@ -131,12 +131,6 @@ class Recorder:
                                  "used_bytes": snap.used_bytes, "source": snap.source})
         self._step_t0 = None
 
-    def _context_now(self) -> int | None:
-        """Memory outside the allocator after the run: the context measured at the start grows as kernels load."""
-        if self.context_bytes is None:
-            return None
-        return max(self.context_bytes, outside_allocator_bytes() or 0)
-
     def summary(self) -> RunSummary:
         runtime = time.perf_counter() - self._t0
         median = statistics.median(self.step_times_s) if self.step_times_s else None
@@ -150,7 +144,7 @@ class Recorder:
         return RunSummary(
             train_runtime_s=runtime, steps=self._steps, samples_per_second=sps, tokens_per_second=tps,
             median_step_s=median, memory=self.memory, device=device_snapshot().to_dict(),
-            allocator=stats.to_dict() if stats else None, cuda_context_bytes=self._context_now(), mfu=mfu,
+            allocator=stats.to_dict() if stats else None, cuda_context_bytes=context_bytes_now(self.context_bytes), mfu=mfu,
             hfu=hfu, history=self.history,
         )
 

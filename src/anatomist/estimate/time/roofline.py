@@ -140,7 +140,7 @@ def host_kernels(kernels: np.ndarray, recomputed: float = 0.0, recompute_weight:
     return weighted
 
 
-def phase_s(gpu_s: F, host_kernels: F, f: Factors) -> F:
+def phase_s(gpu_s: F, weighted_kernels: F, f: Factors) -> F:
     """Seconds of one phase (or of each of arrays of them): its kernels' GPU seconds, unless the host takes
-    longer to issue them (`host_kernels`, its kernels weighted by phase (`host_kernels`), x `host_op_s`)."""
-    return np.maximum(gpu_s, host_kernels * f.host_op_s)  # type: ignore[no-any-return]
+    longer to issue them: its `weighted_kernels` (`host_kernels`) x `host_op_s`."""
+    return np.maximum(gpu_s, weighted_kernels * f.host_op_s)  # type: ignore[no-any-return]
