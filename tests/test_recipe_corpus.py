@@ -73,7 +73,7 @@ CASES: dict[str, Read | Refused] = {
         "accelerate", {"zero_stage": 1, "fp16": True}, num_gpus=2,
         note="its deepspeed_config_file (zero_stage1_config.json) sets ZeRO-1 and fp16"),
     "accelerate/examples/config_yaml_templates/fp8.yaml": Refused(
-        "mixed_precision", "mixed_precision='fp8' is not modelled", "fp8 mixed precision"),
+        "fp8_config.backend", "fp8_config.backend=TE is not modelled", "Transformer Engine's FP8"),
     "accelerate/examples/config_yaml_templates/fsdp.yaml": Read("accelerate", {"fsdp": "full_shard", **BF16}, num_gpus=2),
     "accelerate/examples/config_yaml_templates/multi_gpu.yaml": Read("accelerate", BF16, num_gpus=2),
     "accelerate/examples/config_yaml_templates/multi_node.yaml": Read("accelerate", {"bf16": False}, num_gpus=8, nodes=2),

@@ -26,7 +26,7 @@ from typing import Literal
 
 from anatomist.errors import InputError
 
-Precision = Literal["fp32", "tf32", "fp16", "bf16"]
+Precision = Literal["fp32", "tf32", "fp16", "bf16", "fp8"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -61,6 +61,8 @@ class GPU:
     """What `nvmlDeviceGetName` returns for this GPU, exactly; `match_catalog` matches on these."""
     detected: bool = False
     """True when this entry describes the GPU found on this machine through NVML."""
+    fp8_tflops: float = 0.0
+    """Dense FP8 tensor-core peak with FP32 accumulation (torch._scaled_mm); 0 where the GPU has no FP8 (before Ada)."""
     catalog_name: str = ""
     """The catalog entry's name: what calibrations and generations are keyed by (`name` of a detected GPU also
     says what NVML calls it). Set by `__post_init__` where not given."""
@@ -73,6 +75,11 @@ class GPU:
     def tf32(self) -> bool:
         return self.tf32_tflops > 0
 
+    @property
+    def fp8(self) -> bool:
+        """Whether the tensor cores multiply FP8 (Ada, Hopper, Blackwell: compute capability 8.9 and newer)."""
+        return self.fp8_tflops > 0
+
     def peak_tflops(self, precision: Precision) -> float:
         """Dense peak for the matrix products of a run in `precision` (tf32 falls back to fp32)."""
         value = {
@@ -80,6 +87,7 @@ class GPU:
             "tf32": self.tf32_tflops or self.fp32_tflops,
             "fp16": self.fp16_tflops,
             "bf16": self.bf16_tflops,
+            "fp8": self.fp8_tflops,
         }[precision]
         return value
 
@@ -92,6 +100,7 @@ class GPU:
             "tf32_tflops": self.tf32_tflops,
             "fp16_tflops": self.fp16_tflops,
             "bf16_tflops": self.bf16_tflops,
+            "fp8_tflops": self.fp8_tflops,
             "bf16": self.bf16,
             "compute_capability": self.compute_capability,
             "sm_count": self.sm_count,

@@ -11,6 +11,12 @@ load in transformers 5, with --bf16 on top as people run it): no fp32 master wei
 nf4+bf16 / nf4+fp16 dequantize the 4-bit base to the autocast dtype for each product, the model
 loaded in that dtype as TRL loads it (`prepare_model_for_kbit_training` then casts every
 non-quantized parameter to fp32).
+
+fp8 is accelerate's `mixed_precision="fp8"` with torchao's backend (AO): bf16 autocast, and the linear layers
+converted to torchao's Float8Linear (accelerate's `convert_model_to_fp8_ao`: every nn.Linear whose sizes are
+multiples of 16 but the model's first and last), whose matrix products run in FP8 with per-tensor
+("tensorwise", accelerate's default) or per-row ("rowwise") scales. The plan searches it only when asked
+(`--precisions fp8`): its time is not yet checked against a GPU run.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ LoadDtype = Literal["auto", "float32", "bfloat16", "float16"]
 LOAD_DTYPES: tuple[str, ...] = get_args(LoadDtype)
 WeightsDtype = Literal["float32", "bfloat16", "float16"]
 Autocast = Literal["no", "fp16", "bf16"]
+Fp8 = Literal["none", "tensorwise", "rowwise"]
+"""`Recipe.fp8`: torchao's float8 training recipe (`Float8LinearConfig.from_recipe_name`), or none."""
+FP8_RECIPES: tuple[str, ...] = get_args(Fp8)
 
 AUTOCAST_DTYPES: dict[str, str] = {"fp16": "float16", "bf16": "bfloat16"}
 """torch dtype name of each autocast (`--fp16`, `--bf16`)."""
@@ -48,6 +57,8 @@ class PrecisionSpec:
     """TF32 tensor cores for fp32 matrix products."""
     quantized_base: bool = False
     """QLoRA's: the base's linear weights are 4-bit, dequantized to the autocast dtype."""
+    fp8: Fp8 = "none"
+    """torchao's float8 linear layers on top of the autocast (accelerate's mixed_precision="fp8")."""
     searched: bool = True
     """Searched by `anatomist plan` (where the GPU supports it) unless --precisions says otherwise."""
 
@@ -55,7 +66,7 @@ class PrecisionSpec:
     def fields(self) -> dict[str, object]:
         """The Recipe fields that make this precision."""
         fields: dict[str, object] = {"dtype": self.weights_dtype, "fp16": self.autocast == "fp16",
-                                     "bf16": self.autocast == "bf16", "tf32": self.tf32}
+                                     "bf16": self.autocast == "bf16", "tf32": self.tf32, "fp8": self.fp8}
         if self.quantized_base:
             fields["bnb_4bit_compute_dtype"] = AUTOCAST_DTYPES[self.autocast]
         return fields
@@ -66,6 +77,8 @@ class PrecisionSpec:
             return f"bf16: {gpu.name} has no bf16 support (needs compute capability >= 8.0)"
         if self.tf32 and not gpu.tf32:
             return f"tf32: {gpu.name} has no TF32 tensor cores (compute capability {gpu.compute_capability})"
+        if self.fp8 != "none" and not gpu.fp8:
+            return f"fp8: {gpu.name} has no FP8 tensor cores (compute capability {gpu.compute_capability}; needs 8.9+)"
         return None
 
 
@@ -80,6 +93,11 @@ _SPECS = (
                   weights_dtype="bfloat16", autocast="bf16", tf32=False),
     PrecisionSpec(name="fp16", description="fp32 master weights, fp16 autocast + GradScaler",
                   weights_dtype="float32", autocast="fp16", tf32=False),
+    PrecisionSpec(name="fp8", description="fp32 master weights, bf16 autocast, FP8 linear layers (torchao, tensorwise)",
+                  weights_dtype="float32", autocast="bf16", tf32=True, fp8="tensorwise", searched=False),
+    PrecisionSpec(name="fp8-bf16-weights", description="weights loaded in bf16, bf16 autocast, FP8 linear layers "
+                  "(torchao, tensorwise)", weights_dtype="bfloat16", autocast="bf16", tf32=False, fp8="tensorwise",
+                  searched=False),
     PrecisionSpec(name="nf4+bf16", description="QLoRA: 4-bit base dequantized to bf16", weights_dtype="bfloat16",
                   autocast="bf16", tf32=False, quantized_base=True),
     PrecisionSpec(name="nf4+fp16", description="QLoRA: 4-bit base dequantized to fp16", weights_dtype="float16",

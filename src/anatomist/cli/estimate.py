@@ -252,7 +252,9 @@ def _attention(result: Estimate) -> str:
 
 
 def _autocast(recipe: Recipe) -> str:
-    return f" + {recipe.mixed_precision} autocast" if recipe.mixed_precision != "no" else ""
+    """The autocast, and torchao's FP8 layers on top of it."""
+    fp8 = f" + fp8 {recipe.fp8} (torchao)" if recipe.fp8 != "none" else ""
+    return (f" + {recipe.mixed_precision} autocast" if recipe.mixed_precision != "no" else "") + fp8
 
 
 def _sharding(recipe: Recipe, num_gpus: int) -> str:

@@ -57,6 +57,14 @@ def memory_notes(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnat
             "forward, not under the backward (which waits for each)")
     if recipe.use_liger_kernel and workload.config is not None:
         notes.append(_liger_note(workload, recipe))
+    if recipe.fp8 != "none":  # trace/step/fp8.py
+        compiled = ("compiled, the casts fuse (inductor may keep the FP8 casts for backward instead)"
+                    if recipe.torch_compile and not recipe.gradient_checkpointing else
+                    "without torch.compile (or under checkpointing, where the blocks run eager) its casts run as "
+                    "separate kernels, which torchao says to compile for speed")
+        notes.append(f"fp8 ({recipe.fp8}, torchao's Float8Linear as accelerate converts it: every linear layer but the "
+                     "first and last, sizes multiples of 16): each FP8 layer keeps its bf16 input and weight for "
+                     f"backward and casts them again there, so activations stay as under bf16; {compiled}")
     notes += llm_notes(workload, recipe)
     notes += peft_notes(workload, recipe, traces.size)
     moe = moe_note(workload, recipe)

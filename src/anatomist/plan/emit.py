@@ -206,6 +206,14 @@ def launch_warnings(recipe: Recipe, target: str) -> list[str]:
     if recipe.trainer == "trainer" and target == "trl":
         warnings.append("--emit trl writes the YAML `trl sft` runs: TRL's SFTTrainer, whose fused LM head never holds "
                         "the logits, where this recipe is transformers' Trainer; plan with --trainer sft for its figures")
+    if recipe.fp8 != "none" and target in ("trainer", "trl"):
+        warnings.append("fp8 is accelerate's mixed precision: launch with `accelerate launch --mixed_precision fp8` "
+                        "(or an accelerate config from --emit accelerate); bf16 stays False here, as set it would "
+                        "replace fp8 (the Trainer reads ACCELERATE_MIXED_PRECISION only where fp16 and bf16 are unset)")
+    if recipe.fp8 not in ("none", "tensorwise"):
+        warnings.append(f"accelerate's fp8 config runs torchao's default recipe (tensorwise); for {recipe.fp8} the "
+                        "script passes AORecipeKwargs(config=Float8LinearConfig.from_recipe_name("
+                        f"{recipe.fp8!r})) to its Accelerator")
     version = installed("accelerate")
     if recipe.fsdp == "none" or target not in ("accelerate", "trainer", "trl") or release(version) >= FSDP2_ACCELERATE:
         return warnings
@@ -224,7 +232,7 @@ def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = Fals
     config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": distributed,
-        "mixed_precision": recipe.mixed_precision,
+        "mixed_precision": "fp8" if recipe.fp8 != "none" else recipe.mixed_precision,
         "num_machines": nodes,
         "machine_rank": 0,
         "num_processes": num_gpus,
@@ -240,6 +248,8 @@ def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = Fals
     }
     if nodes > 1:
         config.update(main_process_ip=MAIN_NODE, main_process_port=MAIN_PORT)
+    if recipe.fp8 != "none":  # torchao's float8 layers (AORecipeKwargs' default recipe: tensorwise)
+        config["fp8_config"] = {"backend": "AO"}
     if recipe.zero_stage:
         ds: dict[str, Any] = {
             "gradient_accumulation_steps": recipe.gradient_accumulation_steps,

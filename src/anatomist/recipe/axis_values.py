@@ -22,6 +22,10 @@ def precision_of(recipe: RecipeFields) -> str:
     combination the plan never searches, a name of the same form (`fp4+fp32`, `fp16-weights`)."""
     if recipe.load_in_4bit:
         return f"{recipe.bnb_4bit_quant_type}+{recipe.mixed_precision if recipe.mixed_precision != 'no' else 'fp32'}"
+    if recipe.fp8 != "none":
+        fp8 = "fp8" if recipe.fp8 == "tensorwise" else f"fp8-{recipe.fp8}"
+        return fp8 + ("-bf16-weights" if recipe.dtype == "bfloat16" else "-fp16-weights" if recipe.dtype == "float16"
+                      else "")
     if recipe.dtype == "bfloat16":
         return "bf16-weights"
     if recipe.dtype == "float16":

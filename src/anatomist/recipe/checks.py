@@ -18,7 +18,7 @@ from anatomist.axes.kernels import ATTN_IMPLEMENTATIONS, EXPERTS_IMPLEMENTATIONS
 from anatomist.axes.liger import check_liger
 from anatomist.axes.methods import PEFT_METHODS, TRAINERS
 from anatomist.axes.optimizers import optimizer, runs_with
-from anatomist.axes.precisions import LOAD_DTYPES
+from anatomist.axes.precisions import FP8_RECIPES, LOAD_DTYPES
 from anatomist.axes.quantization import QUANT_TYPES
 from anatomist.axes.shardings import DEEPSPEED_SETTINGS, FSDP_MODES, OFFLOADS
 from anatomist.deepspeed_bounds import deepspeed_bounds
@@ -63,12 +63,30 @@ def check_batch_and_precision(r: RecipeFields) -> None:
         raise InputError("fp16 and bf16 are mutually exclusive: choose one mixed precision")
     if r.dtype not in LOAD_DTYPES:
         raise InputError(f"unknown dtype {r.dtype!r}; known: {', '.join(LOAD_DTYPES)}")
+    check_fp8(r)
     if r.dtype == "float16" and r.fp16 and r.peft == "none":  # PEFT's adapters are fp32
         raise InputError(
             "fp16 (GradScaler) cannot train float16-loaded weights: PyTorch refuses to unscale fp16 "
             "gradients; load in float32 for fp16 mixed precision (--dtype float32 --fp16), or use "
             "--dtype bfloat16 [--bf16]"
         )
+
+
+def check_fp8(r: RecipeFields) -> None:
+    """FP8 training as accelerate runs it with torchao: under bf16 autocast, on linear layers that are nn.Linear."""
+    if r.fp8 not in FP8_RECIPES:
+        raise InputError(f"unknown fp8 recipe {r.fp8!r}; known: {', '.join(FP8_RECIPES)}")
+    if r.fp8 == "none":
+        return
+    if not r.bf16:
+        raise InputError(f"fp8={r.fp8} runs under bf16 autocast (accelerate's mixed_precision='fp8' autocasts to "
+                         "bfloat16): add --bf16" + (" and drop --fp16" if r.fp16 else ""))
+    if r.quantized:
+        raise InputError("fp8 with a 4-bit or 8-bit base is not modelled: bitsandbytes' layers are not nn.Linear, "
+                         "so torchao converts only the adapters")
+    if r.zero_stage:
+        raise InputError("fp8 with DeepSpeed ZeRO is not modelled (accelerate runs torchao's float8 under DDP and "
+                         "FSDP): use --fsdp, or drop --fp8")
 
 
 def check_checkpointing(r: RecipeFields) -> None:
@@ -221,7 +239,8 @@ def check_model(r: RecipeFields, workload: Workload) -> None:
 
 
 def check_gpu(r: RecipeFields, gpu: GPU, *, dtype_given: bool = True) -> None:
-    """What `gpu` cannot run: bf16 autocast, TF32, bfloat16 weights and Cut Cross-Entropy need Ampere or newer.
+    """What `gpu` cannot run: bf16 autocast, TF32, bfloat16 weights and Cut Cross-Entropy need Ampere or newer, FP8
+    Ada or newer.
 
     Args:
         dtype_given: whether a bfloat16 `r.dtype` is a choice the user can change (the CLI's --dtype: refused, saying
@@ -237,6 +256,9 @@ def check_gpu(r: RecipeFields, gpu: GPU, *, dtype_given: bool = True) -> None:
         raise InputError(f"tf32 needs an Ampere or newer GPU; {gpu.name} has none")
     if dtype_given and r.dtype == "bfloat16" and not gpu.bf16:
         raise InputError(f"--dtype bfloat16 needs an Ampere or newer GPU; {gpu.name} has none (use --dtype float16 or float32)")
+    if r.fp8 != "none" and not gpu.fp8:
+        raise InputError(f"fp8 needs FP8 tensor cores (Ada, Hopper or Blackwell: compute capability 8.9+); {gpu.name} "
+                         f"is {gpu.compute_capability}")
     check_cce_gpu(r.cut_cross_entropy, gpu)
 
 

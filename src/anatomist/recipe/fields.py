@@ -22,7 +22,7 @@ from typing import Any, Literal
 from anatomist.axes.kernels import AttnImplementation, ExpertsImplementation
 from anatomist.axes.methods import Peft, Trainer
 from anatomist.axes.optimizers import OPTIMIZERS
-from anatomist.axes.precisions import HALF_DTYPES, LoadDtype
+from anatomist.axes.precisions import HALF_DTYPES, Fp8, LoadDtype
 from anatomist.axes.quantization import QuantType
 from anatomist.axes.shardings import FSDP_STAGES, Fsdp, Offload
 from anatomist.trainer_defaults import trainer_defaults
@@ -56,6 +56,7 @@ class RecipeFields:
     fp16: bool = _trainer_default("fp16")
     bf16: bool = _trainer_default("bf16")
     tf32: bool = _trainer_default("tf32", when_none=False)
+    fp8: Fp8 = "none"
     optim: str = _trainer_default("optim", choices=tuple(OPTIMIZERS))
     attn_implementation: AttnImplementation | None = None
     experts_implementation: ExpertsImplementation = "grouped_mm"

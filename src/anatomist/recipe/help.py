@@ -56,6 +56,11 @@ FIELD_HELP: dict[str, FieldHelp] = {
         "bf16 autocast (mixed precision: fp32 master weights when loaded in float32); Ampere or newer."),
     "tf32": FieldHelp(
         "Allow TF32 tensor cores for fp32 matrix products; Ampere or newer."),
+    "fp8": FieldHelp(
+        "FP8 training with torchao's float8 linear layers, as accelerate's mixed_precision='fp8' (AO backend) "
+        "runs it: bf16 autocast (needs --bf16), every linear layer whose sizes are multiples of 16 but the "
+        "model's first and last converted; tensorwise (accelerate's default) or rowwise scales; Ada, Hopper "
+        "or Blackwell (compute capability 8.9+)."),
     "optim": FieldHelp(
         "Optimizer, as TrainingArguments.optim names it (axes/optimizers.py)."),
     "attn_implementation": FieldHelp(

@@ -26,7 +26,9 @@ def training_arguments_kwargs(recipe: RecipeFields) -> dict[str, Any]:
         "gradient_accumulation_steps": recipe.gradient_accumulation_steps,
         "gradient_checkpointing": recipe.gradient_checkpointing,
         "fp16": recipe.fp16,
-        "bf16": recipe.bf16,
+        # FP8 is accelerate's mixed precision, which the Trainer reads from the launch (ACCELERATE_MIXED_PRECISION)
+        # only where neither fp16 nor bf16 is set: bf16=True would replace it (TrainingArguments.__post_init__)
+        "bf16": recipe.bf16 and recipe.fp8 == "none",
         "optim": recipe.optim,
         "torch_compile": recipe.torch_compile,
         "dataloader_num_workers": recipe.dataloader_num_workers,

@@ -48,7 +48,7 @@ from anatomist.workload import Workload
 def peak_seconds(record: OpRecord, recipe: ResolvedRecipe, gpu: GPU) -> tuple[float, float, float]:
     """(tensor-core, CUDA-core, memory) seconds of one call at 100% of the datasheet peaks.
 
-    A matrix product runs at the peak of its dtype: fp16/bf16 under autocast, TF32 where the
+    A matrix product runs at the peak of its dtype: fp16/bf16 under autocast, FP8 (torchao's float8 layers), TF32 where the
     recipe allows it and the GPU has it (tensor cores), else fp32 (CUDA cores), on the share of the GPU its shape
     keeps busy (`tiles.busy_fraction`). The approximate arithmetic of other ops runs on CUDA cores.
     """
@@ -57,6 +57,8 @@ def peak_seconds(record: OpRecord, recipe: ResolvedRecipe, gpu: GPU) -> tuple[fl
         return 0.0, record.approx_flops / (gpu.fp32_tflops * 1e12), memory_s
     if record.dtype in ("float16", "bfloat16"):
         precision: Precision = "fp16" if record.dtype == "float16" else "bf16"
+    elif record.dtype.startswith("float8"):  # torchao's Float8Linear: torch._scaled_mm
+        precision = "fp8"
     else:
         precision = "tf32" if recipe.tf32 and gpu.tf32 else "fp32"
     # A GPU without tensor cores for the dtype still runs it, at most at its fp32 rate.

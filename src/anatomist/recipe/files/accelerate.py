@@ -125,7 +125,9 @@ def read_accelerate(data: dict[str, Any], reading: Reading, file: str) -> None:
         if key == "parallelism_config":
             reading.skip(key, value, {})
         elif key == "mixed_precision":
-            _precision(value, reading, file)
+            _precision(value, data.get("fp8_config") or {}, reading, file)
+        elif key == "fp8_config" and str(data.get("mixed_precision", "")).lower() == "fp8":
+            reading.skip(key, None)  # read with mixed_precision
         elif key == "num_processes":
             if isinstance(value, int) and value > 0:  # -1: accelerate counts the devices
                 reading.set("num_gpus", value, file, key)
@@ -151,12 +153,20 @@ def read_accelerate(data: dict[str, Any], reading: Reading, file: str) -> None:
         reading.set("fsdp", "full_shard", file, "distributed_type")  # accelerate's default strategy
 
 
-def _precision(value: Any, reading: Reading, file: str) -> None:
+def _precision(value: Any, fp8_config: dict[str, Any], reading: Reading, file: str) -> None:
+    """The autocast; "fp8" is bf16 autocast with torchao's float8 layers (accelerate's AO backend, which it also picks
+    where fp8_config names none and torchao is installed), in AORecipeKwargs' default recipe, tensorwise."""
     value = str(value).lower()
-    if value not in ("no", "fp16", "bf16"):
-        raise InputError(f"{file}: mixed_precision={value!r} is not modelled; known: no, fp16, bf16")
+    if value not in ("no", "fp16", "bf16", "fp8"):
+        raise InputError(f"{file}: mixed_precision={value!r} is not modelled; known: no, fp16, bf16, fp8")
     reading.set("fp16", value == "fp16", file, "mixed_precision")
-    reading.set("bf16", value == "bf16", file, "mixed_precision")
+    reading.set("bf16", value in ("bf16", "fp8"), file, "mixed_precision")
+    if value == "fp8":
+        backend = str(fp8_config.get("backend", fp8_config.get("fp8_backend", "AO"))).upper()
+        if backend not in ("AO", "NO"):
+            raise InputError(f"{file}: fp8_config.backend={backend} is not modelled (Transformer Engine's and MS-AMP's "
+                             "FP8 layers); backend AO (torchao's float8 training) is")
+        reading.set("fp8", "tensorwise", file, "mixed_precision")
 
 
 def _deepspeed(section: dict[str, Any], reading: Reading, file: str) -> None:

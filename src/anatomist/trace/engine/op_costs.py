@@ -16,6 +16,7 @@ from importlib import resources
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
 from anatomist.anatomy import OpClass, Phase
@@ -85,7 +86,8 @@ _GEMMS = frozenset(("mm", "addmm", "bmm", "baddbmm"))
 def gemm_shape(name: str, inputs: list[torch.Tensor]) -> tuple[int, int, int, int]:
     """(batch, m, n, k) of a matrix product `name` whose tensor arguments are `inputs`, in order; zeros for other ops.
 
-    mm and addmm multiply (m x k) by (k x n), bmm and baddbmm `batch` of them (a bias comes first). An attention
+    mm and addmm multiply (m x k) by (k x n), bmm and baddbmm `batch` of them (a bias comes first); _scaled_mm (FP8)
+    the first two, its scales after them. An attention
     kernel's first product is Q (Sq x D) by K transposed, over batch x heads (its backward takes the output's gradient
     first, then Q, K, V)."""
     if name in _GEMMS:
@@ -95,6 +97,9 @@ def gemm_shape(name: str, inputs: list[torch.Tensor]) -> tuple[int, int, int, in
         if a.dim() == 3 and b.dim() == 3:
             return a.shape[0], a.shape[1], b.shape[2], a.shape[2]
         return NO_GEMM
+    if name == "_scaled_mm":  # FP8: (m x k) by (k x n), then their scales (and a bias)
+        a, b = inputs[:2]
+        return 1, a.shape[0], b.shape[1], a.shape[1]
     if name.startswith(ATTENTION_PREFIX) and len(inputs) >= 3:
         q, k = inputs[1:3] if name.endswith("_backward") else inputs[:2]
         if q.dim() == 4 and k.dim() == 4:
@@ -102,8 +107,17 @@ def gemm_shape(name: str, inputs: list[torch.Tensor]) -> tuple[int, int, int, in
     return NO_GEMM
 
 
+def _stored(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold `t`'s data: itself, or a wrapper subclass's inner tensors (torchao's float8 tensor: its
+    float8 data and scale, where the wrapper reports the high-precision dtype and element size)."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+        return [inner for name in names for inner in _stored(getattr(t, name))]
+    return [t]
+
+
 def _nbytes(tensors: list[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(s.numel() * s.element_size() for t in tensors for s in _stored(t))
 
 
 def op_signature(func: Any, args: Any, kwargs: Any, out: Any, phase: Phase) -> Signature:
@@ -117,7 +131,7 @@ def op_signature(func: Any, args: Any, kwargs: Any, out: Any, phase: Phase) -> S
     flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
     op_class = OpClass.OTHER if phase is Phase.OPTIMIZER else classify(name)
     floating = [t for t in inputs if t.is_floating_point()] or [t for t in outputs if t.is_floating_point()]
-    dtype = str(floating[0].dtype).removeprefix("torch.") if floating else "none"
+    dtype = str(_stored(floating[0])[0].dtype).removeprefix("torch.") if floating else "none"
     approx = 0
     if flops == 0 and not view and op_class is not OpClass.CONTRACTION:
         approx = per_element_flops().get(op_class, 0) * sum(t.numel() for t in outputs if t.is_floating_point())

@@ -35,6 +35,7 @@ from anatomist.trace.engine.tracer import StepTracer
 from anatomist.trace.step import fsdp as sharded
 from anatomist.trace.step import trainers
 from anatomist.trace.step.experts import build_kwargs, check_traceable, compiled_experts_path
+from anatomist.trace.step.fp8 import convert_to_fp8
 from anatomist.trace.step.inputs import rows_not_packed
 from anatomist.trace.step.optimizer_build import build_optimizer, import_optimizer_module
 from anatomist.trace.step.passes import forward_backward, inference_step
@@ -124,7 +125,7 @@ def _register_weights(tracer: StepTracer, *models: torch.nn.Module | None) -> No
 
 
 def traced_model(workload: Workload, recipe: ResolvedRecipe, depth: Depth, fake_mode: Any | None) -> torch.nn.Module:
-    """The model of `workload` cut to `depth` as `recipe` trains it (PEFT applied): on fake tensors in
+    """The model of `workload` cut to `depth` as `recipe` trains it (PEFT applied, FP8 layers converted): on fake tensors in
     `fake_mode` (built on the meta device first: no memory), else real CPU tensors."""
     config = traced_config(workload, depth)
     experts = build_kwargs(workload, recipe)
@@ -132,6 +133,7 @@ def traced_model(workload: Workload, recipe: ResolvedRecipe, depth: Depth, fake_
         base = workload.build_model(traced_attention(recipe), recipe.dtype, config=config, **experts)
         model = apply_peft(base, recipe, workload.task)
         trainers.prepare(model, recipe)
+        convert_to_fp8(model, recipe)
         return model
     check_traceable(workload, recipe)
     with torch.device("meta"), contextlib.redirect_stderr(None):
@@ -139,6 +141,7 @@ def traced_model(workload: Workload, recipe: ResolvedRecipe, depth: Depth, fake_
         model = apply_peft(base, recipe, workload.task)
     fake_parameters(model, fake_mode)
     trainers.prepare(model, recipe)
+    convert_to_fp8(model, recipe)  # as accelerate's prepare does, after PEFT and before FSDP
     return model
 
 

@@ -39,7 +39,7 @@ Cross-Entropy, the trainer's loss (TRL's fused LM head, DPO's pairs and referenc
 changes the traced sequence length (`Workload.for_recipe`), packing nothing traced."""
 PART_FIELDS: dict[str, tuple[str, ...]] = {
     "forward-backward": ("dtype", "gradient_checkpointing", "checkpoint_every", "checkpoint_offload", "activation_offloading",
-                         "fp16", "bf16", "attn_implementation",
+                         "fp16", "bf16", "fp8", "attn_implementation",
                          "experts_implementation", "torch_compile", *PEFT_FIELDS, *LLM_FIELDS),
     "inference": ("dtype", "fp16", "bf16", "attn_implementation", "experts_implementation", *PEFT_FIELDS),
     "optimizer": ("dtype", "optim", "fp16", "max_grad_norm", *PEFT_FIELDS),
