@@ -11,6 +11,7 @@ from anatomist.estimate.peft_notes import peft_notes
 from anatomist.estimate.rules import BytesPerParamRule
 from anatomist.estimate.traces import StepTraces, offloaded_bytes
 from anatomist.recipe import ResolvedRecipe
+from anatomist.trace.store.keys import traced_compile
 from anatomist.workload import Workload
 
 
@@ -59,7 +60,7 @@ def memory_notes(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnat
         notes.append(_liger_note(workload, recipe))
     if recipe.fp8 != "none":  # trace/step/fp8.py
         compiled = ("compiled, the casts fuse (inductor may keep the FP8 casts for backward instead)"
-                    if recipe.torch_compile and not recipe.gradient_checkpointing else
+                    if traced_compile(recipe) else
                     "without torch.compile (or under checkpointing, where the blocks run eager) its casts run as "
                     "separate kernels, which torchao says to compile for speed")
         notes.append(f"fp8 ({recipe.fp8}, torchao's Float8Linear as accelerate converts it: every linear layer but the "

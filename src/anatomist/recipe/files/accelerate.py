@@ -126,8 +126,8 @@ def read_accelerate(data: dict[str, Any], reading: Reading, file: str) -> None:
             reading.skip(key, value, {})
         elif key == "mixed_precision":
             _precision(value, data.get("fp8_config") or {}, reading, file)
-        elif key == "fp8_config" and str(data.get("mixed_precision", "")).lower() == "fp8":
-            reading.skip(key, None)  # read with mixed_precision
+        elif key == "fp8_config" and str(data.get("mixed_precision", "")).lower() == "fp8" and isinstance(value, dict):
+            reading.skip_all(key, value, keep=("backend", "fp8_backend"))  # the backend is read with mixed_precision
         elif key == "num_processes":
             if isinstance(value, int) and value > 0:  # -1: accelerate counts the devices
                 reading.set("num_gpus", value, file, key)

@@ -41,9 +41,3 @@ def convert_to_fp8(model: torch.nn.Module, recipe: ResolvedRecipe) -> None:
 
     convert_model_to_fp8_ao(model, config=Float8LinearConfig.from_recipe_name(recipe.fp8))
 
-
-def float8_layers(model: torch.nn.Module) -> list[str]:
-    """The names of `model`'s layers that run in FP8 (torchao's Float8Linear)."""
-    from torchao.float8.float8_linear import Float8Linear
-
-    return [name for name, module in model.named_modules() if isinstance(module, Float8Linear)]
