@@ -9,10 +9,13 @@ recipes that are NOT among the candidates. Then:
 - memory: each candidate's real step runs on real CPU tensors under the estimator's tracer
   (full depth, real weights), which counts the live bytes as the caching allocator would;
 - time: each candidate's real step (`measure.profile.training_step`: the real model, the
-  Trainer's optimizer) is timed, best of 5 rounds with the candidates interleaved.
+  Trainer's optimizer) is timed, best of 5 rounds with the candidates interleaved; then the pick
+  and the sweep's fastest pickable recipe are timed again head to head, best of 11 rounds (the
+  fastest of fourteen noisy timings is biased up: in one CI run a recipe that checkpoints one
+  layer of three timed 17% faster than the same batch without checkpointing).
 
-The top pick must fit for real and reach 90% of the best measured throughput among the
-candidates that fit for real (the GPU bar is 95%; a shared 2-core CPU is noisier).
+The top pick must fit for real and reach, head to head, 90% of the fastest recipe the plan could
+pick, less the plan's own speed tie (the GPU bar is 95%; a shared 2-core CPU is noisier).
 """
 
 from __future__ import annotations
@@ -36,23 +39,27 @@ from anatomist.trace.step.driver import trace_step
 from anatomist.workload import Workload
 from anatomist.workload_loader import load_workload
 
+# Hidden size 256, not 128: at 128 a micro-batch of one is so small a product that this CPU runs it far below the
+# rate the time model fits (the sweep measured 1 x 16 at 0.68x its prediction; the calibration's worst error was
+# 32-40%), and the plan's ranking of micro-batch sizes became noise; at 256 the worst error is 17%.
 CONFIG = {
-    "model_type": "bert", "hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
-    "intermediate_size": 512, "vocab_size": 1000, "max_position_embeddings": 128, "type_vocab_size": 2,
+    "model_type": "bert", "hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
+    "intermediate_size": 1024, "vocab_size": 1000, "max_position_embeddings": 128, "type_vocab_size": 2,
 }
 SEQ_LEN = 128
 GLOBAL_BATCH = 16
 TIMED_ROUNDS = 5
+FINAL_ROUNDS = 11
 
 
-def best_step_s(workload: Workload, recipes: list[Recipe]) -> list[float]:
-    """Each recipe's fastest real step over TIMED_ROUNDS rounds, the recipes interleaved within
-    a round, so that a slow spell of the shared machine does not fall on one recipe only."""
+def best_step_s(workload: Workload, recipes: list[Recipe], rounds: int = TIMED_ROUNDS) -> list[float]:
+    """Each recipe's fastest real step over `rounds` rounds, the recipes interleaved within a
+    round, so that a slow spell of the shared machine does not fall on one recipe only."""
     steps = [training_step(workload, r, torch.device("cpu")) for r in recipes]
     for step in steps:
         step()  # warm-up: optimizer state
     best = [float("inf")] * len(steps)
-    for _ in range(TIMED_ROUNDS):
+    for _ in range(rounds):
         for i, step in enumerate(steps):
             start = time.perf_counter()
             step()
@@ -141,10 +148,13 @@ def test_top_pick_fits_and_is_fastest_for_real(workload: Workload) -> None:
     # and asks the top of the memory interval to fit, so it is the stricter of the two and leaves out recipes that
     # fit: the pick is measured against the fastest of those it could pick. Among recipes predicted within the speed
     # tie it prefers headroom, so it may be slower by that much, and by this shared CPU's noise (10%).
-    pickable = max(measured[c.recipe][1] for c in result.feasible)
+    pickable = max((c.recipe for c in result.feasible), key=lambda r: measured[r][1])
     fastest_fitting = max(speed for peak, speed in measured.values() if peak <= limit)
-    pick_peak, pick_speed = measured[result.best.recipe]
-    print(f"limit {limit / 2**20:.1f} MiB; {cal}; speed tie {result.speed_error:.1%}; pick {pick_speed:.1f}/s, fastest "
-          f"the plan could pick {pickable:.1f}/s, fastest that fits for real {fastest_fitting:.1f}/s")
-    assert pick_peak <= limit
-    assert pick_speed >= (1 - result.speed_error - 0.1) * pickable
+    pick = result.best.recipe
+    print(f"limit {limit / 2**20:.1f} MiB; {cal}; speed tie {result.speed_error:.1%}; sweep: pick {measured[pick][1]:.1f}/s, "
+          f"fastest the plan could pick {measured[pickable][1]:.1f}/s, fastest that fits for real {fastest_fitting:.1f}/s")
+    assert measured[pick][0] <= limit
+    if pickable != pick:
+        pick_s, pickable_s = best_step_s(workload, [pick, pickable], rounds=FINAL_ROUNDS)
+        print(f"head to head: pick {GLOBAL_BATCH / pick_s:.1f}/s, fastest the plan could pick {GLOBAL_BATCH / pickable_s:.1f}/s")
+        assert pickable_s >= (1 - result.speed_error - 0.1) * pick_s
