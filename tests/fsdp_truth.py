@@ -169,9 +169,19 @@ def measure(config: str, seq_len: int, batch: int, case: dict[str, Any]) -> dict
                                                  task_type="CAUSAL_LM"))
     if case.get("gradient_checkpointing"):
         model.gradient_checkpointing_enable()  # the Trainer does it before accelerator.prepare
+    if case.get("fp8"):  # accelerator.prepare converts (`_prepare_ao`) before it shards, with AORecipeKwargs' defaults
+        from accelerate.utils import AORecipeKwargs
+        from accelerate.utils.ao import convert_model_to_fp8_ao
+
+        ao = AORecipeKwargs(enable_fsdp_float8_all_gather=case.get("fp8_all_gather", True))
+        convert_model_to_fp8_ao(model, config=ao.config)
     model = fsdp2_prepare_model(accelerator, model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    if case.get("fp8") and ao.config.enable_fsdp_float8_all_gather:  # as `_prepare_ao` registers it
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
     accumulation = case.get("accumulation", 1)
     batches = [make_batch(workload, batch) for _ in range(accumulation)]
     blocks = [m for name, m in model.named_modules() if re.fullmatch(r"(.+\.)?layers\.\d+", name)]
@@ -227,7 +237,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--backend", choices=["fake", "gloo"], required=True)
     parser.add_argument("cases", help="JSON list of {name, fsdp, bf16, accumulation, gradient_checkpointing, lora, "
-                                      "attn_implementation}")
+                                      "attn_implementation, fp8, fp8_all_gather}")
     args = parser.parse_args()
     cases = json.loads(args.cases)
     if args.backend == "fake":

@@ -16,6 +16,7 @@ import dataclasses
 
 import pytest
 import torch
+import yaml
 from memtracker_step import count_as_on_cuda, measure_step
 
 from anatomist.estimate import estimate
@@ -28,7 +29,8 @@ from anatomist.recipe.spellings import training_arguments_kwargs
 from anatomist.workload_loader import load_workload
 
 pytest.importorskip("torchao")
-from accelerate.utils.ao import convert_model_to_fp8_ao  # noqa: E402  (after the skip: it needs torchao)
+from accelerate.utils import AORecipeKwargs  # noqa: E402  (after the skip: it needs torchao)
+from accelerate.utils.ao import convert_model_to_fp8_ao  # noqa: E402
 from torchao.float8 import Float8LinearConfig  # noqa: E402
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
@@ -44,12 +46,15 @@ def counted_as_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 def _converted(workload, recipe: Recipe) -> torch.nn.Module:
     torch.manual_seed(0)
     model = workload.build_model(recipe.attn_implementation, recipe.dtype)
-    convert_model_to_fp8_ao(model, config=Float8LinearConfig.from_recipe_name(recipe.fp8))
+    # What accelerate's Accelerator converts with when the script passes no AORecipeKwargs (the Trainer passes none):
+    # its defaults (padded inner dimensions, float8 all-gather, which acts under FSDP2 only) for tensorwise.
+    config = AORecipeKwargs().config if recipe.fp8 == "tensorwise" else Float8LinearConfig.from_recipe_name(recipe.fp8)
+    convert_model_to_fp8_ao(model, config=config)
     return model
 
 
 @pytest.mark.parametrize(("fp8", "dtype"), [
-    ("tensorwise", "float32"), ("rowwise", "bfloat16"),
+    ("tensorwise", "float32"), pytest.param("rowwise", "bfloat16", marks=pytest.mark.slow),  # the default suite's time
     pytest.param("rowwise", "float32", marks=pytest.mark.slow), pytest.param("tensorwise", "bfloat16", marks=pytest.mark.slow),
 ])
 def test_fp8_step_matches_pytorchs_accounting(tiny_model, counted_as_on_cuda, fp8, dtype):
@@ -92,6 +97,7 @@ def test_the_fp8_products_run_at_the_fp8_peak(tiny_model):
     (["--gpu", "H100", "--fp16", "--fp8", "rowwise"], "drop --fp16"),
     (["--gpu", "H100", "--bf16", "--fp8", "tensorwise", "--peft", "qlora"], "4-bit or 8-bit base"),
     (["--gpu", "H100", "--bf16", "--fp8", "tensorwise", "--zero-stage", "2"], "DeepSpeed"),
+    (["--gpu", "H100", "--bf16", "--fp8", "rowwise", "--fp8-all-gather"], "fp8_all_gather needs --fp8 tensorwise"),
 ])
 def test_fp8_bad_input_is_one_line(cli, tiny_model, flags, said):
     run = cli("estimate", str(tiny_model("llama")), *flags)
@@ -104,10 +110,11 @@ def test_accelerate_fp8_files_read_and_written(cli, tmp_path, tiny_model):
 
     ao = tmp_path / "fp8.yaml"
     ao.write_text("distributed_type: 'NO'\nmixed_precision: fp8\nfp8_config:\n  backend: AO\n"
-                  "  enable_fsdp_float8_all_gather: true\nnum_processes: 1\n")
+                  "  enable_fsdp_float8_all_gather: false\n  pad_inner_dim: true\n  use_autocast_during_eval: false\n"
+                  "num_processes: 1\n")
     read = read_recipe_file(str(ao))
-    assert (read.fields["bf16"], read.fields["fp8"]) == (True, "tensorwise")
-    assert read.not_modelled == ("fp8_config.enable_fsdp_float8_all_gather",)  # said, not silently dropped
+    assert (read.fields["bf16"], read.fields["fp8"], read.fields["fp8_all_gather"]) == (True, "tensorwise", False)
+    assert read.not_modelled == ()  # padded inner dimensions are what the trace runs; the eval key is at its default
     te = tmp_path / "te.yaml"
     te.write_text("distributed_type: 'NO'\nmixed_precision: fp8\nfp8_config:\n  backend: TE\n")
     run = cli("estimate", str(tiny_model("llama")), "--gpu", "H100", "--recipe", str(te))
@@ -118,6 +125,25 @@ def test_accelerate_fp8_files_read_and_written(cli, tmp_path, tiny_model):
     assert (config["mixed_precision"], config["fp8_config"]) == ("fp8", {"backend": "AO"})
     assert training_arguments_kwargs(recipe)["bf16"] is False  # set, it would replace the launch's fp8
     assert any("accelerate launch --mixed_precision fp8" in w for w in launch_warnings(recipe, "trainer"))
+    for gathered in (None, False):  # written for FSDP, and read back as written
+        sharded = Recipe(bf16=True, fp8="tensorwise", fsdp="full_shard", fp8_all_gather=gathered)
+        path = tmp_path / "sharded.yaml"
+        path.write_text(yaml.safe_dump(accelerate_config(sharded)))
+        assert accelerate_config(sharded)["fp8_config"]["enable_fsdp_float8_all_gather"] is (gathered is None)
+        assert read_recipe_file(str(path)).fields["fp8_all_gather"] is (gathered is None)
+
+
+def test_axolotl_fp8_reads_as_its_trainer_converts(tmp_path):
+    """axolotl's fp8 (AxolotlTrainer.additional_accelerator_args): accelerate's mixed precision fp8, bf16 autocast,
+    torchao's default recipe (tensorwise), its weights gathered in float8 only where the config asks."""
+    from anatomist.recipe.files import read_recipe_file
+
+    path = tmp_path / "ax.yml"
+    for extra, gathered in (("", False), ("fp8_enable_fsdp_float8_all_gather: true\n", True)):
+        path.write_text(f"base_model: x\nfp8: true\nmicro_batch_size: 2\n{extra}")
+        fields = read_recipe_file(str(path)).fields
+        assert (fields["fp8"], fields["bf16"], fields["dtype"], fields["fp8_all_gather"]) == (
+            "tensorwise", True, "float32", gathered)
 
 
 @pytest.mark.slow  # three traces of Llama-3.1-8B (FSDP rank of 8, compiled): about a minute each on 2 cores

@@ -56,7 +56,9 @@ def test_flags_read_values_as_hf_argument_parser_reads_the_same_dataclass(name: 
     for text, expected in values:
         ours = build_parser().parse_args(["estimate", f"--{name.replace('_', '-')}", *([text] if text else [])])
         assert getattr(ours, name) == expected
-        parsed = theirs.parse_args([*required, f"--{name}", *([text] if text else [])])  # the namespace, unvalidated
+        # HfArgumentParser takes an optional boolean (default None) with its value only: `--fp8_all_gather true`.
+        theirs_text = text or ("true" if kind.type is bool and kind.optional else "")
+        parsed = theirs.parse_args([*required, f"--{name}", *([theirs_text] if theirs_text else [])])  # unvalidated
         assert getattr(parsed, name) == expected
 
 

@@ -193,7 +193,7 @@ def test_memory_settings_not_modelled_yet_are_refused_never_predicted_as_somethi
     # accelerate's FSDP ignored modules (kept whole on every rank)
     ("acc.yaml", "distributed_type: FSDP\nfsdp_config:\n  fsdp_ignored_modules: model.visual\n",
      "fsdp_config.fsdp_ignored_modules='model.visual' is not modelled yet (FSDP's ignored modules"),
-    # axolotl: reward models, frozen subsets, LISA, modules trained beside the adapter, DoRA, fp8, BitNet, a GPTQ base
+    # axolotl: reward models, frozen subsets, LISA, modules trained beside the adapter, DoRA, BitNet, a GPTQ base
     ("ax.yml", "base_model: x\nreward_model: true\n", "reward_model=True is not modelled yet (reward modelling"),
     ("ax.yml", "base_model: x\nprocess_reward_model: true\n", "process_reward_model=True is not modelled yet (reward"),
     ("ax.yml", "base_model: x\nunfrozen_parameters: ['^lm_head.*']\n", "unfrozen_parameters=['^lm_head.*'] is not"),
@@ -201,7 +201,6 @@ def test_memory_settings_not_modelled_yet_are_refused_never_predicted_as_somethi
     ("ax.yml", "base_model: x\nadapter: lora\nlora_modules_to_save: [lm_head]\n",
      "lora_modules_to_save=['lm_head'] is not modelled yet (whole modules trained beside the adapter"),
     ("ax.yml", "base_model: x\nadapter: lora\npeft_use_dora: true\n", "peft_use_dora=True is not modelled yet (DoRA"),
-    ("ax.yml", "base_model: x\nfp8: true\n", "fp8=True is not modelled yet (FP8 training"),
     ("ax.yml", "base_model: x\nuse_onebitllms: true\n", "use_onebitllms=True is not modelled yet (BitNet"),
     ("ax.yml", "base_model: x\ngptq: true\n", "gptq=True is not modelled yet (a base model quantized ahead"),
     ("ax.yml", "base_model: x\nplugins: [axolotl.integrations.llm_compressor.LLMCompressorPlugin]\n",

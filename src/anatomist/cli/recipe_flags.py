@@ -37,7 +37,7 @@ METAVARS = {int: "N", float: "X", str: "TEXT"}
 RECIPE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("batch and memory savers", ("per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
                                  "checkpoint_every", "checkpoint_offload", "activation_offloading", "max_grad_norm")),
-    ("precision", ("dtype", "fp16", "bf16", "tf32", "fp8")),
+    ("precision", ("dtype", "fp16", "bf16", "tf32", "fp8", "fp8_all_gather")),
     ("optimizer", ("optim",)),
     ("kernels and compilation", ("attn_implementation", "experts_implementation", "torch_compile", "use_liger_kernel",
                                  "cut_cross_entropy")),

@@ -65,7 +65,8 @@ def memory_notes(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnat
                     "separate kernels, which torchao says to compile for speed")
         notes.append(f"fp8 ({recipe.fp8}, torchao's Float8Linear as accelerate converts it: every linear layer but the "
                      "first and last, sizes multiples of 16): each FP8 layer keeps its bf16 input and weight for "
-                     f"backward and casts them again there, so activations stay as under bf16; {compiled}")
+                     f"backward and casts them again there, so activations stay as under bf16; {compiled}"
+                     + _fp8_gather_note(recipe))
     notes += llm_notes(workload, recipe)
     notes += peft_notes(workload, recipe, traces.size)
     moe = moe_note(workload, recipe)
@@ -73,6 +74,17 @@ def memory_notes(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnat
         notes.append(moe)
     return notes
 
+
+def _fp8_gather_note(recipe: ResolvedRecipe) -> str:
+    """How FSDP gathers the FP8 layers' weights (trace/step/fp8.py)."""
+    if recipe.fsdp == "none":
+        return ""
+    if not recipe.fp8_all_gather:
+        return "; FSDP gathers their weights in bf16"
+    if traced_compile(recipe):
+        return ("; FSDP gathers their weights in float8 (the all-gather's time is float8's, its memory traced in bf16 "
+                "for compiled blocks: an upper bound)")
+    return "; FSDP gathers their weights in float8 (accelerate's default): one byte an element gathered and unsharded"
 
 def _liger_note(workload: Workload, recipe: ResolvedRecipe) -> str:
     """Liger's fused cross-entropy: its chunk, and what the trace's chunk leaves out (axes/liger.py); under TRL's

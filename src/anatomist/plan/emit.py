@@ -248,8 +248,8 @@ def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = Fals
     }
     if nodes > 1:
         config.update(main_process_ip=MAIN_NODE, main_process_port=MAIN_PORT)
-    if recipe.fp8 != "none":  # torchao's float8 layers (AORecipeKwargs' default recipe: tensorwise)
-        config["fp8_config"] = {"backend": "AO"}
+    if recipe.fp8 != "none":
+        config["fp8_config"] = _fp8_config(recipe)
     if recipe.zero_stage:
         ds: dict[str, Any] = {
             "gradient_accumulation_steps": recipe.gradient_accumulation_steps,
@@ -280,6 +280,15 @@ def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = Fals
         }
     if recipe.torch_compile:
         config["dynamo_config"] = {"dynamo_backend": "INDUCTOR"}
+    return config
+
+
+def _fp8_config(recipe: Recipe) -> dict[str, Any]:
+    """torchao's float8 layers (AORecipeKwargs' default recipe: tensorwise), and under FSDP whether it gathers their
+    weights in float8 (AORecipeKwargs reads the key; its default is true)."""
+    config: dict[str, Any] = {"backend": "AO"}
+    if recipe.fsdp != "none" and recipe.fp8 == "tensorwise":
+        config["enable_fsdp_float8_all_gather"] = recipe.fp8_all_gather is not False
     return config
 
 

@@ -64,6 +64,7 @@ def check_batch_and_precision(r: RecipeFields) -> None:
     if r.dtype not in LOAD_DTYPES:
         raise InputError(f"unknown dtype {r.dtype!r}; known: {', '.join(LOAD_DTYPES)}")
     check_fp8(r)
+    check_fp8_all_gather(r)
     if r.dtype == "float16" and r.fp16 and r.peft == "none":  # PEFT's adapters are fp32
         raise InputError(
             "fp16 (GradScaler) cannot train float16-loaded weights: PyTorch refuses to unscale fp16 "
@@ -87,6 +88,13 @@ def check_fp8(r: RecipeFields) -> None:
     if r.zero_stage:
         raise InputError("fp8 with DeepSpeed ZeRO is not modelled (accelerate runs torchao's float8 under DDP and "
                          "FSDP): use --fsdp, or drop --fp8")
+
+
+def check_fp8_all_gather(r: RecipeFields) -> None:
+    """torchao gathers float8 weights under tensorwise scaling only (Float8LinearConfig refuses it otherwise)."""
+    if r.fp8_all_gather and r.fp8 != "tensorwise":
+        raise InputError(f"fp8_all_gather needs --fp8 tensorwise (torchao all-gathers float8 weights only with "
+                         f"tensorwise scales); fp8 is {r.fp8}")
 
 
 def check_checkpointing(r: RecipeFields) -> None:

@@ -57,6 +57,7 @@ class RecipeFields:
     bf16: bool = _trainer_default("bf16")
     tf32: bool = _trainer_default("tf32", when_none=False)
     fp8: Fp8 = "none"
+    fp8_all_gather: bool | None = None
     optim: str = _trainer_default("optim", choices=tuple(OPTIMIZERS))
     attn_implementation: AttnImplementation | None = None
     experts_implementation: ExpertsImplementation = "grouped_mm"

@@ -61,6 +61,10 @@ FIELD_HELP: dict[str, FieldHelp] = {
         "runs it: bf16 autocast (needs --bf16), every linear layer whose sizes are multiples of 16 but the "
         "model's first and last converted; tensorwise (accelerate's default) or rowwise scales; Ada, Hopper "
         "or Blackwell (compute capability 8.9+)."),
+    "fp8_all_gather": FieldHelp(
+        "Under FSDP with --fp8 tensorwise: all-gather the converted layers' weights in float8, not bf16 (torchao's "
+        "enable_fsdp_float8_all_gather; half the bytes gathered and held unsharded); unset: on, as accelerate's "
+        "AO backend defaults it (AORecipeKwargs, `accelerate launch --fp8_enable_fsdp_float8_all_gather`)."),
     "optim": FieldHelp(
         "Optimizer, as TrainingArguments.optim names it (axes/optimizers.py)."),
     "attn_implementation": FieldHelp(

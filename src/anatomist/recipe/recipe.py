@@ -85,6 +85,8 @@ class Recipe(RecipeFields):
         if self.zero_stage:  # DeepSpeed's buffer sizes, "auto" filled as the Trainer fills it
             values |= deepspeed_values(workload.hidden_size(), {n: values[n] for n in DEEPSPEED_SETTINGS})
         values["attn_implementation"] = self.attn_implementation or workload.default_attention()
+        # accelerate's AO backend gathers float8 weights by default; only FSDP2 gathers weights at all.
+        values["fp8_all_gather"] = self.fp8 == "tensorwise" and self.fsdp != "none" and self.fp8_all_gather is not False
         if self.peft != "none" and self.lora_target_modules is None and self.lora_target_parameters is None \
                 and workload.lora_default_targets() is None:
             values["lora_target_modules"] = LORA_FALLBACK_TARGETS
@@ -99,6 +101,7 @@ class ResolvedRecipe(Recipe):
     never "auto", and its `attn_implementation` is set. The estimator, the tracer and the time model take only this."""
 
     attn_implementation: AttnImplementation = None  # type: ignore[assignment]  # Recipe's None resolved: set
+    fp8_all_gather: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype == "auto" or self.attn_implementation is None:

@@ -141,7 +141,9 @@ def parameter_count(recipe: ResolvedRecipe, size: ModelSize) -> int:
 
 def gathered_weight_bytes(recipe: ResolvedRecipe, size: ModelSize) -> float:
     """Bytes of one all-gather of the whole model under ZeRO-3 / FSDP full_shard: a quantized base's codes as
-    they are stored (bitsandbytes' FSDP-QLoRA guide stores them in a float dtype: the same bytes), every
-    other parameter in the dtype it is gathered in (the half dtype under mixed precision or half weights)."""
+    they are stored (bitsandbytes' FSDP-QLoRA guide stores them in a float dtype: the same bytes), the FP8 layers'
+    weights in float8 where torchao gathers them so (`fp8_all_gather`), every other parameter in the dtype it is
+    gathered in (the half dtype under mixed precision or half weights)."""
     element = 2 if recipe.mixed_precision != "no" or recipe.half_weights else 4
-    return size.quantized_codes + (sum(size.parameter_numels) - size.quantized_codes) * element
+    one_byte = size.quantized_codes + (size.fp8_weights if recipe.fp8_all_gather else 0)
+    return one_byte + (sum(size.parameter_numels) - one_byte) * element

@@ -127,7 +127,7 @@ def read_accelerate(data: dict[str, Any], reading: Reading, file: str) -> None:
         elif key == "mixed_precision":
             _precision(value, data.get("fp8_config") or {}, reading, file)
         elif key == "fp8_config" and str(data.get("mixed_precision", "")).lower() == "fp8" and isinstance(value, dict):
-            reading.skip_all(key, value, keep=("backend", "fp8_backend"))  # the backend is read with mixed_precision
+            _fp8_config(value, reading, file)
         elif key == "num_processes":
             if isinstance(value, int) and value > 0:  # -1: accelerate counts the devices
                 reading.set("num_gpus", value, file, key)
@@ -167,6 +167,18 @@ def _precision(value: Any, fp8_config: dict[str, Any], reading: Reading, file: s
             raise InputError(f"{file}: fp8_config.backend={backend} is not modelled (Transformer Engine's and MS-AMP's "
                              "FP8 layers); backend AO (torchao's float8 training) is")
         reading.set("fp8", "tensorwise", file, "mixed_precision")
+
+
+def _fp8_config(section: dict[str, Any], reading: Reading, file: str) -> None:
+    """The AO backend's settings (`accelerate launch --fp8_*`, read by AORecipeKwargs): the float8 all-gather; padded
+    inner dimensions are what the trace runs (accelerate's default). The backend is read with mixed_precision."""
+    for key, value in section.items():
+        if key == "enable_fsdp_float8_all_gather":
+            reading.set("fp8_all_gather", bool(value), file, f"fp8_config.{key}")
+        elif key == "pad_inner_dim":
+            reading.skip(f"fp8_config.{key}", value, True)
+        elif key not in ("backend", "fp8_backend"):
+            reading.skip(f"fp8_config.{key}", value)
 
 
 def _deepspeed(section: dict[str, Any], reading: Reading, file: str) -> None:

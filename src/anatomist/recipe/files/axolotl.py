@@ -24,8 +24,9 @@ data/framework_fields.json names) and what its loader does with them:
 - deepspeed (a ds_config path or mapping, read as the Trainer reads it), fsdp (a strategy list) with
   fsdp_config (keys with or without "fsdp_"), fsdp_version;
 - tensor_parallel_size, context_parallel_size, dp_replicate_size above 1, qat (torchao's fake quantization), and
-  UNMODELLED_KEYS (reward models, frozen subsets, LISA, modules trained beside an adapter, DoRA, fp8, BitNet, a GPTQ
+  UNMODELLED_KEYS (reward models, frozen subsets, LISA, modules trained beside an adapter, DoRA, BitNet, a GPTQ
   base): not modelled, refused;
+- fp8 and fp8_enable_fsdp_float8_all_gather: torchao's tensorwise float8 layers (`_fp8`);
 - rl: dpo and ipo run TRL's DPOTrainer (core/builders/rl.py; AxolotlDPOTrainer changes no memory: tokenizing, an
   empty_cache after each step), read as trainer dpo with precompute_ref_log_probs; with an adapter the policy with
   its adapters disabled is the reference (train.py setup_reference_model: rl_adapter_ref_model, which docs/rlhf.qmd
@@ -68,12 +69,11 @@ OFFLOADING = {"offload": True, "offload_disk": "disk"}
 """gradient_checkpointing's deprecated values -> the activation_offloading axolotl runs for them (validation.py)."""
 UNMODELLED_KEYS = {"reward_model": "reward_model", "process_reward_model": "reward_model",
                    "unfrozen_parameters": "partial_training", "lora_modules_to_save": "modules_to_save",
-                   "peft_use_dora": "dora", "fp8": "fp8", "use_onebitllms": "bitnet", "gptq": "prequantized"}
+                   "peft_use_dora": "dora", "use_onebitllms": "bitnet", "gptq": "prequantized"}
 """Keys that change memory in a way not modelled -> the `unmodelled` setting they turn on: reward_model and
 process_reward_model train a sequence/token classification head on pairs (core/builders: RewardTrainer, PRMTrainer);
 unfrozen_parameters freezes every parameter but those it matches (train.py freeze_layers_except); lora_modules_to_save
-trains whole copies of the modules it names; peft_use_dora is PEFT's use_dora; fp8 sets accelerate's mixed precision
-to fp8 (utils/trainer.py); use_onebitllms swaps the linear layers for onebitllms' BitNet ones (loaders/model.py); gptq
+trains whole copies of the modules it names; peft_use_dora is PEFT's use_dora; use_onebitllms swaps the linear layers for onebitllms' BitNet ones (loaders/model.py); gptq
 loads a GPTQ-quantized base."""
 PREFERENCE = {"dpo": "dpo", "ipo": "dpo"}
 """axolotl's rl -> the trainer that runs it (IPO: DPOTrainer with loss_type ipo, a loss of the same memory)."""
@@ -94,8 +94,22 @@ LIGER_NO_CHANGE = ("liger_layer_norm", "liger_rms_norm_gated", "liger_use_token_
 READ = {"base_model", "sequence_len", "adapter", "bf16", "fp16", "bfloat16", "float16", "attn_implementation",
         "gradient_checkpointing", "gradient_checkpointing_kwargs", "activation_offloading", "lora_target_modules",
         "lora_target_linear", "deepspeed", "fsdp", "fsdp_config", "fsdp_version", "torch_compile", "rl",
-        "precompute_ref_log_probs", "plugins", "sample_packing", "cut_cross_entropy", *DIRECT, *ATTENTION_FLAGS,
+        "precompute_ref_log_probs", "plugins", "sample_packing", "cut_cross_entropy", "fp8",
+        "fp8_enable_fsdp_float8_all_gather", *DIRECT, *ATTENTION_FLAGS,
         *PARALLEL, *LIGER_FLAGS}
+
+
+def _fp8(data: dict[str, Any], reading: Reading, file: str) -> None:
+    """fp8: accelerate's mixed precision fp8 with AORecipeKwargs(config=Float8LinearConfig(...)) (core/trainers/base.py
+    additional_accelerator_args): torchao's default recipe, tensorwise, its weights gathered in float8 under FSDP where
+    fp8_enable_fsdp_float8_all_gather is true (off by default, unlike accelerate's own default). axolotl also sets
+    force_recompute_fp8_weight_in_bwd with it, which is not traced (trace/step/fp8.py), and leaves pad_inner_dim off,
+    which changes nothing where the tokens of a micro-batch are a multiple of 16."""
+    if data.get("fp8") is not True:
+        return
+    reading.set("fp8", "tensorwise", file, "fp8")
+    gathered = data.get("fp8_enable_fsdp_float8_all_gather") is True
+    reading.set("fp8_all_gather", gathered, file, "fp8_enable_fsdp_float8_all_gather" if gathered else "fp8")
 
 
 def looks_like_axolotl(data: dict[str, Any]) -> bool:
@@ -129,6 +143,7 @@ def read_axolotl(data: dict[str, Any], reading: Reading, file: str) -> None:
     if data.get("sequence_len") is not None:
         reading.set("seq_len", data["sequence_len"], file, "sequence_len")
     _precision(data, reading, file)
+    _fp8(data, reading, file)
     _attention(data, reading, file)
     _checkpointing(data, reading, file)
     if data.get("torch_compile") is True:  # "auto": axolotl decides by the torch version; read as off
@@ -249,7 +264,8 @@ def _checkpointing(data: dict[str, Any], reading: Reading, file: str) -> None:
 def _precision(data: dict[str, Any], reading: Reading, file: str) -> None:
     fp16 = bool(data.get("fp16"))
     autocast_bf16 = data.get("bf16") is True or (data.get("bf16") == "auto" and not fp16)
-    reading.set("bf16", autocast_bf16, file, "bf16")
+    fp8 = data.get("fp8") is True  # accelerate's mixed precision fp8 autocasts to bf16 (`_fp8`)
+    reading.set("bf16", autocast_bf16 or fp8, file, "fp8" if fp8 and not autocast_bf16 else "bf16")
     reading.set("fp16", fp16 and not autocast_bf16, file, "fp16")
     if autocast_bf16 or data.get("bfloat16"):
         dtype, key = "bfloat16", "bf16" if autocast_bf16 else "bfloat16"

@@ -81,6 +81,8 @@ class Layout:
     """Bytes of the trainable parameters in their dtypes (`plan.ModelPlan.trainable_bytes`)."""
     parameter_bytes: int = 0
     """Bytes of every parameter in its dtype (`plan.ModelSize.parameter_bytes`)."""
+    fp8_weights: int = 0
+    """Elements of the weights converted to torchao's Float8Linear (`plan.ModelSize.fp8_weights`)."""
 
     @property
     def blocks(self) -> int:
@@ -262,7 +264,8 @@ def layout_of(workload: Workload, recipe: ResolvedRecipe) -> Layout:
     sizes: dict[str, Any] = {"quantized_codes": codes, "quantized_parameters": sum(m.original_numel for m in quantized),
                              "adapted_parameters": adapted, "rows_divisor": rows_divisor(model.parameters()),
                              "trainable_bytes": trainable_bytes,
-                             "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+                             "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+                             "fp8_weights": _fp8_weights(model, recipe)}
     if found is None:
         return Layout(stacks=(), parameters=parameters, trainable_parameters=trainable, signatures=(),
                       parameter_numels=numels, **sizes)
@@ -275,6 +278,18 @@ def layout_of(workload: Workload, recipe: ResolvedRecipe) -> Layout:
     )
     return Layout(stacks=stacks, parameters=parameters, trainable_parameters=trainable, parameter_numels=numels,
                   block_parameters=block, signatures=tuple(tuple(rows) for rows in signatures), **sizes)
+
+
+def _fp8_weights(model: torch.nn.Module, recipe: ResolvedRecipe) -> int:
+    """Elements of the weights accelerate converts to Float8Linear (`trace.step.fp8`), converting the meta `model`."""
+    if recipe.fp8 == "none":
+        return 0
+    from torchao.float8.float8_linear import Float8Linear
+
+    from anatomist.trace.step.fp8 import convert_to_fp8
+
+    convert_to_fp8(model, recipe)
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, Float8Linear))
 
 
 def cut_matches(workload: Workload, recipe: ResolvedRecipe, layout: Layout, cut: Cut) -> bool:

@@ -117,6 +117,9 @@ class ModelSize:
     gradient buckets hold (`estimate.sharding.ddp_bucket_bytes`)."""
     parameter_bytes: int = 0
     """Bytes of every parameter in its dtype, as one flat buffer holds them (ZeRO-3's partitions)."""
+    fp8_weights: int = 0
+    """Elements of the weights accelerate converts to torchao's Float8Linear under `Recipe.fp8`
+    (`trace.step.fp8`): FSDP gathers them in float8 where `fp8_all_gather` is on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +143,8 @@ def model_plan(workload: Workload, recipe: ResolvedRecipe, *, use_cache: bool = 
                          block_parameters=layout.block_parameters, quantized_codes=layout.quantized_codes,
                          quantized_parameters=layout.quantized_parameters,
                          adapted_parameters=layout.adapted_parameters, rows_divisor=layout.rows_divisor,
-                         trainable_bytes=layout.trainable_bytes, parameter_bytes=layout.parameter_bytes)
+                         trainable_bytes=layout.trainable_bytes, parameter_bytes=layout.parameter_bytes,
+                         fp8_weights=layout.fp8_weights)
         return ModelPlan(plan=trace_plan(workload, recipe, layout), size=size)
 
     if not use_cache:

@@ -16,7 +16,7 @@ from importlib import resources
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
 from anatomist.anatomy import OpClass, Phase
@@ -107,17 +107,23 @@ def gemm_shape(name: str, inputs: list[torch.Tensor]) -> tuple[int, int, int, in
     return NO_GEMM
 
 
-def _stored(t: torch.Tensor) -> list[torch.Tensor]:
+@cache
+def _wraps(cls: type) -> bool:
+    """Whether tensors of `cls` are wrapper subclasses (asked per type: the tracer asks of every tensor an op makes)."""
+    return is_traceable_wrapper_subclass_type(cls)
+
+
+def stored_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The tensors that hold `t`'s data: itself, or a wrapper subclass's inner tensors (torchao's float8 tensor: its
     float8 data and scale, where the wrapper reports the high-precision dtype and element size)."""
-    if is_traceable_wrapper_subclass(t):
+    if _wraps(type(t)):
         names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
-        return [inner for name in names for inner in _stored(getattr(t, name))]
+        return [inner for name in names for inner in stored_tensors(getattr(t, name))]
     return [t]
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
-    return sum(s.numel() * s.element_size() for t in tensors for s in _stored(t))
+    return sum(s.numel() * s.element_size() for t in tensors for s in stored_tensors(t))
 
 
 def op_signature(func: Any, args: Any, kwargs: Any, out: Any, phase: Phase) -> Signature:
@@ -131,7 +137,7 @@ def op_signature(func: Any, args: Any, kwargs: Any, out: Any, phase: Phase) -> S
     flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
     op_class = OpClass.OTHER if phase is Phase.OPTIMIZER else classify(name)
     floating = [t for t in inputs if t.is_floating_point()] or [t for t in outputs if t.is_floating_point()]
-    dtype = str(_stored(floating[0])[0].dtype).removeprefix("torch.") if floating else "none"
+    dtype = str(stored_tensors(floating[0])[0].dtype).removeprefix("torch.") if floating else "none"
     approx = 0
     if flops == 0 and not view and op_class is not OpClass.CONTRACTION:
         approx = per_element_flops().get(op_class, 0) * sum(t.numel() for t in outputs if t.is_floating_point())

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from anatomist.anatomy import STEP_PHASES, MemoryCategory, Phase
 from anatomist.trace.engine.allocator import round_size
-from anatomist.trace.engine.op_costs import op_signature, tensors_in
+from anatomist.trace.engine.op_costs import op_signature, stored_tensors, tensors_in
 from anatomist.trace.engine.records import Allocation, Event, Signature, Trace
 
 _aten = torch.ops.aten
@@ -98,17 +98,16 @@ class StepTracer(TorchDispatchMode):
 
     # -- registration of what exists before the step -------------------------------
     def register(self, tensor: torch.Tensor, category: MemoryCategory) -> None:
-        """Count an already-existing tensor (parameters, buffers) under `category`."""
-        st = _storage_of(tensor)
-        if st is None:
-            return
-        key = st._cdata
-        if key in self._live:
-            return
-        alloc_id = self._add(st, key)
-        self.set_category(alloc_id, category)
-        if category is MemoryCategory.WEIGHTS:
-            self._weight_keys.add(key)
+        """Count an already-existing tensor (parameters, buffers) under `category`: the storages that hold it (a
+        wrapper subclass's inner tensors', as torchao's float8-gathered weight)."""
+        for inner in stored_tensors(tensor):
+            st = _storage_of(inner)
+            if st is None or st._cdata in self._live:
+                continue
+            alloc_id = self._add(st, st._cdata)
+            self.set_category(alloc_id, category)
+            if category is MemoryCategory.WEIGHTS:
+                self._weight_keys.add(st._cdata)
 
     def allocate_extra(self, nbytes: int, category: MemoryCategory) -> int:
         """An allocation that has no tensor here (e.g. the cuBLAS workspace); never freed."""
@@ -130,8 +129,8 @@ class StepTracer(TorchDispatchMode):
 
     def label_live(self, tensors: list[torch.Tensor], category: MemoryCategory) -> None:
         """Settle the category of the live storages behind `tensors`."""
-        for t in tensors:
-            st = _storage_of(t)
+        for inner in (s for t in tensors for s in stored_tensors(t)):
+            st = _storage_of(inner)
             if st is not None and st._cdata in self._live:
                 self.set_category(self._live[st._cdata][0], category)
 
@@ -175,8 +174,10 @@ class StepTracer(TorchDispatchMode):
             and (st := _storage_of(args[0])) is not None
             and st._cdata in self._weight_keys
         )
-        for t in tensors_in(out):
-            st = _storage_of(t)
+        # A wrapper subclass (torchao's float8 tensor) holds no memory of its own: its inner tensors do, and a view of
+        # it (detach, t) wraps views of them; counted by the wrapper's own storage, each view was a new allocation.
+        for stored in (s for t in tensors_in(out) for s in stored_tensors(t)):
+            st = _storage_of(stored)
             if st is None or st._cdata in self._live:
                 continue
             alloc_id = self._add(st, st._cdata)

@@ -39,7 +39,7 @@ Cross-Entropy, the trainer's loss (TRL's fused LM head, DPO's pairs and referenc
 changes the traced sequence length (`Workload.for_recipe`), packing nothing traced."""
 PART_FIELDS: dict[str, tuple[str, ...]] = {
     "forward-backward": ("dtype", "gradient_checkpointing", "checkpoint_every", "checkpoint_offload", "activation_offloading",
-                         "fp16", "bf16", "fp8", "attn_implementation",
+                         "fp16", "bf16", "fp8", "fp8_all_gather", "attn_implementation",
                          "experts_implementation", "torch_compile", *PEFT_FIELDS, *LLM_FIELDS),
     "inference": ("dtype", "fp16", "bf16", "attn_implementation", "experts_implementation", *PEFT_FIELDS),
     "optimizer": ("dtype", "optim", "fp16", "max_grad_norm", *PEFT_FIELDS),
@@ -131,8 +131,8 @@ def _kernel_paths(recipe: ResolvedRecipe, part: Part, compute_capability: str) -
 def plan_key(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ...]:
     """The key of a model's trace plan and exact size (`plan.model_plan`): the model in its load dtype (the
     trainable parameters' bytes) as PEFT makes it, and which of its blocks checkpoint (partial checkpointing makes
-    kinds of blocks: `layout.CHECKPOINTED`)."""
-    return ("plan", *workload.trace_key(), recipe.dtype, tuple(getattr(recipe, f) for f in PEFT_FIELDS),
+    kinds of blocks: `layout.CHECKPOINTED`) and which of its layers FP8 converts."""
+    return ("plan", *workload.trace_key(), recipe.dtype, recipe.fp8, tuple(getattr(recipe, f) for f in PEFT_FIELDS),
             recipe.checkpoint_every if recipe.gradient_checkpointing else 1)
 
 
