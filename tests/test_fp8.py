@@ -150,7 +150,7 @@ def test_axolotl_fp8_reads_as_its_trainer_converts(tmp_path):
 def test_fp8_speedups_of_torchaos_published_runs():
     """Speed-ups of float8 over bf16 predicted within 20% of torchao's torchtitan runs (its README's table; those ran
     per-op selective checkpointing, which is not modelled: the prediction is without checkpointing, where the
-    compiled blocks fuse the casts; tensorwise also gathered the FSDP shards in float8, not modelled either)."""
+    compiled blocks fuse the casts; tensorwise gathered the FSDP shards in float8, as the prediction's default does)."""
     workload = load_workload("meta-llama/Llama-3.1-8B", seq_len=8192)
     speed = {}
     for fp8 in ("none", "tensorwise", "rowwise"):

@@ -21,9 +21,12 @@ Known limitations: where the blocks run compiled (`keys.traced_compile`), the we
 the compiled graph's runner (`trace.step.compiled`) hands torchao's float8 weight to nodes AOTAutograd captured for
 plain tensors, which torchao refuses (its float8 tensor has no permute); that memory is an upper bound (the
 unsharded weights of the units in flight at two bytes an element, not one), and the time model's all-gather is
-float8's (`collectives.gathered_weight_bytes`). Accelerate's optimizer hook `precompute_float8_dynamic_scale_for_fsdp` (one amax per weight after
-each optimizer step, kilobytes) is not traced; `force_recompute_fp8_weight_in_bwd` (axolotl sets it with the float8
-all-gather) is not either: on a 4-block Llama under FSDPMemTracker it changed no byte of the peak.
+float8's (`collectives.gathered_weight_bytes`). Capturing with stand-ins of torchao's subclass (its inner tensors
+flattened and wrapped again) lets AOTAutograd trace through it, but no real compiled FSDP step checks that trace
+yet (FSDPMemTracker does not see inductor's CPU buffers), so it is not used. accelerate's optimizer hook `precompute_float8_dynamic_scale_for_fsdp`
+(one amax per weight after each optimizer step, kilobytes) is not traced; `force_recompute_fp8_weight_in_bwd`
+(axolotl sets it with the float8 all-gather) is not either: on a 4-block Llama under FSDPMemTracker it changed no
+byte of the peak.
 """
 
 from __future__ import annotations
