@@ -36,7 +36,9 @@ UNMODELLED: dict[str, str] = {
     "dora": "DoRA (a magnitude vector and the norm of each adapted weight, computed every step): it would be predicted "
             "as plain LoRA",
     "optimizer": "an optimizer anatomist does not model: its states would be predicted as AdamW's",
-    "fp8": "FP8 training (float8 matmuls and their scales): it would be predicted in the autocast dtype",
+    "fp8": "FP8 training with LLaMA-Factory's own choice of layers (torchao rowwise, every linear layer but those "
+           "named embed, lm_head, output or classifier), where anatomist traces accelerate's (every linear layer "
+           "but the first and last): `--bf16 --fp8 rowwise` estimates accelerate's",
     "bitnet": "BitNet's ternary linear layers (onebitllms, weights and activations quantized in each forward): they "
               "would be predicted as plain linear layers",
     "prequantized": "a base model quantized ahead of training (GPTQ): its weights would be predicted in the load dtype",
