@@ -59,7 +59,8 @@ function fieldId(field) {
 
 function defaultText(field) {
   const d = field.default;
-  if (d === null || d === undefined) return field.kind === "choice" || field.kind === "bool" ? "by the model" : "";
+  // unset: a choice the model settles (its attention); a switch the recipe settles (fp8_all_gather: on under FSDP)
+  if (d === null || d === undefined) return field.kind === "choice" ? "by the model" : field.kind === "bool" ? "auto" : "";
   if (field.kind === "bool") return d ? "on" : "off";
   if (field.kind === "choice" && field.choice_labels) return field.choice_labels[field.choices.indexOf(d)] ?? String(d);
   return Array.isArray(d) ? d.join(", ") : String(d);
