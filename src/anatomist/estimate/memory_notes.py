@@ -11,6 +11,7 @@ from anatomist.estimate.peft_notes import peft_notes
 from anatomist.estimate.rules import BytesPerParamRule
 from anatomist.estimate.traces import StepTraces, offloaded_bytes
 from anatomist.recipe import ResolvedRecipe
+from anatomist.trace.step.fp8 import traced_float8_gather
 from anatomist.trace.store.keys import traced_compile
 from anatomist.workload import Workload
 
@@ -81,10 +82,10 @@ def _fp8_gather_note(recipe: ResolvedRecipe) -> str:
         return ""
     if not recipe.fp8_all_gather:
         return "; FSDP gathers their weights in bf16"
-    if traced_compile(recipe):
-        return ("; FSDP gathers their weights in float8 (the all-gather's time is float8's, its memory traced in bf16 "
-                "for compiled blocks: an upper bound)")
-    return "; FSDP gathers their weights in float8 (accelerate's default): one byte an element gathered and unsharded"
+    if traced_float8_gather(recipe):
+        return "; FSDP gathers their weights in float8 (accelerate's default): one byte an element gathered and unsharded"
+    return ("; FSDP gathers their weights in float8 (the all-gather's time is float8's, its memory traced in bf16 "
+            "for compiled blocks: an upper bound)")
 
 def _liger_note(workload: Workload, recipe: ResolvedRecipe) -> str:
     """Liger's fused cross-entropy: its chunk, and what the trace's chunk leaves out (axes/liger.py); under TRL's

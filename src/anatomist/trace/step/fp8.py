@@ -44,6 +44,12 @@ if TYPE_CHECKING:
     from anatomist.recipe import ResolvedRecipe
 
 
+def traced_float8_gather(recipe: ResolvedRecipe) -> bool:
+    """Whether the traced FSDP step gathers the FP8 layers' weights in float8: where the recipe does, but for compiled
+    blocks (see the module docstring)."""
+    return recipe.fp8_all_gather and not traced_compile(recipe)
+
+
 def fp8_config(recipe: ResolvedRecipe) -> Float8LinearConfig:
     """torchao's config of `recipe.fp8` as accelerate's AO backend builds it (see the module docstring)."""
     from torchao.float8 import Float8LinearConfig
@@ -51,8 +57,7 @@ def fp8_config(recipe: ResolvedRecipe) -> Float8LinearConfig:
     if recipe.fp8 == "tensorwise":
         from accelerate.utils import AORecipeKwargs
 
-        gathered = recipe.fp8_all_gather and not traced_compile(recipe)  # see the module docstring
-        config = AORecipeKwargs(pad_inner_dim=True, enable_fsdp_float8_all_gather=gathered).config
+        config = AORecipeKwargs(pad_inner_dim=True, enable_fsdp_float8_all_gather=traced_float8_gather(recipe)).config
         assert config is not None  # built by AORecipeKwargs where none is given
         return config
     return Float8LinearConfig.from_recipe_name(recipe.fp8)
