@@ -1,4 +1,5 @@
-"""PyTorch's own accounting of one rank of a real FSDP2 step: the measured side of test_fsdp_accuracy.py.
+"""PyTorch's own accounting of one rank of a real FSDP2 and/or tensor parallel step: the measured side of
+test_fsdp_accuracy.py.
 
 Run as a script, in a process of its own (a process group is process-wide state):
 
@@ -18,8 +19,30 @@ FSDPMemTracker puts on a unit of several modules (accelerate's `fully_shard([nor
 registered as FSDP's own group (`GroupedFSDPMemTracker`): on each module alone they change the step.
 Over gloo, each collective returns once gloo has let go of its tensors (`collectives_hold_nothing`).
 
-Prints one JSON object: case name -> list, per rank, of {"peak": FSDPMemTracker's peak snapshot (bytes
-by its categories, "Total"), "peak_moment": the moment it falls in, "moments": moment -> FSDPMemTracker's
+Tensor parallel (a case's "tp", default 1), as a user of transformers 5.24 runs it: the model split at load time as
+`from_pretrained(..., distributed_config=DistributedConfig(tp_size=tp, fsdp_size=W // tp))` splits it, by
+transformers' own functions (`initialize_distributed_mesh`: this rank's meshes; `maybe_distribute_model`: the tensor
+parallel plan, then, with FSDP, transformers' own FSDP2 over the other ranks, bfloat16 gathers where the case is bf16),
+before PEFT and the Trainer's checkpointing; the Trainer then leaves the model as it is. The weights the plan names are
+checked to be DTensors holding this rank's part. Not accelerate's `ParallelismConfig` with `fsdp2_prepare_model`:
+accelerate 1.15 prepares a tensor parallel model under FSDP2 with a class transformers 5.24 no longer has
+(`transformers.integrations.tensor_parallel.ReplicateParallel`). Every rank is seeded alike: the ranks of a tp group
+need the same weights and batches. Where the parameters live on several meshes (or some on none) the optimizer and
+the clipping are the Trainer's: one parameter group per mesh (`Trainer.create_optimizer`), one norm per mesh
+(`Trainer._mixed_mesh_grad_norm`). With "fsdp": "none" (pure tensor parallel) nothing is FSDP's: no
+`set_requires_gradient_sync`, and the step is measured by `torch.distributed._tools.mem_tracker.MemTracker`, the
+tracker FSDPMemTracker extends (categories PARAM, BUFFER, GRAD, ACT, TEMP, OPT, OTH), in the same output. DTensor's own collectives (`_c10d_functional.all_reduce`,
+`all_gather_into_tensor`, ...) are not among those `collectives_hold_nothing` wraps: alone, on 2 ranks, gloo kept
+a functional all-gather's output after its wait in 2 of 400 calls (all-reduce, reduce-scatter: none of 400);
+on the steps below that changed no snapshot.
+Measured (torch 2.13, transformers 5.24, accelerate 1.15; Llama hidden 256, 4 blocks, 4 heads, 2 KV heads,
+128 tokens, 2 samples): over fake and over gloo the same bytes on every rank, at the peak and at every moment:
+tp 2 (world 2) 47,446,528 bytes, in bf16 46,921,728, with 2 micro-batches and checkpointing 45,016,064; FSDP 2 x
+tp 2 (world 4) 36,770,816, in bf16 26,721,792. The input embeddings' gradient is whole on every rank (Replicate,
+1,024,000 bytes) where their weight is split by vocabulary (Shard(0), 512,000): DTensor's embedding backward.
+
+Prints one JSON object: case name -> list, per rank, of {"peak": the tracker's peak snapshot (bytes
+by its categories, "Total"), "peak_moment": the moment it falls in, "moments": moment -> the tracker's
 highest snapshot within it}. A moment is a place in the step named as anatomist's traces name it
 (`anatomist.trace.engine.records.Event`): "phase segment micro-step block", e.g. "backward blocks 1 4" (the
 backward of the fifth block in the second micro-batch) or "backward post 0 -1" (after the last block:
@@ -29,7 +52,7 @@ enters block i when the gradient of its output exists. They are registered after
 are, so FSDP's work at a boundary falls on the same side of it: in forward a block's all-gather (FSDP's
 pre-forward hook) in the segment before it; in backward a block's all-gather (prefetched by the
 pre-backward of the block after it) in the segment after it, its reduce-scatter in the block before it
-("pre" for the first). The bytes are FSDPMemTracker's; the hooks only say where in the step each of its
+("pre" for the first). The bytes are the tracker's; the hooks only say where in the step each of its
 snapshots is taken.
 """
 
@@ -44,31 +67,45 @@ import sys
 import tempfile
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def _snapshot(snapshot: dict[Any, int]) -> dict[str, int]:
-    """FSDPMemTracker's snapshot of one device, by the names of its categories ("ALL_GATHER", ..., "Total")."""
+    """A tracker's snapshot of one device, by the names of its categories: FSDPMemTracker's ("ALL_GATHER", ...,
+    "Total"), MemTracker's ("PARAM", "BUFFER", "GRAD", "ACT", "TEMP", "OPT", "OTH", "Total")."""
     return {str(k).rsplit(".", 1)[-1]: int(v) for k, v in snapshot.items()}
 
 
 def _moment_tracker(model: Any, optimizer: Any) -> Any:
-    """An FSDPMemTracker that also keeps its highest snapshot within each moment of the step, and leaves
-    FSDP's hooks of a unit of several modules as FSDP registers them (`anatomist.bench.trackers`).
+    """PyTorch's tracker of this rank's step, which also keeps its highest snapshot within each moment of the step:
+    FSDPMemTracker on an FSDP model, leaving FSDP's hooks of a unit of several modules as FSDP registers them
+    (`anatomist.bench.trackers`); MemTracker, the tracker FSDPMemTracker extends, on a model without FSDP (pure
+    tensor parallel), told of the weights and optimizer states that exist before it, which it counts only when told.
 
     The moment (phase, segment, micro-step, block) is set by `step` and `_watch_blocks`; after each op
-    FSDPMemTracker updates its peak (`_update_peak_stats`), and the current snapshot is kept where it is
-    the moment's highest. Of equal ones the last is kept: FSDPMemTracker names an all-gather output
+    the tracker updates its peak (`_update_peak_stats`), and the current snapshot of the rank's device (the CPU; the
+    tracker also counts, apart, the meta tensors transformers' tensor parallel hooks make to read a stride from) is
+    kept where it is the moment's highest. Of equal ones the last is kept: FSDPMemTracker names an all-gather output
     ALL_GATHER only when the collective runs, one op after the buffer's allocation made the total.
     """
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+
     from anatomist.bench.trackers import GroupedFSDPMemTracker
 
-    class MomentTracker(GroupedFSDPMemTracker):
+    fsdp, cpu = isinstance(model, FSDPModule), torch.device("cpu")
+
+    class MomentTracker(GroupedFSDPMemTracker if fsdp else MemTracker):  # type: ignore[misc]
         def __init__(self) -> None:
-            super().__init__(model, optimizer)
+            if fsdp:
+                super().__init__(model, optimizer)
+            else:
+                super().__init__()
+                self.track_external(model, optimizer)
             self.phase, self.segment, self.micro_step, self.block = "forward", "pre", 0, -1
             self.moments: dict[str, dict[str, int]] = {}
             self.peak_moment = ""
@@ -76,15 +113,23 @@ def _moment_tracker(model: Any, optimizer: Any) -> Any:
         def moment(self) -> str:
             return f"{self.phase} {self.segment} {self.micro_step} {self.block}"
 
+        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+            """MemTracker's (FSDPMemTracker registers none): it refuses the model's forward a second time, which
+            it takes for a second step; each micro-batch's forward starts its per-module statistics anew (not
+            its snapshots)."""
+            if module is model and not self._mod_tracker.is_bw:
+                self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
+
         def _update_peak_stats(self, peak_state: Any) -> None:
-            peak = dict(self._peak_mem)
+            peak = self._peak_mem.get(cpu)
             super()._update_peak_stats(peak_state)
-            if self._peak_mem != peak:
+            if self._peak_mem.get(cpu) != peak:
                 self.peak_moment = self.moment()
-            for snapshot in self._curr_mem_snap.values():  # one device: this rank's
-                kept = self.moments.get(self.moment())
-                if kept is None or snapshot["Total"] >= kept["Total"]:
-                    self.moments[self.moment()] = _snapshot(snapshot)
+            snapshot = self._curr_mem_snap.get(cpu)
+            kept = self.moments.get(self.moment())
+            if snapshot is not None and (kept is None or snapshot["Total"] >= kept["Total"]):
+                self.moments[self.moment()] = _snapshot(snapshot)
 
     return MomentTracker()
 
@@ -136,14 +181,71 @@ def _watch_blocks(tracker: Any, blocks: list[Any]) -> list[Any]:
     return [*handles, blocks[last].register_forward_hook(leave_blocks)]
 
 
-def measure(config: str, seq_len: int, batch: int, case: dict[str, Any]) -> dict[str, Any]:
-    """FSDPMemTracker's peak of one steady-state step of `case` on this rank, and its highest snapshot
-    within each moment of the step."""
+_TP_SHARDED_DIM = {"colwise": 0, "colwise_gather_output": 0, "embedding_rowwise": 0, "rowwise": -1}
+
+
+def _distributed(model: Any, world: int, tp: int, fsdp: bool, bf16: bool) -> Any:
+    """`model` split as `from_pretrained(..., distributed_config=DistributedConfig(tp_size=tp, fsdp_size=...))` splits
+    it at load time: transformers' own mesh of this rank (`initialize_distributed_mesh`) and its own
+    `maybe_distribute_model` (the tensor parallel plan, then, with FSDP, transformers' FSDP2 over the other ranks,
+    its mixed precision policy with bf16), then its weights tied again, as `from_pretrained` ties them after loading.
+    Raises unless every weight the plan names is a DTensor holding this rank's part of it (`_TP_SHARDED_DIM`: the
+    dimension each style shards)."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from transformers.distributed import DistributedConfig
+    from transformers.distributed.utils import initialize_distributed_mesh
+
+    config = DistributedConfig(tp_size=tp, fsdp_size=world // tp if fsdp else 1, fsdp_mixed_precision=bf16)
+    if config.tp_size * config.fsdp_size != world:
+        raise ValueError(f"tp {tp} x fsdp {config.fsdp_size} is not the world of {world}")
+    plan, _, _ = model._resolve_parallel_plans(config)
+    _, meshes = initialize_distributed_mesh(config)
+    model = type(model).maybe_distribute_model(model, config, meshes)
+    model.tie_weights()
+    mesh = meshes.get_mesh("tp")
+    parameters = dict(model.named_parameters())
+    named = [(name, style) for name, style in plan.items() if name in parameters]
+    if not named:
+        raise RuntimeError(f"{type(model).__name__}'s tensor parallel plan names no weight")
+    for name, style in named:
+        param = parameters[name]
+        if style not in _TP_SHARDED_DIM:
+            raise NotImplementedError(f"{name}: tensor parallel style {style!r}")
+        if not isinstance(param, DTensor):
+            raise RuntimeError(f"{name} ({style}) is no DTensor: {type(param).__name__}")
+        dim = _TP_SHARDED_DIM[style] % param.ndim
+        placement = Replicate() if style == "rowwise" and name.endswith("bias") else Shard(dim)
+        local = torch.empty(param.shape, device="meta").chunk(tp, dim)[mesh.get_local_rank()].shape
+        if fsdp:  # FSDP2 shards the tp shard's rows again over its ranks
+            local = torch.empty(local, device="meta").chunk(world // tp, 0)[meshes.get_mesh("fsdp").get_local_rank()].shape
+        if param.placements[-1] != placement or param.to_local().shape != local:
+            raise RuntimeError(f"{name} ({style}): {param.placements}, {tuple(param.to_local().shape)} held of "
+                               f"{tuple(param.shape)}, not {placement} and {tuple(local)}")
+    return model
+
+
+def _mesh_groups(params: list[Any]) -> list[dict[str, Any]]:
+    """`params` in one parameter group per device mesh (plain tensors: one more), as `Trainer.create_optimizer`
+    splits its groups where they do not all share one (`has_mixed_dtensor`): one foreach kernel cannot span two."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[Any, list[Any]] = {}
+    for p in params:
+        groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    return [{"params": group} for group in groups.values()]
+
+
+def measure(config: str, seq_len: int, batch: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """The tracker's peak of one steady-state step of `case` on this rank of a world of `world`, and its
+    highest snapshot within each moment of the step."""
     import re
 
     import torch
     from accelerate import PartialState
     from accelerate.utils import FullyShardedDataParallelPlugin, fsdp2_prepare_model
+    from transformers import Trainer
+    from transformers.trainer_optimizer import has_mixed_dtensor
 
     from anatomist.bench.trackers import as_on_cuda
     from anatomist.trace.step.inputs import make_batch
@@ -158,10 +260,17 @@ def measure(config: str, seq_len: int, batch: int, case: dict[str, Any]) -> dict
         cpu_ram_efficient_loading=False)
     if mixed != "no":
         plugin.set_mixed_precision(mixed)
+    fsdp, tp = case["fsdp"] != "none", case.get("tp", 1)
+    if not fsdp and tp == 1:
+        raise ValueError(f"{case['name']}: neither FSDP nor tensor parallel")
+    if tp > 1 and (case.get("lora") or case.get("fp8")):
+        raise NotImplementedError(f"{case['name']}: tensor parallel with LoRA or fp8")
     accelerator = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), mixed_precision=mixed,
                                         is_main_process=True, device=torch.device("cpu"))
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # the same weights and batches on every rank, as the ranks of a tp group need
     model = workload.build_model(case.get("attn_implementation", "sdpa"), "float32")
+    if tp > 1:  # at load time, before PEFT and the Trainer, which then leaves the model as it is
+        model = _distributed(model, world, tp, fsdp, mixed == "bf16")
     if case.get("lora"):  # LoRA as PEFT's FSDP guide runs it: adapters on the model, then the Trainer wraps it
         from peft import LoraConfig, get_peft_model
 
@@ -175,9 +284,11 @@ def measure(config: str, seq_len: int, batch: int, case: dict[str, Any]) -> dict
 
         ao = AORecipeKwargs(enable_fsdp_float8_all_gather=case.get("fp8_all_gather", True))
         convert_model_to_fp8_ao(model, config=ao.config)
-    model = fsdp2_prepare_model(accelerator, model)
+    if fsdp and tp == 1:
+        model = fsdp2_prepare_model(accelerator, model)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    several_meshes = has_mixed_dtensor(params)
+    optimizer = torch.optim.AdamW(_mesh_groups(params) if several_meshes else params, lr=1e-4, foreach=True)
     if case.get("fp8") and ao.config.enable_fsdp_float8_all_gather:  # as `_prepare_ao` registers it
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
@@ -190,16 +301,20 @@ def measure(config: str, seq_len: int, batch: int, case: dict[str, Any]) -> dict
         """One step, telling `moments` (the tracker) where it is."""
         for micro, inputs in enumerate(batches):
             moments.phase, moments.segment, moments.micro_step, moments.block = "forward", "pre", micro, -1
-            sync = micro == accumulation - 1
-            model.set_requires_gradient_sync(sync)
+            if fsdp:
+                model.set_requires_gradient_sync(micro == accumulation - 1)
             autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mixed != "no" else contextlib.nullcontext()
             with autocast:
                 loss = model(**inputs).loss
             moments.phase, moments.segment, moments.block = "backward", "post", -1
             (loss / accumulation).backward()
         moments.phase, moments.segment, moments.micro_step, moments.block = "optimizer", "pre", 0, -1  # clipping too
-        model.set_requires_gradient_sync(True)
-        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        if fsdp:
+            model.set_requires_gradient_sync(True)
+        if several_meshes:
+            Trainer._mixed_mesh_grad_norm(cast(Any, None), model, 1.0)  # the Trainer's, which reads only the model
+        else:
+            torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -207,11 +322,11 @@ def measure(config: str, seq_len: int, batch: int, case: dict[str, Any]) -> dict
         step(types.SimpleNamespace())
         tracker = _moment_tracker(model, optimizer)
         with tracker:
-            handles = _watch_blocks(tracker, blocks)  # after FSDPMemTracker has re-registered FSDP's hooks
+            handles = _watch_blocks(tracker, blocks)  # after the tracker's own hooks (FSDP's, re-registered)
             step(tracker)
             for handle in handles:
                 handle.remove()
-    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     return {"peak": _snapshot(peak), "peak_moment": tracker.peak_moment, "moments": tracker.moments}
 
 
@@ -223,7 +338,8 @@ def _rank(rank: int, world: int, address: str, args: argparse.Namespace, out: st
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
     try:
         with collectives_hold_nothing():
-            results = {c["name"]: measure(args.config, args.seq_len, args.batch, c) for c in json.loads(args.cases)}
+            results = {c["name"]: measure(args.config, args.seq_len, args.batch, world, c)
+                       for c in json.loads(args.cases)}
     finally:
         dist.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
@@ -236,8 +352,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--backend", choices=["fake", "gloo"], required=True)
-    parser.add_argument("cases", help="JSON list of {name, fsdp, bf16, accumulation, gradient_checkpointing, lora, "
-                                      "attn_implementation, fp8, fp8_all_gather}")
+    parser.add_argument("cases", help="JSON list of {name, fsdp, tp, bf16, accumulation, gradient_checkpointing, "
+                                      "lora, attn_implementation, fp8, fp8_all_gather}")
     args = parser.parse_args()
     cases = json.loads(args.cases)
     if args.backend == "fake":
@@ -245,7 +361,7 @@ def main() -> None:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
-        print(json.dumps({c["name"]: [measure(args.config, args.seq_len, args.batch, c)] for c in cases}))
+        print(json.dumps({c["name"]: [measure(args.config, args.seq_len, args.batch, args.world, c)] for c in cases}))
         return
     import torch.multiprocessing as mp
 

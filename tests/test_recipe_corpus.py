@@ -91,7 +91,7 @@ CASES: dict[str, Read | Refused] = {
     "accelerate/examples/torch_native_parallelism/configs/cp.yaml": Refused(
         "parallelism_config.parallelism_config_cp_size", f"context parallel: it {PARALLEL}", "context parallel"),
     "accelerate/examples/torch_native_parallelism/configs/tp_hsdp.yaml": Refused(
-        "parallelism_config.parallelism_config_tp_size", f"tensor parallel: it {PARALLEL}", "tensor parallel"),
+        "parallelism_config.parallelism_config_dp_replicate_size", "hybrid sharding", "hybrid sharding"),
     "accelerate/tests/deepspeed/ds_config_zero2.json": Read("DeepSpeed", {"zero_stage": 2, "offload": "cpu"}),
     "accelerate/tests/test_configs/0_12_0.yaml": Read("accelerate", {"fsdp": "none", "zero_stage": 0}, num_gpus=1,
                                                       note="accelerate 0.12's format"),

@@ -165,16 +165,15 @@ def test_memory_settings_not_modelled_yet_are_refused_never_predicted_as_somethi
                                                "modelled yet")
     tp = _with(DATA / "trl/fsdp2.yaml", tmp_path / "tp.yaml",
                {"parallelism_config": {"parallelism_config_dp_shard_size": 4, "parallelism_config_tp_size": 2}})
-    ClusterConfig.from_yaml_file(str(tp))  # a key accelerate reads
-    assert _error(cli, tp).startswith(f"{tp}: parallelism_config.parallelism_config_tp_size=2 is not modelled yet")
+    ClusterConfig.from_yaml_file(str(tp))  # a key accelerate reads: tensor parallel is modelled
+    assert (read_recipe_file(tp).recipe.tp_size, read_recipe_file(tp).recipe.fsdp) == (2, "full_shard")
     dp_only = _with(DATA / "trl/fsdp2.yaml", tmp_path / "dp.yaml",
                     {"parallelism_config": {"parallelism_config_dp_shard_size": 8, "parallelism_config_tp_size": 1}})
     assert read_recipe_file(dp_only).recipe.fsdp == "full_shard"  # sizes of 1 turn nothing on
 
 
 @pytest.mark.parametrize(("name", "text", "message"), [
-    # TrainingArguments 4.50's tp_size and 4.57+'s parallelism_config (accelerate's ParallelismConfig sizes)
-    ("args.yaml", "tp_size: 2\n", "tp_size=2 is not modelled yet (tensor parallel"),
+    # TrainingArguments 4.57+'s parallelism_config (accelerate's ParallelismConfig sizes; its tp_size is modelled)
     ("args.yaml", "parallelism_config:\n  cp_size: 2\n", "parallelism_config.cp_size=2 is not modelled yet (context"),
     # axolotl's offload to disk (TRL's activation offloading is modelled: tests/test_activation_offloading.py)
     ("ax.yml", "base_model: x\ngradient_checkpointing: offload_disk\n",

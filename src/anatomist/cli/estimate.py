@@ -259,6 +259,8 @@ def _autocast(recipe: Recipe) -> str:
 
 def _sharding(recipe: Recipe, num_gpus: int) -> str:
     """The sharding's name (axes/shardings.py), and where ZeRO offloads to."""
+    if recipe.tp_size > 1:
+        return ("fsdp_full_shard, " if recipe.fsdp != "none" else "") + f"tensor parallel {recipe.tp_size}"
     name = sharding_of(recipe, num_gpus).removesuffix("+offload")
     return name + (f", offload to {recipe.offload}" if recipe.offload != "none" else "")
 

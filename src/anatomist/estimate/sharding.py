@@ -136,9 +136,10 @@ def persistent_bytes(numels: tuple[int, ...], threshold: int, element_bytes: flo
 def shard(peak: PhasePeak, recipe: ResolvedRecipe, model: ZeroSize, num_gpus: int, mode: str,
           phase: Phase) -> PhasePeak:
     """`peak` of `phase` (traced on one device) as one of `num_gpus` devices holds it under DeepSpeed ZeRO, or under
-    data parallelism (one device's and DDP's gradient buckets); FSDP's unchanged (its peak is traced per rank)."""
+    data parallelism (one device's and DDP's gradient buckets); FSDP's and tensor parallel's unchanged (their peaks are
+    traced per rank)."""
     stage = recipe.zero_stage
-    if mode != "train" or recipe.fsdp != "none" or (stage == 0 and num_gpus <= 1):
+    if mode != "train" or recipe.fsdp != "none" or recipe.tp_size > 1 or (stage == 0 and num_gpus <= 1):
         return peak
     if stage == 0:
         buckets = ddp_bucket_bytes(model.trainable_bytes)
@@ -244,6 +245,8 @@ def sharding_notes(recipe: ResolvedRecipe, num_gpus: int, mode: str) -> list[str
         return [f"DeepSpeed ZeRO-{recipe.zero_stage} on {num_gpus} GPU(s): arithmetic over one device's trace (DeepSpeed "
                 f"cannot run here) with its buffers: reduce_bucket_size={recipe.reduce_bucket_size:,} elements"
                 f"{gathered}; not validated on a GPU"]
+    if recipe.tp_size > 1:
+        return [tensor_parallel_note(recipe, num_gpus)]
     if recipe.fsdp == "none":
         return [f"data parallelism on {num_gpus} GPUs: each holds one device's step and DistributedDataParallel's "
                 "gradient buckets (gradient_as_bucket_view=False, the Trainer's: one more copy of the trainable "
@@ -255,3 +258,16 @@ def sharding_notes(recipe: ResolvedRecipe, num_gpus: int, mode: str) -> list[str
             f"{RESHARD_AFTER_FORWARD[recipe.fsdp]}) under the fake process group: weights are this rank's shards and "
             f"the unsharded parameters of the units in flight, functionality includes the all-gather and "
             f"reduce-scatter buffers{offload}"]
+
+
+def tensor_parallel_note(recipe: ResolvedRecipe, num_gpus: int) -> str:
+    """How a tensor parallel recipe's rank was traced (`trace.step.tensor_parallel`)."""
+    fsdp = (f", then transformers' FSDP2 over the {num_gpus // recipe.tp_size} data-parallel ranks (full_shard"
+            f"{', weights gathered in bfloat16, gradients reduced in float32' if recipe.bf16 else ''})"
+            if recipe.fsdp != "none" else "")
+    return (f"tensor parallel {recipe.tp_size}: one rank of {num_gpus} traced with the model split as "
+            f"from_pretrained(distributed_config=DistributedConfig(tp_size={recipe.tp_size}"
+            f"{f', fsdp_size={num_gpus // recipe.tp_size}' if recipe.fsdp != 'none' else ''})) splits it (its tp_plan: "
+            f"linear layers colwise and rowwise, embeddings by vocabulary){fsdp}, under the fake process group: weights, "
+            "gradients and optimizer states are this rank's shards, activations its part of each split layer's, "
+            "functionality includes the collectives' buffers")

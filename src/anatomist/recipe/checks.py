@@ -46,6 +46,7 @@ def check_fields(r: RecipeFields) -> None:
     check_optimizer_and_kernels(r)
     check_data_loading(r)
     check_sharding(r)
+    check_tensor_parallel(r)
     check_adapters(r)
     check_clipping(r)
     check_deepspeed_buffers(r)
@@ -152,6 +153,57 @@ def check_sharding(r: RecipeFields) -> None:
                          "DeepSpeed ZeRO (zero_stage)")
 
 
+TP_NOT_MODELLED: tuple[tuple[str, str], ...] = (
+    ("zero_stage", "DeepSpeed ZeRO (its AutoTP is DeepSpeed's own tensor parallel): use --fsdp"),
+    ("peft", "LoRA/QLoRA (PEFT's adapters would add full-width outputs to the shards transformers' tp_plan leaves)"),
+    ("fp8", "FP8"),
+    ("torch_compile", "torch.compile"),
+    ("use_liger_kernel", "Liger Kernel"),
+    ("cut_cross_entropy", "Cut Cross-Entropy"),
+    ("offload", "offload"),
+    ("checkpoint_offload", "checkpoint_offload"),
+    ("activation_offloading", "activation_offloading"),
+)
+"""What tensor parallel is not traced with (field, how a user names it): the first found is said."""
+
+
+def check_tensor_parallel(r: RecipeFields) -> None:
+    """A tensor parallel degree of 1 or more, with the methods it is traced with (TP_NOT_MODELLED: not these), under
+    transformers' Trainer, with FSDP's full_shard where it shards (as transformers shards a split model)."""
+    if r.tp_size < 1:
+        raise InputError(f"tp_size must be at least 1, got {r.tp_size}")
+    if r.tp_size == 1:
+        return
+    defaults = {"zero_stage": 0, "peft": "none", "fp8": "none", "offload": "none"}
+    for field, name in TP_NOT_MODELLED:
+        if getattr(r, field) != defaults.get(field, False):
+            raise InputError(f"tp_size={r.tp_size} with {name} is not modelled yet: drop one of them")
+    if optimizer(r.optim).quantized_state is not None:
+        raise InputError(f"tp_size={r.tp_size} with optim={r.optim} (a low-bit optimizer state) is not modelled yet: "
+                         "choose a 32-bit or 16-bit optimizer")
+    if r.trainer != "trainer":
+        raise InputError(f"tp_size={r.tp_size} with TRL's {r.trainer.upper()}Trainer is not modelled yet (its fused LM "
+                         "head on the split model): use --trainer trainer")
+    if r.fsdp == "shard_grad_op":
+        raise InputError(f"tp_size={r.tp_size} with fsdp=shard_grad_op: transformers' FSDP under tensor parallel "
+                         "reshards every block after its forward (full_shard)")
+
+
+def check_tensor_parallel_gpus(r: RecipeFields, num_gpus: int) -> None:
+    """The GPUs a tensor parallel recipe runs on: a multiple of tp_size, and either tp_size itself or FSDP over the
+    groups (accelerate's ParallelismConfig refuses tensor parallel with plain replication: dp_replicate without
+    dp_shard)."""
+    if r.tp_size == 1:
+        return
+    if num_gpus % r.tp_size:
+        raise InputError(f"tp_size={r.tp_size} does not divide the {num_gpus} GPUs: the GPUs are tp_size x the "
+                         "FSDP ranks")
+    if num_gpus > r.tp_size and r.fsdp == "none":
+        raise InputError(f"tp_size={r.tp_size} on {num_gpus} GPUs is modelled with FSDP over the {num_gpus // r.tp_size} "
+                         "groups (DistributedConfig's fsdp_size; accelerate refuses tensor parallel with plain "
+                         f"replication): add --fsdp full_shard, or --gpus {r.tp_size}")
+
+
 def check_adapters(r: RecipeFields) -> None:
     """PEFT's adapters and the bitsandbytes base they train on."""
     if r.peft not in PEFT_METHODS:
@@ -244,6 +296,25 @@ def check_model(r: RecipeFields, workload: Workload) -> None:
                          f"is a {workload.task} model (--task causal-lm, or --trainer trainer)")
     if r.cut_cross_entropy and workload.weights_dtype(r.dtype) == "float32":
         raise InputError(f"{workload.name} loads in float32 by default: {CCE_NEEDS_HALF_WEIGHTS}")
+    if r.tp_size > 1:
+        check_tensor_parallel_model(r.tp_size, workload)
+
+
+def check_tensor_parallel_model(tp_size: int, workload: Workload) -> None:
+    """A model transformers can split `tp_size` ways: one with a tp_plan, whose attention heads (and key/value heads)
+    divide by it, and not a Mixture of Experts (its experts are expert parallel's, not modelled yet)."""
+    config = workload.config.get_text_config()
+    if not getattr(config, "base_model_tp_plan", None):
+        raise InputError(f"{workload.name}: its config has no tensor parallel plan (base_model_tp_plan), so "
+                         "transformers cannot split it: use --fsdp instead of --tp-size")
+    if workload.is_moe:
+        raise InputError(f"{workload.name}: tensor parallel of a Mixture of Experts (its experts split by expert "
+                         "parallel) is not modelled yet")
+    for name, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "key/value heads")):
+        heads = getattr(config, name, None)
+        if isinstance(heads, int) and heads % tp_size:
+            raise InputError(f"{workload.name}: tp_size={tp_size} does not divide its {heads} {what}: each GPU "
+                             "computes whole heads")
 
 
 def check_gpu(r: RecipeFields, gpu: GPU, *, dtype_given: bool = True) -> None:

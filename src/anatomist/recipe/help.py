@@ -127,6 +127,11 @@ FIELD_HELP: dict[str, FieldHelp] = {
         "PyTorch FSDP sharding across data-parallel devices (TrainingArguments.fsdp): full_shard shards "
         "weights, gradients and optimizer states (like ZeRO-3); shard_grad_op shards gradients and "
         "optimizer states (like ZeRO-2). Exclusive with DeepSpeed ZeRO."),
+    "tp_size": FieldHelp(
+        "Tensor parallel degree (accelerate's ParallelismConfig tp_size): each block's linear layers split "
+        "across this many GPUs by the model's own tp_plan, as transformers applies it (colwise, rowwise, the "
+        "embeddings by vocabulary); the GPUs of one group see the same batch. Composed with --fsdp over the "
+        "rest of the GPUs (dp_shard = GPUs / tp_size); without FSDP it takes every GPU."),
     "use_liger_kernel": FieldHelp(
         "Liger Kernel's Triton kernels (TrainingArguments.use_liger_kernel): fused linear + cross-entropy "
         "that never holds the logits, RMSNorm, SwiGLU and RoPE; causal LMs Liger supports (axes/liger.py). "

@@ -29,9 +29,10 @@ from typing import Protocol
 from anatomist.anatomy import TimeAnatomy
 from anatomist.calibration.lookup import Calibration, calibration_for
 from anatomist.estimate.intervals import time_interval
-from anatomist.estimate.time.collectives import collectives
+from anatomist.estimate.time.collectives import collectives, tensor_parallel_s
 from anatomist.estimate.time.device import estimate_time
 from anatomist.estimate.time.network import DEFAULT_NODES
+from anatomist.estimate.time.ops import step_ops
 from anatomist.estimate.time.transfers import activation_offloading_s, checkpoint_offload_s, offload_s
 from anatomist.estimate.traces import offloaded_bytes, step_traces
 from anatomist.hardware import GPU
@@ -91,14 +92,15 @@ def time_across_devices(
     phases["offload"] = (offload_s(recipe, size, num_gpus=num_gpus) + checkpoint_offload_s(workload, recipe, size)
                          + activation_offloading_s(recipe, micro_batch_offload_bytes, phases.get("forward", 0.0)))
     comm = collectives(recipe, size, num_gpus=num_gpus, nodes=nodes, network=network, gpu=gpu)
-    phases["communication"] = comm.exposed_s(phases.get("forward", 0.0), phases.get("backward", 0.0))
+    split = tensor_parallel_s(step_ops(workload, recipe, gpu.compute_capability), recipe, gpu) if recipe.tp_size > 1 else 0.0
+    phases["communication"] = comm.exposed_s(phases.get("forward", 0.0), phases.get("backward", 0.0)) + split
     step_s = sum(phases.values())
     # The optimizer step, the copies and the collectives are all "other" (docs/time.md), so the classes add up to
     # the step as its phases do.
     classes = dict(one.classes_s)
     added = phases.get("optimizer", 0.0) - one.phases_s.get("optimizer", 0.0) + phases["offload"] + phases["communication"]
     classes["other"] = classes.get("other", 0.0) + added
-    samples = recipe.per_device_train_batch_size * recipe.gradient_accumulation_steps * num_gpus
+    samples = recipe.per_device_train_batch_size * recipe.gradient_accumulation_steps * (num_gpus // recipe.tp_size)
     return TimeAnatomy(
         step_s=step_s,
         samples_per_second=samples / step_s,
@@ -108,7 +110,7 @@ def time_across_devices(
         mfu=one.mfu * one.step_s / step_s,
         hfu=one.hfu * one.step_s / step_s,
         phases_s=phases,
-        hidden_communication_s=comm.total_s() - phases["communication"],
+        hidden_communication_s=comm.total_s() + split - phases["communication"],
         classes_s=classes,
         calibrated=one.calibrated,
         calibration=one.calibration,

@@ -32,10 +32,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from anatomist.estimate.sharding import overlap_comm
-from anatomist.estimate.time.network import DEFAULT_NODES, bus_bytes_per_s
+from anatomist.estimate.time.network import DEFAULT_NODES, bus_bytes_per_s, intra_node_bytes_per_s
+from anatomist.estimate.time.ops import StepOps
 from anatomist.hardware import GPU
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.depth.plan import ModelSize
+from anatomist.trace.engine.records import COLLECTIVE_PREFIX
 
 DDP_BUCKET_BYTES = 25 * 2**20
 """DistributedDataParallel's default bucket_cap_mb (25 MiB), which the Trainer leaves as it is."""
@@ -96,20 +98,23 @@ def collectives(
     """The collectives of one optimizer step of `recipe` on `num_gpus` devices (module docstring), for a model of
     `size`."""
     k = recipe.gradient_accumulation_steps
-    if num_gpus <= 1:
+    replicas = num_gpus // recipe.tp_size  # the data-parallel ranks: a tensor parallel group shares one batch
+    if replicas <= 1:
         return Collectives(micro_batches=k)
     bus = bus_bytes_per_s(num_gpus, nodes, network, gpu)
-    ring = (num_gpus - 1) / num_gpus
+    ring = (replicas - 1) / replicas
+    share = 1 / recipe.tp_size  # a rank's part of every weight and gradient under tensor parallel
     # PEFT makes adapters in fp32 whatever the base's dtype. Full fine-tuning reduces gradients in the weights'
     # dtype: half weights' own; under autocast of fp32 weights DDP's are fp32, while DeepSpeed keeps the model in
     # the half dtype and FSDP's MixedPrecisionPolicy reduces in it.
     sharded = recipe.zero_stage > 0 or recipe.fsdp != "none"
     half = recipe.peft == "none" and (recipe.half_weights or (recipe.mixed_precision != "no" and sharded))
-    element = 2 if half else 4
-    grad_bytes = parameter_count(recipe, size) * element
+    # transformers' FSDP under tensor parallel reduces in float32 (`DistributedConfig.fsdp_mixed_precision`).
+    element = 2 if half and recipe.tp_size == 1 else 4
+    grad_bytes = parameter_count(recipe, size) * element * share
     reduce_scatter = ring * grad_bytes / bus
     if recipe.sharding_stage >= 3 or recipe.fsdp == "shard_grad_op":
-        gather = ring * gathered_weight_bytes(recipe, size) / bus
+        gather = ring * gathered_weight_bytes(recipe, size) * share / bus
         units = size.blocks + 1
         return Collectives(micro_batches=k, gather_forward_s=gather,
                            gather_backward_s=gather if recipe.sharding_stage >= 3 else 0.0,
@@ -122,6 +127,28 @@ def collectives(
     return Collectives(micro_batches=k, reduce_s=reduce_scatter, reduces_every_micro_batch=recipe.zero_stage >= 2,
                        reduce_overlapped=overlap_comm(recipe), reduce_tail_s=reduce_scatter * min(1.0, bucket / grad_bytes),
                        after_step_s=reduce_scatter)
+
+
+def tensor_parallel_s(ops: StepOps, recipe: ResolvedRecipe, gpu: GPU | None = None) -> float:
+    """Seconds per step of tensor parallel's collectives: those the traced rank runs (`COLLECTIVE_PREFIX`: DTensor's
+    all-reduce of each rowwise layer's partial output and of each colwise layer's input gradient, the all-gather of a
+    gathered output), in (T-1)/T x bytes per ring at the bus bandwidth of one node (a group's ranks are neighbours,
+    innermost in transformers' mesh), none hidden: each sits between two products, the second of which needs its
+    result. An all-reduce moves its tensor twice (reduce-scatter, then all-gather), an all-gather its output once; the
+    trace records input + output bytes. Known limitation: no per-call latency (tens of microseconds in NCCL, which a
+    small model's many small all-reduces would feel)."""
+    tp = recipe.tp_size
+    if tp <= 1:
+        return 0.0
+    ring, seconds = (tp - 1) / tp, 0.0
+    for record in ops.records:
+        if not record.name.startswith(COLLECTIVE_PREFIX):
+            continue
+        gathered = record.name.endswith(("all_gather_into_tensor", "reduce_scatter_tensor"))
+        tensor = record.bytes * tp / (tp + 1) if gathered else record.bytes / 2  # the whole tensor of the ring
+        moved = ring * tensor * (1 if gathered else 2)
+        seconds += record.calls_per_step(recipe.gradient_accumulation_steps) * moved / intra_node_bytes_per_s(gpu)
+    return seconds
 
 
 def communication_s(

@@ -11,9 +11,10 @@ Read as strictly as accelerate reads it: a top-level key ClusterConfig lacks is 
 fsdp_config.x -> --fsdp_x), nor an argument the environment it prepares reads (utils/launch.py:
 fsdp_ignored_modules): accelerate would set it and nothing would read it. Settings that
 change memory but are not modelled yet are refused, never predicted as something else:
-tensor, context and sequence parallel and hybrid (replicated) sharding in `parallelism_config`,
+context and sequence parallel and hybrid (replicated) sharding in `parallelism_config`,
 activation offload (`fsdp_activation_checkpointing_offload`). FSDP's CPU offload (`fsdp_offload_params`)
-is the recipe's offload="cpu".
+is the recipe's offload="cpu". `parallelism_config.parallelism_config_tp_size` is the recipe's tp_size, traced
+as transformers splits the model (trace/step/tensor_parallel.py says why not as accelerate 1.15 prepares it).
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ WRITTEN_BY_DEFAULT = {"compute_environment": "LOCAL_MACHINE", "gpu_ids": "all"}
 SECTION_PREFIXES = {"fsdp_config": "fsdp_", "dynamo_config": "dynamo_", "fp8_config": "fp8_",
                     "deepspeed_config": "", "parallelism_config": ""}
 """The sections whose keys become `accelerate launch` options, and the prefix launch.py gives a key that lacks it."""
-PARALLEL_SIZES = {"parallelism_config_tp_size": "tensor_parallel", "parallelism_config_cp_size": "context_parallel",
-                  "parallelism_config_sp_size": "sequence_parallel", "parallelism_config_dp_replicate_size": "hybrid_shard"}
-"""parallelism_config sizes above 1 that anatomist does not model: tensor, context and sequence parallel, and
-hybrid sharding (replicas of a sharded group): refused, not predicted as plain data parallel."""
+PARALLEL_SIZES = {"parallelism_config_cp_size": "context_parallel", "parallelism_config_sp_size": "sequence_parallel",
+                  "parallelism_config_dp_replicate_size": "hybrid_shard"}
+"""parallelism_config sizes above 1 that anatomist does not model: context and sequence parallel, and hybrid
+sharding (replicas of a sharded group): refused, not predicted as plain data parallel."""
+TP_SIZE = "parallelism_config_tp_size"
 MULTI_NODE = ("same_network", "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend")
 """Keys that say where the machines meet: nothing the prediction reads, whatever they say (num_machines sets
 the nodes the time model spreads the devices over)."""
@@ -103,6 +105,17 @@ def _parallelism(section: dict[str, Any], file: str) -> None:
                 refuse_unmodelled(setting, file, f"parallelism_config.{written}", section[written])
 
 
+def _tp_size(section: dict[str, Any], reading: Reading, file: str) -> None:
+    """parallelism_config's tensor parallel size (either spelling), as the recipe's tp_size."""
+    for written in (TP_SIZE, TP_SIZE.removeprefix("parallelism_config_")):
+        if written in section:
+            value = section[written]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InputError(f"{file}: parallelism_config.{written} must be a whole number of at least 1, "
+                                 f"got {value!r}")
+            reading.set("tp_size", value, file, f"parallelism_config.{written}")
+
+
 @cache
 def cluster_defaults() -> dict[str, Any]:
     """accelerate's ClusterConfig defaults, by key (an empty mapping where accelerate is not installed)."""
@@ -123,7 +136,9 @@ def read_accelerate(data: dict[str, Any], reading: Reading, file: str) -> None:
     defaults = cluster_defaults()
     for key, value in data.items():
         if key == "parallelism_config":
-            reading.skip(key, value, {})
+            _tp_size(value if isinstance(value, dict) else {}, reading, file)
+            rest = {k: v for k, v in (value or {}).items() if k not in (TP_SIZE, "tp_size")} if isinstance(value, dict) else value
+            reading.skip(key, rest, {})
         elif key == "mixed_precision":
             _precision(value, data.get("fp8_config") or {}, reading, file)
         elif key == "fp8_config" and str(data.get("mixed_precision", "")).lower() == "fp8" and isinstance(value, dict):

@@ -45,25 +45,24 @@ keys, one of them makes the file TRL's (read with TRL's defaults and trainer), n
 
 LISTS = ("lora_target_modules", "lora_target_parameters", "llm_int8_skip_modules")
 """Keys whose list (TRL ModelConfig's, BitsAndBytesConfig's) is a comma-separated Recipe field of the same name."""
-DIRECT = RECIPE_FIELDS - {"gradient_checkpointing", "tf32", "fsdp", *LISTS}
+DIRECT = RECIPE_FIELDS - {"gradient_checkpointing", "tf32", "fsdp", "tp_size", *LISTS}
 """Keys whose value is the Recipe field of the same name: TrainingArguments' (per_device_train_batch_size,
 fp16, optim, ...), TRL ModelConfig's (dtype, attn_implementation, lora_r, load_in_4bit, ...) and anatomist's."""
 DEEPSPEED_CHECKED = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "fp16", "bf16")
 """The TrainingArguments values the Trainer fills DeepSpeed's "auto" with and checks the rest against."""
-HANDLED = frozenset({"gradient_checkpointing", "activation_checkpointing", "gradient_checkpointing_kwargs",
+HANDLED = frozenset({"gradient_checkpointing", "activation_checkpointing", "gradient_checkpointing_kwargs", "tp_size",
+                     "parallelism_config",
                      "activation_checkpointing_kwargs", "tf32", "fsdp", "fsdp_config",
                      "deepspeed", *LISTS, "use_peft", "use_bnb_nested_quant", "model_name_or_path",
                      "max_length", "model_init_kwargs", *TRL_LEGACY})
 
 
-PARALLEL_FIELDS = {"tp_size": "tensor_parallel"}
-"""TrainingArguments' tp_size (4.50-4.51): memory anatomist does not model yet."""
 PEFT_UNMODELLED = {"lora_modules_to_save": "modules_to_save", "use_dora": "dora"}
 """TRL ModelConfig's LoRA settings that change memory in a way not modelled (get_peft_config passes them to
 LoraConfig: modules_to_save, use_dora)."""
-PARALLELISM_SIZES = {"tp_size": "tensor_parallel", "cp_size": "context_parallel", "sp_size": "sequence_parallel",
-                     "dp_replicate_size": "hybrid_shard"}
-"""accelerate's ParallelismConfig sizes, as TrainingArguments.parallelism_config (4.57+) holds them."""
+PARALLELISM_SIZES = {"cp_size": "context_parallel", "sp_size": "sequence_parallel", "dp_replicate_size": "hybrid_shard"}
+"""accelerate's ParallelismConfig sizes, as TrainingArguments.parallelism_config (4.57+) holds them, that anatomist
+does not model yet; its tp_size is the recipe's (`_tp_size`)."""
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -128,6 +127,7 @@ def read_trainer(data: dict[str, Any], reading: Reading, file: str) -> str:
         elif key not in HANDLED:
             reading.skip(key, value, schema.get(key))
     _unmodelled(data, file)
+    _tp_size(data, reading, file)
     _checkpointing(data, reading, file)
     if data.get("tf32") is not None:
         reading.set("tf32", data["tf32"], file, "tf32")
@@ -184,9 +184,23 @@ def _trl_defaults(data: dict[str, Any], schema: dict[str, Any], reading: Reading
         reading.set_default("seq_len", schema["max_length"], file, "max_length", "TRL")
 
 
+def _tp_size(data: dict[str, Any], reading: Reading, file: str) -> None:
+    """The tensor parallel degree: TrainingArguments' tp_size (4.50-4.51, 0 when unset) or its parallelism_config's
+    (4.57+, accelerate's ParallelismConfig)."""
+    config = data.get("parallelism_config")
+    for key, value in (("tp_size", data.get("tp_size")),
+                       ("parallelism_config.tp_size", config.get("tp_size") if isinstance(config, dict) else None)):
+        if value in (None, 0):
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InputError(f"{file}: {key} must be a whole number of at least 1, got {value!r}")
+        reading.set("tp_size", value, file, key)
+    if "parallelism_config" in data:
+        rest = {k: v for k, v in config.items() if k != "tp_size"} if isinstance(config, dict) else config
+        reading.skip("parallelism_config", rest, {})
+
+
 def _unmodelled(data: dict[str, Any], file: str) -> None:
-    for key, setting in PARALLEL_FIELDS.items():
-        refuse_unmodelled(setting, file, key, data.get(key))
     if data.get("use_peft"):
         for key, setting in PEFT_UNMODELLED.items():
             refuse_unmodelled(setting, file, key, data.get(key), size=False)

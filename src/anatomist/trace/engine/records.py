@@ -24,6 +24,9 @@ SEGMENTS = ("pre", "blocks", "post")
 
 NO_GEMM = (0, 0, 0, 0)
 """`Signature.gemm` of an op that is no matrix product."""
+COLLECTIVE_PREFIX = "_c10d_functional::"
+"""The names of the collectives a traced rank runs itself (DTensor's, under tensor parallel): communication, not the
+device's compute (`estimate.time.collectives.tensor_parallel_s`)."""
 ATTENTION_PREFIX = "_scaled_dot_product"
 """The names of the fused attention kernels (and of their CPU stand-ins): (batch x heads) products of Sq x Sk, each a
 sum over the head dimension."""

@@ -163,7 +163,7 @@ class StepTracer(TorchDispatchMode):
     # -- the dispatch hook -------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self._paused or func is DEVICE_QUERY:
+        if self._paused or func is DEVICE_QUERY or _on_meta(kwargs):
             return func(*args, **kwargs)
         self.trace.op_count += 1
         out = func(*args, **kwargs)
@@ -205,3 +205,10 @@ class StepTracer(TorchDispatchMode):
                 self.trace.events.append(Event(entry[0], -alloc.nbytes, self.phase, self.segment, self.micro_step, self.block))
 
         return freed
+
+
+def _on_meta(kwargs: dict[str, Any]) -> bool:
+    """Whether an op makes a tensor on the meta device, which holds no memory and runs no kernel (transformers' tensor
+    parallel layers make one to read a shape's strides)."""
+    device = kwargs.get("device")
+    return device is not None and torch.device(device).type == "meta"

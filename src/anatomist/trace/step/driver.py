@@ -33,10 +33,10 @@ from anatomist.trace.engine.cuda_paths import cuda_code_paths, cuda_grouped_mm, 
 from anatomist.trace.engine.records import RankEvents, StepTrace, Trace, curves_of
 from anatomist.trace.engine.tracer import StepTracer
 from anatomist.trace.step import fsdp as sharded
-from anatomist.trace.step import trainers
+from anatomist.trace.step import tensor_parallel, trainers
 from anatomist.trace.step.experts import build_kwargs, check_traceable, compiled_experts_path
 from anatomist.trace.step.fp8 import convert_to_fp8
-from anatomist.trace.step.inputs import rows_not_packed
+from anatomist.trace.step.inputs import make_batch, rows_not_packed
 from anatomist.trace.step.optimizer_build import build_optimizer, import_optimizer_module
 from anatomist.trace.step.passes import forward_backward, inference_step
 from anatomist.trace.step.peft import apply_peft, counted_parameters
@@ -84,22 +84,16 @@ def trace_step(
     Args:
         record_ops: also record each op's cost signature (for the FLOPs and time model).
         observers: further dispatch modes to run inside the trace (e.g. a FlopCounterMode).
-        num_gpus: the data-parallel devices; an FSDP recipe is traced as one rank of that many
-            (`trace.step.fsdp`), any other as one device.
+        num_gpus: the devices; an FSDP recipe is traced as one rank of that many (`trace.step.fsdp`), a tensor
+            parallel one as one rank of its world (`keys.traced_world`), any other as one device.
     """
     if part in ("optimizer", "train-step"):
         import_optimizer_module(recipe)  # not under the tracer: see OptimizerSpec.optimizer_class
     fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with contextlib.ExitStack() as world:
-        model = traced_model(workload, recipe, depth, fake_mode if fake else None)
+        model, tracer = _model_and_tracer(world, workload, recipe, depth, fake_mode if fake else None, num_gpus,
+                                          record_ops)
         reference = traced_reference(workload, recipe, depth, fake_mode if fake else None) if part != "optimizer" else None
-        tracer = StepTracer(lower_precision_dtype=lower_dtype(recipe), record_ops=record_ops)
-        if recipe.fsdp != "none" and fake:  # FSDP2's step on one rank of a fake world (trace/step/fsdp.py)
-            mesh = world.enter_context(sharded.fake_world(traced_world(recipe, num_gpus)))
-            with fake_mode:
-                sharded.wrap(model, recipe, mesh)
-            tracer = sharded.ShardedStepTracer(lower_precision_dtype=lower_dtype(recipe), record_ops=record_ops,
-                                               offload=recipe.offload == "cpu").watching(model)
         params = [p for p in model.parameters() if p.requires_grad]  # what the Trainer's optimizer gets
         _register_weights(tracer, model, reference)
         with _tracing(workload, recipe, tracer, fake_mode, observers), \
@@ -115,6 +109,31 @@ def trace_step(
         return _step_trace(tracer, model, params, phases, static, part, traced_world(recipe, num_gpus))
 
 
+def _model_and_tracer(world: contextlib.ExitStack, workload: Workload, recipe: ResolvedRecipe, depth: Depth,
+                      fake_mode: Any | None, num_gpus: int, record_ops: bool) -> tuple[torch.nn.Module, StepTracer]:
+    """The traced model (`traced_model`) and its tracer: one device's, or one rank's of a fake world entered on `world`
+    (FSDP: trace/step/fsdp.py; tensor parallel, with or without FSDP: trace/step/tensor_parallel.py)."""
+    if recipe.tp_size > 1 and fake_mode is None:
+        raise InputError("a tensor parallel step is traced on fake tensors only: a real CPU step of one rank needs "
+                         "the other ranks")
+    tracer = StepTracer(lower_precision_dtype=lower_dtype(recipe), record_ops=record_ops)
+    if fake_mode is None or (recipe.fsdp == "none" and recipe.tp_size == 1):
+        return traced_model(workload, recipe, depth, fake_mode), tracer
+    ranks = traced_world(recipe, num_gpus)
+    if recipe.tp_size > 1:
+        meshes = world.enter_context(tensor_parallel.fake_world(ranks, recipe.tp_size))
+        model = traced_model(workload, recipe, depth, fake_mode,
+                             (meshes, tensor_parallel.distributed_config(recipe, ranks)))
+    else:
+        model = traced_model(workload, recipe, depth, fake_mode)
+        mesh = world.enter_context(sharded.fake_world(ranks))
+        with fake_mode:
+            sharded.wrap(model, recipe, mesh)
+    tracer = sharded.ShardedStepTracer(lower_precision_dtype=lower_dtype(recipe), record_ops=record_ops,
+                                       offload=recipe.offload == "cpu").watching(model)
+    return model, tracer
+
+
 def _register_weights(tracer: StepTracer, *models: torch.nn.Module | None) -> None:
     """Every parameter and buffer of `models` (the policy, DPO's reference model) as weights."""
     for held in (m for m in models if m is not None):
@@ -124,9 +143,11 @@ def _register_weights(tracer: StepTracer, *models: torch.nn.Module | None) -> No
             tracer.register(b, MemoryCategory.WEIGHTS)
 
 
-def traced_model(workload: Workload, recipe: ResolvedRecipe, depth: Depth, fake_mode: Any | None) -> torch.nn.Module:
-    """The model of `workload` cut to `depth` as `recipe` trains it (PEFT applied, FP8 layers converted): on fake tensors in
-    `fake_mode` (built on the meta device first: no memory), else real CPU tensors."""
+def traced_model(workload: Workload, recipe: ResolvedRecipe, depth: Depth, fake_mode: Any | None,
+                 tp_world: tuple[Any, Any] | None = None) -> torch.nn.Module:
+    """The model of `workload` cut to `depth` as `recipe` trains it (split as transformers splits it at load time where
+    `tp_world` gives the meshes and the DistributedConfig: `tensor_parallel.parallelize`; PEFT applied, FP8 layers
+    converted): on fake tensors in `fake_mode` (built on the meta device first: no memory), else real CPU tensors."""
     config = traced_config(workload, depth)
     experts = build_kwargs(workload, recipe)
     if fake_mode is None:
@@ -140,6 +161,9 @@ def traced_model(workload: Workload, recipe: ResolvedRecipe, depth: Depth, fake_
         base = workload.build_model(traced_attention(recipe), recipe.dtype, config=config, **experts)
         model = apply_peft(base, recipe, workload.task)
     fake_parameters(model, fake_mode)
+    if tp_world is not None:
+        with fake_mode:
+            tensor_parallel.parallelize(model, *tp_world)
     trainers.prepare(model, recipe)
     convert_to_fp8(model, recipe)  # as accelerate's prepare does, after PEFT and before FSDP
     return model
@@ -219,12 +243,26 @@ def _run_part(part: Part, model: torch.nn.Module, params: list[torch.nn.Paramete
         forward_backward(model, params, workload, recipe, batch_size, tracer, autocast, reference, depth)
         phases = [Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER]
     else:
-        for p in params:
-            p.grad = torch.zeros_like(p)  # what backward leaves behind
+        likes = _gradients_as_backward_leaves_them(model, params, workload, tracer) if recipe.tp_size > 1 else params
+        for p, like in zip(params, likes, strict=True):
+            p.grad = torch.zeros_like(like)  # what backward leaves behind
         tracer.label_live([p.grad for p in params if p.grad is not None], MemoryCategory.GRADIENTS)
         phases = [Phase.OPTIMIZER]
     optimizer_phase(params, optimizer, recipe, tracer)
     return phases, {MemoryCategory.OPTIMIZER_STATES: state_bytes}
+
+
+def _gradients_as_backward_leaves_them(model: torch.nn.Module, params: list[torch.nn.Parameter], workload: Workload,
+                                       tracer: StepTracer) -> list[torch.Tensor]:
+    """The gradient backward leaves in each of `params`, from one unrecorded pass of one sample: under tensor parallel
+    a weight's gradient may be placed otherwise than the weight (the input embeddings split by vocabulary get a whole
+    gradient on every rank: DTensor's embedding backward), so a gradient made like its weight would be too small."""
+    with tracer.paused():
+        model(**make_batch(workload, 1)).loss.backward()
+        likes = [p.grad if p.grad is not None else p for p in params]
+        for p in params:
+            p.grad = None
+    return likes
 
 
 def _step_trace(tracer: StepTracer, model: torch.nn.Module, params: list[torch.nn.Parameter], phases: list[Phase],
@@ -284,7 +322,7 @@ def create_state(
     params: list[torch.nn.Parameter], recipe: ResolvedRecipe, tracer: StepTracer
 ) -> tuple[torch.optim.Optimizer, int]:
     """The optimizer, with the state a first step creates (from zero gradients)."""
-    optimizer = build_optimizer(recipe, params)
+    optimizer = build_optimizer(recipe, tensor_parallel.mesh_groups(params) if recipe.tp_size > 1 else params)
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer.step()
@@ -303,7 +341,10 @@ def optimizer_phase(
     if recipe.fp16:
         torch._foreach_mul_(grads, 1.0 / 65536.0)  # GradScaler.unscale_ works in place
     if recipe.max_grad_norm > 0:
-        torch.nn.utils.clip_grad_norm_(params, recipe.max_grad_norm, foreach=True)
+        if recipe.tp_size > 1:
+            tensor_parallel.clip_by_mesh(params, recipe.max_grad_norm)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, recipe.max_grad_norm, foreach=True)
     del grads
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

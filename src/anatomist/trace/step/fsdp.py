@@ -71,14 +71,25 @@ def fake_world(world_size: int) -> Iterator[DeviceMesh]:
         RuntimeError: this process already belongs to a process group (a real one, or a trace's
             still open): a fake world cannot be made beside it.
     """
+    with fake_process_group(world_size):
+        yield init_device_mesh("cpu", (world_size,))  # made outside any fake mode: it reads its ranks
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[None]:
+    """PyTorch's fake process group of `world_size` ranks, this process rank 0, for this context only (`fake_world`).
+
+    Raises:
+        RuntimeError: this process already has a process group.
+    """
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     if dist.is_initialized():
-        raise RuntimeError("an FSDP step cannot be traced in a process that already has a process group; "
+        raise RuntimeError("a sharded step cannot be traced in a process that already has a process group; "
                            "trace it in a process of its own")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        yield init_device_mesh("cpu", (world_size,))  # made outside any fake mode: it reads its ranks
+        yield
     finally:
         dist.destroy_process_group()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 
@@ -18,11 +19,12 @@ from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.standins.low_bit_adam import QuantizedAdamLayout
 
 
-def build_optimizer(recipe: ResolvedRecipe, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizer the Trainer builds for `recipe` over `params`, as it behaves on CUDA."""
+def build_optimizer(recipe: ResolvedRecipe, params: list[torch.nn.Parameter] | list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """The optimizer the Trainer builds for `recipe` over `params` (or parameter groups), as it behaves on CUDA."""
     spec = optimizer(recipe.optim)
     if spec.quantized_state is not None:
-        return QuantizedAdamLayout(params, lr=LEARNING_RATE, state=spec.quantized_state)
+        # never groups: tensor parallel, which groups its parameters by mesh, is refused with a low-bit optimizer
+        return QuantizedAdamLayout(cast(list[torch.nn.Parameter], params), lr=LEARNING_RATE, state=spec.quantized_state)
     return _optimizer_class(spec)(params, lr=LEARNING_RATE, **spec.optimizer_kwargs)
 
 

@@ -40,9 +40,9 @@ changes the traced sequence length (`Workload.for_recipe`), packing nothing trac
 PART_FIELDS: dict[str, tuple[str, ...]] = {
     "forward-backward": ("dtype", "gradient_checkpointing", "checkpoint_every", "checkpoint_offload", "activation_offloading",
                          "fp16", "bf16", "fp8", "fp8_all_gather", "attn_implementation",
-                         "experts_implementation", "torch_compile", *PEFT_FIELDS, *LLM_FIELDS),
-    "inference": ("dtype", "fp16", "bf16", "attn_implementation", "experts_implementation", *PEFT_FIELDS),
-    "optimizer": ("dtype", "optim", "fp16", "max_grad_norm", *PEFT_FIELDS),
+                         "experts_implementation", "torch_compile", "tp_size", *PEFT_FIELDS, *LLM_FIELDS),
+    "inference": ("dtype", "fp16", "bf16", "attn_implementation", "experts_implementation", "tp_size", *PEFT_FIELDS),
+    "optimizer": ("dtype", "optim", "fp16", "max_grad_norm", "tp_size", *PEFT_FIELDS),
 }
 """The recipe fields that change each part's trace. Recipes that differ only in the
 optimizer share the passes' traces and the other way round; torch.compile changes the passes'
@@ -83,10 +83,13 @@ only whether a unit reshards after its forward, which an optimizer step never se
 
 
 def traced_world(recipe: ResolvedRecipe, num_gpus: int) -> int:
-    """The world size the trace of `recipe` on `num_gpus` data-parallel devices runs at: FSDP's step is
-    traced as one rank of `num_gpus` (`trace.step.fsdp`); every other recipe's on one device (data
-    parallelism holds on each device what one device holds; ZeRO is arithmetic over it)."""
-    return num_gpus if recipe.fsdp != "none" else 1
+    """The world size the trace of `recipe` on `num_gpus` devices runs at: FSDP's step is traced as one rank of
+    `num_gpus` (`trace.step.fsdp`), tensor parallel's without FSDP as one of its `tp_size` (`trace.step.tensor_parallel`);
+    every other recipe's on one device (data parallelism holds on each device what one device holds; ZeRO is
+    arithmetic over it)."""
+    if recipe.fsdp != "none":
+        return num_gpus
+    return recipe.tp_size
 
 
 def compile_context(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ...]:
@@ -99,7 +102,8 @@ def compile_context(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ..
 
 def one_device(recipe: ResolvedRecipe) -> ResolvedRecipe:
     """`recipe` as one device runs its computation: without FSDP, whose trace is one rank's. The op costs
-    of the time model are one device's; the sharded step's collectives are `estimate.time.collectives`'."""
+    of the time model are one device's; the sharded step's collectives are `estimate.time.collectives`'. Tensor
+    parallel stays: a device of it computes its shards of each product, and its collectives are among its ops."""
     return recipe if recipe.fsdp == "none" else recipe.replace(fsdp="none", offload="none")
 
 
@@ -150,7 +154,8 @@ TRACE_SOURCES: tuple[str, ...] = (
     "trace/step/__init__.py", "trace/step/compiled.py", "trace/step/driver.py", "trace/step/experts.py",
     "trace/step/fp8.py", "trace/step/fsdp.py", "trace/step/inputs.py", "trace/step/offload.py",
     "trace/step/optimizer_build.py",
-    "trace/step/passes.py", "trace/step/peft.py", "trace/step/peft_defaults.py", "trace/step/trainers.py",
+    "trace/step/passes.py", "trace/step/peft.py", "trace/step/peft_defaults.py", "trace/step/tensor_parallel.py",
+    "trace/step/trainers.py",
     "trace/standins/__init__.py", "trace/standins/cce.py", "trace/standins/kernel_ops.py",
     "trace/standins/liger_kernels.py", "trace/standins/low_bit_adam.py", "trace/standins/trl_head.py",
     "trace/depth/__init__.py", "trace/depth/configs.py", "trace/depth/cuts.py", "trace/depth/layout.py",
