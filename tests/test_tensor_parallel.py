@@ -94,6 +94,8 @@ def test_tensor_parallel_under_fsdp_shards_the_shards(llama):
     (["--gpus", "2", "--tp-size", "2", "--zero-stage", "2"], "tp_size=2 with DeepSpeed ZeRO"),
     (["--gpus", "2", "--tp-size", "0"], "tp_size must be at least 1, got 0"),
     (["--gpus", "4", "--tp-size", "2", "--fsdp", "shard_grad_op"], "tp_size=2 with fsdp=shard_grad_op"),
+    (["--gpus", "2", "--tp-size", "2", "--optim", "adafactor"], "tp_size=2 with optim=adafactor is not modelled"),
+    (["--gpus", "1", "--nodes", "2", "--tp-size", "2"], "tp_size=2 is more than a node's 1 GPU(s)"),
 ])
 def test_bad_input_is_one_line(cli, llama, flags, message):
     path, _ = llama
@@ -108,3 +110,12 @@ def test_a_model_without_a_plan_is_refused(cli, tiny_model):
     result = cli("estimate", str(bert), "--seq-len", "32", "--gpu", "H100", "--gpus", "2", "--tp-size", "2")
     assert result.returncode == 2
     assert "no tensor parallel plan (base_model_tp_plan)" in result.stderr
+
+
+def test_plan_says_it_does_not_search_tensor_parallel(cli, llama, tmp_path):
+    path, _ = llama
+    recipe = tmp_path / "args.yaml"
+    recipe.write_text("per_device_train_batch_size: 1\nparallelism_config:\n  tp_size: 2\n")
+    result = cli("plan", str(path), "--seq-len", str(SEQ), "--gpu", "H100", "--gpus", "2", "--recipe", str(recipe))
+    assert result.returncode == 2
+    assert "plan does not search with tensor parallel yet (tp_size=2)" in result.stderr

@@ -107,6 +107,9 @@ def check_rows(run: SuiteRun, rows: list[Row], num_processes: int) -> None:
                              "use_liger_kernel does): use loop: trainer")
         if "cuda" in row.needs and run.on_cpu:
             continue
+        if recipe.tp_size > 1:
+            raise InputError(f"row {row.name!r} splits the model with tensor parallel (tp_size={recipe.tp_size}), "
+                             "which the bench does not launch yet: `anatomist estimate` predicts it")
         if num_processes == 1 and row.recipe.fsdp != "none":
             raise InputError(f"row {row.name!r} shards the model with FSDP ({row.recipe.fsdp}), which on one process "
                              "shards nothing: run it with --num-processes 2 or more")

@@ -169,6 +169,9 @@ def _search(request: PlanRequest, *, one_size: bool = False) -> tuple[Any, Any, 
         raise InputError(f"--{next(iter(lora)).replace('_', '-')} needs --peft lora and/or qlora")
     source = read_recipe_source(request.recipe_file)
     fixed = dict(source.fields) if source else {}
+    if fixed.get("tp_size", 1) > 1:
+        raise InputError(f"{source.path if source else 'the recipe'}: plan does not search with tensor parallel yet "
+                         f"(tp_size={fixed['tp_size']}): estimate it with `anatomist estimate --recipe`")
     check_cce_gpu(bool(fixed.get("cut_cross_entropy")), gpu)
     methods = ("full", *dict.fromkeys(added))
     if source and {"peft", "load_in_4bit", "load_in_8bit"} & set(fixed):

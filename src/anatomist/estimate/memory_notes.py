@@ -30,7 +30,7 @@ def memory_notes(workload: Workload, recipe: ResolvedRecipe, anatomy: MemoryAnat
                 else recipe.dtype)
         notes.append(f"{recipe.peft}: the {base} base is frozen (no gradients, no optimizer states); the r={recipe.lora_r} "
                      "adapters (fp32, as PEFT makes them) carry the full rule")
-    elif recipe.half_weights and recipe.fsdp != "none" and recipe.mixed_precision != "no":
+    elif recipe.half_weights and recipe.fsdp != "none" and recipe.tp_size == 1 and recipe.mixed_precision != "no":
         notes.append(  # trace/step/fsdp.py does what accelerate's fsdp2_prepare_model does
             f"weights loaded in {recipe.dtype}, but with {recipe.mixed_precision} mixed precision accelerate's FSDP2 "
             "upcasts the trainable parameters to fp32: fp32 sharded master weights, gradients and optimizer states, "

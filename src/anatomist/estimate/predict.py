@@ -85,7 +85,7 @@ def estimate(
             or what the model cannot take (`Recipe.resolved`).
     """
     check_cluster(num_gpus, nodes, network)
-    check_tensor_parallel_gpus(recipe, num_gpus)
+    check_tensor_parallel_gpus(recipe, num_gpus, nodes)
     check_gpu(recipe, gpu, dtype_given=False)
     recipe = recipe.resolved(workload)  # the library's entry point: everything below takes it resolved
     workload = workload.for_recipe(recipe)  # padding-free: the data's sequences, not the longest

@@ -106,6 +106,8 @@ class BytesPerParamRule:
                 )
                 if traced.peak_phase is Phase.OPTIMIZER:
                     why = "the peak is in the optimizer step, when the half-precision copies are already freed"
+            elif traced.weights < self.weights_bytes and recipe.tp_size > 1:
+                why = _split(recipe, "weights")
             elif traced.weights < self.weights_bytes and recipe.sharding_stage >= 3:
                 why = "ZeRO-3 / FSDP full_shard shards the weights across devices"
             elif traced.weights < self.weights_bytes and recipe.zero_stage and recipe.mixed_precision != "no":
@@ -120,6 +122,8 @@ class BytesPerParamRule:
                 why = "8-bit optimizers keep fp32 state for parameters under 4096 elements and an fp32 scale per 256-element block"
             elif recipe.zero_stage and recipe.mixed_precision != "no" and traced.optimizer_states > self.optimizer_bytes:
                 why = "DeepSpeed keeps fp32 master weights (4 B/param) with the optimizer states"
+            elif recipe.tp_size > 1 and traced.optimizer_states < self.optimizer_bytes:
+                why = _split(recipe, "optimizer states")
             elif recipe.sharding_stage >= 1 or recipe.offload != "none":
                 why = "ZeRO / FSDP shards or offloads the optimizer state"
             else:
@@ -133,6 +137,8 @@ class BytesPerParamRule:
         if self.gradients_per_param and differs(self.gradients_bytes, traced.gradients):
             if traced.gradients < self.gradients_bytes and traced.peak_phase is not Phase.OPTIMIZER:
                 why = f"at the peak ({traced.peak_phase}) gradients exist only for the layers backward has reached (set_to_none frees them each step)"
+            elif recipe.tp_size > 1 and traced.gradients < self.gradients_bytes:
+                why = _split(recipe, "gradients")
             elif recipe.sharding_stage >= 2 or recipe.offload != "none":
                 why = "ZeRO-2/3 / FSDP shards (or offloads) the gradients"
             elif recipe.zero_stage and recipe.mixed_precision != "no":
@@ -140,6 +146,13 @@ class BytesPerParamRule:
             else:
                 why = "gradients of frozen or tied parameters are not kept, and sizes round to 512-byte blocks"
             yield f"gradients: rule {self.describe('gradients')}, traced {traced.gradients / GIB:.2f} GiB: {why}"
+
+
+def _split(recipe: ResolvedRecipe, what: str) -> str:
+    """Why a rank of tensor parallel holds less of `what` than the rule says."""
+    again = ", which FSDP shards again" if recipe.fsdp != "none" else ""
+    return (f"tensor parallel splits the linear layers and embeddings {recipe.tp_size} ways: a rank keeps the {what} "
+            f"of its part{again}")
 
 
 def frozen_bytes_per_param(recipe: ResolvedRecipe) -> float:

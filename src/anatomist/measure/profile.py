@@ -107,6 +107,9 @@ def check_runnable(recipe: ResolvedRecipe, steps: int, device: torch.device) -> 
     if recipe.fsdp != "none":
         raise InputError("profile runs one process, where FSDP would shard nothing; drop --fsdp "
                          "(`anatomist bench` runs FSDP rows on several processes)")
+    if recipe.tp_size > 1:
+        raise InputError("profile runs one process, where tensor parallel would split nothing; drop --tp-size "
+                         "(`anatomist estimate` predicts it)")
     if recipe.trainer != "trainer" or recipe.activation_offloading:
         what = f"TRL's {recipe.trainer.upper()}Trainer" if recipe.trainer != "trainer" else "TRL's activation offloading"
         raise InputError(f"profile runs the Trainer's step (the model's own loss), not {what}; "

@@ -178,9 +178,10 @@ def check_tensor_parallel(r: RecipeFields) -> None:
     for field, name in TP_NOT_MODELLED:
         if getattr(r, field) != defaults.get(field, False):
             raise InputError(f"tp_size={r.tp_size} with {name} is not modelled yet: drop one of them")
-    if optimizer(r.optim).quantized_state is not None:
-        raise InputError(f"tp_size={r.tp_size} with optim={r.optim} (a low-bit optimizer state) is not modelled yet: "
-                         "choose a 32-bit or 16-bit optimizer")
+    if optimizer(r.optim).quantized_state is not None or not runs_with(r.optim, "full_shard"):
+        raise InputError(f"tp_size={r.tp_size} with optim={r.optim} is not modelled: its state is not DTensors beside "
+                         "the split weights' DTensor gradients (a low-bit state, or plain tensors PyTorch refuses to "
+                         "mix with them): choose adamw_torch_fused, adamw_torch or sgd")
     if r.trainer != "trainer":
         raise InputError(f"tp_size={r.tp_size} with TRL's {r.trainer.upper()}Trainer is not modelled yet (its fused LM "
                          "head on the split model): use --trainer trainer")
@@ -189,12 +190,15 @@ def check_tensor_parallel(r: RecipeFields) -> None:
                          "reshards every block after its forward (full_shard)")
 
 
-def check_tensor_parallel_gpus(r: RecipeFields, num_gpus: int) -> None:
-    """The GPUs a tensor parallel recipe runs on: a multiple of tp_size, and either tp_size itself or FSDP over the
+def check_tensor_parallel_gpus(r: RecipeFields, num_gpus: int, nodes: int = 1) -> None:
+    """The GPUs a tensor parallel recipe runs on: a multiple of tp_size, either tp_size itself or FSDP over the
     groups (accelerate's ParallelismConfig refuses tensor parallel with plain replication: dp_replicate without
-    dp_shard)."""
+    dp_shard), and a group within one node (its collectives are priced at the node's own bandwidth)."""
     if r.tp_size == 1:
         return
+    if r.tp_size > num_gpus // max(nodes, 1):
+        raise InputError(f"tp_size={r.tp_size} is more than a node's {num_gpus // max(nodes, 1)} GPU(s): tensor "
+                         "parallel across nodes is not modelled (its all-reduces would cross the network)")
     if num_gpus % r.tp_size:
         raise InputError(f"tp_size={r.tp_size} does not divide the {num_gpus} GPUs: the GPUs are tp_size x the "
                          "FSDP ranks")
