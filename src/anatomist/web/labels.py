@@ -64,6 +64,7 @@ FIELD_LABELS = {
     "zero_stage": "DeepSpeed ZeRO stage",
     "offload": "ZeRO / FSDP offload",
     "fsdp": "FSDP",
+    "tp_size": "Tensor parallel GPUs per group",
     "dataloader_num_workers": "DataLoader workers",
     "dataloader_pin_memory": "Pinned host memory for batches",
 }
