@@ -16,7 +16,10 @@ with DeepSpeed or FSDP three terms change:
                                 each all-gather, in forward and in backward; offloaded checkpoints
                                 copy each checkpointed layer's input to the host and back
     communication_s             what of the collectives compute does not hide (`Collectives`,
-                                `exposed_s`)
+                                `exposed_s`), and tensor parallel's, none hidden (`tensor_parallel_s`)
+
+Under tensor parallel "one device" is one rank of a group (its shards of each product: the traced ops of
+`keys.one_device`), and a group of `tp_size` devices trains one batch: samples/s counts GPUs / tp_size of them.
 
 The collectives are `collectives.py`'s, the copies of offload `transfers.py`'s, the bandwidth between the devices
 `network.py`'s; their constants live in data/plan_throughput.toml with their sources; none was measured.
@@ -92,8 +95,8 @@ def time_across_devices(
     phases["offload"] = (offload_s(recipe, size, num_gpus=num_gpus) + checkpoint_offload_s(workload, recipe, size)
                          + activation_offloading_s(recipe, micro_batch_offload_bytes, phases.get("forward", 0.0)))
     comm = collectives(recipe, size, num_gpus=num_gpus, nodes=nodes, network=network, gpu=gpu)
-    split = tensor_parallel_s(step_ops(workload, recipe, gpu.compute_capability), recipe, gpu) if recipe.tp_size > 1 else 0.0
-    phases["communication"] = comm.exposed_s(phases.get("forward", 0.0), phases.get("backward", 0.0)) + split
+    tp_s = tensor_parallel_s(step_ops(workload, recipe, gpu.compute_capability), recipe, gpu) if recipe.tp_size > 1 else 0.0
+    phases["communication"] = comm.exposed_s(phases.get("forward", 0.0), phases.get("backward", 0.0)) + tp_s
     step_s = sum(phases.values())
     # The optimizer step, the copies and the collectives are all "other" (docs/time.md), so the classes add up to
     # the step as its phases do.
@@ -110,7 +113,7 @@ def time_across_devices(
         mfu=one.mfu * one.step_s / step_s,
         hfu=one.hfu * one.step_s / step_s,
         phases_s=phases,
-        hidden_communication_s=comm.total_s() + split - phases["communication"],
+        hidden_communication_s=comm.total_s() + tp_s - phases["communication"],
         classes_s=classes,
         calibrated=one.calibrated,
         calibration=one.calibration,

@@ -17,6 +17,9 @@ slower of the intra-node bus and the network):
     FSDP shard_grad_op  as full_shard without the backward all-gather (the weights stay whole from
                         forward to backward)
 
+Under tensor parallel (`tp_size` T) these run among the N / T data-parallel ranks, each over its 1/T of every
+weight and gradient; tensor parallel's own collectives are the traced rank's (`tensor_parallel_s`).
+
 A phase takes max(compute, its collectives) plus what cannot overlap: the first unit's all-gather (nothing
 computes before it) and the last reduction (its gradients exist only when the backward ends: the last
 unit's, or the last bucket). Rajbhandari et al. 2020 (ZeRO, sec. 7): ZeRO-3 moves 1.5x the all-reduce's
@@ -109,8 +112,9 @@ def collectives(
     # the half dtype and FSDP's MixedPrecisionPolicy reduces in it.
     sharded = recipe.zero_stage > 0 or recipe.fsdp != "none"
     half = recipe.peft == "none" and (recipe.half_weights or (recipe.mixed_precision != "no" and sharded))
-    # transformers' FSDP under tensor parallel reduces in float32 (`DistributedConfig.fsdp_mixed_precision`).
-    element = 2 if half and recipe.tp_size == 1 else 4
+    element = 2 if half else 4
+    if recipe.tp_size > 1:  # transformers' FSDP: in float32 under its bf16 policy (`fsdp_mixed_precision`), else as loaded
+        element = 4 if recipe.bf16 or not recipe.half_weights else 2
     grad_bytes = parameter_count(recipe, size) * element * share
     reduce_scatter = ring * grad_bytes / bus
     if recipe.sharding_stage >= 3 or recipe.fsdp == "shard_grad_op":
@@ -140,14 +144,14 @@ def tensor_parallel_s(ops: StepOps, recipe: ResolvedRecipe, gpu: GPU | None = No
     tp = recipe.tp_size
     if tp <= 1:
         return 0.0
-    ring, seconds = (tp - 1) / tp, 0.0
+    ring, bus, seconds = (tp - 1) / tp, intra_node_bytes_per_s(gpu), 0.0
     for record in ops.records:
         if not record.name.startswith(COLLECTIVE_PREFIX):
             continue
         gathered = record.name.endswith(("all_gather_into_tensor", "reduce_scatter_tensor"))
         tensor = record.bytes * tp / (tp + 1) if gathered else record.bytes / 2  # the whole tensor of the ring
         moved = ring * tensor * (1 if gathered else 2)
-        seconds += record.calls_per_step(recipe.gradient_accumulation_steps) * moved / intra_node_bytes_per_s(gpu)
+        seconds += record.calls_per_step(recipe.gradient_accumulation_steps) * moved / bus
     return seconds
 
 
