@@ -188,9 +188,11 @@ def _distributed(model: Any, world: int, tp: int, fsdp: bool, bf16: bool) -> Any
     """`model` split as `from_pretrained(..., distributed_config=DistributedConfig(tp_size=tp, fsdp_size=...))` splits
     it at load time: transformers' own mesh of this rank (`initialize_distributed_mesh`) and its own
     `maybe_distribute_model` (the tensor parallel plan, then, with FSDP, transformers' FSDP2 over the other ranks,
-    its mixed precision policy with bf16), then its weights tied again, as `from_pretrained` ties them after loading.
-    Raises unless every weight the plan names is a DTensor holding this rank's part of it (`_TP_SHARDED_DIM`: the
-    dimension each style shards)."""
+    its mixed precision policy with bf16), on the model as from_pretrained has it then, its head not yet tied to the
+    embeddings; tied after, as from_pretrained ties them once loaded. Not from_pretrained itself: on the CPU a rank's
+    shard of a loaded weight stays a view of the whole tensor read from the checkpoint (on a GPU it is copied to the
+    device), which PyTorch's trackers count whole. Raises unless every weight the plan names is a DTensor holding this
+    rank's part of it (`_TP_SHARDED_DIM`: the dimension each style shards)."""
     import torch
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from transformers.distributed import DistributedConfig
@@ -199,10 +201,16 @@ def _distributed(model: Any, world: int, tp: int, fsdp: bool, bf16: bool) -> Any
     config = DistributedConfig(tp_size=tp, fsdp_size=world // tp if fsdp else 1, fsdp_mixed_precision=bf16)
     if config.tp_size * config.fsdp_size != world:
         raise ValueError(f"tp {tp} x fsdp {config.fsdp_size} is not the world of {world}")
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head.weight is embeddings.weight
+    if tied:
+        head.weight = torch.nn.Parameter(embeddings.weight.detach().clone())
     plan, _, _ = model._resolve_parallel_plans(config)
     _, meshes = initialize_distributed_mesh(config)
     model = type(model).maybe_distribute_model(model, config, meshes)
     model.tie_weights()
+    if tied != (model.get_output_embeddings().weight is model.get_input_embeddings().weight):
+        raise RuntimeError("the head is not tied again as from_pretrained ties it")
     mesh = meshes.get_mesh("tp")
     parameters = dict(model.named_parameters())
     named = [(name, style) for name, style in plan.items() if name in parameters]

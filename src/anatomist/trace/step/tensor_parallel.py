@@ -68,10 +68,16 @@ def parallelize(model: torch.nn.Module, meshes: Any, config: Any) -> None:
 
     hf: Any = model  # a transformers model: its methods are not nn.Module's
     hf.config.distributed_config = config
+    head, embeddings = hf.get_output_embeddings(), hf.get_input_embeddings()
+    tied = head is not None and embeddings is not None and head.weight is embeddings.weight
+    if tied:  # from_pretrained splits the model before it ties the head to the embeddings (_finalize_model_loading)
+        head.weight = torch.nn.Parameter(torch.empty_like(head.weight), requires_grad=head.weight.requires_grad)
     tp_plan, ep_plan, fsdp_plan = hf._resolve_parallel_plans(config)
     apply_tensor_parallelism(model, meshes.get_mesh("tp"), tp_plan)
     if config.dp_size > 1:
         apply_fully_sharded_data_parallelism(model, meshes, fsdp_plan, ep_plan)
+    if tied:
+        hf.tie_weights()
 
 
 def mesh_groups(params: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
