@@ -55,7 +55,10 @@ def matmul_precision(recipe: RecipeFields, gpu: GPU) -> Precision:
 
 
 def sharding_of(recipe: RecipeFields, num_gpus: int) -> str:
-    """The name of `recipe`'s sharding on `num_gpus` devices (a name of `axes.shardings.SHARDING_NAMES`)."""
+    """The name of `recipe`'s sharding on `num_gpus` devices: a name of `axes.shardings.SHARDING_NAMES`, or with tensor
+    parallel (which the plan does not search) `tp{N}`, after FSDP's name and a "+" where FSDP shards too."""
+    if recipe.tp_size > 1:
+        return (f"fsdp_{recipe.fsdp}+" if recipe.fsdp != "none" else "") + f"tp{recipe.tp_size}"
     if recipe.fsdp != "none":
         return f"fsdp_{recipe.fsdp}"
     if recipe.zero_stage == 0:
