@@ -165,8 +165,12 @@ def test_memory_settings_not_modelled_yet_are_refused_never_predicted_as_somethi
                                                "modelled yet")
     tp = _with(DATA / "trl/fsdp2.yaml", tmp_path / "tp.yaml",
                {"parallelism_config": {"parallelism_config_dp_shard_size": 4, "parallelism_config_tp_size": 2}})
-    ClusterConfig.from_yaml_file(str(tp))  # a key accelerate reads: tensor parallel is modelled
-    assert (read_recipe_file(tp).recipe.tp_size, read_recipe_file(tp).recipe.fsdp) == (2, "full_shard")
+    ClusterConfig.from_yaml_file(str(tp))  # a key accelerate reads: tensor parallel under its FSDP2 is refused
+    assert _error(cli, tp).startswith(f"{tp}: tensor parallel 2 under accelerate's FSDP2 is not modelled")
+    alone = _with(DATA / "accelerate/examples/config_yaml_templates/multi_gpu.yaml", tmp_path / "tp_alone.yaml",
+                  {"parallelism_config": {"parallelism_config_tp_size": 2}})
+    ClusterConfig.from_yaml_file(str(alone))
+    assert (read_recipe_file(alone).recipe.tp_size, read_recipe_file(alone).recipe.fsdp) == (2, "none")
     dp_only = _with(DATA / "trl/fsdp2.yaml", tmp_path / "dp.yaml",
                     {"parallelism_config": {"parallelism_config_dp_shard_size": 8, "parallelism_config_tp_size": 1}})
     assert read_recipe_file(dp_only).recipe.fsdp == "full_shard"  # sizes of 1 turn nothing on
@@ -175,6 +179,8 @@ def test_memory_settings_not_modelled_yet_are_refused_never_predicted_as_somethi
 @pytest.mark.parametrize(("name", "text", "message"), [
     # TrainingArguments 4.57+'s parallelism_config (accelerate's ParallelismConfig sizes; its tp_size is modelled)
     ("args.yaml", "parallelism_config:\n  cp_size: 2\n", "parallelism_config.cp_size=2 is not modelled yet (context"),
+    ("args.yaml", "fsdp: full_shard\nparallelism_config:\n  tp_size: 2\n",
+     "tensor parallel 2 under accelerate's FSDP2 is not modelled"),
     # axolotl's offload to disk (TRL's activation offloading is modelled: tests/test_activation_offloading.py)
     ("ax.yml", "base_model: x\ngradient_checkpointing: offload_disk\n",
      "gradient_checkpointing='offload_disk' is not modelled"),

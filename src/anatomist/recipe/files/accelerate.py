@@ -13,8 +13,8 @@ fsdp_ignored_modules): accelerate would set it and nothing would read it. Settin
 change memory but are not modelled yet are refused, never predicted as something else:
 context and sequence parallel and hybrid (replicated) sharding in `parallelism_config`,
 activation offload (`fsdp_activation_checkpointing_offload`). FSDP's CPU offload (`fsdp_offload_params`)
-is the recipe's offload="cpu". `parallelism_config.parallelism_config_tp_size` is the recipe's tp_size, traced
-as transformers splits the model (trace/step/tensor_parallel.py says why not as accelerate 1.15 prepares it).
+is the recipe's offload="cpu". `parallelism_config.parallelism_config_tp_size` is the recipe's tp_size, traced as
+transformers splits the model, without FSDP; with FSDP it is refused (TP_UNDER_ACCELERATE_FSDP).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from anatomist.errors import InputError
 from anatomist.recipe.files.deepspeed import read_deepspeed
 from anatomist.recipe.files.known import refuse_unknown
 from anatomist.recipe.files.reading import Reading, fsdp_mode, fsdp_offload, load_mapping, referenced_file, zero_offload
-from anatomist.recipe.files.unmodelled import refuse_unmodelled
+from anatomist.recipe.files.unmodelled import TP_UNDER_ACCELERATE_FSDP, refuse_unmodelled
 
 MARKERS = ("compute_environment", "distributed_type")
 ENGINES = ("NO", "MULTI_GPU", "DEEPSPEED", "FSDP")
@@ -166,6 +166,8 @@ def read_accelerate(data: dict[str, Any], reading: Reading, file: str) -> None:
                          "(or deepspeed_config.deepspeed_config_file)")
     if engine == "FSDP" and "fsdp" not in reading.values:
         reading.set("fsdp", "full_shard", file, "distributed_type")  # accelerate's default strategy
+    if engine == "FSDP" and (reading.get("tp_size") or 1) > 1:
+        raise InputError(TP_UNDER_ACCELERATE_FSDP.format(file=file, tp=reading.get("tp_size")))
 
 
 def _precision(value: Any, fp8_config: dict[str, Any], reading: Reading, file: str) -> None:

@@ -28,7 +28,7 @@ from anatomist.recipe.files.deepspeed import read_deepspeed
 from anatomist.recipe.files.known import TRAINER_CLASSES, historical_fields, refuse_unknown
 from anatomist.recipe.files.known import TRL_CLASSES as TRL_HISTORY
 from anatomist.recipe.files.reading import Reading, fsdp_mode, fsdp_offload, load_mapping, referenced_file
-from anatomist.recipe.files.unmodelled import refuse_unmodelled
+from anatomist.recipe.files.unmodelled import TP_UNDER_ACCELERATE_FSDP, refuse_unmodelled
 
 RECIPE_FIELDS = frozenset(f.name for f in dataclasses.fields(Recipe))
 TRL_CLASSES = ("ScriptArguments", "SFTConfig", "ModelConfig", "DatasetMixtureConfig")
@@ -132,6 +132,8 @@ def read_trainer(data: dict[str, Any], reading: Reading, file: str) -> str:
     if data.get("tf32") is not None:
         reading.set("tf32", data["tf32"], file, "tf32")
     _fsdp(data, reading, file)
+    if (reading.get("tp_size") or 1) > 1 and reading.get("fsdp") not in (None, "none"):
+        raise InputError(TP_UNDER_ACCELERATE_FSDP.format(file=file, tp=reading.get("tp_size")))
     _model_config(data, kind, reading, file)
     if data.get("deepspeed"):
         _deepspeed(data["deepspeed"], schema, reading, file)

@@ -13,6 +13,14 @@ from typing import Any
 from anatomist.errors import InputError
 from anatomist.recipe.files.reading import is_off
 
+TP_UNDER_ACCELERATE_FSDP = (
+    "{file}: tensor parallel {tp} under accelerate's FSDP2 is not modelled: accelerate 1.15 prepares it with "
+    "transformers.integrations.tensor_parallel.ReplicateParallel, which transformers 5.24 no longer has, and with an "
+    "older transformers it would upcast the weights to fp32 masters, which transformers' own FSDP (what "
+    "--tp-size --fsdp full_shard predicts: from_pretrained(distributed_config=...)) does not")
+"""Why a file that asks accelerate (or the Trainer through it) for FSDP2 with tensor parallel is refused."""
+
+
 UNMODELLED: dict[str, str] = {
     "fp16_master_weights_and_grads": "DeepSpeed's fp16 master weights and gradients: they would be predicted in fp32",
     "tensor_parallel": "tensor parallel: it would be predicted as plain data parallel",
