@@ -98,6 +98,23 @@ def test_bad_input_is_http_400_with_one_line(live: LiveServer, params: dict[str,
     assert message in error and "\n" not in error and "Traceback" not in error
 
 
+@pytest.mark.slow  # two cold tensor parallel estimates, the page's worker's and the CLI's: 40 s on 2 cores
+def test_a_tensor_parallel_estimate_on_the_page_is_the_clis(live: LiveServer, cli, tiny_config) -> None:  # type: ignore[no-untyped-def]
+    """The page's "Tensor parallel GPUs per group" (tp_size) reaches the estimate as the CLI's --tp-size does; a size
+    the model's heads cannot take is one line on the page too."""
+    config = _config_id(live)
+    reply, _ = live.run({"view": "estimate", "config": config, "gpu": "H100", "seq_len": "64", "gpus": "2",
+                         "tp_size": "2"})
+    assert reply.status == 200, reply.body
+    expected = json.loads(cli("estimate", str(tiny_config), "--gpu", "H100", "--seq-len", "64", "--gpus", "2",
+                              "--tp-size", "2", "--json").stdout)
+    assert reply.body["view"]["result"]["memory"] == expected["memory"]
+    assert reply.body["view"]["result"]["recipe"]["tp_size"] == 2
+    bad = live.request("POST", "/api/run", {"view": "estimate", "config": config, "gpu": "H100", "seq_len": "64",
+                                            "gpus": "8", "tp_size": "8", "fsdp": "full_shard"})
+    assert bad.status == 400 and "does not divide its 4 attention heads" in bad.body["error"]
+
+
 @pytest.mark.parametrize(("kind", "name", "text", "message"), [
     ("config", "config.json", '{"model_type": "llama", "hidden_size": ', "config.json: not valid JSON (Expecting value"),
     ("config", "config.json", "[1, 2]", "config.json: a config.json must hold a JSON object"),
