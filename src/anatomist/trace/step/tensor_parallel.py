@@ -12,13 +12,16 @@ DistributedConfig(tp_size=T, fsdp_size=D))` splits it at load time (transformers
    collectives (`_c10d_functional.all_reduce`, `all_gather_into_tensor`) on fake tensors;
 3. under FSDP, transformers' own FSDP2 over the `fsdp` ranks (`apply_fully_sharded_data_parallelism`), with its
    mixed precision policy where the recipe autocasts to bfloat16 (`DistributedConfig.fsdp_mixed_precision`:
-   weights gathered in bfloat16, gradients reduced in float32).
+   weights gathered in bfloat16, gradients reduced in float32);
+4. a head tied to the input embeddings tied again (`tie_weights`): from_pretrained splits the model before it ties
+   them (`_finalize_model_loading`), so the head is split as the embeddings are, by vocabulary.
 The Trainer then trains the model as it is (it does not wrap it again) and gives each device mesh its own
 parameter group and gradient norm (`mesh_groups`, `clip_by_mesh`).
 
 Why transformers' path and not accelerate's `ParallelismConfig` with FSDP2: accelerate 1.15 prepares a tensor
 parallel model under FSDP2 with `transformers.integrations.tensor_parallel.ReplicateParallel`, which transformers
-5.24 no longer has (an ImportError); the Trainer of transformers 5.24 takes the model transformers split.
+5.24 no longer has (an ImportError); the Trainer of transformers 5.24 takes the model transformers split. A recipe
+file that asks accelerate for it is refused (`recipe.files.unmodelled.TP_UNDER_ACCELERATE_FSDP`).
 
 What the tracer sees is what the rank holds: DTensors are counted by their local shards (`fsdp.ShardedStepTracer`),
 the collectives' outputs are its buffers.
