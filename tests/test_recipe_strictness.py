@@ -232,6 +232,19 @@ def test_each_unmodelled_setting_is_one_line(tmp_path: Path, name: str, text: st
     assert str(error.value).startswith(f"{path}: {message}")
 
 
+@pytest.mark.parametrize(("name", "text", "key"), [
+    ("acc.yaml", "distributed_type: MULTI_GPU\nnum_processes: 2\nparallelism_config:\n  parallelism_config_tp_size: two\n",
+     "parallelism_config.parallelism_config_tp_size"),
+    ("args.yaml", "parallelism_config:\n  tp_size: -2\n", "parallelism_config.tp_size"),
+])
+def test_a_tensor_parallel_size_is_a_whole_number(tmp_path: Path, name: str, text: str, key: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(InputError) as error:
+        read_recipe_file(path)
+    assert str(error.value).startswith(f"{path}: {key} must be a whole number of at least 1")
+
+
 @pytest.mark.parametrize(("name", "text", "every", "offload"), [
     # transformers 5.23's activation_checkpointing_kwargs (and the deprecated gradient_checkpointing_kwargs alias)
     ("args.yaml", "activation_checkpointing: true\nactivation_checkpointing_kwargs:\n  every_n_layers: 2\n", 2, False),

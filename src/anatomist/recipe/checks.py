@@ -153,18 +153,19 @@ def check_sharding(r: RecipeFields) -> None:
                          "DeepSpeed ZeRO (zero_stage)")
 
 
-TP_NOT_MODELLED: tuple[tuple[str, str], ...] = (
-    ("zero_stage", "DeepSpeed ZeRO (its AutoTP is DeepSpeed's own tensor parallel): use --fsdp"),
-    ("peft", "LoRA/QLoRA (PEFT's adapters would add full-width outputs to the shards transformers' tp_plan leaves)"),
-    ("fp8", "FP8"),
-    ("torch_compile", "torch.compile"),
-    ("use_liger_kernel", "Liger Kernel"),
-    ("cut_cross_entropy", "Cut Cross-Entropy"),
-    ("offload", "offload"),
-    ("checkpoint_offload", "checkpoint_offload"),
-    ("activation_offloading", "activation_offloading"),
+TP_NOT_MODELLED: tuple[tuple[str, object, str], ...] = (
+    ("zero_stage", 0, "DeepSpeed ZeRO (its AutoTP is DeepSpeed's own tensor parallel): use --fsdp"),
+    ("peft", "none", "LoRA/QLoRA (PEFT's adapters would add full-width outputs to the shards transformers' tp_plan "
+                     "leaves)"),
+    ("fp8", "none", "FP8"),
+    ("torch_compile", False, "torch.compile"),
+    ("use_liger_kernel", False, "Liger Kernel"),
+    ("cut_cross_entropy", False, "Cut Cross-Entropy"),
+    ("offload", "none", "offload"),
+    ("checkpoint_offload", False, "checkpoint_offload"),
+    ("activation_offloading", False, "activation_offloading"),
 )
-"""What tensor parallel is not traced with (field, how a user names it): the first found is said."""
+"""What tensor parallel is not traced with (field, its value when off, how a user names it): the first on is said."""
 
 
 def check_tensor_parallel(r: RecipeFields) -> None:
@@ -174,9 +175,8 @@ def check_tensor_parallel(r: RecipeFields) -> None:
         raise InputError(f"tp_size must be at least 1, got {r.tp_size}")
     if r.tp_size == 1:
         return
-    defaults = {"zero_stage": 0, "peft": "none", "fp8": "none", "offload": "none"}
-    for field, name in TP_NOT_MODELLED:
-        if getattr(r, field) != defaults.get(field, False):
+    for field, off, name in TP_NOT_MODELLED:
+        if getattr(r, field) != off:
             raise InputError(f"tp_size={r.tp_size} with {name} is not modelled yet: drop one of them")
     if optimizer(r.optim).quantized_state is not None or not runs_with(r.optim, "full_shard"):
         raise InputError(f"tp_size={r.tp_size} with optim={r.optim} is not modelled: its state is not DTensors beside "
@@ -191,13 +191,14 @@ def check_tensor_parallel(r: RecipeFields) -> None:
 
 
 def check_tensor_parallel_gpus(r: RecipeFields, num_gpus: int, nodes: int = 1) -> None:
-    """The GPUs a tensor parallel recipe runs on: a multiple of tp_size, either tp_size itself or FSDP over the
-    groups (accelerate's ParallelismConfig refuses tensor parallel with plain replication: dp_replicate without
-    dp_shard), and a group within one node (its collectives are priced at the node's own bandwidth)."""
+    """The GPUs a tensor parallel recipe runs on, `num_gpus` over `nodes` machines (a whole number each,
+    `network.check_cluster`): a multiple of tp_size, either tp_size itself or FSDP over the groups (accelerate's
+    ParallelismConfig refuses tensor parallel with plain replication: dp_replicate without dp_shard), and a group
+    within one node (its collectives are priced at the node's own bandwidth)."""
     if r.tp_size == 1:
         return
-    if r.tp_size > num_gpus // max(nodes, 1):
-        raise InputError(f"tp_size={r.tp_size} is more than a node's {num_gpus // max(nodes, 1)} GPU(s): tensor "
+    if r.tp_size > num_gpus // nodes:
+        raise InputError(f"tp_size={r.tp_size} is more than a node's {num_gpus // nodes} GPU(s): tensor "
                          "parallel across nodes is not modelled (its all-reduces would cross the network)")
     if num_gpus % r.tp_size:
         raise InputError(f"tp_size={r.tp_size} does not divide the {num_gpus} GPUs: the GPUs are tp_size x the "

@@ -26,7 +26,15 @@ from typing import Any
 from anatomist.errors import InputError
 from anatomist.recipe.files.deepspeed import read_deepspeed
 from anatomist.recipe.files.known import refuse_unknown
-from anatomist.recipe.files.reading import Reading, fsdp_mode, fsdp_offload, load_mapping, referenced_file, zero_offload
+from anatomist.recipe.files.reading import (
+    Reading,
+    fsdp_mode,
+    fsdp_offload,
+    load_mapping,
+    referenced_file,
+    tensor_parallel_size,
+    zero_offload,
+)
 from anatomist.recipe.files.unmodelled import TP_UNDER_ACCELERATE_FSDP, refuse_unmodelled
 
 MARKERS = ("compute_environment", "distributed_type")
@@ -105,15 +113,14 @@ def _parallelism(section: dict[str, Any], file: str) -> None:
                 refuse_unmodelled(setting, file, f"parallelism_config.{written}", section[written])
 
 
-def _tp_size(section: dict[str, Any], reading: Reading, file: str) -> None:
-    """parallelism_config's tensor parallel size (either spelling), as the recipe's tp_size."""
-    for written in (TP_SIZE, TP_SIZE.removeprefix("parallelism_config_")):
-        if written in section:
-            value = section[written]
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InputError(f"{file}: parallelism_config.{written} must be a whole number of at least 1, "
-                                 f"got {value!r}")
-            reading.set("tp_size", value, file, f"parallelism_config.{written}")
+def _tp_size(section: Any, reading: Reading, file: str) -> Any:
+    """parallelism_config's tensor parallel size (either spelling) as the recipe's tp_size; the rest of the section."""
+    if not isinstance(section, dict):
+        return section
+    spellings = (TP_SIZE, TP_SIZE.removeprefix("parallelism_config_"))
+    for written in (w for w in spellings if w in section):
+        tensor_parallel_size(reading, section[written], file, f"parallelism_config.{written}")
+    return {k: v for k, v in section.items() if k not in spellings}
 
 
 @cache
@@ -136,9 +143,7 @@ def read_accelerate(data: dict[str, Any], reading: Reading, file: str) -> None:
     defaults = cluster_defaults()
     for key, value in data.items():
         if key == "parallelism_config":
-            _tp_size(value if isinstance(value, dict) else {}, reading, file)
-            rest = {k: v for k, v in (value or {}).items() if k not in (TP_SIZE, "tp_size")} if isinstance(value, dict) else value
-            reading.skip(key, rest, {})
+            reading.skip(key, _tp_size(value, reading, file), {})
         elif key == "mixed_precision":
             _precision(value, data.get("fp8_config") or {}, reading, file)
         elif key == "fp8_config" and str(data.get("mixed_precision", "")).lower() == "fp8" and isinstance(value, dict):

@@ -27,7 +27,14 @@ from anatomist.recipe import Recipe
 from anatomist.recipe.files.deepspeed import read_deepspeed
 from anatomist.recipe.files.known import TRAINER_CLASSES, historical_fields, refuse_unknown
 from anatomist.recipe.files.known import TRL_CLASSES as TRL_HISTORY
-from anatomist.recipe.files.reading import Reading, fsdp_mode, fsdp_offload, load_mapping, referenced_file
+from anatomist.recipe.files.reading import (
+    Reading,
+    fsdp_mode,
+    fsdp_offload,
+    load_mapping,
+    referenced_file,
+    tensor_parallel_size,
+)
 from anatomist.recipe.files.unmodelled import TP_UNDER_ACCELERATE_FSDP, refuse_unmodelled
 
 RECIPE_FIELDS = frozenset(f.name for f in dataclasses.fields(Recipe))
@@ -192,11 +199,8 @@ def _tp_size(data: dict[str, Any], reading: Reading, file: str) -> None:
     config = data.get("parallelism_config")
     for key, value in (("tp_size", data.get("tp_size")),
                        ("parallelism_config.tp_size", config.get("tp_size") if isinstance(config, dict) else None)):
-        if value in (None, 0):
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise InputError(f"{file}: {key} must be a whole number of at least 1, got {value!r}")
-        reading.set("tp_size", value, file, key)
+        if value not in (None, 0):
+            tensor_parallel_size(reading, value, file, key)
     if "parallelism_config" in data:
         rest = {k: v for k, v in config.items() if k != "tp_size"} if isinstance(config, dict) else config
         reading.skip("parallelism_config", rest, {})
