@@ -67,6 +67,7 @@ def test_fp8_step_matches_pytorchs_accounting(tiny_model, counted_as_on_cuda, fp
     assert predicted.optimizer_states == pytest.approx(after["OPT"], rel=0.05)
 
 
+@pytest.mark.slow  # 8-9 s on 2 cores: the default suite's time
 def test_the_trace_multiplies_in_fp8_where_accelerate_converts(tiny_model):
     workload = load_workload(str(tiny_model("llama", num_hidden_layers=3)), seq_len=64)
     recipe = Recipe(per_device_train_batch_size=2, dtype="float32", bf16=True, fp8="tensorwise").resolved(workload)
@@ -81,6 +82,7 @@ def test_the_trace_multiplies_in_fp8_where_accelerate_converts(tiny_model):
     assert (forward, backward) == (len(converted), 2 * len(converted))  # the output; then grad input and grad weight
 
 
+@pytest.mark.slow  # 8-9 s on 2 cores: the default suite's time
 def test_the_fp8_products_run_at_the_fp8_peak(tiny_model):
     """The same FP8 step on an H100 whose FP8 peak were its bf16 one: its products take longer, the rest no time more."""
     workload = load_workload(str(tiny_model("llama", num_hidden_layers=3)), seq_len=64)

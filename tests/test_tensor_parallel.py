@@ -31,6 +31,7 @@ def llama(tiny_model):
     return path, load_workload(str(path), seq_len=SEQ)
 
 
+@pytest.mark.slow  # 8 s on 2 cores (a one-device and a tensor parallel estimate): the default suite's time
 def test_a_rank_holds_its_shards_of_the_split_layers(llama):
     """Two ranks hold half of each split weight (every linear layer of the blocks, the embeddings and the head) and all
     of the norms: the weights traced at the peak are those bytes, as transformers' tp_plan splits them."""
