@@ -305,6 +305,8 @@ def measure(config: str, seq_len: int, batch: int, world: int, case: dict[str, A
     batches = [make_batch(workload, batch) for _ in range(accumulation)]
     blocks = [m for name, m in model.named_modules() if re.fullmatch(r"(.+\.)?layers\.\d+", name)]
 
+    deferred = [0]  # FSDP's own unsharded gradients kept between micro-batches, this rank's bytes
+
     def step(moments: Any) -> None:
         """One step, telling `moments` (the tracker) where it is."""
         for micro, inputs in enumerate(batches):
@@ -316,6 +318,8 @@ def measure(config: str, seq_len: int, batch: int, world: int, case: dict[str, A
                 loss = model(**inputs).loss
             moments.phase, moments.segment, moments.block = "backward", "post", -1
             (loss / accumulation).backward()
+            if fsdp and micro < accumulation - 1:
+                deferred[0] = max(deferred[0], _deferred_gradient_bytes(model))
         moments.phase, moments.segment, moments.micro_step, moments.block = "optimizer", "pre", 0, -1  # clipping too
         if fsdp:
             model.set_requires_gradient_sync(True)
@@ -335,7 +339,26 @@ def measure(config: str, seq_len: int, batch: int, world: int, case: dict[str, A
             for handle in handles:
                 handle.remove()
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-    return {"peak": _snapshot(peak), "peak_moment": tracker.peak_moment, "moments": tracker.moments}
+    return {"peak": _snapshot(peak), "peak_moment": tracker.peak_moment, "moments": tracker.moments,
+            "deferred_gradients": deferred[0]}
+
+
+def _deferred_gradient_bytes(model: Any) -> int:
+    """Bytes of the gradients FSDP2 holds unsharded between micro-batches in its reduce dtype (its FSDPParams'
+    `unsharded_accumulated_grad`, read off the real objects), this rank's part of each."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        if group is not None:
+            for param in group.fsdp_params:
+                grad = param.unsharded_accumulated_grad
+                if grad is not None:
+                    local = grad.to_local() if isinstance(grad, DTensor) else grad
+                    total += local.untyped_storage().nbytes()
+    return total
 
 
 def _rank(rank: int, world: int, address: str, args: argparse.Namespace, out: str) -> None:

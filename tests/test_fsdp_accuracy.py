@@ -83,6 +83,8 @@ TP_CASES = {  # tensor parallel as transformers splits the model at load time (a
                                            "gradient_checkpointing": True},
     "fsdp+tp": {"fsdp": "full_shard", "tp": 2},
     "fsdp+tp+bf16": {"fsdp": "full_shard", "tp": 2, "bf16": True},
+    # the Trainer defers the groups' reduce-scatter to the last micro-batch: fp32 unsharded gradients meanwhile
+    "fsdp+tp+bf16+accumulation": {"fsdp": "full_shard", "tp": 2, "bf16": True, "accumulation": 2},
 }
 CATEGORIES = {
     "weights": ("SHARDED_PARAM", "UNSHARDED_PARAM", "BUFFER"),
@@ -133,6 +135,8 @@ def _check(workload, name: str, world: int, ranks: list[dict]) -> None:
         at = measured["moments"][_named(moment)]  # FSDPMemTracker's highest snapshot within the same moment
         assert peak == pytest.approx(at["Total"], rel=0.01), (name, _named(moment), peak, at)
         want = {c: sum(at[k] for k in kinds) for c, kinds in CATEGORIES.items()}
+        if moment.micro_step >= 1 and "backward" in _named(moment):  # FSDPMemTracker's TEMP, anatomist's gradients
+            want["gradients"] += measured["deferred_gradients"]
         for category in ("weights", "optimizer_states", "functionality"):  # see the module docstring
             assert got[category] == pytest.approx(want[category], rel=0.01), (name, _named(moment), got, want)
         # An unsharded gradient not yet reduce-scattered: a gradient here, FSDPMemTracker's TEMP.
@@ -238,7 +242,9 @@ def test_tensor_parallel_with_the_head_tied_to_the_embeddings(tmp_path):
 @pytest.mark.slow
 def test_tensor_parallel_under_fsdp(tiny_model):
     """Tensor parallel 2 x transformers' FSDP 2 (world 4, fake process group), measured by FSDPMemTracker as every
-    FSDP case is (`_check`): peaks -0.00% (fp32) and -0.03% (bf16)."""
+    FSDP case is (`_check`): peaks -0.00% (fp32) and -0.03% (bf16). With two micro-batches in bf16 the Trainer keeps
+    the groups' gradients unsharded in fp32 until the last (`_defer_fsdp_gradient_reduction`): within the 3% too, and
+    those gradients the bytes of FSDP's own `unsharded_accumulated_grad` tensors (FSDPMemTracker counts them TEMP)."""
     llama = _tiny(tiny_model, 128)
     names = [n for n, case in TP_CASES.items() if case["fsdp"] != "none"]
     measured = _measured(llama.path, 4, "fake", names)

@@ -213,6 +213,17 @@ def gradient_sync(model: torch.nn.Module, sync: bool) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
+def accumulated_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The gradients FSDP2 keeps unsharded between micro-batches (`gradient_sync`) in its reduce dtype where that is
+    not the parameters' (`FSDPParam.unsharded_accumulated_grad`: fp32 beside bf16 weights), this rank's part of each."""
+    grads = []
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        grads += [_local(p.unsharded_accumulated_grad) for p in group.fsdp_params if p.unsharded_accumulated_grad
+                  is not None] if group is not None else []
+    return grads
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (what this rank holds); any other tensor itself."""
     if isinstance(tensor, DTensor):
@@ -326,11 +337,13 @@ class ShardedStepTracer(StepTracer):
 
     def watching(self, model: torch.nn.Module) -> ShardedStepTracer:
         """This tracer, labelling as gradients what autograd accumulates into the unsharded parameters of
-        each unit of `model` (each forward pre-hook runs after FSDP's own, which has unsharded the unit)."""
+        each unit of `model` (each forward pre-hook runs after FSDP's own, which has unsharded the unit; under
+        tensor parallel an unsharded parameter is still a DTensor, of its tensor parallel group)."""
+        sharded = {id(param) for param in model.parameters()}
 
         def hook(module: torch.nn.Module, *_: Any) -> None:
             for param in module.parameters():
-                if not isinstance(param, DTensor) and param.requires_grad and id(param) not in self._hooked:
+                if id(param) not in sharded and param.requires_grad and id(param) not in self._hooked:
                     self._hooked.add(id(param))
                     param.register_post_accumulate_grad_hook(self._grad_hook)
 
@@ -341,7 +354,7 @@ class ShardedStepTracer(StepTracer):
 
     def _grad_hook(self, param: torch.Tensor) -> None:
         if param.grad is not None:
-            StepTracer.label_live(self, [param.grad], MemoryCategory.GRADIENTS)
+            StepTracer.label_live(self, [_local(param.grad)], MemoryCategory.GRADIENTS)
 
     def __enter__(self) -> ShardedStepTracer:
         self._entry_mode = active_fake_mode()

@@ -89,7 +89,8 @@ def forward_backward(
                 loss = loss * scale
             loss.backward()
             del loss
-        tracer.label_live([p.grad for p in params if p.grad is not None], MemoryCategory.GRADIENTS)
+        tracer.label_live([p.grad for p in params if p.grad is not None] + sharded.accumulated_gradients(model),
+                          MemoryCategory.GRADIENTS)
 
 
 def _offloading(model: torch.nn.Module, recipe: ResolvedRecipe, tracer: StepTracer, batch_size: int) -> Any:
