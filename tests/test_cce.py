@@ -159,7 +159,7 @@ def test_the_plan_s_reasons_compare_only_recipes_that_can_run_cce() -> None:
     gpu = get_gpu("RTX-4090")
     space = SearchSpace(fixed={"cut_cross_entropy": True}).for_workload(workload.model_type, workload.task)
     recipe = Recipe(dtype="bfloat16", bf16=True, cut_cross_entropy=True).resolved(workload)
-    alternatives = {axis: alts(recipe) for axis, _, alts in _axes(space, gpu)}
+    alternatives = {axis: alts(recipe) for axis, _, alts in _axes(space, gpu, workload)}
     assert alternatives["precision"] == []  # the other precisions searched keep fp32 weights (bf16, fp16 autocast)
     assert alternatives["Liger Kernel"] == []
     assert alternatives["optimizer"]  # the axes CCE allows still compare

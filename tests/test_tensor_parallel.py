@@ -113,10 +113,96 @@ def test_a_model_without_a_plan_is_refused(cli, tiny_model):
     assert "no tensor parallel plan (base_model_tp_plan)" in result.stderr
 
 
-def test_plan_says_it_does_not_search_tensor_parallel(cli, llama, tmp_path):
+def test_plan_says_it_does_not_hold_a_tensor_parallel_size_fixed(cli, llama, tmp_path):
     path, _ = llama
     recipe = tmp_path / "args.yaml"
     recipe.write_text("per_device_train_batch_size: 1\nparallelism_config:\n  tp_size: 2\n")
     result = cli("plan", str(path), "--seq-len", str(SEQ), "--gpu", "H100", "--gpus", "2", "--recipe", str(recipe))
     assert result.returncode == 2
-    assert "plan does not search with tensor parallel yet (tp_size=2)" in result.stderr
+    assert "plan does not hold a tensor parallel size fixed yet (tp_size=2)" in result.stderr
+
+
+# -- plan: tensor parallel tried where nothing fits without it, and written for the Trainer --------------------------
+
+WIDE = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "vocab_size": 512, "dtype": "bfloat16"}
+"""A Llama whose weights outweigh its activations (a small vocabulary: no logits to speak of), loaded in bfloat16."""
+
+
+def test_the_plan_tries_the_group_sizes_the_model_and_the_nodes_allow(llama, tiny_model):
+    from anatomist.plan.space import SearchSpace, tensor_parallel_sizes
+
+    wide = load_workload(str(tiny_model("llama", **WIDE)), seq_len=SEQ)
+    assert tensor_parallel_sizes(SearchSpace(num_gpus=8), wide) == [2, 4, 8]
+    assert tensor_parallel_sizes(SearchSpace(num_gpus=8, nodes=2), wide) == [2, 4]  # a group within a node
+    assert tensor_parallel_sizes(SearchSpace(num_gpus=12), wide) == [2, 4]  # 8 does not divide 12 GPUs
+    assert tensor_parallel_sizes(SearchSpace(num_gpus=8), llama[1]) == [2]  # its 2 key/value heads split no further
+    assert tensor_parallel_sizes(SearchSpace(num_gpus=8, tensor_parallel=False), wide) == []
+    assert tensor_parallel_sizes(SearchSpace(num_gpus=1), wide) == []
+    bert = load_workload(str(tiny_model("bert")), seq_len=32)
+    assert tensor_parallel_sizes(SearchSpace(num_gpus=8), bert) == []  # no tp_plan
+
+
+def test_an_emit_target_that_cannot_say_tensor_parallel_leaves_it_out_of_the_search():
+    from anatomist.cli import build_parser
+    from anatomist.cli.requests import plan_request
+
+    def request(*flags: str):
+        return plan_request(build_parser().parse_args(["plan", "Llama-3.2-1B", "--gpu", "H100", *flags]))
+
+    assert not request().no_tensor_parallel
+    assert not request("--emit", "trainer").no_tensor_parallel
+    assert request("--emit", "accelerate").no_tensor_parallel
+    assert request("--no-tensor-parallel").no_tensor_parallel
+
+
+def test_a_tensor_parallel_recipe_is_written_as_transformers_loads_it(tmp_path):
+    """The Trainer's snippet loads the model with transformers' own DistributedConfig (rebuilt here from the snippet's
+    call), the TrainingArguments hold no FSDP of accelerate's (transformers shards the groups as it loads), and the
+    files that cannot say it refuse in one line."""
+    import ast
+    import json
+
+    from transformers import DistributedConfig, TrainingArguments
+
+    from anatomist.errors import InputError
+    from anatomist.plan.emit import launch_warnings, render, write
+
+    recipe = Recipe(per_device_train_batch_size=2, bf16=True, fsdp="full_shard", tp_size=2)
+    args, snippet, *_ = write(recipe, "trainer", tmp_path / "args.json", 8, model="meta-llama/Llama-3.1-8B",
+                              task="causal-lm")
+    kwargs = json.loads(args.read_text())
+    assert "fsdp" not in kwargs and "fsdp_config" not in kwargs
+    TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", **kwargs)
+    calls = [node for node in ast.walk(ast.parse(snippet.read_text()))
+             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "DistributedConfig"]
+    config = DistributedConfig(**{k.arg: ast.literal_eval(k.value) for k in calls[0].keywords})
+    assert (config.tp_size, config.fsdp_size, config.fsdp_mixed_precision) == (2, 4, True)
+    assert "distributed_config=distributed_config" in snippet.read_text()
+    assert any("from_pretrained(distributed_config=...)" in w for w in launch_warnings(recipe, "trainer"))
+    for target in ("accelerate", "deepspeed", "trl"):
+        with pytest.raises(InputError, match="only --emit trainer writes"):
+            render(recipe, target, 8)
+
+
+@pytest.mark.slow  # 35-60 s on 2 cores: tensor parallel ranks of a 2048-wide model traced at two world sizes
+def test_the_plan_picks_tensor_parallel_where_nothing_fits_without_it(tiny_model):
+    """On 4 GPUs whose memory lies between what tensor parallel 2 x FSDP 2 and accelerate's FSDP over 4 need (the
+    former trains the bfloat16 model in bfloat16, the latter upcasts it to fp32 masters), the plan splits the
+    recipes that do not fit, picks a split one, and says why in its sharding line."""
+    from dataclasses import replace
+
+    from anatomist.plan import SearchSpace, plan
+
+    wide = load_workload(str(tiny_model("llama", **WIDE, max_position_embeddings=2048)), seq_len=2048)
+    space = {"global_batch_size": 4, "num_gpus": 4, "optims": ("adamw_torch",), "compile_options": (False,),
+             "liger_options": (False,), "shardings": ("fsdp_full_shard",), "offload_checkpoints": False,
+             "partial_checkpointing": (), "precisions": ("bf16-weights",)}
+    unsplit = plan(wide, GPU, space=SearchSpace(**space, tensor_parallel=False), margin=0.0, objective="memory")
+    smallest = min(c.device_total_high for c in unsplit.candidates)
+    small_gpu = replace(GPU, memory_bytes=smallest - 2**29)
+    result = plan(wide, small_gpu, space=SearchSpace(**space), margin=0.0)
+    assert result.best.recipe.tp_size == 2 and result.best.fits
+    assert result.best.recipe.per_device_train_batch_size * result.best.recipe.gradient_accumulation_steps == 2
+    sharding = next(line for line in result.best.reasons if line.startswith("sharding"))
+    assert sharding.startswith("sharding fsdp_full_shard+tp2") and "fsdp_full_shard at 1 x 1 would not fit" in sharding

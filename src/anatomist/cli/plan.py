@@ -72,6 +72,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     search.add_argument("--no-liger-kernel", action="store_true",
                         help="do not consider Liger Kernel (searched by default for the causal LMs whose kernels "
                              "anatomist traces)")
+    search.add_argument("--no-tensor-parallel", action="store_true",
+                        help="do not try tensor parallel (tried on more GPUs than one where the recipes without it "
+                             "do not fit, for models with a tp_plan; only --emit trainer writes it)")
     llm = p.add_argument_group("the trainer (kept as given, not searched)")
     llm.add_argument("--trainer", choices=TRAINERS, default=None,
                      help="transformers' Trainer (default), TRL's SFTTrainer (sft) or DPOTrainer (dpo)")
@@ -170,8 +173,9 @@ def _search(request: PlanRequest, *, one_size: bool = False) -> tuple[Any, Any, 
     source = read_recipe_source(request.recipe_file)
     fixed = dict(source.fields) if source else {}
     if fixed.get("tp_size", 1) > 1:
-        raise InputError(f"{source.path if source else 'the recipe'}: plan does not search with tensor parallel yet "
-                         f"(tp_size={fixed['tp_size']}): estimate it with `anatomist estimate --recipe`")
+        raise InputError(f"{source.path if source else 'the recipe'}: plan does not hold a tensor parallel size fixed "
+                         f"yet (tp_size={fixed['tp_size']}); it tries tensor parallel itself where nothing fits without "
+                         "it: drop the size from the file, or estimate it with `anatomist estimate --recipe`")
     check_cce_gpu(bool(fixed.get("cut_cross_entropy")), gpu)
     methods = ("full", *dict.fromkeys(added))
     if source and {"peft", "load_in_4bit", "load_in_8bit"} & set(fixed):
@@ -190,7 +194,7 @@ def _search(request: PlanRequest, *, one_size: bool = False) -> tuple[Any, Any, 
     space = SearchSpace(
         global_batch_size=request.global_batch_size, num_gpus=num_gpus, nodes=nodes, network=request.devices.network,
         optims=optims, compile_options=(False,) if request.no_compile else (False, True),
-        liger_options=(False,) if request.no_liger_kernel else None,
+        liger_options=(False,) if request.no_liger_kernel else None, tensor_parallel=not request.no_tensor_parallel,
         precisions=precisions, shardings=shardings, methods=methods, base=Recipe(**lora, **trainer), fixed=fixed,
     )
     from anatomist.estimate.time.cluster import predict_time

@@ -134,6 +134,9 @@ class PlanRequest:
     """Sharding options searched (None: all those of the GPU count)."""
     no_compile: bool = False
     no_liger_kernel: bool = False
+    no_tensor_parallel: bool = False
+    """Do not try tensor parallel (`SearchSpace.tensor_parallel`): --no-tensor-parallel, or an --emit target other
+    than trainer, whose files cannot say it (transformers sets it at load time)."""
     peft: tuple[str, ...] = ()
     """Methods searched beside full fine-tuning: lora and/or qlora."""
     lora: dict[str, Any] = field(default_factory=dict)
@@ -176,7 +179,8 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
         memory_margin=args.memory_margin, optims=split_names(args.optims),
         precisions=None if args.precisions is None else split_names(args.precisions),
         shardings=None if args.shardings is None else split_names(args.shardings), no_compile=args.no_compile,
-        no_liger_kernel=args.no_liger_kernel, peft=split_names(args.peft), lora=_given(args, LORA_FIELDS),
+        no_liger_kernel=args.no_liger_kernel,
+        no_tensor_parallel=args.no_tensor_parallel or args.emit not in (None, "trainer"), peft=split_names(args.peft), lora=_given(args, LORA_FIELDS),
         trainer=_given(args, TRAINER_FIELDS), calibration=args.calibration, no_cache=args.no_cache,
     )
 

@@ -23,7 +23,7 @@ from anatomist.axes.shardings import DEEPSPEED_SETTINGS, FSDP2_ACCELERATE, insta
 from anatomist.errors import InputError
 from anatomist.estimate.sharding import overlap_comm
 from anatomist.recipe import Recipe
-from anatomist.recipe.spellings import bnb_config, lora_config, trainer_kwargs, trl_config
+from anatomist.recipe.spellings import bnb_config, distributed_config_kwargs, lora_config, trainer_kwargs, trl_config
 
 Target = Literal["trainer", "accelerate", "deepspeed", "trl"]
 TARGETS: tuple[str, ...] = ("trainer", "accelerate", "deepspeed", "trl")
@@ -103,7 +103,8 @@ def trainer_snippet(recipe: Recipe, num_gpus: int = 1, *, model: str = "MODEL",
     kwargs = trainer_kwargs(recipe)
     auto = AUTO_CLASSES[task]
     bnb, lora = bnb_config(recipe), lora_config(recipe, task)
-    imports = [auto, "TrainingArguments"] + (["BitsAndBytesConfig"] if bnb else [])
+    imports = ([auto, "TrainingArguments"] + (["BitsAndBytesConfig"] if bnb else [])
+               + (["DistributedConfig"] if recipe.tp_size > 1 else []))
     lines = []
     if lora:
         helpers = ["LoraConfig", "get_peft_model"] + (["prepare_model_for_kbit_training"] if bnb else [])
@@ -120,6 +121,9 @@ def trainer_snippet(recipe: Recipe, num_gpus: int = 1, *, model: str = "MODEL",
     if bnb:
         lines.append(f"quantization_config = BitsAndBytesConfig({_call_args(bnb)})")
         load += ", quantization_config=quantization_config"
+    if recipe.tp_size > 1:  # split (and under FSDP sharded) by transformers as it loads: the Trainer keeps it so
+        lines.append(f"distributed_config = DistributedConfig({_call_args(distributed_config_kwargs(recipe, num_gpus))})")
+        load += ", distributed_config=distributed_config"
     lines.append(f"model = {auto}.from_pretrained({model!r}, {load})")
     if recipe.cut_cross_entropy:
         lines.append("model = cce_patch(model)  # Cut Cross-Entropy: the loss without the logits")
@@ -206,6 +210,10 @@ def launch_warnings(recipe: Recipe, target: str) -> list[str]:
     if recipe.trainer == "trainer" and target == "trl":
         warnings.append("--emit trl writes the YAML `trl sft` runs: TRL's SFTTrainer, whose fused LM head never holds "
                         "the logits, where this recipe is transformers' Trainer; plan with --trainer sft for its figures")
+    if recipe.tp_size > 1:
+        warnings.append(f"tensor parallel {recipe.tp_size}" + (" and the FSDP over its groups" if recipe.fsdp != "none"
+                        else "") + " are set as the model loads: the .py's from_pretrained(distributed_config=...), "
+                        "launched with torchrun on every GPU; TrainingArguments alone would train without them")
     if recipe.fp8 != "none" and target in ("trainer", "trl"):
         warnings.append("fp8 is accelerate's mixed precision: launch with `accelerate launch --mixed_precision fp8` "
                         "(or an accelerate config from --emit accelerate); bf16 stays False here, as set it would "
@@ -318,6 +326,9 @@ def render(recipe: Recipe, target: str, num_gpus: int = 1, *, model: str = "MODE
            nodes: int = 1, prompt_len: int = 0, deepspeed: str = "ds_config.json", name: str = "FILE") -> str:
     """The text of `target` for `recipe`; `deepspeed`: the ds_config a ZeRO recipe's trainer or TRL file names,
     `name`: the TRL file's own name, for the command atop it; `prompt_len`: DPO's prompt tokens, said there."""
+    if recipe.tp_size > 1 and target != "trainer":
+        raise InputError(f"--emit {target}: tensor parallel is set where transformers loads the model "
+                         "(from_pretrained(distributed_config=...)), which only --emit trainer writes")
     if target == "trl":
         config = trl_config(recipe, model=model, seq_len=seq_len, deepspeed=deepspeed)
         return trl_header(recipe, name, prompt_len) + yaml.safe_dump(config, sort_keys=False)

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from anatomist.anatomy import GIB, MIB
 from anatomist.axes.optimizers import runs_with
 from anatomist.axes.precisions import precision
-from anatomist.errors import InputError
 from anatomist.estimate.traces import prefetch
 from anatomist.hardware import GPU
 from anatomist.plan.candidates import HEADROOM_STEP, SPEED_TIE, Candidate, Evaluator, smallest_fitting_gpu
@@ -25,6 +24,8 @@ from anatomist.plan.space import (
     checkpointing_alternatives,
     method_of,
     searched_precisions,
+    tensor_parallel_sizes,
+    valid,
 )
 from anatomist.recipe import ResolvedRecipe
 from anatomist.recipe.axis_values import precision_of, sharding_of
@@ -54,15 +55,45 @@ def _compare(best: Candidate, alt_label: str, alt: Candidate, limit: int) -> str
 
 def _if_valid(label: str, recipe: ResolvedRecipe, **changes: object) -> list[tuple[str, ResolvedRecipe]]:
     """[(label, `recipe` with `changes`)], or [] where the changes make a recipe anatomist refuses (fp32 weights or
-    Liger beside Cut Cross-Entropy): no alternative to compare."""
-    try:
-        return [(label, recipe.replace(**changes))]
-    except InputError:
-        return []
+    Liger beside Cut Cross-Entropy, an offload under tensor parallel): no alternative to compare."""
+    return [(label, r) for r in valid(recipe, **changes)]
 
 
-def _axes(space: SearchSpace, gpu: GPU, sdpa: bool = True) -> list[tuple[str, Callable[[ResolvedRecipe], str],
-                                                                        Alternatives]]:
+def _group_batch(recipe: ResolvedRecipe, space: SearchSpace, tp_size: int) -> dict[str, int]:
+    """The batch pair of `recipe` for groups of `tp_size` GPUs (1: each GPU its own batch) at the same global batch:
+    its per-device batch where the groups' share allows it, else the largest that does."""
+    options = space.batch_options(tp_size)
+    b = recipe.per_device_train_batch_size
+    batch, accumulation = max((o for o in options if o[0] <= b), default=options[0], key=lambda o: o[0])
+    return {"per_device_train_batch_size": batch, "gradient_accumulation_steps": accumulation}
+
+
+def _with_batch(name: str, alternative: ResolvedRecipe, recipe: ResolvedRecipe) -> str:
+    """`name`, and the alternative's batch pair where it is not `recipe`'s (another tensor parallel group size)."""
+    pair = (alternative.per_device_train_batch_size, alternative.gradient_accumulation_steps)
+    same = pair == (recipe.per_device_train_batch_size, recipe.gradient_accumulation_steps)
+    return name if same else f"{name} at {pair[0]} x {pair[1]}"
+
+
+def _sharding_alternatives(r: ResolvedRecipe, space: SearchSpace, workload: Workload) -> list[tuple[str, ResolvedRecipe]]:
+    """The other shardings; for a tensor parallel pick also the other group sizes, each at the same global batch
+    (`_group_batch`)."""
+    base = {"zero_stage": 0, "offload": "none", "fsdp": "none", "tp_size": 1}
+    alts = [(_with_batch(name, v, r), v) for spec in space.sharding_options(method_of(r))
+            if spec.name != sharding_of(r, space.num_gpus) and runs_with(r.optim, spec.fsdp)
+            for name, v in _if_valid(spec.name, r, **{**base, **spec.fields, **_group_batch(r, space, 1)})]
+    if r.tp_size == 1:
+        return alts
+    for size in tensor_parallel_sizes(space, workload):
+        fields = {**base, "fsdp": "full_shard" if space.num_gpus > size else "none", "tp_size": size}
+        if size != r.tp_size:
+            alts += [(_with_batch(sharding_of(v, space.num_gpus), v, r), v)
+                     for v in valid(r, **fields, **_group_batch(r, space, size))]
+    return alts
+
+
+def _axes(space: SearchSpace, gpu: GPU, workload: Workload) -> list[tuple[str, Callable[[ResolvedRecipe], str],
+                                                                      Alternatives]]:
 
     def method_alts(r: ResolvedRecipe) -> list[tuple[str, ResolvedRecipe]]:
         """The other methods, at their own precision nearest to `r`'s (QLoRA has one)."""
@@ -72,25 +103,18 @@ def _axes(space: SearchSpace, gpu: GPU, sdpa: bool = True) -> list[tuple[str, Ca
                 continue
             precisions = searched_precisions(space, gpu, m)
             name = precision_of(r) if precision_of(r) in precisions else precisions[-1]
-            alts.append((m, r.replace(**{**METHODS[m], **precision(name).fields})))
+            alts += _if_valid(m, r, **{**METHODS[m], **precision(name).fields})
         return alts
 
     def batch_alts(r: ResolvedRecipe) -> list[tuple[str, ResolvedRecipe]]:
         return [
             (f"batch {b} x {a}", r.replace(per_device_train_batch_size=b, gradient_accumulation_steps=a))
-            for b, a in space.batch_options()
+            for b, a in space.batch_options(r.tp_size)
             if b != r.per_device_train_batch_size
         ]
 
-    def sharding_alts(r: ResolvedRecipe) -> list[tuple[str, ResolvedRecipe]]:
-        base = {"zero_stage": 0, "offload": "none", "fsdp": "none"}
-        return [
-            (spec.name, r.replace(**{**base, **spec.fields}))  # type: ignore[arg-type]
-            for spec in space.sharding_options(method_of(r))
-            if spec.name != sharding_of(r, space.num_gpus) and runs_with(r.optim, spec.fsdp)
-        ]
-
     # a model without SDPA (transformers' default is eager there) has no fused attention to compare with
+    sdpa = workload.default_attention() == "sdpa"
     attn = ["eager"] + (["sdpa"] + (["flash_attention_2"] if float(gpu.compute_capability) >= 8.0 else []) if sdpa else [])
     return [
         ("fine-tuning", method_of, method_alts),
@@ -101,17 +125,16 @@ def _axes(space: SearchSpace, gpu: GPU, sdpa: bool = True) -> list[tuple[str, Ca
          lambda r: [alt for p in searched_precisions(space, gpu, method_of(r)) if p != precision_of(r)
                     for alt in _if_valid(p, r, **precision(p).fields)]),
         ("optimizer", lambda r: r.optim,
-         lambda r: [(o, r.replace(optim=o)) for o in space.optims
-                    if o != r.optim and runs_with(o, r.fsdp)]),
+         lambda r: [alt for o in space.optims if o != r.optim and runs_with(o, r.fsdp) for alt in _if_valid(o, r, optim=o)]),
         ("attention", lambda r: r.attn_implementation,
          lambda r: [(a, r.replace(attn_implementation=a)) for a in attn
                     if a != r.attn_implementation and (a != "flash_attention_2" or r.mixed_precision != "no")]
          if not r.padding_free else []),  # padding-free rows need the varlen kernel
         ("torch.compile", lambda r: "on" if r.torch_compile else "off",
-         lambda r: [("on" if not r.torch_compile else "off", r.replace(torch_compile=not r.torch_compile))]
+         lambda r: _if_valid("on" if not r.torch_compile else "off", r, torch_compile=not r.torch_compile)
          if len(space.compile_options) > 1 and not r.use_liger_kernel else []),  # compile over Liger: not traced
 
-        ("sharding", lambda r: sharding_of(r, space.num_gpus), sharding_alts),
+        ("sharding", lambda r: sharding_of(r, space.num_gpus), lambda r: _sharding_alternatives(r, space, workload)),
         ("Liger Kernel", lambda r: "on" if r.use_liger_kernel else "off",
          lambda r: _if_valid("on" if not r.use_liger_kernel else "off", r, use_liger_kernel=not r.use_liger_kernel)
          if len(space.liger_options or ()) > 1 and not r.torch_compile else []),
@@ -125,7 +148,7 @@ def explain(best: Candidate, evaluate: Evaluator, space: SearchSpace, objective:
     headroom or simplicity: the line says which."""
     reasons = []
     goal = "fastest" if objective == "throughput" else "smallest"
-    axes = [(axis, label, alternatives(best.recipe)) for axis, label, alternatives in _axes(space, evaluate.gpu, evaluate.workload.default_attention() == "sdpa")]
+    axes = [(axis, label, alternatives(best.recipe)) for axis, label, alternatives in _axes(space, evaluate.gpu, evaluate.workload)]
     every_alternative = [recipe for _, _, named in axes for _, recipe in named]
     prefetch(evaluate.workload, every_alternative, evaluate.gpu.compute_capability,  # traced side by side
              num_gpus=evaluate.num_gpus)
@@ -183,7 +206,7 @@ def explain_infeasible(
         options.append(f"a GPU with more memory ({larger.name}, {_gib(larger.memory_bytes)})")
     from anatomist.estimate.memory import estimate_memory
 
-    sharded = smallest.recipe.replace(zero_stage=3, offload="cpu", fsdp="none").resolved(workload)
+    sharded = smallest.recipe.replace(zero_stage=3, offload="cpu", fsdp="none", tp_size=1).resolved(workload)
     for n in (2, 4, 8, 16, 32, 64):
         total = estimate_memory(workload, sharded, gpu, num_gpus=n).interval.high
         if total <= limit:

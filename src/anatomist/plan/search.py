@@ -35,7 +35,14 @@ from anatomist.plan.candidates import (
     with_pick,
 )
 from anatomist.plan.reasons import explain, explain_infeasible
-from anatomist.plan.space import SearchSpace, can_offload_activations, enumerate_recipes, partial_variants
+from anatomist.plan.space import (
+    SearchSpace,
+    can_offload_activations,
+    enumerate_recipes,
+    partial_variants,
+    tensor_parallel_sizes,
+    valid,
+)
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.store import pool
 from anatomist.trace.store.keys import one_device
@@ -124,6 +131,53 @@ def checkpointing_variants(recipes: list[ResolvedRecipe], best: Candidate | None
     return list(dict.fromkeys(variants))
 
 
+def tensor_parallel_variants(recipes: list[ResolvedRecipe], best: Candidate | None, evaluate: Evaluator,
+                             objective: Objective, space: SearchSpace) -> list[ResolvedRecipe]:
+    """Tensor parallel versions (groups of `tensor_parallel_sizes`) of the searched recipes that do not fit and would beat
+    `best`, or of every one where nothing fits or the objective is memory: the same settings split over groups of T
+    GPUs (transformers' tp_plan; under FSDP's full_shard where the GPUs are more than a group, else alone), each
+    group one batch, so the batch pairs are a group's (`SearchSpace.batch_options`).
+
+    Whether one would beat `best` is asked of the same recipe without tensor parallel, less the collectives its
+    compute does not hide: splitting leaves each GPU 1/T of the products but all of the norms and the loss, and adds
+    its own collectives, for 1/T of the batches; what it can save is data parallel traffic, T times smaller. So it
+    is never predicted faster than that bound, which saves tracing the groups where they cannot win."""
+    sizes = tensor_parallel_sizes(space, evaluate.workload)
+    if not sizes:
+        return []
+
+    def worth_splitting(r: ResolvedRecipe) -> bool:
+        if objective == "memory" or best is None:
+            return True
+        time = evaluate.time(r)
+        bound = time.samples_per_second * time.step_s / (time.step_s - time.phases_s.get("communication", 0.0))
+        return (bound > best.samples_per_second * (1 + SPEED_TIE)
+                and not evaluate(r).fits)  # memory last: `fastest_fitting` has not predicted every recipe's
+
+    variants = []
+    for size in sizes:
+        sharding = "full_shard" if space.num_gpus > size else "none"  # what transformers runs the groups with
+        for r in recipes:
+            if r.tp_size == 1 and r.fsdp == sharding and not r.zero_stage and worth_splitting(r):
+                variants += [v.resolved(evaluate.workload) for b, a in space.batch_options(size) for v in
+                             valid(r, tp_size=size, per_device_train_batch_size=b, gradient_accumulation_steps=a)]
+    return list(dict.fromkeys(variants))
+
+
+def _with_variants(recipes: list[ResolvedRecipe], candidates: list[Candidate], evaluate: Evaluator,
+                   objective: Objective, space: SearchSpace, error: float, limit: int) -> list[Candidate]:
+    """`candidates` and the variants the search adds after them, each kind against the best that fits so far:
+    checkpointing where it can pay (`checkpointing_variants`), then tensor parallel (`tensor_parallel_variants`)."""
+    for variants_of in (checkpointing_variants, tensor_parallel_variants):
+        feasible = [c for c in candidates if c.fits]
+        best = choose(feasible, objective, speed_error=error, limit=limit) if feasible else None
+        variants = variants_of(recipes, best, evaluate, objective, space)
+        if variants:
+            _trace_ahead(evaluate, variants)
+            candidates = candidates + [evaluate(r) for r in variants]
+    return candidates
+
+
 def _searched(workload: Workload, gpu: GPU, space: SearchSpace | None, objective: Objective,
               margin: float) -> tuple[SearchSpace, int, list[ResolvedRecipe]]:
     """The space settled for the workload, the memory limit and the recipes to search, in order.
@@ -174,14 +228,9 @@ def plan(
     with pool.kept():  # the workers that trace the candidates then trace the alternatives the reasons compare
         _trace_ahead(evaluate, recipes)  # every trace, side by side
         candidates = [evaluate(r) for r in recipes]
-        feasible = [c for c in candidates if c.fits]
         error = speed_error(c.time for c in candidates)
-        variants = checkpointing_variants(recipes, choose(feasible, objective, speed_error=error, limit=limit)
-                                          if feasible else None, evaluate, objective, space)
-        if variants:
-            _trace_ahead(evaluate, variants)
-            candidates += [evaluate(r) for r in variants]
-            feasible = [c for c in candidates if c.fits]
+        candidates = _with_variants(recipes, candidates, evaluate, objective, space, error, limit)
+        feasible = [c for c in candidates if c.fits]
         if not feasible:
             raise InputError(explain_infeasible(workload, gpu, space, candidates, limit, margin))
         best = choose(feasible, objective, speed_error=error, limit=limit)
@@ -247,6 +296,9 @@ def fastest_fitting(
         variants = checkpointing_variants(recipes, best, evaluate, objective, settled)
         if variants:
             best = _fastest_of(recipes + variants, evaluate) or best
+        split = tensor_parallel_variants(recipes, best, evaluate, objective, settled)
+        if split:
+            best = _fastest_of(recipes + variants + split, evaluate) or best
     return best
 
 

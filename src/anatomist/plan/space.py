@@ -25,6 +25,8 @@ from anatomist.axes.shardings import SHARDING_NAMES, ShardingSpec, shardings_for
 from anatomist.errors import InputError
 from anatomist.hardware import GPU
 from anatomist.recipe import Recipe
+from anatomist.recipe.checks import check_tensor_parallel_model
+from anatomist.workload import Workload
 
 UNBOUNDED_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 """Per-device batch sizes tried when no global batch size is asked for (accumulation 1)."""
@@ -73,6 +75,10 @@ class SearchSpace:
     offload_activations: bool = True
     """Under TRL's trainers, try their activation offloading where the recipe does not fit (`search.
     checkpointing_variants`): less device memory for PCIe copies."""
+    tensor_parallel: bool = True
+    """On more than one GPU, try tensor parallel (transformers' tp_plan, under FSDP where there are more GPUs than a
+    group) where the recipes without it do not fit (`search.tensor_parallel_variants`), in groups of 2, 4 ... a node's
+    GPUs (`tensor_parallel_sizes`)."""
     shardings: tuple[str, ...] | None = None
     """Names from `axes.shardings.SHARDING_NAMES` (`plan --shardings`); None: all. Searched on `num_gpus` devices: those
     of them that run there (`shardings_for`)."""
@@ -116,15 +122,16 @@ class SearchSpace:
                     f"e.g. {max(self.num_gpus, self.global_batch_size // self.num_gpus * self.num_gpus)}"
                 )
 
-    def batch_options(self) -> list[tuple[int, int]]:
-        """(per-device batch, accumulation) pairs that form the global batch exactly.
+    def batch_options(self, tp_size: int = 1) -> list[tuple[int, int]]:
+        """(per-device batch, accumulation) pairs that form the global batch exactly; under tensor parallel of
+        `tp_size`, the pairs of a group, whose GPUs share one batch.
 
         Per-device batches are divisors of the per-device share that are powers of two or
         multiples of 8: the seeds advise multiples of 8 for tensor-core friendly shapes.
         """
         if self.global_batch_size is None:
             return [(b, 1) for b in UNBOUNDED_BATCH_SIZES]
-        share = self.global_batch_size // self.num_gpus
+        share = self.global_batch_size // (self.num_gpus // tp_size)
         sizes = [b for b in range(1, share + 1) if share % b == 0 and (b & (b - 1) == 0 or b % 8 == 0)]
         return [(b, share // b) for b in sizes]
 
@@ -207,7 +214,7 @@ def partial_variants(recipes: list[R], space: SearchSpace) -> list[R]:
 
 def checkpointing_alternatives(recipe: R, space: SearchSpace) -> list[tuple[str, R]]:
     """What the plan's reasons compare `recipe`'s checkpointing with: on/off where both are searched, and a
-    checkpointed recipe's other fractions of layers (`partial_variants`) and offload."""
+    checkpointed recipe's other fractions of layers (`partial_variants`) and offload, where `recipe` can take it."""
     alternatives = []
     if len(space.checkpointing_options) > 1:
         toggled = recipe.replace(gradient_checkpointing=not recipe.gradient_checkpointing, checkpoint_every=1,
@@ -219,12 +226,39 @@ def checkpointing_alternatives(recipe: R, space: SearchSpace) -> list[tuple[str,
             if other.checkpoint_every != recipe.checkpoint_every:
                 alternatives.append((other.checkpointing, other))
         if space.offload_checkpoints:
-            toggled = recipe.replace(checkpoint_offload=not recipe.checkpoint_offload)
-            alternatives.append((toggled.checkpointing, toggled))
+            alternatives += [(r.checkpointing, r) for r in valid(recipe, checkpoint_offload=not recipe.checkpoint_offload)]
     if space.offload_activations and can_offload_activations(recipe):
         toggled = recipe.replace(activation_offloading=not recipe.activation_offloading)
         alternatives.append((toggled.checkpointing, toggled))
     return alternatives
+
+
+def valid(recipe: R, **fields: Any) -> list[R]:
+    """`recipe` with `fields`, or none where the Recipe's checks refuse the combination (tensor parallel with an
+    offload, a fixed precision with another ...)."""
+    try:
+        return [recipe.replace(**fields)]
+    except InputError:
+        return []
+
+
+def tensor_parallel_sizes(space: SearchSpace, workload: Workload) -> list[int]:
+    """The tensor parallel group sizes the search tries on `space`'s GPUs (`SearchSpace.tensor_parallel`): powers of
+    two from 2 up to a node's GPUs that divide the GPUs, where the model can be split that way
+    (`checks.check_tensor_parallel_model`: a tp_plan, its heads divisible, not a Mixture of Experts)."""
+    if not space.tensor_parallel or space.num_gpus == 1 or "tp_size" in space.fixed:
+        return []
+    sizes = []
+    size = 2
+    while size <= space.num_gpus // space.nodes:
+        if space.num_gpus % size == 0:
+            try:
+                check_tensor_parallel_model(size, workload)
+            except InputError:
+                break  # a larger size divides the heads no better
+            sizes.append(size)
+        size *= 2
+    return sizes
 
 
 def can_offload_activations(recipe: Recipe) -> bool:

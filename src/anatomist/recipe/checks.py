@@ -154,7 +154,7 @@ def check_sharding(r: RecipeFields) -> None:
 
 
 TP_NOT_MODELLED: tuple[tuple[str, object, str], ...] = (
-    ("zero_stage", 0, "DeepSpeed ZeRO (its AutoTP is DeepSpeed's own tensor parallel): use --fsdp"),
+    ("zero_stage", 0, "DeepSpeed ZeRO (its AutoTP is DeepSpeed's own tensor parallel; --fsdp full_shard is modelled)"),
     ("peft", "none", "LoRA/QLoRA (PEFT's adapters would add full-width outputs to the shards transformers' tp_plan "
                      "leaves)"),
     ("fp8", "none", "FP8"),

@@ -42,11 +42,20 @@ def training_arguments_kwargs(recipe: RecipeFields) -> dict[str, Any]:
         kwargs["gradient_checkpointing_kwargs"] = checkpointing
     if recipe.tf32:
         kwargs["tf32"] = True
-    if recipe.fsdp != "none":
+    if recipe.fsdp != "none" and recipe.tp_size == 1:  # under tensor parallel, transformers' own FSDP at load time
         kwargs |= trainer_fsdp_arguments(recipe.fsdp, offload=recipe.offload == "cpu", adapters=recipe.peft != "none")
     if recipe.use_liger_kernel:
         kwargs["use_liger_kernel"] = True
     return kwargs | dict(optimizer(recipe.optim).trainer_kwargs)
+
+
+def distributed_config_kwargs(recipe: RecipeFields, num_gpus: int) -> dict[str, Any]:
+    """transformers' DistributedConfig keyword arguments of a tensor parallel recipe on `num_gpus` GPUs, as a user gives
+    them to `from_pretrained(..., distributed_config=...)`: `tp_size` ranks to a group, under FSDP the groups sharded
+    over the other ranks, bf16 autocast as FSDP's mixed precision (weights gathered in bf16, gradients reduced in
+    fp32). transformers applies both at load time; the Trainer then trains the model as it is."""
+    fsdp = num_gpus // recipe.tp_size if recipe.fsdp != "none" else 1
+    return {"tp_size": recipe.tp_size, "fsdp_size": fsdp, "fsdp_mixed_precision": recipe.bf16}
 
 
 def training_arguments(recipe: RecipeFields, output_dir: str, **extra: Any) -> Any:

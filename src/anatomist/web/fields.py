@@ -157,6 +157,9 @@ def _search() -> list[Field]:
         _field("no_liger_kernel", "--no-liger-kernel", "flag", SEARCH, views=PLAN,
                help="Do not consider Liger Kernel (searched by default for the causal LMs whose kernels anatomist "
                     "traces)."),
+        _field("no_tensor_parallel", "--no-tensor-parallel", "flag", SEARCH, views=PLAN,
+               help="Do not try tensor parallel (tried on more GPUs than one where the recipes without it do not "
+                    "fit; only the Trainer's files can say it)."),
         _field("precompute_ref_log_probs", "--precompute-ref-log-probs", "flag", TRAINER, views=PLAN,
                help="DPO: reference log-probabilities computed before training (no reference model held)."),
         _field("padding_free", "--padding-free", "flag", TRAINER, views=PLAN,

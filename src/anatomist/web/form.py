@@ -237,7 +237,8 @@ def plan_request(form: Form, files: Files, *, allow_network: bool) -> PlanReques
         global_batch_size=get("global_batch_size"), devices=_devices_request(form), max_nodes=get("max_nodes"),
         objective=get("objective", "throughput"), memory_margin=get("memory_margin", DEFAULT_MEMORY_MARGIN),
         optims=tuple(get("optims", DEFAULT_SEARCH)), precisions=get("precisions"), shardings=get("shardings"),
-        no_compile=bool(get("no_compile")), no_liger_kernel=bool(get("no_liger_kernel")), peft=get("peft", ()),
+        no_compile=bool(get("no_compile")), no_liger_kernel=bool(get("no_liger_kernel")),
+        no_tensor_parallel=bool(get("no_tensor_parallel")), peft=get("peft", ()),
         lora={name: given[name] for name in LORA_FIELDS if name in given},
         trainer={name: given[name] for name in TRAINER_FIELDS if name in given},
     )

@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from anatomist.recipe import ResolvedRecipe
+from anatomist.recipe.spellings import distributed_config_kwargs
 from anatomist.trace.step.fsdp import fake_process_group
 
 
@@ -46,8 +47,7 @@ def distributed_config(recipe: ResolvedRecipe, world: int) -> Any:
     """The `DistributedConfig` a user of transformers gives `from_pretrained` for `recipe` on `world` GPUs."""
     from transformers.distributed import DistributedConfig
 
-    fsdp = world // recipe.tp_size if recipe.fsdp != "none" else 1
-    return DistributedConfig(tp_size=recipe.tp_size, fsdp_size=fsdp, fsdp_mixed_precision=recipe.bf16)
+    return DistributedConfig(**distributed_config_kwargs(recipe, world))
 
 
 @contextlib.contextmanager
