@@ -29,6 +29,8 @@ from anatomist.plan.space import (
 )
 from anatomist.recipe import ResolvedRecipe
 from anatomist.recipe.axis_values import precision_of, sharding_of
+from anatomist.recipe_labels import differing
+from anatomist.recipe_labels import label as recipe_label
 from anatomist.workload import Workload
 
 Alternatives = Callable[[ResolvedRecipe], list[tuple[str, ResolvedRecipe]]]
@@ -216,7 +218,9 @@ def explain_infeasible(
         options.append("ZeRO offload (zero_stage 2/3 with offload cpu)")
     what = smallest.memory.anatomy
     return (
-        f"no recipe fits {gpu.name}: the smallest of {len(candidates)} needs {_gib(smallest.device_total)}, up to "
+        f"no recipe fits {gpu.name}: the smallest of {len(candidates)} "
+        f"({recipe_label(smallest.recipe, differing([smallest.recipe], space.num_gpus), space.num_gpus)}) "
+        f"needs {_gib(smallest.device_total)}, up to "
         f"{_gib(need)} at the top of its interval "
         f"(weights {_gib(what.weights)}, optimizer {_gib(what.optimizer_states)}, gradients {_gib(what.gradients)}, "
         f"activations {_gib(what.activations)}) but the limit is {_gib(limit)} "
