@@ -275,6 +275,12 @@ def measure(config: str, seq_len: int, batch: int, world: int, case: dict[str, A
         raise NotImplementedError(f"{case['name']}: tensor parallel with LoRA or fp8")
     accelerator = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), mixed_precision=mixed,
                                         is_main_process=True, device=torch.device("cpu"))
+    replicas = case.get("replicas", 1)
+    if replicas > 1:  # HSDP: the mesh and config accelerate builds for ParallelismConfig(dp_replicate_size=R)
+        from accelerate import ParallelismConfig
+
+        accelerator.parallelism_config = ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=world // replicas)
+        accelerator.torch_device_mesh = accelerator.parallelism_config.build_device_mesh("cpu")
     torch.manual_seed(0)  # the same weights and batches on every rank, as the ranks of a tp group need
     model = workload.build_model(case.get("attn_implementation", "sdpa"), "float32")
     if tp > 1:  # at load time, before PEFT and the Trainer, which then leaves the model as it is

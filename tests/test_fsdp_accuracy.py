@@ -77,6 +77,10 @@ FP8_CASES = {  # torchao's float8 layers as accelerate converts them, the weight
     "fp8+float8_all_gather": {"fsdp": "full_shard", "bf16": True, "fp8": "tensorwise"},
     "fp8+bf16_all_gather": {"fsdp": "full_shard", "bf16": True, "fp8": "tensorwise", "fp8_all_gather": False},
 }
+HSDP_CASES = {  # FSDP's shards replicated (accelerate's ParallelismConfig dp_replicate_size), on a 2-D mesh
+    "hsdp": {"fsdp": "full_shard", "replicas": 2},
+    "hsdp+bf16+accumulation": {"fsdp": "full_shard", "replicas": 2, "bf16": True, "accumulation": 2},
+}
 TP_CASES = {  # tensor parallel as transformers splits the model at load time (alone, and under its FSDP)
     "tp": {"fsdp": "none", "tp": 2},
     "tp+bf16+accumulation+checkpointing": {"fsdp": "none", "tp": 2, "bf16": True, "accumulation": 2,
@@ -100,13 +104,14 @@ def _recipe(case: dict) -> Recipe:
                   bf16=case.get("bf16", False), gradient_accumulation_steps=case.get("accumulation", 1),
                   gradient_checkpointing=case.get("gradient_checkpointing", False),
                   peft="lora" if case.get("lora") else "none",  # r=16, alpha 32, no dropout: fsdp_truth.py's
-                  fp8=case.get("fp8", "none"), fp8_all_gather=case.get("fp8_all_gather"), tp_size=case.get("tp", 1))
+                  fp8=case.get("fp8", "none"), fp8_all_gather=case.get("fp8_all_gather"), tp_size=case.get("tp", 1),
+                  dp_replicate_size=case.get("replicas", 1))
 
 
 def _measured(config: Path, world: int, backend: str, names: list[str]) -> dict[str, list[dict]]:
     """Per case, per rank: FSDPMemTracker's "peak" snapshot, its "peak_moment" and its highest snapshot within
     each of the step's "moments" (fsdp_truth.py)."""
-    cases = [{"name": n, **(CASES | FP8_CASES | TP_CASES)[n]} for n in names]
+    cases = [{"name": n, **(CASES | FP8_CASES | TP_CASES | HSDP_CASES)[n]} for n in names]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, str(TRUTH), "--config", str(config), "--seq-len", str(SEQ_LEN),
                            "--batch", str(BATCH), "--world", str(world), "--backend", backend, json.dumps(cases)],
@@ -121,7 +126,7 @@ def _named(moment: Moment) -> str:
 
 
 def _check(workload, name: str, world: int, ranks: list[dict]) -> None:
-    recipe = _recipe((CASES | FP8_CASES | TP_CASES)[name]).resolved(workload)
+    recipe = _recipe((CASES | FP8_CASES | TP_CASES | HSDP_CASES)[name]).resolved(workload)
     predicted = estimate_memory(workload, recipe, GPU, num_gpus=world).anatomy
     moments = moment_peaks(workload, recipe, GPU, num_gpus=world)
     moment = max(moments, key=lambda m: moments[m].allocated)  # where the predicted peak falls
@@ -237,6 +242,17 @@ def test_tensor_parallel_with_the_head_tied_to_the_embeddings(tmp_path):
     workload = load_workload(str(config), seq_len=SEQ_LEN)
     _check_without_fsdp(workload, "tp", 2, _measured(config, 2, "fake", ["tp"])["tp"])
     _check(workload, "fsdp+tp", 4, _measured(config, 4, "fake", ["fsdp+tp"])["fsdp+tp"])
+
+
+@pytest.mark.slow
+def test_hybrid_sharding(tiny_model):
+    """HSDP, 2 replicas x FSDP 2 (world 4, fake process group) on the 2-D mesh accelerate builds for
+    `ParallelismConfig(dp_replicate_size=2)`, through accelerate's own fsdp2_prepare_model, measured by FSDPMemTracker
+    as every FSDP case is (`_check`): predicted from the traces of one FSDP rank of its shard group of 2."""
+    llama = _tiny(tiny_model, 128)
+    measured = _measured(llama.path, 4, "fake", list(HSDP_CASES))
+    for name in HSDP_CASES:
+        _check(llama.workload, name, 4, measured[name])
 
 
 @pytest.mark.slow

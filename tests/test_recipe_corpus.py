@@ -90,8 +90,8 @@ CASES: dict[str, Read | Refused] = {
         "DeepSpeed", {"zero_stage": 3, "fp16": True, "offload": "cpu"}),
     "accelerate/examples/torch_native_parallelism/configs/cp.yaml": Refused(
         "parallelism_config.parallelism_config_cp_size", f"context parallel: it {PARALLEL}", "context parallel"),
-    "accelerate/examples/torch_native_parallelism/configs/tp_hsdp.yaml": Refused(
-        "parallelism_config.parallelism_config_dp_replicate_size", "hybrid sharding", "hybrid sharding"),
+    "accelerate/examples/torch_native_parallelism/configs/tp_hsdp.yaml": Refused(  # its HSDP replicas are read
+        "tensor parallel 2 under accelerate's FSDP2", "is not modelled", "tensor parallel under accelerate's FSDP2"),
     "accelerate/tests/deepspeed/ds_config_zero2.json": Read("DeepSpeed", {"zero_stage": 2, "offload": "cpu"}),
     "accelerate/tests/test_configs/0_12_0.yaml": Read("accelerate", {"fsdp": "none", "zero_stage": 0}, num_gpus=1,
                                                       note="accelerate 0.12's format"),
@@ -202,7 +202,7 @@ CASES: dict[str, Read | Refused] = {
     "axolotl/llama-3-qlora.yml": Read(
         "axolotl", {**QLORA, "lora_r": 32, "optim": "paged_adamw_32bit", **AXOLOTL_BF16, **PACKED},
         model="NousResearch/Meta-Llama-3-8B", seq_len=4096),
-    "axolotl/llama-3_1-8b-hsdp-tp.yaml": Refused("dp_replicate_size=2", "hybrid sharding", "hybrid sharding"),
+    "axolotl/llama-3_1-8b-hsdp-tp.yaml": Refused("tensor_parallel_size=2", "tensor parallel", "tensor parallel"),
     "axolotl/llama3-8b-deepspeed-alst.yaml": Refused("context_parallel_size=8", "context parallel", "context parallel"),
     "axolotl/lora-1b.yml": Read(
         "axolotl", {"peft": "lora", "lora_r": 16, "optim": "adamw_bnb_8bit", **AXOLOTL_BF16, **PACKED},

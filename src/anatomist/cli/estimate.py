@@ -261,6 +261,10 @@ def _sharding(recipe: Recipe, num_gpus: int) -> str:
     """The sharding's name (axes/shardings.py), and where ZeRO offloads to."""
     if recipe.tp_size > 1:
         return ("fsdp_full_shard, " if recipe.fsdp != "none" else "") + f"tensor parallel {recipe.tp_size}"
+    if recipe.dp_replicate_size > 1:
+        replicas = recipe.dp_replicate_size
+        name = f"fsdp_{recipe.fsdp}, hybrid: {replicas} replicas x {num_gpus // replicas} shards"
+        return name + (f", offload to {recipe.offload}" if recipe.offload != "none" else "")
     name = sharding_of(recipe, num_gpus).removesuffix("+offload")
     return name + (f", offload to {recipe.offload}" if recipe.offload != "none" else "")
 

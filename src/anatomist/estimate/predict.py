@@ -15,7 +15,7 @@ from anatomist.estimate.time.network import DEFAULT_NODES, check_cluster, cluste
 from anatomist.estimate.traces import Mode, offloaded_bytes, step_traces
 from anatomist.hardware import GPU
 from anatomist.recipe import Recipe
-from anatomist.recipe.checks import check_gpu, check_tensor_parallel_gpus
+from anatomist.recipe.checks import check_gpu, check_hybrid_shard_gpus, check_tensor_parallel_gpus
 from anatomist.workload import Workload
 
 
@@ -86,6 +86,7 @@ def estimate(
     """
     check_cluster(num_gpus, nodes, network)
     check_tensor_parallel_gpus(recipe, num_gpus, nodes)
+    check_hybrid_shard_gpus(recipe, num_gpus)
     check_gpu(recipe, gpu, dtype_given=False)
     recipe = recipe.resolved(workload)  # the library's entry point: everything below takes it resolved
     workload = workload.for_recipe(recipe)  # padding-free: the data's sequences, not the longest

@@ -253,6 +253,14 @@ def sharding_notes(recipe: ResolvedRecipe, num_gpus: int, mode: str) -> list[str
                 "gradients, as functionality)"] if num_gpus > 1 else []
     offload = "; CPUOffloadPolicy: sharded parameters, gradients, optimizer states and step on the host" \
         if recipe.offload == "cpu" else ""
+    replicas = recipe.dp_replicate_size
+    if replicas > 1:
+        hybrid = (f"HSDP, {replicas} replicas of FSDP over {num_gpus // replicas} GPUs (accelerate's 2-D mesh): a rank "
+                  f"holds what a rank of FSDP over {num_gpus // replicas} holds (its gradients' all-reduce across the "
+                  "replicas runs in place on the reduce-scattered shard), so it is traced as one of those")
+        return [f"fsdp {recipe.fsdp}: {hybrid}; PyTorch's FSDP2 as the Trainer wraps it (fully_shard per block, the "
+                f"output head and final norm, then the root; reshard_after_forward={RESHARD_AFTER_FORWARD[recipe.fsdp]}) "
+                f"under the fake process group{offload}"]
     return [f"fsdp {recipe.fsdp}: one rank of {num_gpus} traced running PyTorch's FSDP2 as the Trainer wraps it "
             f"(fully_shard per block, the output head and final norm, then the root; reshard_after_forward="
             f"{RESHARD_AFTER_FORWARD[recipe.fsdp]}) under the fake process group: weights are this rank's shards and "

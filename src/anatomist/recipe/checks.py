@@ -47,6 +47,7 @@ def check_fields(r: RecipeFields) -> None:
     check_data_loading(r)
     check_sharding(r)
     check_tensor_parallel(r)
+    check_hybrid_shard(r)
     check_adapters(r)
     check_clipping(r)
     check_deepspeed_buffers(r)
@@ -188,6 +189,26 @@ def check_tensor_parallel(r: RecipeFields) -> None:
     if r.fsdp == "shard_grad_op":
         raise InputError(f"tp_size={r.tp_size} with fsdp=shard_grad_op: transformers' FSDP under tensor parallel "
                          "reshards every block after its forward (full_shard)")
+
+
+def check_hybrid_shard(r: RecipeFields) -> None:
+    """HSDP: FSDP's shards replicated `dp_replicate_size` times (1: plain FSDP); where it needs FSDP is said at the
+    GPU count (`check_hybrid_shard_gpus`), as a file may set the replicas before its FSDP section."""
+    if r.dp_replicate_size < 1:
+        raise InputError(f"dp_replicate_size must be at least 1, got {r.dp_replicate_size}")
+    if r.dp_replicate_size > 1 and r.tp_size > 1:
+        raise InputError(f"dp_replicate_size={r.dp_replicate_size} with tp_size={r.tp_size} is not modelled yet: drop "
+                         "one of them")
+
+
+def check_hybrid_shard_gpus(r: RecipeFields, num_gpus: int) -> None:
+    """HSDP's replicas replicate FSDP's shard groups, which they divide the GPUs into, of two or more GPUs."""
+    if r.dp_replicate_size > 1 and r.fsdp == "none":
+        raise InputError(f"dp_replicate_size={r.dp_replicate_size} replicates FSDP's shards (HSDP): add --fsdp full_shard "
+                         "or shard_grad_op")
+    if r.dp_replicate_size > 1 and (num_gpus % r.dp_replicate_size or num_gpus // r.dp_replicate_size < 2):
+        raise InputError(f"dp_replicate_size={r.dp_replicate_size} on {num_gpus} GPU(s): the replicas must divide the "
+                         "GPUs into shard groups of 2 or more (with one GPU to a group it is DDP: drop --fsdp)")
 
 
 def check_tensor_parallel_gpus(r: RecipeFields, num_gpus: int, nodes: int = 1) -> None:

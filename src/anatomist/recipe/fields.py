@@ -81,6 +81,7 @@ class RecipeFields:
     bnb_4bit_compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     fsdp: Fsdp = _trainer_default("fsdp", when_none="none")
     tp_size: int = 1
+    dp_replicate_size: int = 1
 
     # -- LLM fine-tuning as TRL and the Trainer run it ------------------------------------------
     use_liger_kernel: bool = _trainer_default("use_liger_kernel")

@@ -132,6 +132,11 @@ FIELD_HELP: dict[str, FieldHelp] = {
         "across this many GPUs by the model's own tp_plan, as transformers applies it (colwise, rowwise, the "
         "embeddings by vocabulary); the GPUs of one group see the same batch. Composed with --fsdp over the "
         "rest of the GPUs (dp_shard = GPUs / tp_size); without FSDP it takes every GPU."),
+    "dp_replicate_size": FieldHelp(
+        "Hybrid sharding, HSDP (accelerate's ParallelismConfig dp_replicate_size): FSDP shards over GPUs / "
+        "dp_replicate_size GPUs (dp_shard) and keeps that many replicas of the shards, whose gradients are "
+        "all-reduced; a node's GPUs to a shard group keeps the all-gathers and reduce-scatters inside the node. "
+        "Needs --fsdp."),
     "use_liger_kernel": FieldHelp(
         "Liger Kernel's Triton kernels (TrainingArguments.use_liger_kernel): fused linear + cross-entropy "
         "that never holds the logits, RMSNorm, SwiGLU and RoPE; causal LMs Liger supports (axes/liger.py). "

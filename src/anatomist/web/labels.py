@@ -66,6 +66,7 @@ FIELD_LABELS = {
     "offload": "ZeRO / FSDP offload",
     "fsdp": "FSDP",
     "tp_size": "Tensor parallel GPUs per group",
+    "dp_replicate_size": "HSDP replicas",
     "dataloader_num_workers": "DataLoader workers",
     "dataloader_pin_memory": "Pinned host memory for batches",
 }

@@ -35,7 +35,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from anatomist.estimate.sharding import overlap_comm
-from anatomist.estimate.time.network import DEFAULT_NODES, bus_bytes_per_s, intra_node_bytes_per_s
+from anatomist.estimate.time.network import (
+    DEFAULT_NODES,
+    bus_bytes_per_s,
+    intra_node_bytes_per_s,
+    node_network_bytes_per_s,
+)
 from anatomist.estimate.time.ops import StepOps
 from anatomist.hardware import GPU
 from anatomist.recipe import ResolvedRecipe
@@ -117,6 +122,8 @@ def collectives(
         element = 4 if recipe.bf16 or not recipe.half_weights else 2
     grad_bytes = parameter_count(recipe, size) * element * share
     reduce_scatter = ring * grad_bytes / bus
+    if recipe.dp_replicate_size > 1:  # HSDP: gathers and reduce-scatters within a shard group, all-reduce across
+        return _hybrid(recipe, size, grad_bytes, num_gpus, nodes, network, gpu)
     if recipe.sharding_stage >= 3 or recipe.fsdp == "shard_grad_op":
         gather = ring * gathered_weight_bytes(recipe, size) * share / bus
         units = size.blocks + 1
@@ -131,6 +138,29 @@ def collectives(
     return Collectives(micro_batches=k, reduce_s=reduce_scatter, reduces_every_micro_batch=recipe.zero_stage >= 2,
                        reduce_overlapped=overlap_comm(recipe), reduce_tail_s=reduce_scatter * min(1.0, bucket / grad_bytes),
                        after_step_s=reduce_scatter)
+
+
+def _hybrid(recipe: ResolvedRecipe, size: ModelSize, grad_bytes: float, num_gpus: int, nodes: int,
+            network: str | None, gpu: GPU | None) -> Collectives:
+    """FSDP's collectives under HSDP: R = `dp_replicate_size` replicas of shard groups of S = `num_gpus` / R
+    consecutive ranks (accelerate's mesh: dp_replicate outermost), so a group spans S / (GPUs per node) nodes, one
+    node where it fits in one. The weights are gathered and the gradients reduce-scattered within a group, then each
+    rank's 1/S of the gradients all-reduced across the R replicas (2 (R-1)/R of it), with the reduce-scatter, under
+    the backward of the last micro-batch. On more than one node the replicas' rings cross the nodes, one per GPU at
+    the same time, so each has a node's network over its GPUs (one NIC of a NIC per GPU; an Ethernet port shared)."""
+    replicas = recipe.dp_replicate_size
+    shards = num_gpus // replicas
+    per_node = num_gpus // nodes
+    shard_bus = bus_bytes_per_s(shards, max(1, shards // per_node), network, gpu)
+    replica_bus = (min(intra_node_bytes_per_s(gpu), node_network_bytes_per_s(per_node, network) / per_node)
+                   if nodes > 1 else intra_node_bytes_per_s(gpu))
+    ring = (shards - 1) / shards
+    reduce = ring * grad_bytes / shard_bus + 2 * (replicas - 1) / replicas * grad_bytes / shards / replica_bus
+    units = size.blocks + 1
+    gather = ring * gathered_weight_bytes(recipe, size) / shard_bus
+    return Collectives(micro_batches=recipe.gradient_accumulation_steps, gather_forward_s=gather,
+                       gather_backward_s=gather if recipe.fsdp == "full_shard" else 0.0, reduce_s=reduce,
+                       reduce_tail_s=reduce / units, units=units)
 
 
 def tensor_parallel_s(ops: StepOps, recipe: ResolvedRecipe, gpu: GPU | None = None) -> float:

@@ -65,6 +65,11 @@ def bus_bytes_per_s(
     intra = intra_node_bytes_per_s(gpu)
     if nodes <= 1:
         return intra
+    return min(intra, node_network_bytes_per_s(num_gpus // nodes, network))
+
+
+def node_network_bytes_per_s(gpus_per_node: int, network: str | None = None) -> float:
+    """What NCCL achieves of one node's network (all its NICs: one per GPU, or one per node)."""
     link = networks()[network or default_network()]
-    node_gbit = link["gbit_per_gpu"] * (num_gpus // nodes) if "gbit_per_gpu" in link else link["gbit_per_node"]
-    return min(intra, node_gbit / 8 * 1e9 * constants()["inter_node"]["achieved"])
+    node_gbit = link["gbit_per_gpu"] * gpus_per_node if "gbit_per_gpu" in link else link["gbit_per_node"]
+    return node_gbit / 8 * 1e9 * constants()["inter_node"]["achieved"]

@@ -11,10 +11,11 @@ Read as strictly as accelerate reads it: a top-level key ClusterConfig lacks is 
 fsdp_config.x -> --fsdp_x), nor an argument the environment it prepares reads (utils/launch.py:
 fsdp_ignored_modules): accelerate would set it and nothing would read it. Settings that
 change memory but are not modelled yet are refused, never predicted as something else:
-context and sequence parallel and hybrid (replicated) sharding in `parallelism_config`,
-activation offload (`fsdp_activation_checkpointing_offload`). FSDP's CPU offload (`fsdp_offload_params`)
-is the recipe's offload="cpu". `parallelism_config.parallelism_config_tp_size` is the recipe's tp_size, traced as
-transformers splits the model, without FSDP; with FSDP it is refused (TP_UNDER_ACCELERATE_FSDP).
+context and sequence parallel in `parallelism_config`, activation offload
+(`fsdp_activation_checkpointing_offload`). FSDP's CPU offload (`fsdp_offload_params`) is the recipe's offload="cpu".
+`parallelism_config.parallelism_config_tp_size` is the recipe's tp_size, traced as transformers splits the model,
+without FSDP; with FSDP it is refused (TP_UNDER_ACCELERATE_FSDP). `parallelism_config_dp_replicate_size` is the
+recipe's dp_replicate_size (HSDP: FSDP's shard groups replicated, as accelerate's FSDP2 shards on its 2-D mesh).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from anatomist.recipe.files.reading import (
     fsdp_mode,
     fsdp_offload,
     load_mapping,
+    parallel_size,
     referenced_file,
-    tensor_parallel_size,
     zero_offload,
 )
 from anatomist.recipe.files.unmodelled import TP_UNDER_ACCELERATE_FSDP, refuse_unmodelled
@@ -45,11 +46,11 @@ WRITTEN_BY_DEFAULT = {"compute_environment": "LOCAL_MACHINE", "gpu_ids": "all"}
 SECTION_PREFIXES = {"fsdp_config": "fsdp_", "dynamo_config": "dynamo_", "fp8_config": "fp8_",
                     "deepspeed_config": "", "parallelism_config": ""}
 """The sections whose keys become `accelerate launch` options, and the prefix launch.py gives a key that lacks it."""
-PARALLEL_SIZES = {"parallelism_config_cp_size": "context_parallel", "parallelism_config_sp_size": "sequence_parallel",
-                  "parallelism_config_dp_replicate_size": "hybrid_shard"}
+PARALLEL_SIZES = {"parallelism_config_cp_size": "context_parallel", "parallelism_config_sp_size": "sequence_parallel"}
 """parallelism_config sizes above 1 that anatomist does not model: context and sequence parallel, and hybrid
 sharding (replicas of a sharded group): refused, not predicted as plain data parallel."""
-TP_SIZE = "parallelism_config_tp_size"
+READ_SIZES = {"parallelism_config_tp_size": "tp_size", "parallelism_config_dp_replicate_size": "dp_replicate_size"}
+"""parallelism_config sizes read as the recipe's fields (tensor parallel; HSDP's replicas of FSDP's shards)."""
 MULTI_NODE = ("same_network", "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend")
 """Keys that say where the machines meet: nothing the prediction reads, whatever they say (num_machines sets
 the nodes the time model spreads the devices over)."""
@@ -113,14 +114,17 @@ def _parallelism(section: dict[str, Any], file: str) -> None:
                 refuse_unmodelled(setting, file, f"parallelism_config.{written}", section[written])
 
 
-def _tp_size(section: Any, reading: Reading, file: str) -> Any:
-    """parallelism_config's tensor parallel size (either spelling) as the recipe's tp_size; the rest of the section."""
+def _sizes(section: Any, reading: Reading, file: str) -> Any:
+    """parallelism_config's tensor parallel size and HSDP replicas (either spelling) as the recipe's (READ_SIZES);
+    the rest of the section."""
     if not isinstance(section, dict):
         return section
-    spellings = (TP_SIZE, TP_SIZE.removeprefix("parallelism_config_"))
-    for written in (w for w in spellings if w in section):
-        tensor_parallel_size(reading, section[written], file, f"parallelism_config.{written}")
-    return {k: v for k, v in section.items() if k not in spellings}
+    read = set()
+    for key, field in READ_SIZES.items():
+        for written in (w for w in (key, key.removeprefix("parallelism_config_")) if w in section):
+            parallel_size(reading, field, section[written], file, f"parallelism_config.{written}")
+            read.add(written)
+    return {k: v for k, v in section.items() if k not in read}
 
 
 @cache
@@ -143,7 +147,7 @@ def read_accelerate(data: dict[str, Any], reading: Reading, file: str) -> None:
     defaults = cluster_defaults()
     for key, value in data.items():
         if key == "parallelism_config":
-            reading.skip(key, _tp_size(value, reading, file), {})
+            reading.skip(key, _sizes(value, reading, file), {})
         elif key == "mixed_precision":
             _precision(value, data.get("fp8_config") or {}, reading, file)
         elif key == "fp8_config" and str(data.get("mixed_precision", "")).lower() == "fp8" and isinstance(value, dict):

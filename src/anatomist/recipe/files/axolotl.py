@@ -23,7 +23,8 @@ data/framework_fields.json names) and what its loader does with them:
   (utils/schemas/validation.py; before 0.12 "offload" was Unsloth's checkpointing);
 - deepspeed (a ds_config path or mapping, read as the Trainer reads it), fsdp (a strategy list) with
   fsdp_config (keys with or without "fsdp_"), fsdp_version;
-- tensor_parallel_size, context_parallel_size, dp_replicate_size above 1, qat (torchao's fake quantization), and
+- dp_replicate_size: the recipe's (HSDP, as accelerate's FSDP2 runs it);
+- tensor_parallel_size, context_parallel_size above 1, qat (torchao's fake quantization), and
   UNMODELLED_KEYS (reward models, frozen subsets, LISA, modules trained beside an adapter, DoRA, BitNet, a GPTQ
   base): not modelled, refused;
 - fp8 and fp8_enable_fsdp_float8_all_gather: torchao's tensorwise float8 layers (`_fp8`);
@@ -52,7 +53,14 @@ from typing import Any
 
 from anatomist.errors import InputError
 from anatomist.recipe.files.known import closest, framework_fields
-from anatomist.recipe.files.reading import Reading, fsdp_mode, fsdp_offload, load_mapping, referenced_file
+from anatomist.recipe.files.reading import (
+    Reading,
+    fsdp_mode,
+    fsdp_offload,
+    load_mapping,
+    parallel_size,
+    referenced_file,
+)
 from anatomist.recipe.files.unmodelled import refuse_unmodelled
 
 MARKERS = ("base_model", "micro_batch_size", "sequence_len", "adapter")
@@ -64,7 +72,9 @@ DIRECT = {"micro_batch_size": "per_device_train_batch_size", "gradient_accumulat
 """axolotl key -> Recipe field of the same meaning."""
 ATTENTION_FLAGS = {"flash_attention": "flash_attention_2", "sdp_attention": "sdpa", "eager_attention": "eager"}
 PARALLEL = {"tensor_parallel_size": "tensor_parallel", "context_parallel_size": "context_parallel",
-            "sequence_parallel_degree": "context_parallel", "dp_replicate_size": "hybrid_shard"}
+            "sequence_parallel_degree": "context_parallel"}
+REPLICAS = "dp_replicate_size"
+"""HSDP's replicas of FSDP's shard groups: axolotl hands it to accelerate's ParallelismConfig, read as the recipe's."""
 OFFLOADING = {"offload": True, "offload_disk": "disk"}
 """gradient_checkpointing's deprecated values -> the activation_offloading axolotl runs for them (validation.py)."""
 UNMODELLED_KEYS = {"reward_model": "reward_model", "process_reward_model": "reward_model",
@@ -96,7 +106,7 @@ READ = {"base_model", "sequence_len", "adapter", "bf16", "fp16", "bfloat16", "fl
         "lora_target_linear", "deepspeed", "fsdp", "fsdp_config", "fsdp_version", "torch_compile", "rl",
         "precompute_ref_log_probs", "plugins", "sample_packing", "cut_cross_entropy", "fp8",
         "fp8_enable_fsdp_float8_all_gather", *DIRECT, *ATTENTION_FLAGS,
-        *PARALLEL, *LIGER_FLAGS}
+        *PARALLEL, REPLICAS, *LIGER_FLAGS}
 
 
 def _fp8(data: dict[str, Any], reading: Reading, file: str) -> None:
@@ -126,6 +136,8 @@ def read_axolotl(data: dict[str, Any], reading: Reading, file: str) -> None:
                                  "(axolotl would ignore it)")
         if key in PARALLEL:
             refuse_unmodelled(PARALLEL[key], file, key, value)
+        if key == REPLICAS and value is not None:
+            parallel_size(reading, REPLICAS, value, file, key)
         if key in UNMODELLED_KEYS:
             refuse_unmodelled(UNMODELLED_KEYS[key], file, key, value, size=False)
         if key == "lisa_n_layers" and data.get("lisa_step_interval"):  # LISA: a few layers trained at a time

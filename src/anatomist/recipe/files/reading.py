@@ -202,16 +202,16 @@ def fsdp_mode(strategy: Any, file: str, key: str) -> str:
     return FSDP_STRATEGIES[name]
 
 
-def tensor_parallel_size(reading: Reading, value: Any, file: str, key: str) -> None:
-    """`value`, a file's tensor parallel size under `key` (accelerate's or TrainingArguments' parallelism_config, the
-    Trainer's tp_size), as the recipe's tp_size.
+def parallel_size(reading: Reading, field: str, value: Any, file: str, key: str) -> None:
+    """`value`, a file's parallel size under `key` (accelerate's or TrainingArguments' parallelism_config, the
+    Trainer's tp_size, axolotl's dp_replicate_size), as the recipe's `field` (tp_size, dp_replicate_size).
 
     Raises:
         InputError: it is not a whole number of at least 1.
     """
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise InputError(f"{file}: {key} must be a whole number of at least 1, got {value!r}")
-    reading.set("tp_size", value, file, key)
+    reading.set(field, value, file, key)
 
 
 def fsdp_offload(reading: Reading, value: Any, file: str, key: str) -> None:

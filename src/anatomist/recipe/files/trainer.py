@@ -32,8 +32,8 @@ from anatomist.recipe.files.reading import (
     fsdp_mode,
     fsdp_offload,
     load_mapping,
+    parallel_size,
     referenced_file,
-    tensor_parallel_size,
 )
 from anatomist.recipe.files.unmodelled import TP_UNDER_ACCELERATE_FSDP, refuse_unmodelled
 
@@ -67,9 +67,9 @@ HANDLED = frozenset({"gradient_checkpointing", "activation_checkpointing", "grad
 PEFT_UNMODELLED = {"lora_modules_to_save": "modules_to_save", "use_dora": "dora"}
 """TRL ModelConfig's LoRA settings that change memory in a way not modelled (get_peft_config passes them to
 LoraConfig: modules_to_save, use_dora)."""
-PARALLELISM_SIZES = {"cp_size": "context_parallel", "sp_size": "sequence_parallel", "dp_replicate_size": "hybrid_shard"}
+PARALLELISM_SIZES = {"cp_size": "context_parallel", "sp_size": "sequence_parallel"}
 """accelerate's ParallelismConfig sizes, as TrainingArguments.parallelism_config (4.57+) holds them, that anatomist
-does not model yet; its tp_size is the recipe's (`_tp_size`)."""
+does not model yet; its tp_size and dp_replicate_size are the recipe's (`_sizes`)."""
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -134,7 +134,7 @@ def read_trainer(data: dict[str, Any], reading: Reading, file: str) -> str:
         elif key not in HANDLED:
             reading.skip(key, value, schema.get(key))
     _unmodelled(data, file)
-    _tp_size(data, reading, file)
+    _sizes(data, reading, file)
     _checkpointing(data, reading, file)
     if data.get("tf32") is not None:
         reading.set("tf32", data["tf32"], file, "tf32")
@@ -193,16 +193,22 @@ def _trl_defaults(data: dict[str, Any], schema: dict[str, Any], reading: Reading
         reading.set_default("seq_len", schema["max_length"], file, "max_length", "TRL")
 
 
-def _tp_size(data: dict[str, Any], reading: Reading, file: str) -> None:
+READ_SIZES = ("tp_size", "dp_replicate_size")
+"""The ParallelismConfig sizes read as the recipe's fields of the same names (tensor parallel; HSDP's replicas)."""
+
+
+def _sizes(data: dict[str, Any], reading: Reading, file: str) -> None:
     """The tensor parallel degree: TrainingArguments' tp_size (4.50-4.51, 0 when unset) or its parallelism_config's
-    (4.57+, accelerate's ParallelismConfig)."""
+    (4.57+, accelerate's ParallelismConfig); and that config's HSDP replicas (dp_replicate_size)."""
     config = data.get("parallelism_config")
-    for key, value in (("tp_size", data.get("tp_size")),
-                       ("parallelism_config.tp_size", config.get("tp_size") if isinstance(config, dict) else None)):
+    given = [("tp_size", "tp_size", data.get("tp_size"))]
+    if isinstance(config, dict):
+        given += [(field, f"parallelism_config.{field}", config.get(field)) for field in READ_SIZES]
+    for field, key, value in given:
         if value not in (None, 0):
-            tensor_parallel_size(reading, value, file, key)
+            parallel_size(reading, field, value, file, key)
     if "parallelism_config" in data:
-        rest = {k: v for k, v in config.items() if k != "tp_size"} if isinstance(config, dict) else config
+        rest = {k: v for k, v in config.items() if k not in READ_SIZES} if isinstance(config, dict) else config
         reading.skip("parallelism_config", rest, {})
 
 

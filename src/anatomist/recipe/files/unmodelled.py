@@ -27,7 +27,8 @@ UNMODELLED: dict[str, str] = {
     "context_parallel": "context parallel: it would be predicted as plain data parallel",
     "sequence_parallel": "sequence parallel: it would be predicted as plain data parallel",
     "pipeline_parallel": "pipeline parallel: it would be predicted as plain data parallel",
-    "hybrid_shard": "hybrid sharding (replicated groups of sharded ranks): it would be predicted as one sharded group",
+    "hybrid_shard": "FSDP1's hybrid sharding (replicated groups of sharded ranks; FSDP2's, which anatomist models, is "
+                    "parallelism_config's dp_replicate_size)",
     "activation_offload": "activation offload to the CPU: it would be predicted with activations on the GPU",
     "selective_checkpointing": "selective activation checkpointing (the attention outputs kept): it would be "
                                "predicted as full recomputation",

@@ -84,11 +84,13 @@ only whether a unit reshards after its forward, which an optimizer step never se
 
 def traced_world(recipe: ResolvedRecipe, num_gpus: int) -> int:
     """The world size the trace of `recipe` on `num_gpus` devices runs at: FSDP's step is traced as one rank of
-    `num_gpus` (`trace.step.fsdp`), tensor parallel's without FSDP as one of its `tp_size` (`trace.step.tensor_parallel`);
+    `num_gpus` (`trace.step.fsdp`), or under HSDP of its shard group (`num_gpus / dp_replicate_size`: a rank holds and
+    gathers what FSDP over that many holds, its gradients' all-reduce across the replicas runs in place on the
+    reduce-scattered shard), tensor parallel's without FSDP as one of its `tp_size` (`trace.step.tensor_parallel`);
     every other recipe's on one device (data parallelism holds on each device what one device holds; ZeRO is
     arithmetic over it)."""
     if recipe.fsdp != "none":
-        return num_gpus
+        return num_gpus // recipe.dp_replicate_size
     return recipe.tp_size
 
 
