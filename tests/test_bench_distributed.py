@@ -40,6 +40,8 @@ rows:
     recipe: {{per_device_train_batch_size: 2, optim: adamw_torch, fsdp: full_shard}}
   - name: zero2
     recipe: {{per_device_train_batch_size: 2, optim: adamw_torch, zero_stage: 2}}
+  - name: hsdp
+    recipe: {{per_device_train_batch_size: 2, optim: adamw_torch, fsdp: full_shard, dp_replicate_size: 2}}
 """
 
 
@@ -167,6 +169,8 @@ def test_bad_distributed_input_exits_2_with_one_line(tmp_path: Path, capsys) -> 
         (["--rows", "fsdp", "--num-processes", "1"], "row 'fsdp' shards the model with FSDP (full_shard), which on one "
                                                      "process shards nothing: run it with --num-processes 2 or more"),
         (["--rows", "zero2"], "needs Intel's oneCCL"),
+        (["--rows", "hsdp", "--num-processes", "4"], "replicates FSDP's shards (HSDP, dp_replicate_size=2), which "
+                                                     "the bench does not launch yet"),
         (["--rows", "ddp", "--num-processes", "0"], "--num-processes must be at least 1, got 0"),
     ]
     import torch

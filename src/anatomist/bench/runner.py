@@ -110,6 +110,10 @@ def check_rows(run: SuiteRun, rows: list[Row], num_processes: int) -> None:
         if recipe.tp_size > 1:
             raise InputError(f"row {row.name!r} splits the model with tensor parallel (tp_size={recipe.tp_size}), "
                              "which the bench does not launch yet: `anatomist estimate` predicts it")
+        if recipe.dp_replicate_size > 1:
+            raise InputError(f"row {row.name!r} replicates FSDP's shards (HSDP, dp_replicate_size="
+                             f"{recipe.dp_replicate_size}), which the bench does not launch yet: `anatomist estimate` "
+                             "predicts it")
         if num_processes == 1 and row.recipe.fsdp != "none":
             raise InputError(f"row {row.name!r} shards the model with FSDP ({row.recipe.fsdp}), which on one process "
                              "shards nothing: run it with --num-processes 2 or more")
