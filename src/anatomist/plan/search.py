@@ -178,6 +178,17 @@ def _with_variants(recipes: list[ResolvedRecipe], candidates: list[Candidate], e
     return candidates
 
 
+def _tensor_parallel_note(space: SearchSpace, workload: Workload, candidates: list[Candidate]) -> list[str]:
+    """Whether tensor parallel was tried (`tensor_parallel_variants`), in which group sizes, on how many recipes."""
+    sizes = tensor_parallel_sizes(space, workload)
+    if not sizes:
+        return []
+    split = sum(c.recipe.tp_size > 1 for c in candidates)
+    tried = f"{split} split recipe(s) predicted" if split else "none split: every recipe fitted or could not win"
+    return [f"tensor parallel: tried in groups of {', '.join(map(str, sizes))} on the recipes that do not fit and could "
+            f"win ({tried}); --no-tensor-parallel leaves it out"]
+
+
 def _searched(workload: Workload, gpu: GPU, space: SearchSpace | None, objective: Objective,
               margin: float) -> tuple[SearchSpace, int, list[ResolvedRecipe]]:
     """The space settled for the workload, the memory limit and the recipes to search, in order.
@@ -252,6 +263,7 @@ def plan(
         notes.append(describe_network(space.num_gpus, space.nodes, space.network, gpu))
     if space.shardings is not None:
         notes.append("shardings searched (--shardings): " + ", ".join(spec.name for spec in space.sharding_options()))
+    notes += _tensor_parallel_note(space, workload, candidates)
     if space.fixed:
         notes.append("held fixed by --recipe: " + ", ".join(f"{k}={v}" for k, v in space.fixed.items()))
     notes.append(f"{best.time.calibration}; {UNFITTED_TERMS}" if adds_device_terms(best.recipe, space.num_gpus)
