@@ -24,6 +24,7 @@ from anatomist.plan.space import (
     checkpointing_alternatives,
     method_of,
     searched_precisions,
+    tensor_parallel_fsdp,
     tensor_parallel_sizes,
     valid,
 )
@@ -87,7 +88,7 @@ def _sharding_alternatives(r: ResolvedRecipe, space: SearchSpace, workload: Work
     if r.tp_size == 1:
         return alts
     for size in tensor_parallel_sizes(space, workload):
-        fields = {**base, "fsdp": "full_shard" if space.num_gpus > size else "none", "tp_size": size}
+        fields = {**base, "fsdp": tensor_parallel_fsdp(space, size), "tp_size": size}
         if size != r.tp_size:
             alts += [(_with_batch(sharding_of(v, space.num_gpus), v, r), v)
                      for v in valid(r, **fields, **_group_batch(r, space, size))]

@@ -40,6 +40,7 @@ from anatomist.plan.space import (
     can_offload_activations,
     enumerate_recipes,
     partial_variants,
+    tensor_parallel_fsdp,
     tensor_parallel_sizes,
     valid,
 )
@@ -156,9 +157,8 @@ def tensor_parallel_variants(recipes: list[ResolvedRecipe], best: Candidate | No
 
     variants = []
     for size in sizes:
-        sharding = "full_shard" if space.num_gpus > size else "none"  # what transformers runs the groups with
         for r in recipes:
-            if r.tp_size == 1 and r.fsdp == sharding and not r.zero_stage and worth_splitting(r):
+            if r.tp_size == 1 and r.fsdp == tensor_parallel_fsdp(space, size) and not r.zero_stage and worth_splitting(r):
                 variants += [v.resolved(evaluate.workload) for b, a in space.batch_options(size) for v in
                              valid(r, tp_size=size, per_device_train_batch_size=b, gradient_accumulation_steps=a)]
     return list(dict.fromkeys(variants))

@@ -242,6 +242,12 @@ def valid(recipe: R, **fields: Any) -> list[R]:
         return []
 
 
+def tensor_parallel_fsdp(space: SearchSpace, tp_size: int) -> str:
+    """The FSDP a tensor parallel recipe of groups of `tp_size` runs with on `space`'s GPUs, as transformers shards a
+    split model: full_shard over the groups where there are more GPUs than one group, else none."""
+    return "full_shard" if space.num_gpus > tp_size else "none"
+
+
 def tensor_parallel_sizes(space: SearchSpace, workload: Workload) -> list[int]:
     """The tensor parallel group sizes the search tries on `space`'s GPUs (`SearchSpace.tensor_parallel`): powers of
     two from 2 up to a node's GPUs that divide the GPUs, where the model can be split that way

@@ -216,12 +216,9 @@ def gradient_sync(model: torch.nn.Module, sync: bool) -> Iterator[None]:
 def accumulated_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
     """The gradients FSDP2 keeps unsharded between micro-batches (`gradient_sync`) in its reduce dtype where that is
     not the parameters' (`FSDPParam.unsharded_accumulated_grad`: fp32 beside bf16 weights), this rank's part of each."""
-    grads = []
-    for module in model.modules():
-        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
-        grads += [_local(p.unsharded_accumulated_grad) for p in group.fsdp_params if p.unsharded_accumulated_grad
-                  is not None] if group is not None else []
-    return grads
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+    return [_local(p.unsharded_accumulated_grad) for group in groups if group is not None for p in group.fsdp_params
+            if p.unsharded_accumulated_grad is not None]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
