@@ -221,7 +221,7 @@ def _tracing(workload: Workload, recipe: ResolvedRecipe, tracer: StepTracer, fak
             modes.enter_context(cuda_grouped_mm())  # the experts' products in float32 too, as on CUDA
         if workload.is_moe and traced_compile(recipe):
             modes.enter_context(compiled_experts_path())  # what transformers runs under dynamo
-        for mode in (*observers, tracer, cuda_code_paths()):
+        for mode in (*observers, tracer, cuda_code_paths(tracer)):
             modes.enter_context(mode)
         yield
 
