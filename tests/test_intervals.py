@@ -1,8 +1,8 @@
 """Every memory figure with the error published GPU runs measured (estimate/intervals.py), and the verdict it gives.
 
 The interval of a predicted device total P is P / (1 + e) over the errors e (predicted / measured - 1) of the
-regime's published runs, widened to hold P: data/memory_accuracy.toml, written from
-benchmarks/published/memory.toml by `memory.py intervals`; the slow test checks the file against a fresh check.
+regime's GPU runs, widened to hold P: data/memory_accuracy.toml, written from
+benchmarks/published/memory.toml and the lent GPUs' rows (benchmarks/gpu/<device>/bench.jsonl) by `memory.py intervals`; the slow test checks the file against a fresh check.
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ def test_a_validated_regime_takes_its_own_runs_errors(recipe, gpus, regime):
     assert interval.low == pytest.approx(1000 / (1 + max(max(errors), 0)))
     assert interval.high == pytest.approx(1000 / (1 + min(min(errors), 0)))
     assert interval.low <= 1000 <= interval.high
-    assert interval.validated and f"{len(errors)} published GPU run" in interval.basis
+    lent = sum(row.startswith("lent-") for row in memory_accuracy()["regimes"][regime]["rows"])
+    assert interval.validated and f"{len(errors) - lent} published GPU run" in interval.basis
+    assert (f" and {lent} of our own" in interval.basis) == (lent > 0)
 
 
 @pytest.mark.parametrize(("recipe", "gpus", "why"), [
@@ -70,11 +72,12 @@ def test_the_estimate_gives_the_interval_and_a_borderline_verdict(cli, tiny_mode
 
 @pytest.mark.slow
 def test_the_shipped_errors_are_a_fresh_check_of_the_published_runs(tmp_path: Path):
-    """data/memory_accuracy.toml is what `memory.py intervals` writes today (but its date line)."""
+    """data/memory_accuracy.toml is what `memory.py intervals` writes today (but its date line): the published runs and
+    the lent GPUs' rows."""
     shipped = (ROOT / "src/anatomist/data/memory_accuracy.toml").read_text()
     proc = subprocess.run([sys.executable, "-c", (
         "import sys; sys.path.insert(0, 'benchmarks/published'); import memory; "
-        "sys.stdout.write(memory.accuracy_table(memory.check(memory.load()['rows']), 'today'))")],
+        "sys.stdout.write(memory.accuracy_table(memory.check(memory.load()['rows']) + memory.gpu_rows(), 'today'))")],
         cwd=ROOT, capture_output=True, text=True, env={"PYTHONPATH": str(ROOT / "src"), "PATH": ""}, timeout=3000)
     assert proc.returncode == 0, proc.stderr[-2000:]
 

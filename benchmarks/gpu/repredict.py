@@ -50,7 +50,7 @@ def predicted(row: dict[str, Any], folder: Path) -> dict[str, Any]:
     recipe = Recipe.from_dict(row["recipe"]).resolved(workload)
     memory = estimate_memory(workload, recipe, gpu).anatomy
     time = estimate_time(workload, recipe, gpu)
-    return {"peak_allocated": memory.peak_allocated, "peak_reserved": memory.peak_reserved,
+    return {"gpu": gpu.name, "dtype": recipe.dtype, "peak_allocated": memory.peak_allocated, "peak_reserved": memory.peak_reserved,
             "device_total": memory.device_total, "step_s": time.step_s,
             "interval": (time.interval.low, time.interval.high) if time.interval else None}
 

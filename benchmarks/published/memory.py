@@ -11,6 +11,11 @@ GPU and device count), compares the quantity each row measured, and prints the r
 the error per regime, per precision, per GPU generation and per quantity: n, min, median, max of the signed
 error (predicted / measured - 1) and the median of its size.
 
+Beside them, the Trainer steps anatomist's own GPU check ran on lent GPUs (benchmarks/gpu/<device>/bench.jsonl,
+written by benchmarks/gpu/validate.sh; `gpu_rows`): each row's device total (the allocator's peak reserve plus what lay
+outside it, nvidia-smi's figure), predicted again by this tree as benchmarks/gpu/repredict.py does. Never fitted
+either, so their errors join the published ones in `intervals`.
+
 Regimes, from the row's recipe: "one GPU, full fine-tune", "adapters (LoRA, QLoRA)" (on one GPU),
 "sharded (FSDP2, ZeRO)", and "sharded, FSDP1 (not modelled)" for runs the source made with FSDP1, which
 anatomist does not predict (it traces FSDP2): reported apart, never in the sharded figure.
@@ -120,6 +125,40 @@ def check(rows: list[dict[str, Any]], progress: Callable[[str], None] = lambda _
     return out
 
 
+GPU_RUNS = HERE.parent / "gpu"
+"""benchmarks/gpu: a folder per lent GPU that ran validate.sh, each with its bench.jsonl."""
+
+
+def gpu_rows(folder: Path = GPU_RUNS, progress: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
+    """The device total of every CUDA row that ran to the end in `folder`/<device>/bench.jsonl, with this tree's
+    prediction and its error, as `check` gives a published row."""
+    from anatomist.estimate.intervals import memory_regime
+    from anatomist.recipe import Recipe
+
+    sys.path.insert(0, str(folder))
+    from repredict import measured, predicted  # benchmarks/gpu/repredict.py
+
+    out = []
+    for path in sorted(folder.glob("*/bench.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line) if line.strip() else {}
+            if row.get("status") != "ok" or (row.get("device") or {}).get("kind") != "cuda":
+                continue
+            name = f"lent-{path.parent.name}/{row['name']}"
+            progress(name)
+            with tempfile.TemporaryDirectory() as tmp:
+                guess = predicted(row, Path(tmp))
+            recipe = {**{k: v for k, v in row["recipe"].items() if v is not None}, "dtype": guess["dtype"]}
+            entry = {"id": name, "run": name, "quantity": "device_total", "num_gpus": 1, "gpu": guess["gpu"],
+                     "recipe": recipe}
+            value = int(measured(row)["device_total"])
+            out.append({**entry, "regime": memory_regime(Recipe.from_dict(recipe, source=name), 1)[0],
+                        "precision": precision(entry), "generation": generation(entry), "value_bytes": value,
+                        "measured_bytes": value, "predicted_bytes": int(guess["device_total"]),
+                        "error": guess["device_total"] / value - 1})
+    return out
+
+
 def summary(results: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """n, min, median, max of the signed errors, and the median of their size."""
     errors = [r["error"] for r in results]
@@ -209,7 +248,8 @@ def accuracy_table(results: list[dict[str, Any]], measured: str) -> str:
     rows left out), their GPUs and rows; read by anatomist.estimate.intervals."""
     lines = ["# Written by `python benchmarks/published/memory.py intervals` (never by hand): the errors (predicted /",
              "# measured - 1) of anatomist's device total on the published GPU runs of benchmarks/published/memory.toml",
-             "# that measured nvidia-smi's total or the peak reserved, per regime. anatomist.estimate.intervals reads it.",
+             "# that measured nvidia-smi's total or the peak reserved, and on the Trainer steps run on lent GPUs",
+             "# (benchmarks/gpu/<device>/bench.jsonl, rows lent-<device>/...), per regime. anatomist.estimate.intervals reads it.",
              f'measured = "{measured}"', ""]
     for name, group in by([r for r in results if r["quantity"] in FITTING_QUANTITIES and r["regime"] != REGIMES[3]],
                           "regime").items():
@@ -222,7 +262,8 @@ def accuracy_table(results: list[dict[str, Any]], measured: str) -> str:
 def main(argv: list[str]) -> None:
     if not argv or argv[0] not in ("check", "intervals"):
         raise SystemExit(__doc__)
-    results = check(load()["rows"], progress=lambda run: print(f"estimating {run}", file=sys.stderr, flush=True))
+    progress = lambda run: print(f"estimating {run}", file=sys.stderr, flush=True)  # noqa: E731
+    results = check(load()["rows"], progress=progress) + gpu_rows(progress=progress)
     if argv[0] == "intervals":
         ACCURACY.write_text(accuracy_table(results, versions()))
         print(f"wrote {ACCURACY}", file=sys.stderr)

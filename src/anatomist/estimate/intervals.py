@@ -2,7 +2,8 @@
 
 Memory. No term of the memory prediction is fitted to GPU runs. It is checked against PyTorch's own accounting of real
 CPU steps (the accuracy tests: the allocated peak, within a few percent) and against published GPU runs
-(benchmarks/published/memory.toml, checked by `benchmarks/published/memory.py`): what decides whether a run fits,
+(benchmarks/published/memory.toml, checked by `benchmarks/published/memory.py`) and our own Trainer steps on lent GPUs
+(benchmarks/gpu/<device>/bench.jsonl, the same script): what decides whether a run fits,
 nvidia-smi's total or the caching allocator's peak reserved, is off there by the errors data/memory_accuracy.toml
 keeps per regime (written by `memory.py intervals`, never by hand). The interval of a prediction P is the range of
 the truth those errors imply, P / (1 + error), widened to hold P itself: a handful of runs per regime is too few to
@@ -72,12 +73,14 @@ def memory_interval(predicted_bytes: int, recipe: Recipe, num_gpus: int) -> Inte
         unvalidated = f"no published GPU run of the regime {regime!r}"
     if unvalidated is not None:
         errors = [e for r in table["regimes"].values() for e in r["errors"]]
-        basis = (f"not validated: {unvalidated}; the range of all {len(errors)} published GPU runs "
-                 f"(benchmarks/published/memory_check.txt, {table['measured']})")
+        basis = (f"not validated: {unvalidated}; the range of all {len(errors)} GPU runs "
+                 f"(benchmarks/published/memory_check.txt, benchmarks/gpu; {table['measured']})")
     else:
         errors = runs["errors"]
-        basis = (f"{len(errors)} published GPU run(s) of {regime} ({', '.join(runs['gpus'])}; "
-                 f"benchmarks/published/memory_check.txt, {table['measured']})")
+        lent = sum(row.startswith("lent-") for row in runs["rows"])
+        runs_text = f"{len(errors) - lent} published GPU run(s)" + (f" and {lent} of our own" if lent else "")
+        basis = (f"{runs_text} of {regime} ({', '.join(runs['gpus'])}; benchmarks/published/memory_check.txt, "
+                 f"benchmarks/gpu; {table['measured']})")
     lowest, highest = min(min(errors), 0.0), max(max(errors), 0.0)
     return Interval(low=predicted_bytes / (1 + highest), high=predicted_bytes / (1 + lowest),
                     validated=unvalidated is None, basis=basis)
