@@ -144,12 +144,13 @@ def test_dry_run_prints_a_lent_gpus_plan_then_runs_by_priority(dry_run_proc) -> 
     assert "what a lent GPU would run (--budget-s 540,180)" in proc.stderr
     # the GPU's units, not the dry run's one, each with its call and its seconds: an estimate's until a GPU ran it
     # (the GPU folders committed under benchmarks/gpu/ hold what is measured and what is done)
-    assert re.search(r"call 1 +1 first +c/llama-1b/full-bf16 +(\d+ s expected \(an estimate\)|[\d.]+ s measured on )",
-                     proc.stderr)
+    # (a unit a call's end cut is priced at what it had run)
+    assert re.search(r"call 1 +1 first +c/(llama-1b|seeds)/\S+ +(\d+ s expected \(an estimate\)|[\d.]+ s measured on |"
+                     r">= [\d.]+ s \(cut there)", proc.stderr)
     markers = [r for r in lines(out) if r.get("record") == "unit-done"]
     order = [f"{m['part']}/{m['unit']}" for m in markers]
-    # priority 1 (the guide's rows, today's LLM recipes), 2 (part a), then the rest in part order
-    assert order[:3] == ["c/seeds/fp16", "c/llama-1b/full-bf16", "a/overhead"]
+    # priority 1 (today's LLM recipes, then the guide's rows: suites.toml's order), 2 (part a), then the rest
+    assert order[:3] == ["c/llama-1b/full-bf16", "c/seeds/fp16", "a/overhead"]
     assert order[3] == "b/pytest-gpu" and order[-1] == "e/calibrate"
     assert {m["mode"] for m in markers} == {"dry-run"} and all(m["elapsed_s"] >= 0 for m in markers)
     env = next(r for r in lines(out) if r.get("record") == "env")
@@ -413,7 +414,8 @@ def test_plan_flag_resumes_from_the_devices_results_and_runs_nothing(tmp_path: P
                            "own start (measured)")
     assert not re.search(r"c/seeds/(vanilla|fp16) ", text)  # done: not planned again
     # not done on this device: planned, with what another GPU measured (benchmarks/gpu/H200 ran it) or an estimate
-    assert re.search(r"call 1 +1 first +c/seeds/grad-accum +(\d+ s expected \(an estimate\)|[\d.]+ s measured on )", text)
+    assert re.search(r"call 1 +1 first +c/llama-1b/full-bf16 +(\d+ s expected \(an estimate\)|[\d.]+ s measured on )", text)
+    assert re.search(r"c/seeds/grad-accum +(\d+ s expected \(an estimate\)|[\d.]+ s measured on )", text)
     assert "done already: 2 unit(s)" in text
     assert (out / "results.jsonl").read_text() == before and sorted(p.name for p in out.iterdir()) == ["results.jsonl"]
 
