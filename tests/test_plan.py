@@ -19,6 +19,7 @@ from anatomist.estimate.time.device import estimate_time
 from anatomist.hardware import get_gpu
 from anatomist.plan import SearchSpace, plan
 from anatomist.plan.candidates import SPEED_UP_ERROR, pareto_front
+from anatomist.plan.reasons import most_sharded
 from anatomist.recipe import Recipe
 from anatomist.trace.depth.plan import model_plan
 from anatomist.workload_loader import load_workload
@@ -153,6 +154,20 @@ def test_nothing_fits_says_what_is_short(tiny) -> None:
                        r"its interval .*short by 2\.2 MiB\. Would fit: a GPU with more memory \(T4, 15\.00 GiB\)$"):
         plan(tiny, gpu, space=space, margin=0.0)
 
+
+
+def test_what_would_fit_on_more_gpus_keeps_to_the_shardings_allowed() -> None:
+    """"Would fit: N GPUs with ..." names the sharding that keeps the least per device of those --shardings allows
+    (ZeRO-3 + offload unless restricted), one that LoRA may use for adapters, and none where nothing allowed shards."""
+    def named(shardings, adapters=False):
+        spec = most_sharded(SearchSpace(global_batch_size=8, shardings=shardings), adapters)
+        return spec.name if spec is not None else None
+
+    assert named(None) == "zero3+offload"
+    assert named(None, adapters=True) == "zero3"  # offload is not searched for adapters
+    assert named(("fsdp_full_shard", "zero2")) == "fsdp_full_shard"
+    assert named(("zero1", "fsdp_shard_grad_op")) == "fsdp_shard_grad_op"
+    assert named(("none", "ddp")) is None
 
 @pytest.mark.slow
 def test_multi_gpu_considers_zero_and_fsdp(tiny) -> None:

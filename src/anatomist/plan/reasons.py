@@ -13,6 +13,7 @@ from collections.abc import Callable
 from anatomist.anatomy import GIB, MIB
 from anatomist.axes.optimizers import runs_with
 from anatomist.axes.precisions import precision
+from anatomist.axes.shardings import ShardingSpec, shardings_for
 from anatomist.estimate.traces import prefetch
 from anatomist.hardware import GPU
 from anatomist.plan.candidates import HEADROOM_STEP, SPEED_TIE, Candidate, Evaluator, smallest_fitting_gpu
@@ -196,6 +197,15 @@ def _passed_over(best: Candidate, name: str, faster: Candidate, speed_error: flo
     return f"{said}: chosen as the simpler"
 
 
+def most_sharded(space: SearchSpace, adapters: bool) -> ShardingSpec | None:
+    """The sharding over several devices that keeps the least on each, of those `space` may search (`--shardings`) for
+    what is trained: the one "would fit on N GPUs" names; None where it allows none that shards."""
+    allowed = [spec for name, spec in shardings_for(2).items()
+               if (space.shardings is None or name in space.shardings) and (spec.for_adapters or not adapters)]
+    best = max(allowed, key=lambda spec: (spec.stage, spec.offload), default=None)
+    return best if best is not None and best.stage > 0 else None
+
+
 def explain_infeasible(
     workload: Workload, gpu: GPU, space: SearchSpace, candidates: list[Candidate], limit: int, margin: float
 ) -> str:
@@ -209,13 +219,18 @@ def explain_infeasible(
         options.append(f"a GPU with more memory ({larger.name}, {_gib(larger.memory_bytes)})")
     from anatomist.estimate.memory import estimate_memory
 
-    sharded = smallest.recipe.replace(zero_stage=3, offload="cpu", fsdp="none", tp_size=1).resolved(workload)
-    for n in (2, 4, 8, 16, 32, 64):
-        total = estimate_memory(workload, sharded, gpu, num_gpus=n).interval.high
-        if total <= limit:
-            options.append(f"{n} GPUs with ZeRO-3 + CPU offload (up to {_gib(round(total))} per device; --gpus {n})")
-            break
-    if space.num_gpus == 1 and not any(c.recipe.offload != "none" for c in candidates):
+    spec = most_sharded(space, adapters=smallest.recipe.peft != "none")
+    if spec is not None:
+        unsharded = {"zero_stage": 0, "offload": "none", "fsdp": "none", "tp_size": 1, "dp_replicate_size": 1}
+        sharded = smallest.recipe.replace(**{**unsharded, **spec.fields}).resolved(workload)
+        for n in (2, 4, 8, 16, 32, 64):
+            total = estimate_memory(workload, sharded, gpu, num_gpus=n).interval.high
+            if total <= limit:
+                options.append(f"{n} GPUs with {spec.description.split(':')[0]} (up to {_gib(round(total))} per "
+                               f"device; --gpus {n} --shardings {spec.name})")
+                break
+    offloads = space.shardings is None or "zero2+offload" in space.shardings
+    if space.num_gpus == 1 and offloads and not any(c.recipe.offload != "none" for c in candidates):
         options.append("ZeRO offload (zero_stage 2/3 with offload cpu)")
     what = smallest.memory.anatomy
     return (
