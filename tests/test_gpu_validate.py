@@ -119,6 +119,10 @@ def test_every_part_records_dry_run_rows(dry_run: Path) -> None:
     assert a["allocator-request-513"]["quantities"]["new_segment_bytes"]["predicted"] == 2 * 2**20
     assert a["allocator-request-10485760"]["quantities"]["new_segment_bytes"]["predicted"] == 10 * 2**20
     assert a["after-training-step"]["quantities"]["outside_allocator_bytes"]["predicted"] > 0
+    # a: host-overlap's settings, checkpointing off and on; the host's times measured, the GPU's null off a GPU
+    for name in ("plain/b2", "checkpointing/b2"):
+        q = a[name]["quantities"]
+        assert q["wall_s"]["measured"] >= q["host_forward_s"]["measured"] > 0 and q["gpu_forward_s"]["measured"] is None
     # b: tests/test_gpu.py's 3 models x 5 recipes, skipped without CUDA
     b = rows_of(dry_run, "b")
     assert len(b) == 15 and {r["status"] for r in b.values()} == {"skipped"}
@@ -149,9 +153,9 @@ def test_dry_run_prints_a_lent_gpus_plan_then_runs_by_priority(dry_run_proc) -> 
                      r">= [\d.]+ s \(cut there)", proc.stderr)
     markers = [r for r in lines(out) if r.get("record") == "unit-done"]
     order = [f"{m['part']}/{m['unit']}" for m in markers]
-    # priority 1 (today's LLM recipes, then the guide's rows: suites.toml's order), 2 (part a), then the rest
-    assert order[:3] == ["c/llama-1b/full-bf16", "c/seeds/fp16", "a/overhead"]
-    assert order[3] == "b/pytest-gpu" and order[-1] == "e/calibrate"
+    # priority 1 (the host's overlap, today's LLM recipes, the guide's rows), 2 (part a's overhead), then the rest
+    assert order[:4] == ["a/host-overlap", "c/llama-1b/full-bf16", "c/seeds/fp16", "a/overhead"]
+    assert order[4] == "b/pytest-gpu" and order[-1] == "e/calibrate"
     assert {m["mode"] for m in markers} == {"dry-run"} and all(m["elapsed_s"] >= 0 for m in markers)
     env = next(r for r in lines(out) if r.get("record") == "env")
     assert env["budget_s"] == 540 and env["startup_s"] >= 0

@@ -1,6 +1,7 @@
 """The five parts of the validation, each a list of resumable units (see runner.py).
 
-  a  runtime overhead: CUDA context, cuBLAS / cuDNN / SDPA first use, allocator (overhead.py)
+  a  runtime overhead: how the host's issuing and the GPU's work overlap (overlap.py); CUDA context, cuBLAS / cuDNN /
+     SDPA first use, allocator (overhead.py)
   b  `pytest -m gpu`: tests/test_gpu.py, one row per case (pytest_rows.py)
   c  `anatomist bench`: the suites of suites.toml, one row per unit: the guide's bert-large rows
      (seeds), the memory of today's LLM recipes (llama-1b.yaml), the suites other issues add
@@ -36,6 +37,14 @@ DRY_RUN_LLAMA = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 
                  "max_position_embeddings": 64, "tie_word_embeddings": False}
 
 
+def dry_run_llama(ctx: Context) -> Path:
+    """A folder with DRY_RUN_LLAMA's config.json, under the dry run's results."""
+    folder = ctx.out_dir / "configs" / "tiny-llama"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(DRY_RUN_LLAMA))
+    return folder
+
+
 @dataclass(frozen=True, slots=True)
 class Part:
     """A part of the validation: its letter, what it checks, and how to list its units."""
@@ -63,11 +72,23 @@ def run_overhead(ctx: Context, unit: Unit, attempt: str, timeout_s: float) -> Ou
     return child_outcome("overhead.py", finished, unit, timeout_s)
 
 
+def run_host_overlap(ctx: Context, unit: Unit, attempt: str, timeout_s: float) -> Outcome:
+    cmd = [ctx.python, str(ctx.here / "overlap.py"), "--results", str(ctx.log.path), "--attempt", attempt,
+           "--unit", unit.name]
+    if ctx.dry_run:
+        cmd += ["--model", str(dry_run_llama(ctx)), "--seq-len", "16", "--batches", "2", "--dry-run"]
+    return child_outcome("overlap.py", run_child(cmd, ctx, timeout_s), unit, timeout_s)
+
+
 def overhead_units(ctx: Context) -> list[Unit]:
     # Expected: a fresh Python importing torch and transformers (~6 s), CUDA's context and the first
     # cuBLAS / cuDNN / SDPA calls (~10 s), bert-base built at random and two training steps (~10 s), its
     # prediction traced on the CPU (~10 s), 8 allocator probes (~1 s): ~40 s, 60 s with room.
-    return [Unit(part="a", name="overhead", expected_s=60, cap_s=300, run=run_overhead, priority=2)]
+    # host-overlap first of all: the question the H200's Llama rows left open (overlap.py). Expected: a fresh Python
+    # (~6 s), Llama-3.2-1B built at random on the GPU (~10 s), 6 settings of 5 timed and 2 profiled passes (~1 s
+    # each, ~10 s with the profiler's start): ~30 s, 60 s with room.
+    return [Unit(part="a", name="host-overlap", expected_s=60, cap_s=240, run=run_host_overlap, priority=1),
+            Unit(part="a", name="overhead", expected_s=60, cap_s=300, run=run_overhead, priority=2)]
 
 
 # -- b: pytest -m gpu ---------------------------------------------------------------------------
@@ -213,12 +234,9 @@ def bench_units(ctx: Context) -> list[Unit]:
 def fwd_bwd_units(ctx: Context) -> list[Unit]:
     """One unit per model and weights mode on a GPU (a few minutes each); one tiny model in a dry run."""
     if ctx.dry_run:
-        folder = ctx.out_dir / "configs" / "tiny-llama"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "config.json").write_text(json.dumps(DRY_RUN_LLAMA))
         grid = ["--batches", "2", "--seq-lens", "16", "--dry-run"]
         return [Unit(part="d", name="tiny-llama", expected_s=60, cap_s=300,
-                     run=partial(run_fwd_bwd, model=str(folder), grid=grid))]
+                     run=partial(run_fwd_bwd, model=str(dry_run_llama(ctx)), grid=grid))]
     grid = ["--batches", FWD_BWD_GRID["batches"], "--seq-lens", FWD_BWD_GRID["seq_lens"]]
     # Expected: a fresh Python (~6 s), the model built twice (one per attention kernel, ~5-10 s each), up to
     # 24 cells of 5 passes each (a few seconds in all on a GPU), and where predicted (fp32-autocast) one

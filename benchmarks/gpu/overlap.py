@@ -1,0 +1,139 @@
+"""Part a: how the host's issuing and the GPU's work overlap in forward and backward, with and without checkpointing.
+
+    python benchmarks/gpu/overlap.py --results RESULTS.jsonl --attempt ID [--model MODEL] [--seq-len N]
+                                     [--batches 1,2,4] [--dry-run]
+
+The time model takes each phase as the slower of the GPU's work and the host's issuing of it (`roofline.phase_s`).
+On a lent H200 (benchmarks/gpu/H200) checkpointing added 68-70 ms to Llama-3.2-1B's bf16 Trainer step at 4 x 1,024
+tokens, full and LoRA alike, where that model adds 17 ms (full) and 55 ms (LoRA). Two readings fit: the recomputed
+forward's issuing does not overlap the GPU, or it costs the host about four forward kernels' worth each instead of
+two. Which one is what this measures, per setting (the task model built at random in bf16 weights on the GPU, SDPA,
+checkpointing off or on through transformers' own `gradient_checkpointing_enable`, each batch size):
+
+- the host's issue time of forward and of backward: `perf_counter` around `model(**batch).loss` and around
+  `loss.backward()`, without synchronizing (after one synchronize before forward), median of 3;
+- the wall time of both: the same, then a synchronize;
+- the GPU's busy time and its kernels per phase: torch.profiler over one forward and one forward + backward (the
+  sum of the CUDA kernels' and copies' own device time, and their count; backward = the difference).
+
+Nothing is predicted here (tracing each setting would take longer than measuring it): `benchmarks/gpu/
+repredict.py`'s way, this tree's per-phase kernels and times set beside these rows offline. `--dry-run` runs the same
+code on the CPU with a tiny model: the host times are CPU times and the GPU's figures are null.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from fwd_bwd import Device, build
+from results import ResultsLog, quantity
+
+PART = "a"
+UNIT = "host-overlap"
+TIMED_REPEATS = 3
+
+
+def synchronize(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def issue_and_wall(model: Any, batch: dict[str, torch.Tensor], cuda: bool) -> dict[str, float]:
+    """One forward and backward: the host's time to issue each, and the wall time once the GPU is done."""
+    synchronize(cuda)
+    start = time.perf_counter()
+    loss = model(**batch).loss
+    forward_issued = time.perf_counter()
+    loss.backward()
+    backward_issued = time.perf_counter()
+    synchronize(cuda)
+    done = time.perf_counter()
+    model.zero_grad(set_to_none=True)
+    return {"host_forward_s": forward_issued - start, "host_backward_s": backward_issued - forward_issued,
+            "wall_s": done - start}
+
+
+def device_work(model: Any, batch: dict[str, torch.Tensor], backward: bool) -> tuple[float, int]:
+    """The GPU's busy seconds and kernels (and copies) of one forward (and backward), from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        loss = model(**batch).loss
+        if backward:
+            loss.backward()
+        synchronize(True)
+    model.zero_grad(set_to_none=True)
+    device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in device) * 1e-6, len(device)
+
+
+def measure(model: Any, batch: dict[str, torch.Tensor], cuda: bool) -> dict[str, Any]:
+    issue_and_wall(model, batch, cuda)  # warm-up: kernels loaded, cuBLAS workspaces, the allocator's cache
+    runs = [issue_and_wall(model, batch, cuda) for _ in range(TIMED_REPEATS)]
+    out: dict[str, Any] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    if cuda:
+        forward_s, forward_kernels = device_work(model, batch, backward=False)
+        both_s, both_kernels = device_work(model, batch, backward=True)
+        out.update(gpu_forward_s=forward_s, gpu_backward_s=both_s - forward_s, kernels_forward=forward_kernels,
+                   kernels_backward=both_kernels - forward_kernels)
+    else:
+        out.update(gpu_forward_s=None, gpu_backward_s=None, kernels_forward=None, kernels_backward=None)
+    return out
+
+
+def run(args: argparse.Namespace) -> None:
+    from anatomist.trace.step.inputs import make_batch
+    from anatomist.workload_loader import load_workload
+
+    log, cuda = ResultsLog(path=args.results), not args.dry_run
+    on = Device(args.dry_run)
+    device = on.torch_device
+    workload = load_workload(args.model, seq_len=args.seq_len, task="causal-lm")
+    model = build(workload, "sdpa", "bf16", on)
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        for batch_size in sorted(args.batches):
+            name = f"{'checkpointing' if checkpointing else 'plain'}/b{batch_size}"
+            details: dict[str, Any] = {"model": args.model, "seq_len": args.seq_len, "batch": batch_size,
+                                       "checkpointing": checkpointing, "dtype": "bfloat16", "attn": "sdpa"}
+            row = {"part": PART, "unit": args.unit, "attempt": args.attempt, "name": name,
+                   "mode": "dry-run" if args.dry_run else "gpu"}
+            try:
+                batch = {k: v.to(device) for k, v in make_batch(workload, batch_size).items()}
+                measured = measure(model, batch, cuda)
+            except torch.cuda.OutOfMemoryError as exc:
+                log.row(**row, status="oom", reason=str(exc).splitlines()[0], details=details)
+                break
+            log.row(**row, status="ok", details={**details, "measured": measured},
+                    reason="dry-run: CPU times, no GPU figures" if args.dry_run else None,
+                    quantities={key: quantity(None, measured[key]) for key in
+                                ("wall_s", "host_forward_s", "host_backward_s", "gpu_forward_s", "gpu_backward_s")})
+            print(f"validate a: {args.unit} {name} recorded", file=sys.stderr)
+            del batch
+            if cuda:
+                torch.cuda.empty_cache()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", required=True, type=Path)
+    parser.add_argument("--attempt", required=True)
+    parser.add_argument("--unit", default=UNIT)
+    parser.add_argument("--model", default="Llama-3.2-1B", help="catalog name or config folder (a causal LM)")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--batches", type=lambda text: [int(x) for x in text.split(",") if x], default=[1, 2, 4])
+    parser.add_argument("--dry-run", action="store_true")
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
