@@ -78,13 +78,16 @@ def measure(model: Any, batch: dict[str, torch.Tensor], cuda: bool) -> dict[str,
     issue_and_wall(model, batch, cuda)  # warm-up: kernels loaded, cuBLAS workspaces, the allocator's cache
     runs = [issue_and_wall(model, batch, cuda) for _ in range(TIMED_REPEATS)]
     out: dict[str, Any] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    out.update(gpu_forward_s=None, gpu_backward_s=None, kernels_forward=None, kernels_backward=None)
     if cuda:
-        forward_s, forward_kernels = device_work(model, batch, backward=False)
-        both_s, both_kernels = device_work(model, batch, backward=True)
-        out.update(gpu_forward_s=forward_s, gpu_backward_s=both_s - forward_s, kernels_forward=forward_kernels,
-                   kernels_backward=both_kernels - forward_kernels)
-    else:
-        out.update(gpu_forward_s=None, gpu_backward_s=None, kernels_forward=None, kernels_backward=None)
+        try:
+            forward_s, forward_kernels = device_work(model, batch, backward=False)
+            both_s, both_kernels = device_work(model, batch, backward=True)
+        except Exception as exc:  # noqa: BLE001 - the host's figures stand without the profiler's
+            out["profiler_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        else:
+            out.update(gpu_forward_s=forward_s, gpu_backward_s=both_s - forward_s, kernels_forward=forward_kernels,
+                       kernels_backward=both_kernels - forward_kernels)
     return out
 
 
