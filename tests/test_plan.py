@@ -141,7 +141,8 @@ def test_checkpointing_reason_is_computed_from_predictions(tiny) -> None:
 @pytest.mark.slow
 def test_nothing_fits_says_what_is_short(tiny) -> None:
     # 16.25 MiB of every recipe are the two cuBLAS workspaces (forward and backward handles);
-    # the smallest recipe needs 20.5 MiB, up to 23.0 MiB at the top of its memory interval, which is what must fit
+    # the smallest recipe needs 20.5 MiB, up to 23.2 MiB at the top of its memory interval (-11.3%: the full bf16
+    # checkpointed step on the H200), which is what must fit
     # the 20.8 MiB. No number of GPUs is offered: ZeRO-3
     # (+ offload) on 2 devices needed 20.6 MiB before DeepSpeed's own buffers were counted; with them
     # (estimate/sharding.py) DeepSpeed keeps a model this small gathered from forward to backward
@@ -150,8 +151,8 @@ def test_nothing_fits_says_what_is_short(tiny) -> None:
     # fp32 master weights only: the figures above were worked out for those precisions
     space = SearchSpace(global_batch_size=8, optims=("adafactor",), compile_options=(False,),
                         precisions=("fp32", "tf32", "bf16"))
-    with pytest.raises(InputError, match=r"no recipe fits tiny-gpu: the smallest of \d+ \(bs1 x8, bf16, adafactor, zero2\+offload\) needs 20\.5 MiB, up to 23\.0 MiB at the top of "
-                       r"its interval .*short by 2\.2 MiB\. Would fit: a GPU with more memory \(T4, 15\.00 GiB\)$"):
+    with pytest.raises(InputError, match=r"no recipe fits tiny-gpu: the smallest of \d+ \(bs1 x8, bf16, adafactor, zero2\+offload\) needs 20\.5 MiB, up to 23\.2 MiB at the top of "
+                       r"its interval .*short by 2\.4 MiB\. Would fit: a GPU with more memory \(T4, 15\.00 GiB\)$"):
         plan(tiny, gpu, space=space, margin=0.0)
 
 
