@@ -210,3 +210,43 @@ def test_what_emit_trl_writes_reads_back_as_the_same_recipe(recipe: Recipe, tmp_
     assert {f: getattr(source.recipe, f) for f in fields} == {f: getattr(recipe, f) for f in fields}
     if recipe.lora_target_modules != "all-linear":
         assert set(source.recipe.lora_target_modules.split(",")) == set(recipe.lora_target_modules.split(","))
+
+
+def test_lora_on_a_gpu_without_bf16_searches_an_fp16_base() -> None:
+    """On a T4 or a V100 LoRA is searched with the frozen base in fp16 (fp16-weights), full fine-tuning never (the
+    GradScaler refuses to unscale fp16 gradients); where bf16 is as fast, bf16-weights stands for it."""
+    from anatomist.plan.space import searched_precisions
+
+    space = SearchSpace(global_batch_size=8)
+    for name in ("T4", "V100-16GB"):
+        assert "fp16-weights" in searched_precisions(space, get_gpu(name), "lora")
+        assert "fp16-weights" not in searched_precisions(space, get_gpu(name), "full")
+    assert "fp16-weights" not in searched_precisions(space, get_gpu("RTX-4090"), "lora")
+    assert "fp16-weights" not in searched_precisions(SearchSpace(global_batch_size=8, precisions=("fp16-weights",)),
+                                                     get_gpu("T4"), "full")
+
+
+def test_peft_trains_fp32_adapters_on_an_fp16_base(folder: Path) -> None:
+    """What makes fp16-weights trainable under the GradScaler: PEFT makes the adapters in fp32 on a base loaded in fp16
+    (its autocast_adapter_dtype), so every gradient the scaler unscales is fp32. Real transformers and peft."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float16)
+    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert trained and {p.dtype for p in trained} == {torch.float32}
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.float16}
+
+
+def test_an_fp16_base_is_lora_only() -> None:
+    """A full fine-tune on an fp16 base is refused as the recipe is made (the GradScaler's refusal); LoRA on one is a
+    recipe `check` can search around."""
+    from anatomist.errors import InputError
+    from anatomist.measure.preflight import search_space
+
+    with pytest.raises(InputError, match="cannot train float16-loaded weights"):
+        Recipe(dtype="float16", fp16=True)
+    around = search_space(Recipe(peft="lora", dtype="float16", fp16=True), 1, set(), get_gpu("T4"))
+    assert not isinstance(around, str) and around.precisions == ("fp16-weights",)

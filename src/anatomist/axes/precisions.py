@@ -7,7 +7,9 @@ in, are read from its fields in `recipe/axis_values.py`.
 
 fp32/tf32/fp16/bf16 keep fp32 master weights (loaded in float32; fp16/bf16 autocast per op);
 bf16-weights loads the weights in bfloat16 and trains in pure bf16 (how most LLM checkpoints
-load in transformers 5, with --bf16 on top as people run it): no fp32 master weights. QLoRA's
+load in transformers 5, with --bf16 on top as people run it): no fp32 master weights. fp16-weights is
+LoRA's on a GPU without bf16 (a T4, a V100): the frozen base in float16, fp16 autocast, PEFT's fp32
+adapters under the GradScaler; searched for adapters only, and like fp16 only where bf16 is not as fast. QLoRA's
 nf4+bf16 / nf4+fp16 dequantize the 4-bit base to the autocast dtype for each product, the model
 loaded in that dtype as TRL loads it (`prepare_model_for_kbit_training` then casts every
 non-quantized parameter to fp32).
@@ -61,6 +63,9 @@ class PrecisionSpec:
     """torchao's float8 linear layers on top of the autocast (accelerate's mixed_precision="fp8")."""
     searched: bool = True
     """Searched by `anatomist plan` (where the GPU supports it) unless --precisions says otherwise."""
+    adapters_only: bool = False
+    """Searched for LoRA only: a half-precision base that full fine-tuning cannot train (the GradScaler refuses to
+    unscale fp16 gradients), while PEFT's adapters are fp32."""
 
     @property
     def fields(self) -> dict[str, object]:
@@ -93,6 +98,9 @@ _SPECS = (
                   weights_dtype="bfloat16", autocast="bf16", tf32=False),
     PrecisionSpec(name="fp16", description="fp32 master weights, fp16 autocast + GradScaler",
                   weights_dtype="float32", autocast="fp16", tf32=False),
+    PrecisionSpec(name="fp16-weights", description="LoRA: the frozen base loaded in fp16, fp16 autocast + GradScaler "
+                  "(the adapters fp32, as PEFT makes them)", weights_dtype="float16", autocast="fp16", tf32=False,
+                  adapters_only=True),
     PrecisionSpec(name="fp8", description="fp32 master weights, bf16 autocast, FP8 linear layers (torchao, tensorwise)",
                   weights_dtype="float32", autocast="bf16", tf32=True, fp8="tensorwise", searched=False),
     PrecisionSpec(name="fp8-bf16-weights", description="weights loaded in bf16, bf16 autocast, FP8 linear layers "

@@ -143,11 +143,13 @@ class SearchSpace:
 
 def searched_precisions(space: SearchSpace, gpu: GPU, method: str = "full") -> list[str]:
     """The precisions the search varies for `method`: the space's own choice, else all the GPU
-    supports; QLoRA's one (`axes.precisions.qlora_precision`) whatever the space says."""
+    supports (an adapters-only one not for full fine-tuning); QLoRA's one (`axes.precisions.qlora_precision`)
+    whatever the space says."""
     if method == "qlora":
         return [qlora_precision(gpu)]
     supported, _ = searchable_on(gpu)
-    return [p for p in supported if space.precisions is None or p in space.precisions]
+    return [p for p in supported if (space.precisions is None or p in space.precisions)
+            and (method != "full" or not precision(p).adapters_only)]
 
 
 def enumerate_recipes(space: SearchSpace, gpu: GPU) -> Iterator[Recipe]:
