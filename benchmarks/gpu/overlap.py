@@ -14,7 +14,8 @@ checkpointing off or on through transformers' own `gradient_checkpointing_enable
   `loss.backward()`, without synchronizing (after one synchronize before forward), median of 3;
 - the wall time of both: the same, then a synchronize;
 - the GPU's busy time and its kernels per phase: torch.profiler over one forward and one forward + backward (the
-  sum of the CUDA kernels' and copies' own device time, and their count; backward = the difference).
+  sum of the CUDA kernels' and copies' own device time, and their count; backward = the difference), and each
+  profiled pass's span from its first kernel's start to its last one's end: span - busy is the GPU waiting on the host.
 
 Nothing is predicted here (tracing each setting would take longer than measuring it): `benchmarks/gpu/
 repredict.py`'s way, this tree's per-phase kernels and times set beside these rows offline. `--dry-run` runs the same
@@ -59,8 +60,9 @@ def issue_and_wall(model: Any, batch: dict[str, torch.Tensor], cuda: bool) -> di
             "wall_s": done - start}
 
 
-def device_work(model: Any, batch: dict[str, torch.Tensor], backward: bool) -> tuple[float, int]:
-    """The GPU's busy seconds and kernels (and copies) of one forward (and backward), from torch.profiler."""
+def device_work(model: Any, batch: dict[str, torch.Tensor], backward: bool) -> tuple[float, int, float]:
+    """The GPU's busy seconds, kernels (and copies), and the span from the first one's start to the last one's end
+    (busy + the GPU's idle waits on the host) of one forward (and backward), from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     synchronize(True)
@@ -71,7 +73,8 @@ def device_work(model: Any, batch: dict[str, torch.Tensor], backward: bool) -> t
         synchronize(True)
     model.zero_grad(set_to_none=True)
     device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.device_time for e in device) * 1e-6, len(device)
+    span = max(e.time_range.end for e in device) - min(e.time_range.start for e in device)
+    return sum(e.device_time for e in device) * 1e-6, len(device), span * 1e-6
 
 
 def measure(model: Any, batch: dict[str, torch.Tensor], cuda: bool) -> dict[str, Any]:
@@ -81,13 +84,14 @@ def measure(model: Any, batch: dict[str, torch.Tensor], cuda: bool) -> dict[str,
     out.update(gpu_forward_s=None, gpu_backward_s=None, kernels_forward=None, kernels_backward=None)
     if cuda:
         try:
-            forward_s, forward_kernels = device_work(model, batch, backward=False)
-            both_s, both_kernels = device_work(model, batch, backward=True)
+            forward_s, forward_kernels, forward_span_s = device_work(model, batch, backward=False)
+            both_s, both_kernels, both_span_s = device_work(model, batch, backward=True)
         except Exception as exc:  # noqa: BLE001 - the host's figures stand without the profiler's
             out["profiler_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         else:
             out.update(gpu_forward_s=forward_s, gpu_backward_s=both_s - forward_s, kernels_forward=forward_kernels,
-                       kernels_backward=both_kernels - forward_kernels)
+                       kernels_backward=both_kernels - forward_kernels, gpu_span_forward_s=forward_span_s,
+                       gpu_span_both_s=both_span_s)
     return out
 
 
