@@ -7,7 +7,8 @@ The time model takes each phase as the slower of the GPU's work and the host's i
 On a lent H200 (benchmarks/gpu/H200) checkpointing added 68-70 ms to Llama-3.2-1B's bf16 Trainer step at 4 x 1,024
 tokens, full and LoRA alike, where that model adds 17 ms (full) and 55 ms (LoRA). Two readings fit: the recomputed
 forward's issuing does not overlap the GPU, or it costs the host about four forward kernels' worth each instead of
-two. Which one is what this measures, per setting (the task model built at random in bf16 weights on the GPU, SDPA,
+two. Which one is what this measures, per setting (the task model built at random in bf16 weights on the GPU, bf16
+autocast as the Trainer's `bf16=True` runs it, SDPA,
 checkpointing off or on through transformers' own `gradient_checkpointing_enable`, each batch size):
 
 - the host's issue time of forward and of backward: `perf_counter` around `model(**batch).loss` and around
@@ -17,8 +18,8 @@ checkpointing off or on through transformers' own `gradient_checkpointing_enable
   sum of the CUDA kernels' and copies' own device time, and their count; backward = the difference), and each
   profiled pass's span from its first kernel's start to its last one's end: span - busy is the GPU waiting on the host.
 
-Nothing is predicted here (tracing each setting would take longer than measuring it): `benchmarks/gpu/
-repredict.py`'s way, this tree's per-phase kernels and times set beside these rows offline. `--dry-run` runs the same
+Nothing is predicted here (tracing each setting would take longer than measuring it): `overlap_report.py` sets this
+tree's per-phase kernels and times beside these rows offline, as repredict.py does for the bench rows. `--dry-run` runs the same
 code on the CPU with a tiny model: the host times are CPU times and the GPU's figures are null.
 """
 
@@ -45,11 +46,17 @@ def synchronize(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
+def loss_of(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The Trainer's forward with `bf16=True`: under bf16 autocast (the llama-1b bench rows' recipe)."""
+    with torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16):
+        return model(**batch).loss
+
+
 def issue_and_wall(model: Any, batch: dict[str, torch.Tensor], cuda: bool) -> dict[str, float]:
     """One forward and backward: the host's time to issue each, and the wall time once the GPU is done."""
     synchronize(cuda)
     start = time.perf_counter()
-    loss = model(**batch).loss
+    loss = loss_of(model, batch)
     forward_issued = time.perf_counter()
     loss.backward()
     backward_issued = time.perf_counter()
@@ -67,7 +74,7 @@ def device_work(model: Any, batch: dict[str, torch.Tensor], backward: bool) -> t
 
     synchronize(True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        loss = model(**batch).loss
+        loss = loss_of(model, batch)
         if backward:
             loss.backward()
         synchronize(True)
@@ -110,7 +117,7 @@ def run(args: argparse.Namespace) -> None:
         for batch_size in sorted(args.batches):
             name = f"{'checkpointing' if checkpointing else 'plain'}/b{batch_size}"
             details: dict[str, Any] = {"model": args.model, "seq_len": args.seq_len, "batch": batch_size,
-                                       "checkpointing": checkpointing, "dtype": "bfloat16", "attn": "sdpa"}
+                                       "checkpointing": checkpointing, "dtype": "bfloat16", "bf16": True, "attn": "sdpa"}
             row = {"part": PART, "unit": args.unit, "attempt": args.attempt, "name": name,
                    "mode": "dry-run" if args.dry_run else "gpu"}
             try:
