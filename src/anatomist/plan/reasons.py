@@ -226,8 +226,10 @@ def explain_infeasible(
         for n in (2, 4, 8, 16, 32, 64):
             total = estimate_memory(workload, sharded, gpu, num_gpus=n).interval.high
             if total <= limit:
-                options.append(f"{n} GPUs with {spec.description.split(':')[0]} (up to {_gib(round(total))} per "
-                               f"device; --gpus {n} --shardings {spec.name})")
+                named = f"ZeRO-{spec.stage}" + (" + CPU offload" if spec.offload else "") \
+                    if spec.engine == "deepspeed" else spec.description.split(":")[0]
+                options.append(f"{n} GPUs with {named} (up to {_gib(round(total))} per device; --gpus {n} "
+                               f"--shardings {spec.name})")
                 break
     offloads = space.shardings is None or "zero2+offload" in space.shardings
     if space.num_gpus == 1 and offloads and not any(c.recipe.offload != "none" for c in candidates):
