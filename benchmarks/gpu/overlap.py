@@ -41,26 +41,21 @@ UNIT = "host-overlap"
 TIMED_REPEATS = 3
 
 
-def synchronize(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
-
-
 def loss_of(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The Trainer's forward with `bf16=True`: under bf16 autocast (the llama-1b bench rows' recipe)."""
     with torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16):
         return model(**batch).loss
 
 
-def issue_and_wall(model: Any, batch: dict[str, torch.Tensor], cuda: bool) -> dict[str, float]:
+def issue_and_wall(model: Any, batch: dict[str, torch.Tensor], on: Device) -> dict[str, float]:
     """One forward and backward: the host's time to issue each, and the wall time once the GPU is done."""
-    synchronize(cuda)
+    on.sync()
     start = time.perf_counter()
     loss = loss_of(model, batch)
     forward_issued = time.perf_counter()
     loss.backward()
     backward_issued = time.perf_counter()
-    synchronize(cuda)
+    on.sync()
     done = time.perf_counter()
     model.zero_grad(set_to_none=True)
     return {"host_forward_s": forward_issued - start, "host_backward_s": backward_issued - forward_issued,
@@ -72,24 +67,24 @@ def device_work(model: Any, batch: dict[str, torch.Tensor], backward: bool) -> t
     (busy + the GPU's idle waits on the host) of one forward (and backward), from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    synchronize(True)
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         loss = loss_of(model, batch)
         if backward:
             loss.backward()
-        synchronize(True)
+        torch.cuda.synchronize()
     model.zero_grad(set_to_none=True)
     device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     span = max(e.time_range.end for e in device) - min(e.time_range.start for e in device)
     return sum(e.device_time for e in device) * 1e-6, len(device), span * 1e-6
 
 
-def measure(model: Any, batch: dict[str, torch.Tensor], cuda: bool) -> dict[str, Any]:
-    issue_and_wall(model, batch, cuda)  # warm-up: kernels loaded, cuBLAS workspaces, the allocator's cache
-    runs = [issue_and_wall(model, batch, cuda) for _ in range(TIMED_REPEATS)]
+def measure(model: Any, batch: dict[str, torch.Tensor], on: Device) -> dict[str, Any]:
+    issue_and_wall(model, batch, on)  # warm-up: kernels loaded, cuBLAS workspaces, the allocator's cache
+    runs = [issue_and_wall(model, batch, on) for _ in range(TIMED_REPEATS)]
     out: dict[str, Any] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
     out.update(gpu_forward_s=None, gpu_backward_s=None, kernels_forward=None, kernels_backward=None)
-    if cuda:
+    if on.cuda:
         try:
             forward_s, forward_kernels, forward_span_s = device_work(model, batch, backward=False)
             both_s, both_kernels, both_span_s = device_work(model, batch, backward=True)
@@ -106,9 +101,7 @@ def run(args: argparse.Namespace) -> None:
     from anatomist.trace.step.inputs import make_batch
     from anatomist.workload_loader import load_workload
 
-    log, cuda = ResultsLog(path=args.results), not args.dry_run
-    on = Device(args.dry_run)
-    device = on.torch_device
+    log, on = ResultsLog(path=args.results), Device(args.dry_run)
     workload = load_workload(args.model, seq_len=args.seq_len, task="causal-lm")
     model = build(workload, "sdpa", "bf16", on)
     for checkpointing in (False, True):
@@ -121,8 +114,8 @@ def run(args: argparse.Namespace) -> None:
             row = {"part": PART, "unit": args.unit, "attempt": args.attempt, "name": name,
                    "mode": "dry-run" if args.dry_run else "gpu"}
             try:
-                batch = {k: v.to(device) for k, v in make_batch(workload, batch_size).items()}
-                measured = measure(model, batch, cuda)
+                batch = {k: v.to(on.torch_device) for k, v in make_batch(workload, batch_size).items()}
+                measured = measure(model, batch, on)
             except torch.cuda.OutOfMemoryError as exc:
                 log.row(**row, status="oom", reason=str(exc).splitlines()[0], details=details)
                 break
@@ -132,8 +125,7 @@ def run(args: argparse.Namespace) -> None:
                                 ("wall_s", "host_forward_s", "host_backward_s", "gpu_forward_s", "gpu_backward_s")})
             print(f"validate a: {args.unit} {name} recorded", file=sys.stderr)
             del batch
-            if cuda:
-                torch.cuda.empty_cache()
+            on.free_all()
 
 
 def main(argv: list[str]) -> int:

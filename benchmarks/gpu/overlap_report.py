@@ -4,9 +4,9 @@
 
 For each row of the folder's results.jsonl (unit host-overlap): the kernels of forward and of backward, the GPU's
 busy seconds and the host's issue seconds of each, measured and predicted. Predicted as the time model prices a
-phase (estimate/time/device.py, `time_from_ops`): each op's GPU seconds at the GPU's calibration, and its kernels
-weighted by phase (`roofline.host_kernels`, checkpointing's recomputed ones at RECOMPUTE_HOST_WEIGHT) times
-`host_op_s`; the phase is the slower of the two. Measured: the wall time against max(GPU, host) says whether they
+phase, with its own code (estimate/time/device.py, `phase_work`): each op's GPU seconds at the GPU's calibration,
+and its kernels weighted by phase (`roofline.host_kernels`, checkpointing's recomputed ones at
+RECOMPUTE_HOST_WEIGHT) times `host_op_s`; the phase is the slower of the two. Measured: the wall time against max(GPU, host) says whether they
 overlapped, and the profiled span less the busy time how long the GPU waited on the host.
 """
 
@@ -18,12 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from anatomist.calibration.lookup import calibration_for
-from anatomist.estimate.time.device import op_call_s
-from anatomist.estimate.time.ops import recomputed_kernels, step_ops
-from anatomist.estimate.time.roofline import host_kernels
+from anatomist.estimate.time.device import phase_work
+from anatomist.estimate.time.ops import step_ops
 from anatomist.hardware import get_gpu, match_catalog
 from anatomist.recipe import Recipe
 from anatomist.workload_loader import load_workload
@@ -37,18 +34,14 @@ def predicted(details: dict[str, Any], gpu: Any) -> dict[str, float]:
     recipe = Recipe(per_device_train_batch_size=details["batch"], dtype=details["dtype"], bf16=details.get("bf16", False),
                     gradient_checkpointing=details["checkpointing"], attn_implementation=details["attn"],
                     optim="sgd", max_grad_norm=0.0).resolved(workload)
-    factors = calibration_for(gpu).factors
-    kernels, gpu_s = np.zeros(3), np.zeros(3)
-    for record in step_ops(workload, recipe, gpu.compute_capability).records:
-        if record.view:
-            continue
-        i = ("forward", "backward", "optimizer").index(str(record.phase))
-        kernels[i] += record.calls_per_step(1)
-        gpu_s[i] += op_call_s(record, recipe, gpu) * record.calls_per_step(1)
-    host_s = host_kernels(kernels, recomputed_kernels(workload, recipe, gpu.compute_capability)) * factors.host_op_s
+    cal = calibration_for(gpu)
+    work = phase_work(step_ops(workload, recipe, gpu.compute_capability), workload, recipe, gpu, cal)
     out = {}
-    for i, phase in enumerate(PHASES):
-        out[f"kernels_{phase}"], out[f"gpu_{phase}_s"], out[f"host_{phase}_s"] = kernels[i], gpu_s[i], host_s[i]
+    for i, phase in enumerate(work.gpu_s):
+        name = str(phase)
+        if name in PHASES:
+            out[f"kernels_{name}"], out[f"gpu_{name}_s"] = work.kernels[phase], work.gpu_s[phase]
+            out[f"host_{name}_s"] = work.host_kernels[i] * cal.factors.host_op_s
     return out
 
 

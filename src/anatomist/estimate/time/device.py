@@ -30,6 +30,8 @@ their traces record as eager ops.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from anatomist.anatomy import OpClass, Phase, TimeAnatomy
@@ -76,20 +78,30 @@ def op_call_s(record: OpRecord, recipe: ResolvedRecipe, gpu: GPU, cal: Calibrati
     return float(kernel_s(*peak_seconds(record, recipe, gpu), (cal or calibration_for(gpu)).factors))
 
 
-def time_from_ops(
-    ops: StepOps, workload: Workload, recipe: ResolvedRecipe, gpu: GPU, cal: Calibration | None = None
-) -> TimeAnatomy:
-    """Add the per-kernel times of `ops` up into a step's TimeAnatomy: each phase the slower of its kernels' GPU time
-    and the host's time to issue them (`roofline.phase_s`), plus the host's time per micro-batch (`cal`: the
-    factors to use; default `calibration_for(gpu)`). Where the host is the bound, the GPU's idle time counts as
-    `other` (the host's, as the time per micro-batch)."""
-    cal = cal or calibration_for(gpu)
+@dataclass(frozen=True, slots=True)
+class PhaseWork:
+    """What each phase of a step (forward, backward, optimizer; accumulation's micro-batches in) asks of the GPU and
+    of the host, before `roofline.phase_s` takes the slower of the two."""
+
+    gpu_s: dict[Phase, float]
+    """Its kernels' GPU seconds."""
+    kernels: dict[Phase, float]
+    """Its kernel calls."""
+    host_kernels: np.ndarray
+    """Its kernels in forward kernels' worth of the host's time (`roofline.host_kernels`), in `gpu_s`'s order."""
+    classes: dict[OpClass, float]
+    """The GPU seconds of each operation class."""
+
+
+def phase_work(ops: StepOps, workload: Workload, recipe: ResolvedRecipe, gpu: GPU, cal: Calibration) -> PhaseWork:
+    """Each kernel of `ops` priced on `gpu` at `cal`'s factors and counted for the host, per phase (collectives left
+    to `cluster.time_across_devices`)."""
     accumulation = recipe.gradient_accumulation_steps
     gpu_s = dict.fromkeys((Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER), 0.0)
     kernels = dict.fromkeys(gpu_s, 0.0)
     classes = dict.fromkeys(OpClass, 0.0)
     for record in ops.records:
-        if record.view or record.name.startswith(COLLECTIVE_PREFIX):  # communication: `cluster.time_across_devices`'
+        if record.view or record.name.startswith(COLLECTIVE_PREFIX):
             continue
         calls = record.calls_per_step(accumulation)
         seconds = op_call_s(record, recipe, gpu, cal) * calls
@@ -98,7 +110,21 @@ def time_from_ops(
         classes[record.op_class] += seconds
     weighted = host_kernels(np.array(list(kernels.values())), recomputed_kernels(workload, recipe, gpu.compute_capability)
                             * accumulation)
-    phases = {p: float(phase_s(gpu_s[p], weighted[i], cal.factors)) for i, p in enumerate(gpu_s)}
+    return PhaseWork(gpu_s=gpu_s, kernels=kernels, host_kernels=weighted, classes=classes)
+
+
+def time_from_ops(
+    ops: StepOps, workload: Workload, recipe: ResolvedRecipe, gpu: GPU, cal: Calibration | None = None
+) -> TimeAnatomy:
+    """Add the per-kernel times of `ops` up into a step's TimeAnatomy: each phase the slower of its kernels' GPU time
+    and the host's time to issue them (`phase_work`, `roofline.phase_s`), plus the host's time per micro-batch
+    (`cal`: the factors to use; default `calibration_for(gpu)`). Where the host is the bound, the GPU's idle time
+    counts as `other` (the host's, as the time per micro-batch)."""
+    cal = cal or calibration_for(gpu)
+    accumulation = recipe.gradient_accumulation_steps
+    work = phase_work(ops, workload, recipe, gpu, cal)
+    gpu_s, classes = work.gpu_s, dict(work.classes)
+    phases = {p: float(phase_s(gpu_s[p], work.host_kernels[i], cal.factors)) for i, p in enumerate(gpu_s)}
     host_s = cal.factors.micro_batch_overhead_s * accumulation
     step_s = sum(phases.values()) + host_s
     # the training loop's own time, and the GPU's waiting for the host: no op class of their own
