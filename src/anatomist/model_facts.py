@@ -1,7 +1,7 @@
 """What the estimator reads of a model's config, read through transformers once and then kept.
 
 Everything an estimate needs from the transformers config beyond what its traces hold: the task it
-defaults to, how long a sequence may be, the load dtype "auto" means, the vocabulary, its experts.
+defaults to, how long a sequence may be, the load dtype "auto" means, the vocabulary and hidden size, its experts.
 `facts_of` reads them from a built config; `workload_loader.load_workload` keeps them in the trace cache
 under the config.json's own content, so a repeated estimate of that config reads them from disk
 without importing transformers (or torch).
@@ -33,6 +33,8 @@ class ModelFacts:
     """What `from_pretrained(dtype="auto")` loads the weights in: the config's dtype, else float32."""
     vocab_size: int
     """The text model's vocabulary."""
+    hidden_size: int
+    """The text model's hidden size (0 where its config names none)."""
     experts: tuple[int, int] | None
     """(experts per token, routed experts) of a Mixture-of-Experts model, None for a dense one."""
     experts_implementation: str | None
@@ -55,7 +57,7 @@ def facts_of(config: Any) -> ModelFacts:
     return ModelFacts(
         model_type=str(config.model_type), default_task=_default_task(config),
         max_positions=context_length(field, str(config.model_type)), config_dtype=_config_dtype(config),
-        vocab_size=int(text.vocab_size), experts=experts,
+        vocab_size=int(text.vocab_size), hidden_size=int(field("hidden_size") or 0), experts=experts,
         experts_implementation=getattr(config, "_experts_implementation", None),
         kernel_tasks=_kernel_tasks(config) if experts else (), eager_tasks=_eager_tasks(config),
     )

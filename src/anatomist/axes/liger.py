@@ -79,6 +79,11 @@ def liger_chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
     return min(1 << (rows - 1).bit_length(), tokens)
 
 
+def liger_chunks(tokens: int, hidden: int, vocab: int) -> int:
+    """How many chunks Liger's fused linear + cross-entropy runs `tokens` in (each reads the head's weight)."""
+    return math.ceil(tokens / liger_chunk_tokens(tokens, hidden, vocab))
+
+
 def liger_note(batch: int, seq_len: int, hidden: int, vocab: int, logits_bytes: int) -> str:
     """What the estimate of a Liger recipe says of the fused cross-entropy's chunk (`logits_bytes`: bytes per
     logit, the product's dtype)."""

@@ -29,12 +29,13 @@ from typing import Any
 import numpy as np
 
 from anatomist.anatomy import STEP_PHASES, OpClass, Phase, StepFlops
+from anatomist.axes.liger import liger_chunks
 from anatomist.estimate.sharding import as_deepspeed_runs
 from anatomist.estimate.traces import TRACE_BATCHES, TRACE_DEPTHS, affine, step_traces
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.depth.cuts import Depth
 from anatomist.trace.depth.plan import TracePlan
-from anatomist.trace.engine.records import NO_GEMM, Signature
+from anatomist.trace.engine.records import CHUNK_WEIGHT_PASS, NO_GEMM, Signature
 from anatomist.trace.store import cache
 from anatomist.trace.store.keys import one_device, part_key
 from anatomist.trace.store.parts import trace_part
@@ -106,7 +107,19 @@ def passes_ops(workload: Workload, recipe: ResolvedRecipe, depth: Depth, compute
     up, the batch is traced directly."""
     batch = recipe.per_device_train_batch_size
     key = part_key(workload, recipe, "forward-backward", depth, batch, compute_capability)
-    return _PASSES_OPS.get(key, lambda: _passes_ops(workload, recipe, depth, batch, compute_capability))
+    return _PASSES_OPS.get(key, lambda: passes_with_chunks(_passes_ops(workload, recipe, depth, batch, compute_capability),
+                                                       workload, batch))
+
+
+def passes_with_chunks(ops: tuple[Signature, ...], workload: Workload, batch: int) -> tuple[Signature, ...]:
+    """`ops` with the traced chunk's `chunk_weight_pass` (Liger's fused linear + cross-entropy) repeated for every
+    chunk but the traced one: Liger's chunk is a power of two of tokens (`axes.liger.liger_chunks`), so the number
+    of chunks, each reading the head's weight, is no affine function of the batch that the traces could give."""
+    facts = workload.facts
+    if facts.hidden_size <= 0 or not any(op.name == CHUNK_WEIGHT_PASS for op in ops):
+        return ops
+    others = liger_chunks(batch * workload.seq_len, facts.hidden_size, facts.vocab_size) - 1
+    return tuple(repeated for op in ops for repeated in ((op,) * others if op.name == CHUNK_WEIGHT_PASS else (op,)))
 
 
 def _passes_ops(workload: Workload, recipe: ResolvedRecipe, depth: Depth, batch: int, compute_capability: str,

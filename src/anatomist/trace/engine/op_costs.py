@@ -5,7 +5,8 @@ FLOPs per multiply-add; matrix products, convolutions, attention), plus `CUSTOM_
 what it does not know (the CPU stand-ins of CUDA's attention kernels, Mixture-of-Experts'
 grouped products); a stand-in of a fused kernel registers its op's formula in the registry itself
 (`register_flop_formula`, as torch's own are). Ops without a formula get an approximate per-element count by class
-(data/op_classes.toml). Bytes moved are input + output tensor bytes (0 for views).
+(data/op_classes.toml). Bytes moved are input + output tensor bytes (0 for views), or what a stand-in of a fused
+kernel states (`BYTES_FORMULAS`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ kernels and the grouped matrix product of Mixture-of-Experts layers. Pass it as
 `FlopCounterMode(custom_mapping=CUSTOM_FLOPS)` to count the same way."""
 
 _CUSTOM_FORMULAS = {k: shape_wrapper(v) for k, v in CUSTOM_FLOPS.items()}
+
+BYTES_FORMULAS: dict[Any, Any] = {}
+"""Bytes an op moves, for stand-ins of fused kernels whose traffic is not their tensors' (the chunks of a fused
+loss re-read the head's weight): the op's packet -> f(*args, **kwargs), an int, or None for the tensors' bytes.
+The stand-ins register themselves (`trace.standins.kernel_ops`)."""
 
 
 @cache
@@ -142,7 +148,11 @@ def op_signature(func: Any, args: Any, kwargs: Any, out: Any, phase: Phase) -> S
     if flops == 0 and not view and op_class is not OpClass.CONTRACTION:
         approx = per_element_flops().get(op_class, 0) * sum(t.numel() for t in outputs if t.is_floating_point())
     moved = 0
-    if not view:
+    stated = BYTES_FORMULAS.get(packet)
+    stated_bytes = stated(*args, **kwargs) if stated is not None else None
+    if stated_bytes is not None:
+        moved = stated_bytes
+    elif not view:
         moved = _nbytes(inputs) + _nbytes(outputs)
         if not outputs:  # in-place ops that return nothing (foreach): they write their first argument
             moved += _nbytes(tensors_in(args[0])) if args else 0

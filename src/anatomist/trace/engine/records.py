@@ -31,6 +31,10 @@ ATTENTION_PREFIX = "_scaled_dot_product"
 """The names of the fused attention kernels (and of their CPU stand-ins): (batch x heads) products of Sq x Sk, each a
 sum over the head dimension."""
 
+CHUNK_WEIGHT_PASS = "anatomist::chunk_weight_pass"
+"""The stand-in op (`trace.standins.kernel_ops`) of what one chunk of a chunked loss moves of the head's weight: one
+call per trace, repeated by the time model for the chunks of the recipe's batch (`estimate.time.ops`)."""
+
 
 class Signature(NamedTuple):
     """The cost of one op call, as the tracer records it (`trace.engine.op_costs.op_signature`).

@@ -21,17 +21,21 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
+from anatomist.trace.engine.op_costs import BYTES_FORMULAS
+from anatomist.trace.engine.records import CHUNK_WEIGHT_PASS
+
 _NAMESPACE = "anatomist"
 
 
 @torch.library.custom_op(f"{_NAMESPACE}::fused_projection", mutates_args=())
-def fused_projection(hidden: Tensor, weight: Tensor, tokens: int, products: int) -> Tensor:
-    """`products` matrix products of `tokens` rows x hidden with weight [rows, hidden]^T, kept nowhere."""
+def fused_projection(hidden: Tensor, weight: Tensor, tokens: int, products: int, moved: int = -1) -> Tensor:
+    """`products` matrix products of `tokens` rows x hidden with weight [rows, hidden]^T, kept nowhere. `moved`: the
+    bytes its kernels read and write, where the caller knows them (-1: its tensors' bytes, read once)."""
     return hidden.new_zeros((), dtype=torch.float32)
 
 
 @fused_projection.register_fake
-def _(hidden: Tensor, weight: Tensor, tokens: int, products: int) -> Tensor:
+def _(hidden: Tensor, weight: Tensor, tokens: int, products: int, moved: int = -1) -> Tensor:
     return hidden.new_empty((), dtype=torch.float32)
 
 
@@ -40,6 +44,31 @@ def _projection_flops(hidden: Any, weight: Any, tokens: int, products: int, *arg
                       **kwargs: Any) -> int:
     """2 FLOPs per multiply-add (flop_counter's convention): products x tokens x hidden x weight rows."""
     return 2 * products * tokens * hidden[-1] * weight[0]
+
+
+@torch.library.custom_op(CHUNK_WEIGHT_PASS, mutates_args=())
+def chunk_weight_pass(weight: Tensor, moved: int) -> Tensor:
+    """What one chunk of a chunked loss moves of the head's weight and its gradient, `moved` bytes (no FLOPs: the
+    chunk's products are in a `fused_projection`). One call stands for one chunk: the time model repeats it for
+    the chunks of the recipe's batch (`estimate.time.ops`)."""
+    return weight.new_zeros((), dtype=torch.float32)
+
+
+@chunk_weight_pass.register_fake
+def _(weight: Tensor, moved: int) -> Tensor:
+    return weight.new_empty((), dtype=torch.float32)
+
+
+def _projection_bytes(hidden: Any, weight: Any, tokens: int, products: int, moved: int = -1) -> int | None:
+    return moved if moved >= 0 else None
+
+
+def _pass_bytes(weight: Any, moved: int) -> int:
+    return moved
+
+
+BYTES_FORMULAS[torch.ops.anatomist.fused_projection] = _projection_bytes
+BYTES_FORMULAS[torch.ops.anatomist.chunk_weight_pass] = _pass_bytes
 
 
 

@@ -30,7 +30,10 @@ Known limitations:
   traced figure must be) and up to half of Liger's: the logits of one chunk, at most one more
   [tokens x hidden] tensor in the product's dtype, can be missing at the loss's peak.
 - The chunk's FLOPs are counted for every chunk; the trace runs one chunk and the others as one
-  `fused_projection` op.
+  `fused_projection` op, which states what their kernels move per token (the Triton cross-entropy kernel's reads
+  and writes of the logits included), and one `chunk_weight_pass`, what one chunk moves of the head's weight and
+  its gradient, which the time model repeats for every chunk of Liger's own size at the recipe's batch
+  (`estimate.time.ops`): 32 chunks of Llama-3.2-1B at 4 x 1,024 tokens read its 525 MB head 64 times.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import torch
 from torch import Tensor
 
 from anatomist.axes.liger import flce_chunk_tokens, liger_table
-from anatomist.trace.standins.kernel_ops import fused_projection
+from anatomist.trace.standins.kernel_ops import chunk_weight_pass, fused_projection
 from anatomist.trace.step.inputs import IGNORE_INDEX, loss_from_hidden_states
 
 
@@ -167,19 +170,20 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 torch.mm(grad_logits_chunk, weight, out=grad_input[:chunk])
             else:
                 grad_input[:chunk] = grad_logits_chunk @ weight
-        if grad_weight is not None:
-            half = (torch.float16, torch.bfloat16)
-            if sm80 and grad_logits_chunk.dtype in half and grad_weight.dtype in (torch.float32, grad_logits_chunk.dtype):
-                # addmm(grad_weight, grad_logits.t(), input, out=grad_weight[, out_dtype=float32]): in place
-                cast = hidden_chunk.to(grad_logits_chunk.dtype) if hidden_chunk.dtype != grad_logits_chunk.dtype else hidden_chunk
-                fused_projection(cast, grad_weight, cast.shape[0], 1)
-                del cast
-            else:
-                grad_weight += torch.mm(grad_logits_chunk.t(), hidden_chunk).float()
+        half = (torch.float16, torch.bfloat16)
+        in_place = (grad_weight is not None and sm80 and grad_logits_chunk.dtype in half
+                    and grad_weight.dtype in (torch.float32, grad_logits_chunk.dtype))
+        if in_place and grad_weight is not None:
+            # addmm(grad_weight, grad_logits.t(), input, out=grad_weight[, out_dtype=float32]): in place
+            cast = hidden_chunk.to(grad_logits_chunk.dtype) if hidden_chunk.dtype != grad_logits_chunk.dtype else hidden_chunk
+            moved = _nbytes(cast) + _nbytes(grad_logits_chunk) + 2 * _nbytes(grad_weight)
+            fused_projection(cast, grad_weight, cast.shape[0], 1, moved)
+            del cast
+        elif grad_weight is not None:
+            grad_weight += torch.mm(grad_logits_chunk.t(), hidden_chunk).float()
+        logit_size = grad_logits_chunk.element_size()
         del grad_logits_chunk, hidden_chunk, logits_storage
-        # the other chunks' products: logits, gradient of the hidden states, of the weight
-        products = 1 + int(input_needs_grad) + int(grad_weight is not None)
-        fused_projection(hidden, weight, tokens - chunk, products)
+        _other_chunks(hidden, weight, grad_weight, chunk, logit_size, input_needs_grad, in_place)
         loss = torch.sum(loss_1d)
         del loss_1d, target_mask
         if grad_weight is not None:
@@ -193,6 +197,53 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         grad_input, grad_weight = ctx.saved_tensors
         # Liger scales both in place (element_mul_kernel) unless grad_output is 1
         return grad_input, grad_weight, None, None, None
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _other_chunks(hidden: Tensor, weight: Tensor, grad_weight: Tensor | None, chunk: int, logit_size: int,
+                  input_grad: bool, in_place: bool) -> None:
+    """The ops standing for the chunks after the traced one: their products as one `fused_projection` (with what
+    they move per token, and the traced chunk's cross-entropy kernel, which is no torch op), and one chunk's pass
+    over the head's weight, `chunk_weight_pass`, which the time model repeats for each of Liger's chunks."""
+    tokens, vocab = hidden.shape[0], weight.shape[0]
+    products = 1 + int(input_grad) + int(grad_weight is not None)
+    per_token = _chunk_bytes_per_token(hidden, vocab, logit_size, input_grad, grad_weight is not None)
+    cross_entropy = (3 if input_grad else 1) * chunk * vocab * logit_size
+    fused_projection(hidden, weight, tokens - chunk, products, (tokens - chunk) * per_token + cross_entropy)
+    chunk_weight_pass(weight, _weight_pass_bytes(weight, grad_weight, logit_size, input_grad, in_place))
+
+
+def _weight_pass_bytes(weight: Tensor, grad_weight: Tensor | None, logit_size: int, input_grad: bool,
+                       in_place: bool) -> int:
+    """What one chunk moves of the head's weight and its gradient: the weight read by the logits' product and by the
+    hidden state gradient's (in the product's dtype), and under autocast cast for the first of them (`weight.t()` is
+    a view, which autocast's cache does not keep); the weight's gradient read and written by addmm in place
+    (`in_place`, sm80 with half logits), else the [V, H] product written, made float32 where it is half, and added
+    (both read, the gradient written)."""
+    elements = weight.numel()
+    reads = (1 + int(input_grad)) * elements * logit_size
+    if weight.element_size() != logit_size:
+        reads += elements * (weight.element_size() + logit_size)
+    if grad_weight is None:
+        return reads
+    if in_place:
+        return reads + 2 * _nbytes(grad_weight)
+    made_float = elements * (logit_size + 4) if logit_size != 4 else 0
+    return reads + elements * logit_size + made_float + elements * 4 + 2 * _nbytes(grad_weight)
+
+
+def _chunk_bytes_per_token(hidden: Tensor, vocab: int, logit_size: int, input_grad: bool, weight_grad: bool) -> int:
+    """What one token of a chunk moves besides the head's weight (ops/fused_linear_cross_entropy.py's loop): its hidden
+    row read into the logits' product, its logits written, read and written by the cross-entropy kernel (twice read
+    and once written with gradients: max and sum, then the gradient in place; once read without), read again by the
+    product into the hidden state's gradient (whose row it writes) and by the one into the weight's (which reads the
+    hidden row again)."""
+    row, logits = hidden.shape[1] * hidden.element_size(), vocab * logit_size
+    grads = int(input_grad) + int(weight_grad)
+    return row * (1 + grads) + logits * (1 + (3 if input_grad else 1) + grads)
 
 
 def lce_forward(self: Any, input_ids: Tensor | None = None, labels: Tensor | None = None, **kwargs: Any) -> Any:
