@@ -69,3 +69,13 @@ def test_what_checkpointing_costs_on_the_h200(rows: dict[str, tuple[dict[str, An
     meas = {name: m for name, (_, m) in rows.items()}
     for slow, fast in (("grad-accum+checkpointing", "grad-accum"), ("fp16+accum+checkpointing", "fp16")):
         assert ratio(slow, fast, pred) == pytest.approx(ratio(slow, fast, meas), rel=0.1), (slow, fast)
+
+
+@pytest.mark.slow
+def test_what_liger_changes_on_the_h200(rows: dict[str, tuple[dict[str, Any], dict[str, float]]]) -> None:
+    """Liger's step against the same step without it (Llama-3.2-1B, full bf16, 4 x 1,024 tokens): measured 1.026x,
+    predicted 0.989x, within 5%. Its fused loss runs 32 chunks that each read the 525 MB head weight twice and its
+    gradient once each way; priced as one pass in all, the prediction was 0.787x (-23%)."""
+    (p_liger, m_liger), (p_plain, m_plain) = rows["full-bf16+liger"], rows["full-bf16"]
+    predicted = p_liger["step_s"] / p_plain["step_s"]
+    assert predicted == pytest.approx(m_liger["step_s"] / m_plain["step_s"], rel=0.05)
