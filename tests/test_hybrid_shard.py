@@ -9,6 +9,8 @@ line.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from anatomist.estimate.memory import estimate_memory
@@ -91,10 +93,18 @@ def test_bad_input_is_one_line(cli, llama, flags, message):
     assert message in result.stderr
 
 
-def test_plan_says_it_does_not_search_hybrid_sharding(cli, llama, tmp_path):
+def test_plan_holds_a_file_s_hybrid_sharding_where_it_is_one_replica_per_node(cli, llama, tmp_path):
+    """The plan's HSDP is FULL_SHARD inside each node, one replica per node (`hsdp`): a file that says so is held
+    (every candidate HSDP); other replicas are one line."""
     path, _ = llama
     recipe = tmp_path / "args.yaml"
     recipe.write_text("per_device_train_batch_size: 1\nfsdp: full_shard\nparallelism_config:\n  dp_replicate_size: 2\n")
-    result = cli("plan", str(path), "--seq-len", str(SEQ), "--gpu", "H100", "--gpus", "8", "--recipe", str(recipe))
+    common = [str(path), "--seq-len", str(SEQ), "--gpu", "H100", "--gpus", "4", "--recipe", str(recipe)]
+    result = cli("plan", *common)
     assert result.returncode == 2
-    assert "plan does not search hybrid sharding yet (dp_replicate_size=2)" in result.stderr
+    assert "this file has 2 replicas on 1 node(s)" in result.stderr
+    planned = cli("plan", *common, "--nodes", "2", "--global-batch-size", "8", "--no-compile", "--json")
+    assert planned.returncode == 0, planned.stderr
+    out = json.loads(planned.stdout)
+    assert out["best"]["recipe"]["dp_replicate_size"] == 2 and out["best"]["recipe"]["fsdp"] == "full_shard"
+    assert all(c["recipe"]["dp_replicate_size"] == 2 for c in out["pareto"])

@@ -110,6 +110,29 @@ def test_the_plan_searches_across_nodes(tiny) -> None:
         plan(tiny, A100, space=replace(space, nodes=3))
 
 
+def test_the_plan_searches_hsdp_across_nodes_only(tiny) -> None:
+    """On 2 nodes HSDP (a node's GPUs a shard group, one replica per node) is searched beside FSDP over every GPU:
+    its all-gathers stay in the node, only 1/4 of the gradients cross the slow network, so it is the faster of the
+    two, for more memory (the state sharded over 2 GPUs, not 4). One node searches no HSDP."""
+    space = SearchSpace(global_batch_size=16, num_gpus=4, nodes=2, network="ethernet-100g", optims=("adamw_torch",),
+                        compile_options=(False,), checkpointing_options=(False,), precisions=("bf16",),
+                        shardings=("fsdp_full_shard", "hsdp"))
+    result = plan(tiny, A100, space=space)
+    hsdp = [c for c in result.candidates if c.recipe.dp_replicate_size == 2]
+    full = [c for c in result.candidates if c.recipe.fsdp == "full_shard" and c.recipe.dp_replicate_size == 1]
+    assert hsdp and full and all(c.recipe.fsdp == "full_shard" for c in hsdp)
+    pairs = [(h, f) for h in hsdp for f in full if replace(h.recipe, dp_replicate_size=1) == f.recipe]
+    assert pairs
+    for h, f in pairs:
+        assert h.samples_per_second > f.samples_per_second
+        assert h.device_total > f.device_total
+    assert result.best.recipe.dp_replicate_size == 2
+    one_node = replace(space, nodes=1, network=None, shardings=None)
+    assert "hsdp" not in [spec.name for spec in one_node.sharding_options()]
+    with pytest.raises(InputError, match="hsdp"):
+        plan(tiny, A100, space=replace(one_node, shardings=("hsdp",)))
+
+
 def test_the_accelerate_config_and_every_node_s_command_are_what_accelerate_reads(tmp_path: Path) -> None:
     from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.commands.launch import launch_command_parser

@@ -227,7 +227,7 @@ def test_pareto_front_by_hand() -> None:
         (["bert-base-uncased", "--gpu", "A100-80GB", "-o", "x.json"], "needs --emit"),
         (["bert-base-uncased", "--gpu", "A100-80GB", "--shardings", "zero4"], "--shardings: unknown sharding(s) zero4"),
         (["bert-base-uncased", "--gpu", "A100-80GB", "--gpus", "4", "--shardings", "none"],
-         "--shardings none: none runs on 4 GPU(s), where the options are ddp, zero1"),
+         "--shardings none: none runs on 4 GPU(s) of 1 node(s), where the options are ddp, zero1"),
     ],
 )
 def test_cli_bad_input_exit_2(cli, args: list[str], message: str) -> None:

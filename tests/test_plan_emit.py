@@ -207,3 +207,34 @@ def test_an_fsdp_config_warns_under_an_accelerate_before_1_6(monkeypatch: pytest
     (warning,) = emit.launch_warnings(Recipe(fsdp="shard_grad_op"), "accelerate")
     assert warning.startswith("accelerate 1.3.0 here has no FSDP2")
     assert emit.launch_warnings(Recipe(fsdp="shard_grad_op"), "deepspeed") == []
+
+
+def test_an_hsdp_config_launches_accelerate_s_parallelism_config_and_reads_back(tmp_path: Path) -> None:
+    """HSDP on 2 nodes of 8 (the plan's `hsdp`): accelerate's launcher turns the config's parallelism_config into
+    the PARALLELISM_CONFIG_* variables from which the script's ParallelismConfig is built, 2 replicas of shard groups
+    of 8 under FSDP2; `--recipe` reads the replicas back; the trainer's .py builds the same ParallelismConfig, and
+    its JSON, which cannot hold one, says so."""
+    from unittest import mock
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    from anatomist.plan.emit import launch_warnings
+    from anatomist.recipe.files import read_recipe_file
+
+    recipe = Recipe(fsdp="full_shard", bf16=True, dp_replicate_size=2)
+    path = tmp_path / "accelerate.yaml"
+    write(recipe, "accelerate", path, num_gpus=16, nodes=2)
+    args, *_ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "train.py"]))
+    with mock.patch.dict(os.environ, prepare_multi_gpu_env(args)):
+        assert os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+        config = ParallelismConfig()
+    assert (config.dp_replicate_size, config.dp_shard_size, config.tp_size, config.cp_size) == (2, 8, 1, 1)
+    assert read_recipe_file(path).recipe.dp_replicate_size == 2
+    snippet = trainer_snippet(recipe, 16, model="m", task="causal-lm")
+    built = eval(snippet.split("parallelism_config=")[1].splitlines()[0].rstrip(","), {"ParallelismConfig": ParallelismConfig})
+    assert (built.dp_replicate_size, built.dp_shard_size) == (2, 8)
+    assert "from accelerate import ParallelismConfig" in snippet
+    assert any("ParallelismConfig" in w for w in launch_warnings(recipe, "trainer"))
+    assert not any("ParallelismConfig" in w for w in launch_warnings(recipe, "accelerate"))

@@ -11,6 +11,7 @@ guide), so FSDP full_shard and ZeRO-3 are searched for adapters too.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -90,8 +91,8 @@ class ShardingSpec:
     engine: Literal["none", "deepspeed", "fsdp"]
     offload: bool = False
     """Optimizer state (and at stage 3 the weights) kept in host memory."""
-    devices: Literal["one", "many"]
-    """Searched on one device, or on several."""
+    devices: Literal["one", "many", "nodes"]
+    """Searched on one device, on several, or on several nodes only."""
     for_adapters: bool = False
     """Searched for LoRA/QLoRA too."""
 
@@ -124,6 +125,8 @@ _SPECS = (
                  fields={"fsdp": "shard_grad_op"}, stage=2, engine="fsdp", devices="many"),
     ShardingSpec(name="fsdp_full_shard", description="FSDP FULL_SHARD: like ZeRO-3", fields={"fsdp": "full_shard"},
                  stage=3, engine="fsdp", devices="many", for_adapters=True),
+    ShardingSpec(name="hsdp", description="HSDP: FSDP FULL_SHARD within each node, replicated across the nodes",
+                 fields={"fsdp": "full_shard"}, stage=3, engine="fsdp", devices="nodes", for_adapters=True),
 )
 
 
@@ -131,10 +134,19 @@ SHARDING_NAMES = tuple(dict.fromkeys(spec.name for spec in _SPECS))
 """Every sharding option's name (`plan --shardings`), in search order."""
 
 
-def shardings_for(num_gpus: int) -> dict[str, ShardingSpec]:
-    """The sharding options searched on `num_gpus` devices, by name, in search order."""
-    devices = "many" if num_gpus > 1 else "one"
-    return {spec.name: spec for spec in _SPECS if spec.devices == devices}
+def shardings_for(num_gpus: int, nodes: int = 1) -> dict[str, ShardingSpec]:
+    """The sharding options searched on `num_gpus` devices over `nodes` nodes, by name, in search order; a "nodes"
+    one (HSDP) with its replicas, one per node (`dp_replicate_size`: accelerate's ParallelismConfig, which shards
+    within a replica's consecutive ranks, a node's)."""
+    devices = ("many", "nodes") if nodes > 1 else ("many",) if num_gpus > 1 else ("one",)
+    return {spec.name: replicated(spec, nodes) for spec in _SPECS if spec.devices in devices}
+
+
+def replicated(spec: ShardingSpec, nodes: int) -> ShardingSpec:
+    """`spec` with one replica per node where it replicates across the nodes (HSDP); else `spec`."""
+    if spec.devices != "nodes":
+        return spec
+    return dataclasses.replace(spec, fields={**spec.fields, "dp_replicate_size": nodes})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

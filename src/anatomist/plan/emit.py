@@ -138,6 +138,9 @@ def trainer_snippet(recipe: Recipe, num_gpus: int = 1, *, model: str = "MODEL",
         lines.append(f"model = get_peft_model(model, LoraConfig({_call_args(lora)}))")
     args = ",\n".join(f"    {k}={v!r}" for k, v in kwargs.items())
     args += _deepspeed_argument(recipe, deepspeed)
+    if recipe.dp_replicate_size > 1:
+        lines.insert(0, "from accelerate import ParallelismConfig")
+        args += f",\n    parallelism_config=ParallelismConfig({_call_args(parallelism_sizes(recipe, num_gpus))})"
     lines.append(f'args = TrainingArguments(\n    output_dir="out",\n{args},\n)')
     return "\n".join(lines) + "\n"
 
@@ -214,6 +217,11 @@ def launch_warnings(recipe: Recipe, target: str) -> list[str]:
         warnings.append(f"tensor parallel {recipe.tp_size}" + (" and the FSDP over its groups" if recipe.fsdp != "none"
                         else "") + " are set as the model loads: the .py's from_pretrained(distributed_config=...), "
                         "launched with torchrun on every GPU; TrainingArguments alone would train without them")
+    if recipe.dp_replicate_size > 1 and target in ("trainer", "trl"):
+        warnings.append(f"HSDP ({recipe.dp_replicate_size} replicas of FSDP's shard groups) is accelerate's "
+                        "ParallelismConfig, an object no JSON or YAML field builds: launch with the accelerate config "
+                        "from --emit accelerate, or pass TrainingArguments(parallelism_config=ParallelismConfig(...)) "
+                        "as the .py of --emit trainer does; without it FSDP shards over every GPU")
     if recipe.fp8 != "none" and target in ("trainer", "trl"):
         warnings.append("fp8 is accelerate's mixed precision: launch with `accelerate launch --mixed_precision fp8` "
                         "(or an accelerate config from --emit accelerate); bf16 stays False here, as set it would "
@@ -259,17 +267,7 @@ def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = Fals
     if recipe.fp8 != "none":
         config["fp8_config"] = _fp8_config(recipe)
     if recipe.zero_stage:
-        ds: dict[str, Any] = {
-            "gradient_accumulation_steps": recipe.gradient_accumulation_steps,
-            "gradient_clipping": recipe.max_grad_norm,
-            "offload_optimizer_device": recipe.offload,
-            "offload_param_device": recipe.offload if recipe.zero_stage == 3 else "none",
-            "zero3_init_flag": recipe.zero_stage == 3,
-            "zero_stage": recipe.zero_stage,
-        }
-        if recipe.zero_stage == 3:
-            ds["zero3_save_16bit_model"] = True
-        config["deepspeed_config"] = ds
+        config["deepspeed_config"] = _deepspeed_plugin(recipe)
     if recipe.fsdp != "none":
         # FSDP2, what anatomist traces (trace/step/fsdp.py) and the Trainer's default; accelerate's own default is
         # still FSDP1, so the version is written. FSDP1's sharding_strategy, backward_prefetch, use_orig_params and
@@ -286,9 +284,34 @@ def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = Fals
             # FSDP's own checkpointing is every layer's, on the device; partial or offloaded: TrainingArguments'
             "fsdp_activation_checkpointing": recipe.checkpoints_every_layer,
         }
+    if recipe.dp_replicate_size > 1:  # HSDP: accelerate's ParallelismConfig (a non-empty section turns it on)
+        config["parallelism_config"] = {f"parallelism_config_{name}": size
+                                        for name, size in parallelism_sizes(recipe, num_gpus).items()}
     if recipe.torch_compile:
         config["dynamo_config"] = {"dynamo_backend": "INDUCTOR"}
     return config
+
+
+def _deepspeed_plugin(recipe: Recipe) -> dict[str, Any]:
+    """The deepspeed_config section of an accelerate config (accelerate's DeepSpeedPlugin keys)."""
+    ds: dict[str, Any] = {
+        "gradient_accumulation_steps": recipe.gradient_accumulation_steps,
+        "gradient_clipping": recipe.max_grad_norm,
+        "offload_optimizer_device": recipe.offload,
+        "offload_param_device": recipe.offload if recipe.zero_stage == 3 else "none",
+        "zero3_init_flag": recipe.zero_stage == 3,
+        "zero_stage": recipe.zero_stage,
+    }
+    if recipe.zero_stage == 3:
+        ds["zero3_save_16bit_model"] = True
+    return ds
+
+
+def parallelism_sizes(recipe: Recipe, num_gpus: int) -> dict[str, int]:
+    """accelerate's ParallelismConfig of an HSDP recipe: its replicas, each a shard group of num_gpus / replicas
+    consecutive ranks (a node's, as the plan searches it)."""
+    return {"dp_replicate_size": recipe.dp_replicate_size, "dp_shard_size": num_gpus // recipe.dp_replicate_size,
+            "tp_size": 1, "cp_size": 1}
 
 
 def _fp8_config(recipe: Recipe) -> dict[str, Any]:

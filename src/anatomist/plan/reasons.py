@@ -82,7 +82,7 @@ def _with_batch(name: str, alternative: ResolvedRecipe, recipe: ResolvedRecipe) 
 def _sharding_alternatives(r: ResolvedRecipe, space: SearchSpace, workload: Workload) -> list[tuple[str, ResolvedRecipe]]:
     """The other shardings; for a tensor parallel pick also the other group sizes, each at the same global batch
     (`_group_batch`)."""
-    base = {"zero_stage": 0, "offload": "none", "fsdp": "none", "tp_size": 1}
+    base = {"zero_stage": 0, "offload": "none", "fsdp": "none", "tp_size": 1, "dp_replicate_size": 1}
     alts = [(_with_batch(name, v, r), v) for spec in space.sharding_options(method_of(r))
             if spec.name != sharding_of(r, space.num_gpus) and runs_with(r.optim, spec.fsdp)
             for name, v in _if_valid(spec.name, r, **{**base, **spec.fields, **_group_batch(r, space, 1)})]

@@ -202,8 +202,11 @@ def _searched(workload: Workload, gpu: GPU, space: SearchSpace | None, objective
         raise InputError(f"--objective must be throughput or memory, got {objective!r}")
     check_cluster(space.num_gpus, space.nodes, space.network)
     if not space.sharding_options():
-        raise InputError(f"--shardings {','.join(space.shardings or ())}: none runs on {space.num_gpus} GPU(s), where the "
-                         f"options are {', '.join(shardings_for(space.num_gpus))}")
+        asked_hsdp = space.nodes == 1 and "hsdp" in (space.shardings or ())
+        across = " (hsdp replicates across nodes: --nodes 2 or more)" if asked_hsdp else ""
+        raise InputError(f"--shardings {','.join(space.shardings or ())}: none runs on {space.num_gpus} GPU(s) of "
+                         f"{space.nodes} node(s), where the options are "
+                         f"{', '.join(shardings_for(space.num_gpus, space.nodes))}{across}")
     recipes = list(dict.fromkeys(r.resolved(workload) for r in enumerate_recipes(space, gpu)))
     if not recipes:
         raise InputError(f"the fields the recipe file fixes ({', '.join(f'{k}={v}' for k, v in space.fixed.items())}) "

@@ -137,7 +137,7 @@ class SearchSpace:
 
     def sharding_options(self, method: str = "full") -> list[ShardingSpec]:
         """The searched sharding options for `method` (adapters: those `for_adapters` only)."""
-        return [spec for name, spec in shardings_for(self.num_gpus).items()
+        return [spec for name, spec in shardings_for(self.num_gpus, self.nodes).items()
                 if (self.shardings is None or name in self.shardings) and (method == "full" or spec.for_adapters)]
 
 
@@ -196,7 +196,7 @@ def _recipes(space: SearchSpace, method: str, ckpt: bool, precision_name: str, o
             # packed rows: the varlen kernel; else the base's (None: transformers' default for the model)
             "attn_implementation": "flash_attention_2" if space.base.padding_free else space.base.attn_implementation,
             "torch_compile": compiled,
-            "zero_stage": 0, "offload": "none", "fsdp": "none",
+            "zero_stage": 0, "offload": "none", "fsdp": "none", "dp_replicate_size": 1,
             "use_liger_kernel": liger,
         }
         yield space.base.replace(**{**fields, **METHODS[method], **precision(precision_name).fields,

@@ -60,6 +60,8 @@ def sharding_of(recipe: RecipeFields, num_gpus: int) -> str:
     shards too."""
     if recipe.tp_size > 1:
         return (f"fsdp_{recipe.fsdp}+" if recipe.fsdp != "none" else "") + f"tp{recipe.tp_size}"
+    if recipe.fsdp == "full_shard" and recipe.dp_replicate_size > 1:
+        return "hsdp"
     if recipe.fsdp != "none":
         return f"fsdp_{recipe.fsdp}" + (f"+hsdp{recipe.dp_replicate_size}" if recipe.dp_replicate_size > 1 else "")
     if recipe.zero_stage == 0:
