@@ -41,7 +41,14 @@ def measured(row: dict[str, Any]) -> dict[str, float]:
             "device_total": allocator["peak_reserved_bytes"] + outside, "step_s": m["time"]["median_step_s"]}
 
 
-def predicted(row: dict[str, Any], folder: Path) -> dict[str, Any]:
+def cuda_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a bench.jsonl that ran to the end on a CUDA GPU."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("status") == "ok" and (r.get("device") or {}).get("kind") == "cuda"]
+
+
+def predicted(row: dict[str, Any], folder: Path, *, time: bool = True) -> dict[str, Any]:
+    """This tree's memory of `row` and, with `time`, its step time and likely range."""
     device = row["device"]
     gpu = match_catalog(device["name"], int(device["memory_bytes"]))
     if gpu is None:
@@ -49,10 +56,12 @@ def predicted(row: dict[str, Any], folder: Path) -> dict[str, Any]:
     workload = row_workload(row["workload"], folder)
     recipe = Recipe.from_dict(row["recipe"]).resolved(workload)
     memory = estimate_memory(workload, recipe, gpu).anatomy
-    time = estimate_time(workload, recipe, gpu)
-    return {"gpu": gpu.name, "dtype": recipe.dtype, "peak_allocated": memory.peak_allocated, "peak_reserved": memory.peak_reserved,
-            "device_total": memory.device_total, "step_s": time.step_s,
-            "interval": (time.interval.low, time.interval.high) if time.interval else None}
+    out = {"gpu": gpu.name, "dtype": recipe.dtype, "peak_allocated": memory.peak_allocated,
+           "peak_reserved": memory.peak_reserved, "device_total": memory.device_total}
+    if not time:
+        return out
+    step = estimate_time(workload, recipe, gpu)
+    return {**out, "step_s": step.step_s, "interval": (step.interval.low, step.interval.high) if step.interval else None}
 
 
 def error(p: float, m: float) -> str:
@@ -63,8 +72,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="a device's folder of benchmarks/gpu (its bench.jsonl)")
     args = parser.parse_args()
-    rows = [json.loads(line) for line in (args.folder / "bench.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r.get("status") == "ok" and (r.get("device") or {}).get("kind") == "cuda"]
+    rows = cuda_rows(args.folder / "bench.jsonl")
     print("| row | peak allocated MiB (pred / meas / err) | peak reserved MiB | device total MiB | step ms | "
           "in the likely range |")
     print("| --- | --- | --- | --- | --- | --- |")

@@ -136,18 +136,15 @@ def gpu_rows(folder: Path = GPU_RUNS, progress: Callable[[str], None] = lambda _
     from anatomist.recipe import Recipe
 
     sys.path.insert(0, str(folder))
-    from repredict import measured, predicted  # benchmarks/gpu/repredict.py
+    from repredict import cuda_rows, measured, predicted  # benchmarks/gpu/repredict.py
 
     out = []
     for path in sorted(folder.glob("*/bench.jsonl")):
-        for line in path.read_text().splitlines():
-            row = json.loads(line) if line.strip() else {}
-            if row.get("status") != "ok" or (row.get("device") or {}).get("kind") != "cuda":
-                continue
+        for row in cuda_rows(path):
             name = f"lent-{path.parent.name}/{row['name']}"
             progress(name)
             with tempfile.TemporaryDirectory() as tmp:
-                guess = predicted(row, Path(tmp))
+                guess = predicted(row, Path(tmp), time=False)
             recipe = {**{k: v for k, v in row["recipe"].items() if v is not None}, "dtype": guess["dtype"]}
             entry = {"id": name, "run": name, "quantity": "device_total", "num_gpus": 1, "gpu": guess["gpu"],
                      "recipe": recipe}
