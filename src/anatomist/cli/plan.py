@@ -188,12 +188,12 @@ def _search(request: PlanRequest, *, one_size: bool = False) -> tuple[Any, Any, 
         raise InputError("plan needs a MODEL (or a --recipe file that names one)")
     seq_len = asked.seq_len if asked.seq_len is not None else source.seq_len if source else None
     num_gpus, nodes = (1, 1) if one_size else request.devices.counted(source)
-    replicas = fixed.get("dp_replicate_size", 1)
-    if replicas > 1 and (replicas != nodes or fixed.get("fsdp", "full_shard") != "full_shard"):
+    replicas, strategy = fixed.get("dp_replicate_size", 1), fixed.get("fsdp", "full_shard")
+    if replicas > 1 and (replicas != nodes or strategy != "full_shard"):
+        under = f" under {strategy}" if strategy != "full_shard" else ""
         raise InputError(f"{source.path if source else 'the recipe'}: plan searches hybrid sharding as one replica of "
-                         f"FULL_SHARD per node (hsdp); this file has {replicas} replicas on {nodes} node(s)"
-                         f"{' under ' + str(fixed['fsdp']) if fixed.get('fsdp', 'full_shard') != 'full_shard' else ''}"
-                         ": estimate it with `anatomist estimate --recipe`")
+                         f"FULL_SHARD per node (hsdp); this file has {replicas} replicas on {nodes} node(s){under}: "
+                         "estimate it with `anatomist estimate --recipe`")
     workload = load_workload(model, seq_len=seq_len, task=asked.task,
                              trust_remote_code=asked.trust_remote_code, allow_network=asked.allow_network,
                              avg_seq_len=asked.avg_seq_len, lengths=asked.lengths, prompt_len=asked.prompt_len)

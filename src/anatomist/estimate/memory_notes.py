@@ -94,7 +94,6 @@ def _liger_note(workload: Workload, recipe: ResolvedRecipe) -> str:
         return (f"Liger Kernel {liger_table().version}: stand-ins of its RMSNorm, SwiGLU and RoPE kernels allocate and "
                 "save what Liger's own do; TRL turns its fused linear + cross-entropy off (it would replace TRL's own "
                 "fused LM head: liger_kernel_config fused_linear_cross_entropy=False)")
-    text = workload.config.get_text_config()
     half = recipe.mixed_precision != "no" or recipe.half_weights
-    return liger_note(recipe.per_device_train_batch_size, workload.seq_len, int(text.hidden_size),
-                      int(text.vocab_size), 2 if half else 4)
+    return liger_note(recipe.per_device_train_batch_size, workload.seq_len, workload.facts.hidden_size,
+                      workload.facts.vocab_size, 2 if half else 4)

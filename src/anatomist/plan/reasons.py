@@ -13,7 +13,7 @@ from collections.abc import Callable
 from anatomist.anatomy import GIB, MIB
 from anatomist.axes.optimizers import runs_with
 from anatomist.axes.precisions import precision
-from anatomist.axes.shardings import ShardingSpec, shardings_for
+from anatomist.axes.shardings import UNSHARDED, ShardingSpec, shardings_for
 from anatomist.estimate.traces import prefetch
 from anatomist.hardware import GPU
 from anatomist.plan.candidates import HEADROOM_STEP, SPEED_TIE, Candidate, Evaluator, smallest_fitting_gpu
@@ -82,14 +82,13 @@ def _with_batch(name: str, alternative: ResolvedRecipe, recipe: ResolvedRecipe) 
 def _sharding_alternatives(r: ResolvedRecipe, space: SearchSpace, workload: Workload) -> list[tuple[str, ResolvedRecipe]]:
     """The other shardings; for a tensor parallel pick also the other group sizes, each at the same global batch
     (`_group_batch`)."""
-    base = {"zero_stage": 0, "offload": "none", "fsdp": "none", "tp_size": 1, "dp_replicate_size": 1}
     alts = [(_with_batch(name, v, r), v) for spec in space.sharding_options(method_of(r))
             if spec.name != sharding_of(r, space.num_gpus) and runs_with(r.optim, spec.fsdp)
-            for name, v in _if_valid(spec.name, r, **{**base, **spec.fields, **_group_batch(r, space, 1)})]
+            for name, v in _if_valid(spec.name, r, **{**UNSHARDED, **spec.fields, **_group_batch(r, space, 1)})]
     if r.tp_size == 1:
         return alts
     for size in tensor_parallel_sizes(space, workload):
-        fields = {**base, "fsdp": tensor_parallel_fsdp(space, size), "tp_size": size}
+        fields = {**UNSHARDED, "fsdp": tensor_parallel_fsdp(space, size), "tp_size": size}
         if size != r.tp_size:
             alts += [(_with_batch(sharding_of(v, space.num_gpus), v, r), v)
                      for v in valid(r, **fields, **_group_batch(r, space, size))]
@@ -221,8 +220,7 @@ def explain_infeasible(
 
     spec = most_sharded(space, adapters=smallest.recipe.peft != "none")
     if spec is not None:
-        unsharded = {"zero_stage": 0, "offload": "none", "fsdp": "none", "tp_size": 1, "dp_replicate_size": 1}
-        sharded = smallest.recipe.replace(**{**unsharded, **spec.fields}).resolved(workload)
+        sharded = smallest.recipe.replace(**{**UNSHARDED, **spec.fields}).resolved(workload)
         for n in (2, 4, 8, 16, 32, 64):
             total = estimate_memory(workload, sharded, gpu, num_gpus=n).interval.high
             if total <= limit:
