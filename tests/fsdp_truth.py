@@ -184,7 +184,7 @@ def _watch_blocks(tracker: Any, blocks: list[Any]) -> list[Any]:
 _TP_SHARDED_DIM = {"colwise": 0, "colwise_gather_output": 0, "embedding_rowwise": 0, "rowwise": -1}
 
 
-def _distributed(model: Any, world: int, tp: int, fsdp: bool, bf16: bool) -> Any:
+def _distributed(model: Any, world: int, tp: int, fsdp: bool, bf16: bool, ep: int = 1) -> Any:
     """`model` split as `from_pretrained(..., distributed_config=DistributedConfig(tp_size=tp, fsdp_size=...))` splits
     it at load time: transformers' own mesh of this rank (`initialize_distributed_mesh`) and its own
     `maybe_distribute_model` (the tensor parallel plan, then, with FSDP, transformers' FSDP2 over the other ranks,
@@ -192,25 +192,33 @@ def _distributed(model: Any, world: int, tp: int, fsdp: bool, bf16: bool) -> Any
     embeddings; tied after, as from_pretrained ties them once loaded. Not from_pretrained itself: on the CPU a rank's
     shard of a loaded weight stays a view of the whole tensor read from the checkpoint (on a GPU it is copied to the
     device), which PyTorch's trackers count whole. Raises unless every weight the plan names is a DTensor holding this
-    rank's part of it (`_TP_SHARDED_DIM`: the dimension each style shards)."""
+    rank's part of it (`_TP_SHARDED_DIM`: the dimension each style shards). Expert parallel (`ep` > 1:
+    `DistributedConfig(ep_size=ep)`, over FSDP's ranks) the same way: its experts' weights checked to hold 1/ep of the
+    experts, sharded again by FSDP over the world / ep ranks that hold the same ones (`_check_experts`)."""
     import torch
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from transformers.distributed import DistributedConfig
     from transformers.distributed.utils import initialize_distributed_mesh
 
-    config = DistributedConfig(tp_size=tp, fsdp_size=world // tp if fsdp else 1, fsdp_mixed_precision=bf16)
+    config = DistributedConfig(tp_size=tp, fsdp_size=world // tp if fsdp else 1, fsdp_mixed_precision=bf16,
+                               ep_size=ep if ep > 1 else None)
     if config.tp_size * config.fsdp_size != world:
         raise ValueError(f"tp {tp} x fsdp {config.fsdp_size} is not the world of {world}")
     head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
     tied = head.weight is embeddings.weight
     if tied:
         head.weight = torch.nn.Parameter(embeddings.weight.detach().clone())
-    plan, _, _ = model._resolve_parallel_plans(config)
+    plan, ep_plan, _ = model._resolve_parallel_plans(config)
+    experts = {name: model.get_parameter(name).shape[0] for name, style in ep_plan.items() if style == "grouped_gemm"}
     _, meshes = initialize_distributed_mesh(config)
     model = type(model).maybe_distribute_model(model, config, meshes)
     model.tie_weights()
     if tied != (model.get_output_embeddings().weight is model.get_input_embeddings().weight):
         raise RuntimeError("the head is not tied again as from_pretrained ties it")
+    if ep > 1:
+        _check_experts(model, experts, ep, world)
+    if tp == 1:
+        return model
     mesh = meshes.get_mesh("tp")
     parameters = dict(model.named_parameters())
     named = [(name, style) for name, style in plan.items() if name in parameters]
@@ -231,6 +239,49 @@ def _distributed(model: Any, world: int, tp: int, fsdp: bool, bf16: bool) -> Any
             raise RuntimeError(f"{name} ({style}): {param.placements}, {tuple(param.to_local().shape)} held of "
                                f"{tuple(param.shape)}, not {placement} and {tuple(local)}")
     return model
+
+
+def _check_experts(model: Any, experts: dict[str, int], ep: int, world: int) -> None:
+    """Raise unless each expert weight of `experts` (name -> experts of the layer) holds this rank's 1/`ep` of the
+    experts, split again over the world / `ep` ranks that hold the same ones (FSDP, where there are two or more)."""
+    import torch
+
+    if not experts:
+        raise RuntimeError(f"{type(model).__name__}'s expert parallel plan names no weight")
+    for name, count in experts.items():
+        param = model.get_parameter(name)
+        held = count // ep
+        if world // ep > 1:
+            held = torch.empty(held, device="meta").chunk(world // ep)[0].shape[0]
+        if not hasattr(param, "to_local") or param.to_local().shape[0] != held:
+            raise RuntimeError(f"{name}: {tuple(param.shape)} held as {type(param).__name__}, not {held} experts")
+
+
+def _route(model: Any, routing: str, ep: int) -> None:
+    """Every MoE layer's router of `model` picks the experts `routing` says, its weights kept (so gradients flow as
+    they do): "balanced", token t takes experts (t k + j) mod E, j < k, so each expert gets T k / E of the T tokens'
+    k picks, a rank T k from the group; "skewed", every token takes experts 0 .. k-1, rank 0's (k <= E / ep), which then
+    receives every token of every rank of its group k times. The trace's routings (`trace.step.experts.split_sizes`)."""
+    import torch
+
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    if not routers:
+        raise RuntimeError(f"{type(model).__name__} has no router to route")
+    for router in routers:
+        top_k, experts = router.top_k, router.num_experts
+        if routing == "skewed" and top_k > experts // ep:
+            raise ValueError(f"top-{top_k} does not fit in one rank's {experts // ep} experts")
+
+        def forward(hidden: Any, router: Any = router, top_k: int = top_k, experts: int = experts) -> Any:
+            logits, weights, _ = type(router).forward(router, hidden)
+            tokens = weights.shape[0]
+            if routing == "balanced":
+                chosen = (torch.arange(tokens * top_k) % experts).view(tokens, top_k)
+            else:
+                chosen = torch.arange(top_k).repeat(tokens, 1)
+            return logits, weights, chosen
+
+        router.forward = forward
 
 
 def _mesh_groups(params: list[Any]) -> list[dict[str, Any]]:
@@ -268,11 +319,11 @@ def measure(config: str, seq_len: int, batch: int, world: int, case: dict[str, A
         cpu_ram_efficient_loading=False)
     if mixed != "no":
         plugin.set_mixed_precision(mixed)
-    fsdp, tp = case["fsdp"] != "none", case.get("tp", 1)
+    fsdp, tp, ep = case["fsdp"] != "none", case.get("tp", 1), case.get("ep", 1)
     if not fsdp and tp == 1:
         raise ValueError(f"{case['name']}: neither FSDP nor tensor parallel")
-    if tp > 1 and (case.get("lora") or case.get("fp8")):
-        raise NotImplementedError(f"{case['name']}: tensor parallel with LoRA or fp8")
+    if (tp > 1 or ep > 1) and (case.get("lora") or case.get("fp8")):
+        raise NotImplementedError(f"{case['name']}: tensor or expert parallel with LoRA or fp8")
     accelerator = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), mixed_precision=mixed,
                                         is_main_process=True, device=torch.device("cpu"))
     replicas = case.get("replicas", 1)
@@ -283,8 +334,10 @@ def measure(config: str, seq_len: int, batch: int, world: int, case: dict[str, A
         accelerator.torch_device_mesh = accelerator.parallelism_config.build_device_mesh("cpu")
     torch.manual_seed(0)  # the same weights and batches on every rank, as the ranks of a tp group need
     model = workload.build_model(case.get("attn_implementation", "sdpa"), "float32")
-    if tp > 1:  # at load time, before PEFT and the Trainer, which then leaves the model as it is
-        model = _distributed(model, world, tp, fsdp, mixed == "bf16")
+    if case.get("routing"):
+        _route(model, case["routing"], ep)
+    if tp > 1 or ep > 1:  # at load time, before PEFT and the Trainer, which then leaves the model as it is
+        model = _distributed(model, world, tp, fsdp, mixed == "bf16", ep)
     if case.get("lora"):  # LoRA as PEFT's FSDP guide runs it: adapters on the model, then the Trainer wraps it
         from peft import LoraConfig, get_peft_model
 
@@ -298,7 +351,7 @@ def measure(config: str, seq_len: int, batch: int, world: int, case: dict[str, A
 
         ao = AORecipeKwargs(enable_fsdp_float8_all_gather=case.get("fp8_all_gather", True))
         convert_model_to_fp8_ao(model, config=ao.config)
-    if fsdp and tp == 1:
+    if fsdp and tp == ep == 1:
         model = fsdp2_prepare_model(accelerator, model)
     params = [p for p in model.parameters() if p.requires_grad]
     several_meshes = has_mixed_dtensor(params)
@@ -389,8 +442,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--backend", choices=["fake", "gloo"], required=True)
-    parser.add_argument("cases", help="JSON list of {name, fsdp, tp, bf16, accumulation, gradient_checkpointing, "
-                                      "lora, attn_implementation, fp8, fp8_all_gather}")
+    parser.add_argument("cases", help="JSON list of {name, fsdp, tp, ep, routing, bf16, accumulation, "
+                                      "gradient_checkpointing, lora, attn_implementation, fp8, fp8_all_gather}")
     args = parser.parse_args()
     cases = json.loads(args.cases)
     if args.backend == "fake":

@@ -74,7 +74,7 @@ def test_estimate_states_the_balanced_routing_and_its_range(tmp_path):
     peak = result.memory.anatomy.peak_allocated
     assert moe == {"experts_implementation": "grouped_mm", "experts": 8, "experts_per_token": 2, "tokens": 128,
                    "routed_rows": 256, "balanced_tokens_per_expert": 32.0, "max_tokens_per_expert": 128,
-                   "peak_range_bytes": [peak, peak]}
+                   "peak_range_bytes": [peak, peak], "ep_size": 1}
 
 
 @pytest.mark.slow

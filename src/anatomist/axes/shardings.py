@@ -21,6 +21,11 @@ FSDP_MODES: tuple[str, ...] = get_args(Fsdp)
 Offload = Literal["none", "cpu", "nvme"]
 """Where DeepSpeed ZeRO offloads (nvme: stage 3 only); with FSDP, cpu is its CPUOffloadPolicy."""
 OFFLOADS: tuple[str, ...] = get_args(Offload)
+EpRouting = Literal["balanced", "skewed"]
+"""The routing an expert parallel step is traced with (trace/step/experts.py `routed_as`): balanced, as the auxiliary
+load-balancing loss aims, or skewed, every token of every rank sent to as many of the traced rank's experts as it can
+take (the most that rank can receive: the high end of the estimate's range)."""
+EP_ROUTINGS: tuple[str, ...] = get_args(EpRouting)
 
 FSDP_STAGES: dict[str, int] = {"full_shard": 3, "shard_grad_op": 2}
 """The ZeRO stage each `TrainingArguments.fsdp` strategy partitions like (Zhao et al. 2023, "PyTorch

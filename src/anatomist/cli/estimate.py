@@ -22,6 +22,7 @@ from anatomist.cli.common import (
 from anatomist.cli.recipe_flags import add_recipe_flags
 from anatomist.cli.render import Column, console, devices, gib, print_table
 from anatomist.cli.requests import EstimateRequest, estimate_request
+from anatomist.estimate.moe import MoeRouting
 from anatomist.estimate.time.cluster import UNFITTED_TERMS, adds_device_terms
 from anatomist.estimate.time.network import describe_network
 from anatomist.hardware import GPU, get_gpu
@@ -209,10 +210,7 @@ def render(result: Estimate, change: str | None = None) -> None:
         per_param = f"{rule.total_per_param:g} B/param = " if rule.total_per_param is not None else ""
         out.print(f"bytes/param rule: {per_param}{gib(rule.total_bytes)} + activations ({RULE_SOURCE})")
     if result.moe is not None:
-        lo, hi = result.moe.peak_range_bytes
-        peak = f"{gib(lo)} allocated, the same" if lo == hi else f"{gib(lo)} to {gib(hi)} allocated"
-        out.print(f"MoE peak for any routing: {peak} from balanced ({result.moe.balanced_tokens_per_expert:,.0f} "
-                  f"tokens per expert) to one expert receiving every token ({result.moe.max_tokens_per_expert:,})")
+        out.print(_moe_line(result.moe))
     for note in mem.notes:
         out.print(f"  - {note}", markup=False)
     if result.time is not None:
@@ -274,3 +272,15 @@ def _peft(recipe: Recipe) -> str:
         return ""
     base = f"{recipe.bnb_4bit_quant_type} 4-bit base, " if recipe.load_in_4bit else "int8 base, " if recipe.load_in_8bit else ""
     return f", {recipe.peft} ({base}r={recipe.lora_r})"
+
+
+def _moe_line(moe: MoeRouting) -> str:
+    """The peak of a Mixture of Experts from balanced routing to the most a device can be sent."""
+    lo, hi = moe.peak_range_bytes
+    peak = f"{gib(lo)} allocated, the same" if lo == hi else f"{gib(lo)} to {gib(hi)} allocated"
+    if moe.ep_size > 1:
+        balanced, skewed = moe.received_rows_range
+        return (f"MoE peak for any routing: {peak} from balanced ({balanced:,} routed rows per GPU and layer) to one "
+                f"GPU's experts picked by every token of its {moe.ep_size}-GPU group ({skewed:,})")
+    return (f"MoE peak for any routing: {peak} from balanced ({moe.balanced_tokens_per_expert:,.0f} "
+            f"tokens per expert) to one expert receiving every token ({moe.max_tokens_per_expert:,})")

@@ -176,6 +176,10 @@ def _search(request: PlanRequest, *, one_size: bool = False) -> tuple[Any, Any, 
         raise InputError(f"{source.path if source else 'the recipe'}: plan does not hold a tensor parallel size fixed "
                          f"yet (tp_size={fixed['tp_size']}); it tries tensor parallel itself where nothing fits without "
                          "it: drop the size from the file, or estimate it with `anatomist estimate --recipe`")
+    if fixed.get("ep_size", 1) > 1:
+        raise InputError(f"{source.path if source else 'the recipe'}: plan does not search expert parallel yet "
+                         f"(ep_size={fixed['ep_size']}): estimate it with `anatomist estimate --recipe`, or drop the "
+                         "size from the file")
     check_cce_gpu(bool(fixed.get("cut_cross_entropy")), gpu)
     methods = ("full", *dict.fromkeys(added))
     if source and {"peft", "load_in_4bit", "load_in_8bit"} & set(fixed):

@@ -7,15 +7,20 @@ from typing import Any
 
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN
 from anatomist.calibration.lookup import Calibration, calibration_for
-from anatomist.estimate.memory import MemoryEstimate, memory_from_traces
+from anatomist.estimate.memory import MemoryEstimate, estimate_memory, memory_from_traces
 from anatomist.estimate.moe import MoeRouting, moe_routing
 from anatomist.estimate.time.cluster import adds_device_terms, time_across_devices
 from anatomist.estimate.time.device import estimate_time
 from anatomist.estimate.time.network import DEFAULT_NODES, check_cluster, cluster_fields
 from anatomist.estimate.traces import Mode, offloaded_bytes, step_traces
 from anatomist.hardware import GPU
-from anatomist.recipe import Recipe
-from anatomist.recipe.checks import check_gpu, check_hybrid_shard_gpus, check_tensor_parallel_gpus
+from anatomist.recipe import Recipe, ResolvedRecipe
+from anatomist.recipe.checks import check_gpu
+from anatomist.recipe.parallel_checks import (
+    check_expert_parallel_gpus,
+    check_hybrid_shard_gpus,
+    check_tensor_parallel_gpus,
+)
 from anatomist.workload import Workload
 
 
@@ -87,11 +92,16 @@ def estimate(
     check_cluster(num_gpus, nodes, network)
     check_tensor_parallel_gpus(recipe, num_gpus, nodes)
     check_hybrid_shard_gpus(recipe, num_gpus)
+    check_expert_parallel_gpus(recipe, num_gpus)
     check_gpu(recipe, gpu, dtype_given=False)
     recipe = recipe.resolved(workload)  # the library's entry point: everything below takes it resolved
     workload = workload.for_recipe(recipe)  # padding-free: the data's sequences, not the longest
     traces = step_traces(workload, recipe, gpu.compute_capability, mode, num_gpus=num_gpus)  # read once, handed down
     memory = memory_from_traces(workload, recipe, gpu, traces, mode=mode, num_gpus=num_gpus, margin=margin)
+
+    def other_end(routed: ResolvedRecipe) -> int:  # expert parallel's range: the peak at the other routing
+        return estimate_memory(workload, routed, gpu, mode=mode, num_gpus=num_gpus).anatomy.peak_allocated
+
     calibration = calibration or calibration_for(gpu)
     time = None
     if mode == "train":  # the plan's time model: one device's step, plus sharding, offload and communication terms
@@ -101,5 +111,5 @@ def estimate(
                                     num_gpus=num_gpus, calibration=calibration, nodes=nodes, network=network)
                 if adds_device_terms(recipe, num_gpus) else estimate_time(workload, recipe, gpu, calibration))
     return Estimate(workload=workload, recipe=recipe, gpu=gpu, mode=mode, margin=margin, memory=memory, time=time,
-                    moe=moe_routing(workload, recipe, memory.anatomy), extra={"time_calibration": calibration.describe()},
+                    moe=moe_routing(workload, recipe, memory.anatomy, other_end), extra={"time_calibration": calibration.describe()},
                     num_gpus=num_gpus, nodes=nodes, network=network)

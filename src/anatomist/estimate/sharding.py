@@ -247,6 +247,8 @@ def sharding_notes(recipe: ResolvedRecipe, num_gpus: int, mode: str) -> list[str
                 f"{gathered}; not validated on a GPU"]
     if recipe.tp_size > 1:
         return [tensor_parallel_note(recipe, num_gpus)]
+    if recipe.ep_size > 1:
+        return [expert_parallel_note(recipe, num_gpus)]
     if recipe.fsdp == "none":
         return [f"data parallelism on {num_gpus} GPUs: each holds one device's step and DistributedDataParallel's "
                 "gradient buckets (gradient_as_bucket_view=False, the Trainer's: one more copy of the trainable "
@@ -279,3 +281,16 @@ def tensor_parallel_note(recipe: ResolvedRecipe, num_gpus: int) -> str:
             f"linear layers colwise and rowwise, embeddings by vocabulary){fsdp}, under the fake process group: weights, "
             "gradients and optimizer states are this rank's shards, activations its part of each split layer's, "
             "functionality includes the collectives' buffers")
+
+
+def expert_parallel_note(recipe: ResolvedRecipe, num_gpus: int) -> str:
+    """How an expert parallel recipe's rank was traced (`trace.step.tensor_parallel`, `trace.step.experts`)."""
+    ep, copies = recipe.ep_size, num_gpus // recipe.ep_size
+    experts = (f"FSDP-sharded again over the {copies} GPUs that hold the same ones" if copies > 1 else
+               "each expert whole on one GPU")
+    return (f"expert parallel {ep}: one rank of {num_gpus} traced with the model split as from_pretrained("
+            f"distributed_config=DistributedConfig(fsdp_size={num_gpus}, ep_size={ep})) splits it: 1/{ep} of each "
+            f"layer's experts, {experts}, reached by transformers' all-to-all (split sizes of the {recipe.ep_routing} "
+            f"routing); the rest of the model under transformers' FSDP2 over all {num_gpus} (full_shard"
+            f"{', weights gathered in bfloat16, gradients reduced in float32' if recipe.bf16 else ''}), under the fake "
+            "process group")

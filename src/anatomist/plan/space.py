@@ -25,7 +25,7 @@ from anatomist.axes.shardings import SHARDING_NAMES, ShardingSpec, shardings_for
 from anatomist.errors import InputError
 from anatomist.hardware import GPU
 from anatomist.recipe import Recipe
-from anatomist.recipe.checks import check_tensor_parallel_model
+from anatomist.recipe.parallel_checks import check_tensor_parallel_model
 from anatomist.workload import Workload
 
 UNBOUNDED_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)

@@ -23,6 +23,13 @@ from anatomist.axes.quantization import QUANT_TYPES
 from anatomist.axes.shardings import DEEPSPEED_SETTINGS, FSDP_MODES, OFFLOADS
 from anatomist.deepspeed_bounds import deepspeed_bounds
 from anatomist.errors import InputError
+from anatomist.recipe.parallel_checks import (
+    check_expert_parallel,
+    check_expert_parallel_model,
+    check_hybrid_shard,
+    check_tensor_parallel,
+    check_tensor_parallel_model,
+)
 
 if TYPE_CHECKING:
     from anatomist.hardware import GPU
@@ -47,6 +54,7 @@ def check_fields(r: RecipeFields) -> None:
     check_data_loading(r)
     check_sharding(r)
     check_tensor_parallel(r)
+    check_expert_parallel(r)
     check_hybrid_shard(r)
     check_adapters(r)
     check_clipping(r)
@@ -154,82 +162,6 @@ def check_sharding(r: RecipeFields) -> None:
                          "DeepSpeed ZeRO (zero_stage)")
 
 
-TP_NOT_MODELLED: tuple[tuple[str, object, str], ...] = (
-    ("zero_stage", 0, "DeepSpeed ZeRO (its AutoTP is DeepSpeed's own tensor parallel; --fsdp full_shard is modelled)"),
-    ("peft", "none", "LoRA/QLoRA (PEFT's adapters would add full-width outputs to the shards transformers' tp_plan "
-                     "leaves)"),
-    ("fp8", "none", "FP8"),
-    ("torch_compile", False, "torch.compile"),
-    ("use_liger_kernel", False, "Liger Kernel"),
-    ("cut_cross_entropy", False, "Cut Cross-Entropy"),
-    ("offload", "none", "offload"),
-    ("checkpoint_offload", False, "checkpoint_offload"),
-    ("activation_offloading", False, "activation_offloading"),
-)
-"""What tensor parallel is not traced with (field, its value when off, how a user names it): the first on is said."""
-
-
-def check_tensor_parallel(r: RecipeFields) -> None:
-    """A tensor parallel degree of 1 or more, with the methods it is traced with (TP_NOT_MODELLED: not these), under
-    transformers' Trainer, with FSDP's full_shard where it shards (as transformers shards a split model)."""
-    if r.tp_size < 1:
-        raise InputError(f"tp_size must be at least 1, got {r.tp_size}")
-    if r.tp_size == 1:
-        return
-    for field, off, name in TP_NOT_MODELLED:
-        if getattr(r, field) != off:
-            raise InputError(f"tp_size={r.tp_size} with {name} is not modelled yet: drop one of them")
-    if optimizer(r.optim).quantized_state is not None or not runs_with(r.optim, "full_shard"):
-        raise InputError(f"tp_size={r.tp_size} with optim={r.optim} is not modelled: its state is not DTensors beside "
-                         "the split weights' DTensor gradients (a low-bit state, or plain tensors PyTorch refuses to "
-                         "mix with them): choose adamw_torch_fused, adamw_torch or sgd")
-    if r.trainer != "trainer":
-        raise InputError(f"tp_size={r.tp_size} with TRL's {r.trainer.upper()}Trainer is not modelled yet (its fused LM "
-                         "head on the split model): use --trainer trainer")
-    if r.fsdp == "shard_grad_op":
-        raise InputError(f"tp_size={r.tp_size} with fsdp=shard_grad_op: transformers' FSDP under tensor parallel "
-                         "reshards every block after its forward (full_shard)")
-
-
-def check_hybrid_shard(r: RecipeFields) -> None:
-    """HSDP: FSDP's shards replicated `dp_replicate_size` times (1: plain FSDP); where it needs FSDP is said at the
-    GPU count (`check_hybrid_shard_gpus`), as a file may set the replicas before its FSDP section."""
-    if r.dp_replicate_size < 1:
-        raise InputError(f"dp_replicate_size must be at least 1, got {r.dp_replicate_size}")
-    if r.dp_replicate_size > 1 and r.tp_size > 1:
-        raise InputError(f"dp_replicate_size={r.dp_replicate_size} with tp_size={r.tp_size} is not modelled yet: drop "
-                         "one of them")
-
-
-def check_hybrid_shard_gpus(r: RecipeFields, num_gpus: int) -> None:
-    """HSDP's replicas replicate FSDP's shard groups, which they divide the GPUs into, of two or more GPUs."""
-    if r.dp_replicate_size > 1 and r.fsdp == "none":
-        raise InputError(f"dp_replicate_size={r.dp_replicate_size} replicates FSDP's shards (HSDP): add --fsdp full_shard "
-                         "or shard_grad_op")
-    if r.dp_replicate_size > 1 and (num_gpus % r.dp_replicate_size or num_gpus // r.dp_replicate_size < 2):
-        raise InputError(f"dp_replicate_size={r.dp_replicate_size} on {num_gpus} GPU(s): the replicas must divide the "
-                         "GPUs into shard groups of 2 or more (with one GPU to a group it is DDP: drop --fsdp)")
-
-
-def check_tensor_parallel_gpus(r: RecipeFields, num_gpus: int, nodes: int = 1) -> None:
-    """The GPUs a tensor parallel recipe runs on, `num_gpus` over `nodes` machines (a whole number each,
-    `network.check_cluster`): a multiple of tp_size, either tp_size itself or FSDP over the groups (accelerate's
-    ParallelismConfig refuses tensor parallel with plain replication: dp_replicate without dp_shard), and a group
-    within one node (its collectives are priced at the node's own bandwidth)."""
-    if r.tp_size == 1:
-        return
-    if r.tp_size > num_gpus // nodes:
-        raise InputError(f"tp_size={r.tp_size} is more than a node's {num_gpus // nodes} GPU(s): tensor "
-                         "parallel across nodes is not modelled (its all-reduces would cross the network)")
-    if num_gpus % r.tp_size:
-        raise InputError(f"tp_size={r.tp_size} does not divide the {num_gpus} GPUs: the GPUs are tp_size x the "
-                         "FSDP ranks")
-    if num_gpus > r.tp_size and r.fsdp == "none":
-        raise InputError(f"tp_size={r.tp_size} on {num_gpus} GPUs is modelled with FSDP over the {num_gpus // r.tp_size} "
-                         "groups (DistributedConfig's fsdp_size; accelerate refuses tensor parallel with plain "
-                         f"replication): add --fsdp full_shard, or --gpus {r.tp_size}")
-
-
 def check_adapters(r: RecipeFields) -> None:
     """PEFT's adapters and the bitsandbytes base they train on."""
     if r.peft not in PEFT_METHODS:
@@ -324,23 +256,8 @@ def check_model(r: RecipeFields, workload: Workload) -> None:
         raise InputError(f"{workload.name} loads in float32 by default: {CCE_NEEDS_HALF_WEIGHTS}")
     if r.tp_size > 1:
         check_tensor_parallel_model(r.tp_size, workload)
-
-
-def check_tensor_parallel_model(tp_size: int, workload: Workload) -> None:
-    """A model transformers can split `tp_size` ways: one with a tp_plan, whose attention heads (and key/value heads)
-    divide by it, and not a Mixture of Experts (its experts are expert parallel's, not modelled yet)."""
-    config = workload.config.get_text_config()
-    if not getattr(config, "base_model_tp_plan", None):
-        raise InputError(f"{workload.name}: its config has no tensor parallel plan (base_model_tp_plan), so "
-                         "transformers cannot split it: use --fsdp instead of --tp-size")
-    if workload.is_moe:
-        raise InputError(f"{workload.name}: tensor parallel of a Mixture of Experts (its experts split by expert "
-                         "parallel) is not modelled yet")
-    for name, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "key/value heads")):
-        heads = getattr(config, name, None)
-        if isinstance(heads, int) and heads % tp_size:
-            raise InputError(f"{workload.name}: tp_size={tp_size} does not divide its {heads} {what}: each GPU "
-                             "computes whole heads")
+    if r.ep_size > 1:
+        check_expert_parallel_model(r.ep_size, workload)
 
 
 def check_gpu(r: RecipeFields, gpu: GPU, *, dtype_given: bool = True) -> None:

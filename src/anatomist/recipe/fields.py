@@ -24,7 +24,7 @@ from anatomist.axes.methods import Peft, Trainer
 from anatomist.axes.optimizers import OPTIMIZERS
 from anatomist.axes.precisions import HALF_DTYPES, Fp8, LoadDtype
 from anatomist.axes.quantization import QuantType
-from anatomist.axes.shardings import FSDP_STAGES, Fsdp, Offload
+from anatomist.axes.shardings import FSDP_STAGES, EpRouting, Fsdp, Offload
 from anatomist.trainer_defaults import trainer_defaults
 
 
@@ -81,6 +81,8 @@ class RecipeFields:
     bnb_4bit_compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     fsdp: Fsdp = _trainer_default("fsdp", when_none="none")
     tp_size: int = 1
+    ep_size: int = 1
+    ep_routing: EpRouting = "balanced"
     dp_replicate_size: int = 1
 
     # -- LLM fine-tuning as TRL and the Trainer run it ------------------------------------------
@@ -100,6 +102,12 @@ class RecipeFields:
     stage3_param_persistence_threshold: int | None = None
     bf16_master_weights_and_grads: bool = False
     bf16_optimizer_states: bool = False
+
+    @property
+    def split_by_transformers(self) -> bool:
+        """Whether transformers splits the model at load time: tensor or expert parallel (`DistributedConfig`,
+        trace/step/tensor_parallel.py)."""
+        return self.tp_size > 1 or self.ep_size > 1
 
     @property
     def sharding_stage(self) -> int:

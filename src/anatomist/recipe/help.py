@@ -132,6 +132,14 @@ FIELD_HELP: dict[str, FieldHelp] = {
         "across this many GPUs by the model's own tp_plan, as transformers applies it (colwise, rowwise, the "
         "embeddings by vocabulary); the GPUs of one group see the same batch. Composed with --fsdp over the "
         "rest of the GPUs (dp_shard = GPUs / tp_size); without FSDP it takes every GPU."),
+    "ep_size": FieldHelp(
+        "Expert parallel degree of a Mixture of Experts (transformers' DistributedConfig ep_size): each GPU holds "
+        "1/ep_size of every MoE layer's experts and sends each token to the GPUs of the experts it picked with an "
+        "all-to-all (and back); the GPUs holding the same experts shard them with FSDP. Needs --fsdp full_shard."),
+    "ep_routing": FieldHelp(
+        "The routing an expert parallel estimate assumes: balanced (as the load-balancing loss aims; the default) "
+        "or skewed (every token sent to as many of one GPU's experts as it can: the most that GPU receives). The "
+        "estimate reports both ends."),
     "dp_replicate_size": FieldHelp(
         "Hybrid sharding, HSDP (accelerate's ParallelismConfig dp_replicate_size): FSDP shards over GPUs / "
         "dp_replicate_size GPUs (dp_shard) and keeps that many replicas of the shards, whose gradients are "

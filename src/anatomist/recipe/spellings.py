@@ -42,7 +42,7 @@ def training_arguments_kwargs(recipe: RecipeFields) -> dict[str, Any]:
         kwargs["gradient_checkpointing_kwargs"] = checkpointing
     if recipe.tf32:
         kwargs["tf32"] = True
-    if recipe.fsdp != "none" and recipe.tp_size == 1:  # under tensor parallel, transformers' own FSDP at load time
+    if recipe.fsdp != "none" and recipe.tp_size == recipe.ep_size == 1:  # else transformers' own FSDP at load time
         kwargs |= trainer_fsdp_arguments(recipe.fsdp, offload=recipe.offload == "cpu", adapters=recipe.peft != "none")
     if recipe.use_liger_kernel:
         kwargs["use_liger_kernel"] = True
@@ -54,8 +54,9 @@ def distributed_config_kwargs(recipe: RecipeFields, num_gpus: int) -> dict[str, 
     them to `from_pretrained(..., distributed_config=...)`: `tp_size` ranks to a group, under FSDP the groups sharded
     over the other ranks, bf16 autocast as FSDP's mixed precision (weights gathered in bf16, gradients reduced in
     fp32). transformers applies both at load time; the Trainer then trains the model as it is."""
-    fsdp = num_gpus // recipe.tp_size if recipe.fsdp != "none" else 1
-    return {"tp_size": recipe.tp_size, "fsdp_size": fsdp, "fsdp_mixed_precision": recipe.bf16}
+    fsdp = num_gpus // recipe.tp_size if recipe.fsdp != "none" else max(1, recipe.ep_size // recipe.tp_size)
+    experts = {"ep_size": recipe.ep_size} if recipe.ep_size > 1 else {}
+    return {"tp_size": recipe.tp_size, "fsdp_size": fsdp, "fsdp_mixed_precision": recipe.bf16, **experts}
 
 
 def training_arguments(recipe: RecipeFields, output_dir: str, **extra: Any) -> Any:

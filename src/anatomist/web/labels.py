@@ -66,6 +66,8 @@ FIELD_LABELS = {
     "offload": "ZeRO / FSDP offload",
     "fsdp": "FSDP",
     "tp_size": "Tensor parallel GPUs per group",
+    "ep_size": "Expert parallel GPUs per group",
+    "ep_routing": "Expert routing assumed",
     "dp_replicate_size": "HSDP replicas",
     "dataloader_num_workers": "DataLoader workers",
     "dataloader_pin_memory": "Pinned host memory for batches",

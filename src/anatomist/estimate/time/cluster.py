@@ -16,7 +16,8 @@ with DeepSpeed or FSDP three terms change:
                                 each all-gather, in forward and in backward; offloaded checkpoints
                                 copy each checkpointed layer's input to the host and back
     communication_s             what of the collectives compute does not hide (`Collectives`,
-                                `exposed_s`), and tensor parallel's, none hidden (`tensor_parallel_s`)
+                                `exposed_s`), and tensor parallel's and expert parallel's
+                                all-to-alls, none hidden (`tensor_parallel_s`, `expert_parallel_s`)
 
 Under tensor parallel "one device" is one rank of a group (its shards of each product: the traced ops of
 `keys.one_device`), and a group of `tp_size` devices trains one batch: samples/s counts GPUs / tp_size of them.
@@ -32,7 +33,7 @@ from typing import Protocol
 from anatomist.anatomy import TimeAnatomy
 from anatomist.calibration.lookup import Calibration, calibration_for
 from anatomist.estimate.intervals import time_interval
-from anatomist.estimate.time.collectives import collectives, tensor_parallel_s
+from anatomist.estimate.time.collectives import collectives, expert_parallel_s, tensor_parallel_s
 from anatomist.estimate.time.device import estimate_time
 from anatomist.estimate.time.network import DEFAULT_NODES
 from anatomist.estimate.time.ops import step_ops
@@ -79,6 +80,15 @@ def predict_time(
                                calibration=calibration, nodes=nodes, network=network)
 
 
+def _sharded_share(recipe: ResolvedRecipe, size: ModelSize, num_gpus: int) -> float:
+    """What of one device's optimizer step a device runs where the state is sharded over `num_gpus`: 1/N of every
+    parameter. Under expert parallel one device's step (`keys.one_device`) already holds 1/ep_size of the experts."""
+    if recipe.ep_size == 1 or not size.parameters:
+        return 1 / num_gpus
+    traced = size.parameters - size.expert_parameters + size.expert_parameters / recipe.ep_size
+    return size.parameters / num_gpus / traced
+
+
 def time_across_devices(
     workload: Workload, recipe: ResolvedRecipe, gpu: GPU, size: ModelSize, *, micro_batch_offload_bytes: float = 0.0,
     num_gpus: int = 1, calibration: Calibration | None = None, nodes: int = DEFAULT_NODES, network: str | None = None,
@@ -91,11 +101,13 @@ def time_across_devices(
     if recipe.offload != "none":
         phases["optimizer"] = 0.0
     elif recipe.sharding_stage >= 1:
-        phases["optimizer"] = phases.get("optimizer", 0.0) / num_gpus
+        phases["optimizer"] = phases.get("optimizer", 0.0) * _sharded_share(recipe, size, num_gpus)
     phases["offload"] = (offload_s(recipe, size, num_gpus=num_gpus) + checkpoint_offload_s(workload, recipe, size)
                          + activation_offloading_s(recipe, micro_batch_offload_bytes, phases.get("forward", 0.0)))
     comm = collectives(recipe, size, num_gpus=num_gpus, nodes=nodes, network=network, gpu=gpu)
-    tp_s = tensor_parallel_s(step_ops(workload, recipe, gpu.compute_capability), recipe, gpu) if recipe.tp_size > 1 else 0.0
+    ops = step_ops(workload, recipe, gpu.compute_capability) if recipe.split_by_transformers else None
+    tp_s = (tensor_parallel_s(ops, recipe, gpu) + expert_parallel_s(ops, recipe, num_gpus, nodes, network, gpu)
+            if ops is not None else 0.0)
     phases["communication"] = comm.exposed_s(phases.get("forward", 0.0), phases.get("backward", 0.0)) + tp_s
     step_s = sum(phases.values())
     # The optimizer step, the copies and the collectives are all "other" (docs/time.md), so the classes add up to

@@ -118,8 +118,10 @@ def collectives(
     sharded = recipe.zero_stage > 0 or recipe.fsdp != "none"
     half = recipe.peft == "none" and (recipe.half_weights or (recipe.mixed_precision != "no" and sharded))
     element = 2 if half else 4
-    if recipe.tp_size > 1:  # transformers' FSDP: in float32 under its bf16 policy (`fsdp_mixed_precision`), else as loaded
-        element = 4 if recipe.bf16 or not recipe.half_weights else 2
+    if recipe.tp_size > 1 or recipe.ep_size > 1:  # transformers' FSDP: in float32 under its bf16 policy
+        element = 4 if recipe.bf16 or not recipe.half_weights else 2  # (`fsdp_mixed_precision`), else as loaded
+    if recipe.ep_size > 1:
+        return _expert_parallel(recipe, size, element, num_gpus, bus, _copies_bus(recipe, num_gpus, nodes, network, gpu))
     grad_bytes = parameter_count(recipe, size) * element * share
     reduce_scatter = ring * grad_bytes / bus
     if recipe.dp_replicate_size > 1:  # HSDP: gathers and reduce-scatters within a shard group, all-reduce across
@@ -198,6 +200,60 @@ def parameter_count(recipe: ResolvedRecipe, size: ModelSize) -> int:
     """The parameters `recipe` trains (of the estimator's exact count, `trace.depth.plan.ModelSize`): every
     parameter of the task model, or with LoRA/QLoRA the adapters', as PEFT makes them."""
     return size.trainable_parameters if recipe.peft != "none" else size.parameters
+
+
+def _expert_parallel(recipe: ResolvedRecipe, size: ModelSize, element: int, num_gpus: int, bus: float,
+                     copies_bus: float) -> Collectives:
+    """FSDP's collectives under expert parallel, as transformers lays them out (`DistributedConfig(fsdp_size=N,
+    ep_size=E)`, distributed/fsdp.py): the dense parameters gathered and their gradients reduce-scattered over all N
+    ranks at `bus`; a rank's 1/E of the routed experts over the N/E ranks that hold the same ones (none where E = N:
+    each expert lives whole on one rank), at `copies_bus` (`_copies_bus`). The all-to-all of the tokens is
+    `expert_parallel_s`'s."""
+    k, units = recipe.gradient_accumulation_steps, size.blocks + 1
+    copies = num_gpus // recipe.ep_size
+    total = sum(size.parameter_numels) or 1
+    dense, experts = size.parameters - size.expert_parameters, size.expert_parameters / recipe.ep_size
+    ring, copies_ring = (num_gpus - 1) / num_gpus, (copies - 1) / copies
+    per_element = gathered_weight_bytes(recipe, size) / total
+    gather = (ring * dense / bus + copies_ring * experts / copies_bus) * per_element
+    reduce = (ring * dense / bus + copies_ring * experts / copies_bus) * element
+    return Collectives(micro_batches=k, gather_forward_s=gather, gather_backward_s=gather, reduce_s=reduce,
+                       reduce_tail_s=reduce / units, units=units)
+
+
+def _copies_bus(recipe: ResolvedRecipe, num_gpus: int, nodes: int, network: str | None, gpu: GPU | None) -> float:
+    """The bandwidth of one ring of the ranks that hold the same experts (ranks r, r + E, r + 2E, ...): the node's bus
+    bandwidth in one node; across nodes, the node's network shared by the rings that cross it at once, one per expert
+    parallel rank of the node (min(E, GPUs per node))."""
+    intra = intra_node_bytes_per_s(gpu)
+    if nodes <= 1:
+        return intra
+    per_node = num_gpus // nodes
+    return min(intra, node_network_bytes_per_s(per_node, network) / min(recipe.ep_size, per_node))
+
+
+def expert_parallel_s(ops: StepOps, recipe: ResolvedRecipe, num_gpus: int, nodes: int = DEFAULT_NODES,
+                      network: str | None = None, gpu: GPU | None = None) -> float:
+    """Seconds per step of expert parallel's all-to-alls (`COLLECTIVE_PREFIX` all_to_all_single: each MoE layer's
+    tokens to their experts' ranks and the outputs back, in forward and again in backward), none hidden: the experts
+    wait for their rows, the next layer for the outputs. A rank keeps 1/E of what it sends and receives ((E-1)/E
+    crosses the links; the trace records input + output bytes, balanced routing: half each way). A group within a
+    node moves at the node's bus bandwidth; one across nodes sends (E - G)/E of it, G its node's GPUs, through the
+    node's network, shared by the node's G GPUs."""
+    ep = recipe.ep_size
+    if ep <= 1:
+        return 0.0
+    per_node = num_gpus // nodes
+    intra = intra_node_bytes_per_s(gpu)
+    off_node = max(ep - per_node, 0) / ep
+    network_share = node_network_bytes_per_s(per_node, network) / per_node if off_node else intra
+    seconds = 0.0
+    for record in ops.records:
+        if record.name == COLLECTIVE_PREFIX + "all_to_all_single":
+            each_way = record.bytes / 2
+            moved = max((1 - 1 / ep - off_node) * each_way / intra, off_node * each_way / network_share)
+            seconds += record.calls_per_step(recipe.gradient_accumulation_steps) * moved
+    return seconds
 
 
 def gathered_weight_bytes(recipe: ResolvedRecipe, size: ModelSize) -> float:

@@ -43,7 +43,7 @@ from anatomist.estimate.time.tiles import busy_fraction
 from anatomist.hardware import GPU, Precision
 from anatomist.recipe import ResolvedRecipe
 from anatomist.recipe.axis_values import matmul_precision
-from anatomist.trace.engine.records import ATTENTION_PREFIX, COLLECTIVE_PREFIX
+from anatomist.trace.engine.records import ATTENTION_PREFIX, NOT_DEVICE_COMPUTE
 from anatomist.workload import Workload
 
 
@@ -101,7 +101,7 @@ def phase_work(ops: StepOps, workload: Workload, recipe: ResolvedRecipe, gpu: GP
     kernels = dict.fromkeys(gpu_s, 0.0)
     classes = dict.fromkeys(OpClass, 0.0)
     for record in ops.records:
-        if record.view or record.name.startswith(COLLECTIVE_PREFIX):
+        if record.view or record.name.startswith(NOT_DEVICE_COMPUTE):
             continue
         calls = record.calls_per_step(accumulation)
         seconds = op_call_s(record, recipe, gpu, cal) * calls

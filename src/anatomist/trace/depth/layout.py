@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -83,6 +84,8 @@ class Layout:
     """Bytes of every parameter in its dtype (`plan.ModelSize.parameter_bytes`)."""
     fp8_weights: int = 0
     """Elements of the weights converted to torchao's Float8Linear (`plan.ModelSize.fp8_weights`)."""
+    expert_parameters: int = 0
+    """Elements of the routed experts' weights (`plan.ModelSize.expert_parameters`)."""
 
     @property
     def blocks(self) -> int:
@@ -250,6 +253,7 @@ def layout_of(workload: Workload, recipe: ResolvedRecipe) -> Layout:
     from anatomist.trace.step.peft import QuantizedLinearLayout, apply_peft, counted_parameters, in_layer
 
     model = meta_model(workload, recipe)
+    experts = expert_parameters(model)
     found = _stacks_of(model, model.config)
     signatures = _signatures(model.config, found) if found is not None else []
     with torch.device("meta"), contextlib.redirect_stderr(None):
@@ -265,7 +269,7 @@ def layout_of(workload: Workload, recipe: ResolvedRecipe) -> Layout:
                              "adapted_parameters": adapted, "rows_divisor": rows_divisor(model.parameters()),
                              "trainable_bytes": trainable_bytes,
                              "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-                             "fp8_weights": _fp8_weights(model, recipe)}
+                             "fp8_weights": _fp8_weights(model, recipe), "expert_parameters": experts}
     if found is None:
         return Layout(stacks=(), parameters=parameters, trainable_parameters=trainable, signatures=(),
                       parameter_numels=numels, **sizes)
@@ -278,6 +282,18 @@ def layout_of(workload: Workload, recipe: ResolvedRecipe) -> Layout:
     )
     return Layout(stacks=stacks, parameters=parameters, trainable_parameters=trainable, parameter_numels=numels,
                   block_parameters=block, signatures=tuple(tuple(rows) for rows in signatures), **sizes)
+
+
+def expert_parameters(model: torch.nn.Module) -> int:
+    """Elements of the routed experts' weights: the parameters the model's expert parallel plan shards by expert
+    (`base_model_ep_plan`'s "grouped_gemm" entries, whose `*` is a layer's index); 0 for a model without one."""
+    config: Any = model.config
+    plan = getattr(config.get_text_config(), "base_model_ep_plan", None) or {}
+    patterns = [re.compile(r"(^|\.)" + re.escape(name).replace(r"\*", r"\d+") + "$")
+                for name, style in plan.items() if style == "grouped_gemm"]
+    if not patterns:
+        return 0
+    return sum(p.numel() for n, p in model.named_parameters() if any(r.search(n) for r in patterns))
 
 
 def _fp8_weights(model: torch.nn.Module, recipe: ResolvedRecipe) -> int:

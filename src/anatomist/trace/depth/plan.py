@@ -120,6 +120,9 @@ class ModelSize:
     fp8_weights: int = 0
     """Elements of the weights accelerate converts to torchao's Float8Linear under `Recipe.fp8`
     (`trace.step.fp8`): FSDP gathers them in float8 where `fp8_all_gather` is on."""
+    expert_parameters: int = 0
+    """Elements of a Mixture of Experts' routed experts (`layout.expert_parameters`): under expert parallel FSDP
+    gathers a rank's share of them only among the ranks that hold the same experts (`collectives`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +147,7 @@ def model_plan(workload: Workload, recipe: ResolvedRecipe, *, use_cache: bool = 
                          quantized_parameters=layout.quantized_parameters,
                          adapted_parameters=layout.adapted_parameters, rows_divisor=layout.rows_divisor,
                          trainable_bytes=layout.trainable_bytes, parameter_bytes=layout.parameter_bytes,
-                         fp8_weights=layout.fp8_weights)
+                         fp8_weights=layout.fp8_weights, expert_parameters=layout.expert_parameters)
         return ModelPlan(plan=trace_plan(workload, recipe, layout), size=size)
 
     if not use_cache:

@@ -34,7 +34,7 @@ from anatomist.trace.engine.records import RankEvents, StepTrace, Trace, curves_
 from anatomist.trace.engine.tracer import StepTracer
 from anatomist.trace.step import fsdp as sharded
 from anatomist.trace.step import tensor_parallel, trainers
-from anatomist.trace.step.experts import build_kwargs, check_traceable, compiled_experts_path
+from anatomist.trace.step.experts import build_kwargs, check_traceable, compiled_experts_path, routed_as
 from anatomist.trace.step.fp8 import convert_to_fp8
 from anatomist.trace.step.inputs import make_batch, rows_not_packed
 from anatomist.trace.step.optimizer_build import build_optimizer, import_optimizer_module
@@ -96,7 +96,7 @@ def trace_step(
         reference = traced_reference(workload, recipe, depth, fake_mode if fake else None) if part != "optimizer" else None
         params = [p for p in model.parameters() if p.requires_grad]  # what the Trainer's optimizer gets
         _register_weights(tracer, model, reference)
-        with _tracing(workload, recipe, tracer, fake_mode, observers), \
+        with _tracing(workload, recipe, tracer, fake_mode, observers), routed_as(workload, recipe), \
                 _kernels(model, workload, recipe, part, compute_capability, fake):
             # cuBLAS workspaces live from the first matrix product on: one for the main thread's
             # handle and, in training, one for the autograd engine's device thread. A steady-state
@@ -113,17 +113,18 @@ def _model_and_tracer(world: contextlib.ExitStack, workload: Workload, recipe: R
                       fake_mode: Any | None, num_gpus: int, record_ops: bool) -> tuple[torch.nn.Module, StepTracer]:
     """The traced model (`traced_model`) and its tracer: one device's, or one rank's of a fake world entered on `world`
     (FSDP: trace/step/fsdp.py; tensor parallel, with or without FSDP: trace/step/tensor_parallel.py)."""
-    if recipe.tp_size > 1 and fake_mode is None:
-        raise InputError("a tensor parallel step is traced on fake tensors only: a real CPU step of one rank needs "
-                         "the other ranks")
+    split = recipe.split_by_transformers
+    if split and fake_mode is None:
+        raise InputError("a tensor or expert parallel step is traced on fake tensors only: a real CPU step of one rank "
+                         "needs the other ranks")
     tracer = StepTracer(lower_precision_dtype=lower_dtype(recipe), record_ops=record_ops)
-    if fake_mode is None or (recipe.fsdp == "none" and recipe.tp_size == 1):
+    if fake_mode is None or (recipe.fsdp == "none" and not split):
         return traced_model(workload, recipe, depth, fake_mode), tracer
     ranks = traced_world(recipe, num_gpus)
-    if recipe.tp_size > 1:
-        meshes = world.enter_context(tensor_parallel.fake_world(ranks, recipe.tp_size))
+    if split:
+        meshes = world.enter_context(tensor_parallel.fake_world(ranks, recipe.tp_size, recipe.ep_size))
         model = traced_model(workload, recipe, depth, fake_mode,
-                             (meshes, tensor_parallel.distributed_config(recipe, ranks)))
+                             (meshes, tensor_parallel.distributed_config(recipe, ranks), recipe.fsdp != "none"))
     else:
         model = traced_model(workload, recipe, depth, fake_mode)
         mesh = world.enter_context(sharded.fake_world(ranks))
@@ -144,9 +145,9 @@ def _register_weights(tracer: StepTracer, *models: torch.nn.Module | None) -> No
 
 
 def traced_model(workload: Workload, recipe: ResolvedRecipe, depth: Depth, fake_mode: Any | None,
-                 tp_world: tuple[Any, Any] | None = None) -> torch.nn.Module:
+                 tp_world: tuple[Any, Any, bool] | None = None) -> torch.nn.Module:
     """The model of `workload` cut to `depth` as `recipe` trains it (split as transformers splits it at load time where
-    `tp_world` gives the meshes and the DistributedConfig: `tensor_parallel.parallelize`; PEFT applied, FP8 layers
+    `tp_world` gives the meshes, the DistributedConfig and whether FSDP shards: `tensor_parallel.parallelize`; PEFT applied, FP8 layers
     converted): on fake tensors in `fake_mode` (built on the meta device first: no memory), else real CPU tensors."""
     config = traced_config(workload, depth)
     experts = build_kwargs(workload, recipe)
@@ -243,7 +244,7 @@ def _run_part(part: Part, model: torch.nn.Module, params: list[torch.nn.Paramete
         forward_backward(model, params, workload, recipe, batch_size, tracer, autocast, reference, depth)
         phases = [Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER]
     else:
-        likes = _gradients_as_backward_leaves_them(model, params, workload, tracer) if recipe.tp_size > 1 else params
+        likes = _gradients_as_backward_leaves_them(model, params, workload, tracer) if recipe.split_by_transformers else params
         for p, like in zip(params, likes, strict=True):
             p.grad = torch.zeros_like(like)  # what backward leaves behind
         tracer.label_live([p.grad for p in params if p.grad is not None], MemoryCategory.GRADIENTS)
@@ -322,7 +323,7 @@ def create_state(
     params: list[torch.nn.Parameter], recipe: ResolvedRecipe, tracer: StepTracer
 ) -> tuple[torch.optim.Optimizer, int]:
     """The optimizer, with the state a first step creates (from zero gradients)."""
-    optimizer = build_optimizer(recipe, tensor_parallel.mesh_groups(params) if recipe.tp_size > 1 else params)
+    optimizer = build_optimizer(recipe, tensor_parallel.mesh_groups(params) if recipe.split_by_transformers else params)
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer.step()
@@ -341,7 +342,7 @@ def optimizer_phase(
     if recipe.fp16:
         torch._foreach_mul_(grads, 1.0 / 65536.0)  # GradScaler.unscale_ works in place
     if recipe.max_grad_norm > 0:
-        if recipe.tp_size > 1:
+        if recipe.split_by_transformers:
             tensor_parallel.clip_by_mesh(params, recipe.max_grad_norm)
         else:
             torch.nn.utils.clip_grad_norm_(params, recipe.max_grad_norm, foreach=True)

@@ -94,3 +94,66 @@ def compiled_experts_path() -> Iterator[None]:
         yield
     finally:
         moe._can_use_grouped_mm = original
+
+
+def split_sizes(tokens: int, top_k: int, experts: int, ep_size: int, routing: str) -> tuple[list[int], list[int]]:
+    """The rows the traced rank (rank 0 of its expert parallel group) sends to and receives from each rank of the group
+    under `routing` (axes/shardings.py EpRouting), `tokens` tokens a rank of top-`top_k` routing over `experts`:
+    - balanced: its `tokens` x `top_k` (token, expert) pairs spread evenly over the group's ranks, and as many from
+      each rank to it;
+    - skewed: every token of every rank picks as many of rank 0's experts as it can (top-k picks an expert at most
+      once: min(top_k, experts / ep_size) of them) and sends its other pairs evenly to the other ranks."""
+    pairs = tokens * top_k
+    if routing == "balanced":
+        return _spread(pairs, ep_size), _spread(pairs, ep_size)
+    mine = tokens * min(top_k, experts // ep_size)
+    return [mine, *_spread(pairs - mine, ep_size - 1)], [mine] * ep_size
+
+
+def received_rows(tokens: int, top_k: int, experts: int, ep_size: int) -> tuple[int, int]:
+    """The rows the traced rank's experts run under balanced and under skewed routing (`split_sizes`)."""
+    balanced, skewed = (sum(split_sizes(tokens, top_k, experts, ep_size, r)[1]) for r in ("balanced", "skewed"))
+    return balanced, skewed
+
+
+def _spread(total: int, parts: int) -> list[int]:
+    """`total` in `parts` as even as whole numbers allow, the larger first."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+@contextlib.contextmanager
+def routed_as(workload: Workload, recipe: ResolvedRecipe) -> Iterator[None]:
+    """Within: transformers' expert parallel dispatch (`AllToAllEP._dispatch_tokens`, distributed/expert_parallel.py)
+    runs as written, but the split sizes it reads back from the exchanged counts (`.tolist()`, the one host sync of
+    the layer: a fake tensor has no values) are those `recipe.ep_routing` gives (`split_sizes`). Every other tensor
+    of the exchange (the sorted rows it sends, the rows it receives, their expert ids) is transformers'. Nothing
+    without expert parallel."""
+    if recipe.ep_size == 1 or workload.facts.experts is None:
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+    from transformers.distributed import expert_parallel
+
+    top_k, experts = workload.facts.experts
+    original, tolist = expert_parallel.AllToAllEP._dispatch_tokens, FakeTensor.tolist
+
+    def dispatch(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+        sizes = split_sizes(hidden_states.shape[0], top_k, experts, recipe.ep_size, recipe.ep_routing)
+
+        def read_back(tensor: Any) -> Any:
+            if tuple(tensor.shape) != (2, recipe.ep_size):
+                raise RuntimeError(f"expert parallel's dispatch read back a {tuple(tensor.shape)} tensor where "
+                                   f"transformers' reads its (2, {recipe.ep_size}) split sizes: its code changed")
+            return [list(s) for s in sizes]
+
+        setattr(FakeTensor, "tolist", read_back)  # noqa: B010 (a method, replaced for the one call)
+        try:
+            return original(self, hidden_states, top_k_index, top_k_weights)
+        finally:
+            setattr(FakeTensor, "tolist", tolist)  # noqa: B010
+
+    setattr(expert_parallel.AllToAllEP, "_dispatch_tokens", dispatch)  # noqa: B010 (a method, replaced)
+    try:
+        yield
+    finally:
+        setattr(expert_parallel.AllToAllEP, "_dispatch_tokens", original)  # noqa: B010

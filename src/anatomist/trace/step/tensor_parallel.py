@@ -51,21 +51,25 @@ def distributed_config(recipe: ResolvedRecipe, world: int) -> Any:
 
 
 @contextlib.contextmanager
-def fake_world(world: int, tp_size: int) -> Iterator[Any]:
+def fake_world(world: int, tp_size: int, ep_size: int = 1) -> Iterator[Any]:
     """transformers' device meshes (`TransformersDeviceMesh`: the dense layers' `(pp, dp_replicate, fsdp, tp)`, the
-    experts' `(pp, dp_replicate, efsdp, ep)`) of `world` CPU ranks, `tp_size` to a tensor parallel group, over PyTorch's
-    fake process group; this process is rank 0."""
+    experts' `(pp, dp_replicate, efsdp, ep)`) of `world` CPU ranks, `tp_size` to a tensor parallel group and `ep_size`
+    to an expert parallel one, over PyTorch's fake process group; this process is rank 0."""
     from transformers.distributed.utils import TransformersDeviceMesh
 
     fsdp = world // tp_size
     with fake_process_group(world), meshes_outside_fake_mode():
         dense = init_device_mesh("cpu", (1, 1, fsdp, tp_size), mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
-        experts = init_device_mesh("cpu", (1, 1, world, 1), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
+        experts = init_device_mesh("cpu", (1, 1, world // ep_size, ep_size),
+                                   mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
         yield TransformersDeviceMesh(dense, experts)
 
 
-def parallelize(model: torch.nn.Module, meshes: Any, config: Any) -> None:
-    """Split `model` in place as transformers does at load time for `config` on `meshes` (module docstring)."""
+def parallelize(model: torch.nn.Module, meshes: Any, config: Any, shard: bool = True) -> None:
+    """Split `model` in place as transformers does at load time for `config` on `meshes` (module docstring; its
+    `maybe_distribute_model`: tensor parallel, expert parallel, then FSDP unless not `shard`: the one-device compute of
+    an expert parallel rank, whose config needs FSDP's ranks to lay the experts over, `keys.one_device`)."""
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
     from transformers.distributed.fsdp import apply_fully_sharded_data_parallelism
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
@@ -76,8 +80,12 @@ def parallelize(model: torch.nn.Module, meshes: Any, config: Any) -> None:
     if tied:  # from_pretrained splits the model before it ties the head to the embeddings (_finalize_model_loading)
         head.weight = torch.nn.Parameter(torch.empty_like(head.weight), requires_grad=head.weight.requires_grad)
     tp_plan, ep_plan, fsdp_plan = hf._resolve_parallel_plans(config)
-    apply_tensor_parallelism(model, meshes.get_mesh("tp"), tp_plan)
-    if config.dp_size > 1:
+    if config.tp_size > 1:
+        apply_tensor_parallelism(model, meshes.get_mesh("tp"), tp_plan)
+    if config.ep_size > 1:
+        apply_expert_parallelism(model, meshes.get_mesh("ep"), meshes.get_mesh("tp"), ep_plan,
+                                 ep_implementation=config.ep_implementation)
+    if config.dp_size > 1 and shard:
         apply_fully_sharded_data_parallelism(model, meshes, fsdp_plan, ep_plan)
     if tied:
         hf.tie_weights()

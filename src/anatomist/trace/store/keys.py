@@ -40,9 +40,11 @@ changes the traced sequence length (`Workload.for_recipe`), packing nothing trac
 PART_FIELDS: dict[str, tuple[str, ...]] = {
     "forward-backward": ("dtype", "gradient_checkpointing", "checkpoint_every", "checkpoint_offload", "activation_offloading",
                          "fp16", "bf16", "fp8", "fp8_all_gather", "attn_implementation",
-                         "experts_implementation", "torch_compile", "tp_size", *PEFT_FIELDS, *LLM_FIELDS),
-    "inference": ("dtype", "fp16", "bf16", "attn_implementation", "experts_implementation", "tp_size", *PEFT_FIELDS),
-    "optimizer": ("dtype", "optim", "fp16", "max_grad_norm", "tp_size", *PEFT_FIELDS),
+                         "experts_implementation", "torch_compile", "tp_size", "ep_size", "ep_routing", *PEFT_FIELDS,
+                         *LLM_FIELDS),
+    "inference": ("dtype", "fp16", "bf16", "attn_implementation", "experts_implementation", "tp_size", "ep_size",
+                  "ep_routing", *PEFT_FIELDS),
+    "optimizer": ("dtype", "optim", "fp16", "max_grad_norm", "tp_size", "ep_size", *PEFT_FIELDS),
 }
 """The recipe fields that change each part's trace. Recipes that differ only in the
 optimizer share the passes' traces and the other way round; torch.compile changes the passes'
@@ -88,10 +90,12 @@ def traced_world(recipe: ResolvedRecipe, num_gpus: int) -> int:
     gathers what FSDP over that many holds, its gradients' all-reduce across the replicas runs in place on the
     reduce-scattered shard), tensor parallel's without FSDP as one of its `tp_size` (`trace.step.tensor_parallel`);
     every other recipe's on one device (data parallelism holds on each device what one device holds; ZeRO is
-    arithmetic over it)."""
+    arithmetic over it). The one-device ops of an expert parallel recipe (`one_device`: without FSDP) are one rank's
+    of `ep_size`, which computes what a rank of any world does (its share of the experts on the rows the routing
+    sends it)."""
     if recipe.fsdp != "none":
         return num_gpus // recipe.dp_replicate_size
-    return recipe.tp_size
+    return max(recipe.tp_size, recipe.ep_size)
 
 
 def compile_context(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ...]:
@@ -105,7 +109,8 @@ def compile_context(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ..
 def one_device(recipe: ResolvedRecipe) -> ResolvedRecipe:
     """`recipe` as one device runs its computation: without FSDP, whose trace is one rank's. The op costs
     of the time model are one device's; the sharded step's collectives are `estimate.time.collectives`'. Tensor
-    parallel stays: a device of it computes its shards of each product, and its collectives are among its ops."""
+    parallel stays: a device of it computes its shards of each product, and its collectives are among its ops. So does
+    expert parallel: a device runs its share of the experts on the rows the all-to-all brings it (`traced_world`)."""
     return recipe if recipe.fsdp == "none" else recipe.replace(fsdp="none", offload="none")
 
 

@@ -1,0 +1,173 @@
+"""The checks of the parallel layouts that split one step over several GPUs beyond data parallel: tensor parallel
+(`tp_size`), expert parallel (`ep_size`) and HSDP's replicas (`dp_replicate_size`), each against itself
+(`check_fields` runs the first three), the model (`check_model`) and the GPUs it runs on (`estimate()`).
+
+Tensor and expert parallel are both transformers' own: `from_pretrained(..., distributed_config=DistributedConfig(...))`
+splits the model at load time (trace/step/tensor_parallel.py), so they share what is not traced with it
+(`SPLIT_NOT_MODELLED`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from anatomist.axes.optimizers import optimizer, runs_with
+from anatomist.axes.shardings import EP_ROUTINGS
+from anatomist.errors import InputError
+
+if TYPE_CHECKING:
+    from anatomist.recipe.fields import RecipeFields
+    from anatomist.workload import Workload
+
+
+SPLIT_NOT_MODELLED: tuple[tuple[str, object, str], ...] = (
+    ("zero_stage", 0, "DeepSpeed ZeRO (its AutoTP is DeepSpeed's own tensor parallel; --fsdp full_shard is modelled)"),
+    ("peft", "none", "LoRA/QLoRA (PEFT's adapters would add full-width outputs to the shards transformers' tp_plan "
+                     "leaves)"),
+    ("fp8", "none", "FP8"),
+    ("torch_compile", False, "torch.compile"),
+    ("use_liger_kernel", False, "Liger Kernel"),
+    ("cut_cross_entropy", False, "Cut Cross-Entropy"),
+    ("offload", "none", "offload"),
+    ("checkpoint_offload", False, "checkpoint_offload"),
+    ("activation_offloading", False, "activation_offloading"),
+)
+"""What a model transformers splits (tensor or expert parallel) is not traced with (field, its value when off, how a
+user names it): the first on is said."""
+
+
+def check_tensor_parallel(r: RecipeFields) -> None:
+    """A tensor parallel degree of 1 or more, with the methods it is traced with (SPLIT_NOT_MODELLED: not these), under
+    transformers' Trainer, with FSDP's full_shard where it shards (as transformers shards a split model)."""
+    _check_split(r, "tp_size", r.tp_size)
+
+
+def check_expert_parallel(r: RecipeFields) -> None:
+    """An expert parallel degree of 1 or more, traced as transformers runs it in training (`ep_dispatch_experts` with
+    its all-to-all, the experts sharded by FSDP over the ranks that hold the same ones): with what tensor parallel is
+    traced with, transformers' grouped_mm experts, and neither tensor parallel nor HSDP beside it (not modelled yet)."""
+    if r.ep_routing not in EP_ROUTINGS:
+        raise InputError(f"unknown ep_routing {r.ep_routing!r}; known: {', '.join(EP_ROUTINGS)}")
+    _check_split(r, "ep_size", r.ep_size)
+    if r.ep_size == 1:
+        if r.ep_routing != "balanced":
+            raise InputError(f"ep_routing={r.ep_routing} without expert parallel: where each GPU holds every expert "
+                             "the routing changes no memory (grouped_mm runs every routed row); add --ep-size")
+        return
+    for size, value in (("tp_size", r.tp_size), ("dp_replicate_size", r.dp_replicate_size)):
+        if value > 1:
+            raise InputError(f"ep_size={r.ep_size} with {size}={value} is not modelled yet: drop one of them")
+    if r.experts_implementation != "grouped_mm":
+        raise InputError(f"ep_size={r.ep_size} with experts_implementation={r.experts_implementation} is not modelled: "
+                         "expert parallel is traced with transformers' grouped_mm experts (its default)")
+
+
+def _check_split(r: RecipeFields, field: str, size: int) -> None:
+    """A degree `size` (`field`) of a split transformers makes at load time: 1 or more, and above 1 with the methods
+    it is traced with, under transformers' Trainer, with FSDP's full_shard where it shards (as transformers shards a
+    split model)."""
+    what = f"{field}={size}"
+    if size < 1:
+        raise InputError(f"{field} must be at least 1, got {size}")
+    if size == 1:
+        return
+    for name, off, said in SPLIT_NOT_MODELLED:
+        if getattr(r, name) != off:
+            raise InputError(f"{what} with {said} is not modelled yet: drop one of them")
+    if optimizer(r.optim).quantized_state is not None or not runs_with(r.optim, "full_shard"):
+        raise InputError(f"{what} with optim={r.optim} is not modelled: its state is not DTensors beside "
+                         "the split weights' DTensor gradients (a low-bit state, or plain tensors PyTorch refuses to "
+                         "mix with them): choose adamw_torch_fused, adamw_torch or sgd")
+    if r.trainer != "trainer":
+        raise InputError(f"{what} with TRL's {r.trainer.upper()}Trainer is not modelled yet (its fused LM "
+                         "head on the split model): use --trainer trainer")
+    if r.fsdp == "shard_grad_op":
+        raise InputError(f"{what} with fsdp=shard_grad_op: transformers' FSDP of a split model reshards every block "
+                         "after its forward (full_shard)")
+
+
+def check_hybrid_shard(r: RecipeFields) -> None:
+    """HSDP: FSDP's shards replicated `dp_replicate_size` times (1: plain FSDP); where it needs FSDP is said at the
+    GPU count (`check_hybrid_shard_gpus`), as a file may set the replicas before its FSDP section."""
+    if r.dp_replicate_size < 1:
+        raise InputError(f"dp_replicate_size must be at least 1, got {r.dp_replicate_size}")
+    if r.dp_replicate_size > 1 and r.tp_size > 1:
+        raise InputError(f"dp_replicate_size={r.dp_replicate_size} with tp_size={r.tp_size} is not modelled yet: drop "
+                         "one of them")
+
+
+def check_hybrid_shard_gpus(r: RecipeFields, num_gpus: int) -> None:
+    """HSDP's replicas replicate FSDP's shard groups, which they divide the GPUs into, of two or more GPUs."""
+    if r.dp_replicate_size > 1 and r.fsdp == "none":
+        raise InputError(f"dp_replicate_size={r.dp_replicate_size} replicates FSDP's shards (HSDP): add --fsdp full_shard "
+                         "or shard_grad_op")
+    if r.dp_replicate_size > 1 and (num_gpus % r.dp_replicate_size or num_gpus // r.dp_replicate_size < 2):
+        raise InputError(f"dp_replicate_size={r.dp_replicate_size} on {num_gpus} GPU(s): the replicas must divide the "
+                         "GPUs into shard groups of 2 or more (with one GPU to a group it is DDP: drop --fsdp)")
+
+
+def check_tensor_parallel_gpus(r: RecipeFields, num_gpus: int, nodes: int = 1) -> None:
+    """The GPUs a tensor parallel recipe runs on, `num_gpus` over `nodes` machines (a whole number each,
+    `network.check_cluster`): a multiple of tp_size, either tp_size itself or FSDP over the groups (accelerate's
+    ParallelismConfig refuses tensor parallel with plain replication: dp_replicate without dp_shard), and a group
+    within one node (its collectives are priced at the node's own bandwidth)."""
+    if r.tp_size == 1:
+        return
+    if r.tp_size > num_gpus // nodes:
+        raise InputError(f"tp_size={r.tp_size} is more than a node's {num_gpus // nodes} GPU(s): tensor "
+                         "parallel across nodes is not modelled (its all-reduces would cross the network)")
+    if num_gpus % r.tp_size:
+        raise InputError(f"tp_size={r.tp_size} does not divide the {num_gpus} GPUs: the GPUs are tp_size x the "
+                         "FSDP ranks")
+    if num_gpus > r.tp_size and r.fsdp == "none":
+        raise InputError(f"tp_size={r.tp_size} on {num_gpus} GPUs is modelled with FSDP over the {num_gpus // r.tp_size} "
+                         "groups (DistributedConfig's fsdp_size; accelerate refuses tensor parallel with plain "
+                         f"replication): add --fsdp full_shard, or --gpus {r.tp_size}")
+
+
+
+def check_tensor_parallel_model(tp_size: int, workload: Workload) -> None:
+    """A model transformers can split `tp_size` ways: one with a tp_plan, whose attention heads (and key/value heads)
+    divide by it, and not a Mixture of Experts (its experts are expert parallel's, not modelled yet)."""
+    config = workload.config.get_text_config()
+    if not getattr(config, "base_model_tp_plan", None):
+        raise InputError(f"{workload.name}: its config has no tensor parallel plan (base_model_tp_plan), so "
+                         "transformers cannot split it: use --fsdp instead of --tp-size")
+    if workload.is_moe:
+        raise InputError(f"{workload.name}: tensor parallel of a Mixture of Experts (its experts split by expert "
+                         "parallel) is not modelled yet")
+    for name, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "key/value heads")):
+        heads = getattr(config, name, None)
+        if isinstance(heads, int) and heads % tp_size:
+            raise InputError(f"{workload.name}: tp_size={tp_size} does not divide its {heads} {what}: each GPU "
+                             "computes whole heads")
+
+
+def check_expert_parallel_gpus(r: RecipeFields, num_gpus: int) -> None:
+    """The GPUs an expert parallel recipe runs on: transformers' DistributedConfig lays the experts over
+    `ep_size` x the ranks that hold the same ones (`efsdp_size` = fsdp_size / ep_size), so FSDP over every GPU, and
+    `ep_size` dividing them. A group may span nodes: its all-to-all is priced through the network where it does."""
+    if r.ep_size == 1:
+        return
+    if r.fsdp == "none":
+        raise InputError(f"ep_size={r.ep_size} is modelled with FSDP over the GPUs (DistributedConfig's fsdp_size, over "
+                         "which transformers lays the experts' groups): add --fsdp full_shard")
+    if num_gpus % r.ep_size:
+        raise InputError(f"ep_size={r.ep_size} does not divide the {num_gpus} GPUs: each GPU holds 1/ep_size of the "
+                         "experts, the GPUs holding the same experts shard them")
+
+
+def check_expert_parallel_model(ep_size: int, workload: Workload) -> None:
+    """A Mixture of Experts transformers can split `ep_size` ways: one with an expert parallel plan
+    (`base_model_ep_plan`) whose routed experts divide by it."""
+    if not workload.is_moe:
+        raise InputError(f"{workload.name}: ep_size={ep_size} is expert parallel, for a Mixture of Experts; this "
+                         "model has no experts to split (drop --ep-size, or use --fsdp / --tp-size)")
+    config = workload.config.get_text_config()
+    if not getattr(config, "base_model_ep_plan", None):
+        raise InputError(f"{workload.name}: its config has no expert parallel plan (base_model_ep_plan), so "
+                         "transformers cannot split its experts: drop --ep-size")
+    experts = workload.facts.experts
+    if experts is not None and experts[1] % ep_size:
+        raise InputError(f"{workload.name}: ep_size={ep_size} does not divide its {experts[1]} routed experts: each "
+                         "GPU holds an equal share of them")
