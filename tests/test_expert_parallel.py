@@ -122,3 +122,57 @@ def test_a_dense_model_has_no_experts_to_split(cli, tiny_model):
                  "--ep-size", "2")
     assert result.returncode == 2
     assert "ep_size=2 is expert parallel, for a Mixture of Experts; this model has no experts" in result.stderr
+
+
+@pytest.mark.slow  # ~60 s on 2 cores: a plan over a Mixture of Experts, its expert parallel ranks traced
+def test_the_plan_spreads_the_experts_where_nothing_fits_without_it(tmp_path):
+    """On 4 GPUs whose memory lies between what expert parallel over transformers' FSDP needs (it trains the bfloat16
+    model in bfloat16) and what accelerate's FSDP over 4 needs (it upcasts it to fp32 masters), the plan spreads the
+    experts of the recipes that do not fit, picks one, names it in its sharding line and writes it as transformers
+    loads it."""
+    from dataclasses import replace
+
+    from anatomist.plan import SearchSpace, plan
+    from anatomist.plan.emit import trainer_snippet
+
+    wide = {**MOE, "hidden_size": 256, "moe_intermediate_size": 512, "num_hidden_layers": 4, "dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(wide))
+    workload = load_workload(str(tmp_path), seq_len=SEQ)
+    space = {"global_batch_size": 8, "num_gpus": 4, "optims": ("adamw_torch",), "compile_options": (False,),
+             "liger_options": (False,), "shardings": ("fsdp_full_shard",), "offload_checkpoints": False,
+             "partial_checkpointing": (), "precisions": ("bf16-weights",)}
+    unsplit = plan(workload, GPU, space=SearchSpace(**space, tensor_parallel=False), margin=0.0, objective="memory")
+    smallest = min(c.device_total_high for c in unsplit.candidates)
+    small_gpu = replace(GPU, memory_bytes=smallest - 2**20)
+    result = plan(workload, small_gpu, space=SearchSpace(**space), margin=0.0)
+    assert result.best.recipe.ep_size > 1 and result.best.fits
+    sharding = next(line for line in result.best.reasons if line.startswith("sharding"))
+    assert sharding.startswith(f"sharding fsdp_full_shard+ep{result.best.recipe.ep_size}")
+    assert any(note.startswith("expert parallel: tried over 2, 4 GPUs") for note in result.notes)
+    snippet = trainer_snippet(result.best.recipe, 4, model="Qwen/Qwen3-30B-A3B", task="causal-lm")
+    assert f"ep_size={result.best.recipe.ep_size}" in snippet and "distributed_config=distributed_config" in snippet
+
+
+def test_an_expert_parallel_recipe_is_written_as_transformers_loads_it(tmp_path):
+    """The Trainer's files: its arguments without accelerate's FSDP (transformers shards the model as it loads), the
+    snippet's DistributedConfig rebuilt as transformers reads it; the files that cannot say it refuse in one line."""
+    import ast
+
+    from transformers import DistributedConfig, TrainingArguments
+
+    from anatomist.errors import InputError
+    from anatomist.plan.emit import render, write
+
+    recipe = Recipe(per_device_train_batch_size=1, bf16=True, fsdp="full_shard", ep_size=4)
+    args, snippet, *_ = write(recipe, "trainer", tmp_path / "args.json", 8, model="Qwen/Qwen3-30B-A3B",
+                              task="causal-lm")
+    kwargs = json.loads(args.read_text())
+    assert "fsdp" not in kwargs and "fsdp_config" not in kwargs
+    TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", **kwargs)
+    calls = [node for node in ast.walk(ast.parse(snippet.read_text()))
+             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "DistributedConfig"]
+    config = DistributedConfig(**{k.arg: ast.literal_eval(k.value) for k in calls[0].keywords})
+    assert (config.ep_size, config.fsdp_size, config.efsdp_size) == (4, 8, 2)
+    for target in ("accelerate", "deepspeed", "trl"):
+        with pytest.raises(InputError, match="expert parallel is set where transformers loads the model"):
+            render(recipe, target, 8)

@@ -73,8 +73,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="do not consider Liger Kernel (searched by default for the causal LMs whose kernels "
                              "anatomist traces)")
     search.add_argument("--no-tensor-parallel", action="store_true",
-                        help="do not try tensor parallel (tried on more GPUs than one where the recipes without it "
-                             "do not fit, for models with a tp_plan; only --emit trainer writes it)")
+                        help="do not try tensor parallel or expert parallel (tried on more GPUs than one where the "
+                             "recipes without them do not fit, for models with a tp_plan, and for a Mixture of "
+                             "Experts with an ep_plan; only --emit trainer writes them)")
     llm = p.add_argument_group("the trainer (kept as given, not searched)")
     llm.add_argument("--trainer", choices=TRAINERS, default=None,
                      help="transformers' Trainer (default), TRL's SFTTrainer (sft) or DPOTrainer (dpo)")
@@ -177,9 +178,9 @@ def _search(request: PlanRequest, *, one_size: bool = False) -> tuple[Any, Any, 
                          f"yet (tp_size={fixed['tp_size']}); it tries tensor parallel itself where nothing fits without "
                          "it: drop the size from the file, or estimate it with `anatomist estimate --recipe`")
     if fixed.get("ep_size", 1) > 1:
-        raise InputError(f"{source.path if source else 'the recipe'}: plan does not search expert parallel yet "
-                         f"(ep_size={fixed['ep_size']}): estimate it with `anatomist estimate --recipe`, or drop the "
-                         "size from the file")
+        raise InputError(f"{source.path if source else 'the recipe'}: plan does not hold an expert parallel size "
+                         f"fixed (ep_size={fixed['ep_size']}); it tries expert parallel itself where it could help: "
+                         "drop the size from the file, or estimate it with `anatomist estimate --recipe`")
     check_cce_gpu(bool(fixed.get("cut_cross_entropy")), gpu)
     methods = ("full", *dict.fromkeys(added))
     if source and {"peft", "load_in_4bit", "load_in_8bit"} & set(fixed):

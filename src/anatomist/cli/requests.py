@@ -135,8 +135,8 @@ class PlanRequest:
     no_compile: bool = False
     no_liger_kernel: bool = False
     no_tensor_parallel: bool = False
-    """Do not try tensor parallel (`SearchSpace.tensor_parallel`): --no-tensor-parallel, or an --emit target other
-    than trainer, whose files cannot say it (transformers sets it at load time)."""
+    """Do not try tensor or expert parallel (`SearchSpace.tensor_parallel`): --no-tensor-parallel, or an --emit target
+    other than trainer, whose files cannot say them (transformers sets them at load time)."""
     peft: tuple[str, ...] = ()
     """Methods searched beside full fine-tuning: lora and/or qlora."""
     lora: dict[str, Any] = field(default_factory=dict)

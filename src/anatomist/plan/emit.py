@@ -104,7 +104,7 @@ def trainer_snippet(recipe: Recipe, num_gpus: int = 1, *, model: str = "MODEL",
     auto = AUTO_CLASSES[task]
     bnb, lora = bnb_config(recipe), lora_config(recipe, task)
     imports = ([auto, "TrainingArguments"] + (["BitsAndBytesConfig"] if bnb else [])
-               + (["DistributedConfig"] if recipe.tp_size > 1 else []))
+               + (["DistributedConfig"] if recipe.split_by_transformers else []))
     lines = []
     if lora:
         helpers = ["LoraConfig", "get_peft_model"] + (["prepare_model_for_kbit_training"] if bnb else [])
@@ -121,7 +121,7 @@ def trainer_snippet(recipe: Recipe, num_gpus: int = 1, *, model: str = "MODEL",
     if bnb:
         lines.append(f"quantization_config = BitsAndBytesConfig({_call_args(bnb)})")
         load += ", quantization_config=quantization_config"
-    if recipe.tp_size > 1:  # split (and under FSDP sharded) by transformers as it loads: the Trainer keeps it so
+    if recipe.split_by_transformers:  # split (and under FSDP sharded) by transformers as it loads: the Trainer keeps it so
         lines.append(f"distributed_config = DistributedConfig({_call_args(distributed_config_kwargs(recipe, num_gpus))})")
         load += ", distributed_config=distributed_config"
     lines.append(f"model = {auto}.from_pretrained({model!r}, {load})")
@@ -213,10 +213,11 @@ def launch_warnings(recipe: Recipe, target: str) -> list[str]:
     if recipe.trainer == "trainer" and target == "trl":
         warnings.append("--emit trl writes the YAML `trl sft` runs: TRL's SFTTrainer, whose fused LM head never holds "
                         "the logits, where this recipe is transformers' Trainer; plan with --trainer sft for its figures")
-    if recipe.tp_size > 1:
-        warnings.append(f"tensor parallel {recipe.tp_size}" + (" and the FSDP over its groups" if recipe.fsdp != "none"
-                        else "") + " are set as the model loads: the .py's from_pretrained(distributed_config=...), "
-                        "launched with torchrun on every GPU; TrainingArguments alone would train without them")
+    if recipe.split_by_transformers:
+        split = (f"tensor parallel {recipe.tp_size}" if recipe.tp_size > 1 else f"expert parallel {recipe.ep_size}")
+        warnings.append(split + (" and the FSDP over its groups" if recipe.fsdp != "none" else "") + " are set as the "
+                        "model loads: the .py's from_pretrained(distributed_config=...), launched with torchrun on "
+                        "every GPU; TrainingArguments alone would train without them")
     if recipe.dp_replicate_size > 1 and target in ("trainer", "trl"):
         warnings.append(f"HSDP ({recipe.dp_replicate_size} replicas of FSDP's shard groups) is accelerate's "
                         "ParallelismConfig, an object no JSON or YAML field builds: launch with the accelerate config "
@@ -349,8 +350,9 @@ def render(recipe: Recipe, target: str, num_gpus: int = 1, *, model: str = "MODE
            nodes: int = 1, prompt_len: int = 0, deepspeed: str = "ds_config.json", name: str = "FILE") -> str:
     """The text of `target` for `recipe`; `deepspeed`: the ds_config a ZeRO recipe's trainer or TRL file names,
     `name`: the TRL file's own name, for the command atop it; `prompt_len`: DPO's prompt tokens, said there."""
-    if recipe.tp_size > 1 and target != "trainer":
-        raise InputError(f"--emit {target}: tensor parallel is set where transformers loads the model "
+    if recipe.split_by_transformers and target != "trainer":
+        split = "tensor parallel" if recipe.tp_size > 1 else "expert parallel"
+        raise InputError(f"--emit {target}: {split} is set where transformers loads the model "
                          "(from_pretrained(distributed_config=...)), which only --emit trainer writes")
     if target == "trl":
         config = trl_config(recipe, model=model, seq_len=seq_len, deepspeed=deepspeed)

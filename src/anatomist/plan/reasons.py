@@ -23,6 +23,7 @@ from anatomist.plan.space import (
     PEFT_TRADE_OFF,
     SearchSpace,
     checkpointing_alternatives,
+    expert_parallel_sizes,
     method_of,
     searched_precisions,
     tensor_parallel_fsdp,
@@ -81,10 +82,13 @@ def _with_batch(name: str, alternative: ResolvedRecipe, recipe: ResolvedRecipe) 
 
 def _sharding_alternatives(r: ResolvedRecipe, space: SearchSpace, workload: Workload) -> list[tuple[str, ResolvedRecipe]]:
     """The other shardings; for a tensor parallel pick also the other group sizes, each at the same global batch
-    (`_group_batch`)."""
+    (`_group_batch`); for an expert parallel one the other degrees."""
     alts = [(_with_batch(name, v, r), v) for spec in space.sharding_options(method_of(r))
             if spec.name != sharding_of(r, space.num_gpus) and runs_with(r.optim, spec.fsdp)
             for name, v in _if_valid(spec.name, r, **{**UNSHARDED, **spec.fields, **_group_batch(r, space, 1)})]
+    if r.ep_size > 1:
+        alts += [(sharding_of(v, space.num_gpus), v) for size in expert_parallel_sizes(space, workload)
+                 if size != r.ep_size for v in valid(r, ep_size=size)]
     if r.tp_size == 1:
         return alts
     for size in tensor_parallel_sizes(space, workload):

@@ -39,6 +39,7 @@ from anatomist.plan.space import (
     SearchSpace,
     can_offload_activations,
     enumerate_recipes,
+    expert_parallel_sizes,
     partial_variants,
     tensor_parallel_fsdp,
     tensor_parallel_sizes,
@@ -164,17 +165,49 @@ def tensor_parallel_variants(recipes: list[ResolvedRecipe], best: Candidate | No
     return list(dict.fromkeys(variants))
 
 
+def expert_parallel_variants(recipes: list[ResolvedRecipe], best: Candidate | None, evaluate: Evaluator,
+                             objective: Objective, space: SearchSpace) -> list[ResolvedRecipe]:
+    """For a Mixture of Experts on several GPUs: the FSDP full_shard recipes with their experts spread over 2, 4 ...
+    GPUs (`expert_parallel_sizes`), each GPU its own batch, where it could help: a recipe that does not fit (no
+    expert is then gathered whole), or one whose exposed communication, all of it removed, would beat `best` (what
+    expert parallel can save is FSDP's traffic of the experts; its all-to-alls are added, never hidden). Judged at
+    balanced routing, as every estimate's figure is."""
+    sizes = expert_parallel_sizes(space, evaluate.workload)
+    if not sizes:
+        return []
+
+    def worth_splitting(r: ResolvedRecipe) -> bool:
+        if objective == "memory" or best is None or not evaluate(r).fits:
+            return True
+        time = evaluate.time(r)
+        bound = time.samples_per_second * time.step_s / (time.step_s - time.phases_s.get("communication", 0.0))
+        return bound > best.samples_per_second * (1 + SPEED_TIE)
+
+    variants = []
+    for r in recipes:
+        if r.fsdp == "full_shard" and not r.split_by_transformers and r.dp_replicate_size == 1 and worth_splitting(r):
+            variants += [v.resolved(evaluate.workload) for size in sizes for v in valid(r, ep_size=size)]
+    return list(dict.fromkeys(variants))
+
+
 def _with_variants(recipes: list[ResolvedRecipe], candidates: list[Candidate], evaluate: Evaluator,
                    objective: Objective, space: SearchSpace, error: float, limit: int) -> list[Candidate]:
     """`candidates` and the variants the search adds after them, each kind against the best that fits so far:
-    checkpointing where it can pay (`checkpointing_variants`), then tensor parallel (`tensor_parallel_variants`)."""
-    for variants_of in (checkpointing_variants, tensor_parallel_variants):
+    checkpointing where it can pay (`checkpointing_variants`), then tensor parallel (`tensor_parallel_variants`), then
+    expert parallel (`expert_parallel_variants`), then the split recipes' own checkpointing (one that fits
+    checkpointing every layer may fit checkpointing fewer, which the first pass, over the recipes before the split,
+    could not find)."""
+    split: list[ResolvedRecipe] = []
+    stages = ((checkpointing_variants, recipes), (tensor_parallel_variants, recipes), (expert_parallel_variants, recipes),
+              (checkpointing_variants, split))
+    for variants_of, searched in stages:
         feasible = [c for c in candidates if c.fits]
         best = choose(feasible, objective, speed_error=error, limit=limit) if feasible else None
-        variants = variants_of(recipes, best, evaluate, objective, space)
+        variants = variants_of(searched, best, evaluate, objective, space) if searched else []
         if variants:
             _trace_ahead(evaluate, variants)
             candidates = candidates + [evaluate(r) for r in variants]
+            split += [r for r in variants if r.split_by_transformers]
     return candidates
 
 
@@ -187,6 +220,18 @@ def _tensor_parallel_note(space: SearchSpace, workload: Workload, candidates: li
     tried = f"{split} split recipe(s) predicted" if split else "none split: every recipe fitted or could not win"
     return [f"tensor parallel: tried in groups of {', '.join(map(str, sizes))} on the recipes that do not fit and could "
             f"win ({tried}); --no-tensor-parallel leaves it out"]
+
+
+def _expert_parallel_note(space: SearchSpace, workload: Workload, candidates: list[Candidate]) -> list[str]:
+    """Whether expert parallel was tried (`expert_parallel_variants`), in which degrees, on how many recipes."""
+    sizes = expert_parallel_sizes(space, workload)
+    if not sizes:
+        return []
+    split = sum(c.recipe.ep_size > 1 for c in candidates)
+    tried = f"{split} recipe(s) predicted" if split else "none: every FSDP recipe fitted and could not win"
+    return [f"expert parallel: tried over {', '.join(map(str, sizes))} GPUs on the FSDP recipes that do not fit or "
+            f"could win ({tried}), judged at balanced routing (`anatomist estimate --ep-size E` gives the skewed end); "
+            "--no-tensor-parallel leaves it out"]
 
 
 def _searched(workload: Workload, gpu: GPU, space: SearchSpace | None, objective: Objective,
@@ -266,7 +311,7 @@ def plan(
         notes.append(describe_network(space.num_gpus, space.nodes, space.network, gpu))
     if space.shardings is not None:
         notes.append("shardings searched (--shardings): " + ", ".join(spec.name for spec in space.sharding_options()))
-    notes += _tensor_parallel_note(space, workload, candidates)
+    notes += _tensor_parallel_note(space, workload, candidates) + _expert_parallel_note(space, workload, candidates)
     if space.fixed:
         notes.append("held fixed by --recipe: " + ", ".join(f"{k}={v}" for k, v in space.fixed.items()))
     notes.append(f"{best.time.calibration}; {UNFITTED_TERMS}" if adds_device_terms(best.recipe, space.num_gpus)

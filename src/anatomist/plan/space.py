@@ -25,7 +25,7 @@ from anatomist.axes.shardings import SHARDING_NAMES, ShardingSpec, shardings_for
 from anatomist.errors import InputError
 from anatomist.hardware import GPU
 from anatomist.recipe import Recipe
-from anatomist.recipe.parallel_checks import check_tensor_parallel_model
+from anatomist.recipe.parallel_checks import check_expert_parallel_model, check_tensor_parallel_model
 from anatomist.workload import Workload
 
 UNBOUNDED_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -78,7 +78,8 @@ class SearchSpace:
     tensor_parallel: bool = True
     """On more than one GPU, try tensor parallel (transformers' tp_plan, under FSDP where there are more GPUs than a
     group) where the recipes without it do not fit (`search.tensor_parallel_variants`), in groups of 2, 4 ... a node's
-    GPUs (`tensor_parallel_sizes`)."""
+    GPUs (`tensor_parallel_sizes`); and, for a Mixture of Experts, expert parallel (`search.expert_parallel_variants`,
+    `expert_parallel_sizes`)."""
     shardings: tuple[str, ...] | None = None
     """Names from `axes.shardings.SHARDING_NAMES` (`plan --shardings`); None: all. Searched on `num_gpus` devices: those
     of them that run there (`shardings_for`)."""
@@ -264,6 +265,26 @@ def tensor_parallel_sizes(space: SearchSpace, workload: Workload) -> list[int]:
                 check_tensor_parallel_model(size, workload)
             except InputError:
                 break  # a larger size divides the heads no better
+            sizes.append(size)
+        size *= 2
+    return sizes
+
+
+def expert_parallel_sizes(space: SearchSpace, workload: Workload) -> list[int]:
+    """The expert parallel degrees the search tries on `space`'s GPUs (`SearchSpace.tensor_parallel`: both are set
+    where transformers loads the model, which only `--emit trainer` writes): powers of two from 2 up to the GPUs that
+    divide them and the model's routed experts (`parallel_checks.check_expert_parallel_model`: a Mixture of Experts
+    with an ep_plan)."""
+    if not space.tensor_parallel or space.num_gpus == 1 or "ep_size" in space.fixed or not workload.is_moe:
+        return []
+    sizes = []
+    size = 2
+    while size <= space.num_gpus:
+        if space.num_gpus % size == 0:
+            try:
+                check_expert_parallel_model(size, workload)
+            except InputError:
+                break  # a larger size divides the experts no better
             sizes.append(size)
         size *= 2
     return sizes

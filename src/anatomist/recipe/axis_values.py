@@ -57,9 +57,11 @@ def matmul_precision(recipe: RecipeFields, gpu: GPU) -> Precision:
 def sharding_of(recipe: RecipeFields, num_gpus: int) -> str:
     """The name of `recipe`'s sharding on `num_gpus` devices: a name of `axes.shardings.SHARDING_NAMES`, or with tensor
     parallel (which the plan tries only where nothing fits without it) `tp{N}`, after FSDP's name and a "+" where FSDP
-    shards too."""
+    shards too; with expert parallel `ep{N}` after FSDP's name and a "+"."""
     if recipe.tp_size > 1:
         return (f"fsdp_{recipe.fsdp}+" if recipe.fsdp != "none" else "") + f"tp{recipe.tp_size}"
+    if recipe.ep_size > 1:
+        return f"fsdp_{recipe.fsdp}+ep{recipe.ep_size}"
     if recipe.fsdp == "full_shard" and recipe.dp_replicate_size > 1:
         return "hsdp"
     if recipe.fsdp != "none":

@@ -158,8 +158,8 @@ def _search() -> list[Field]:
                help="Do not consider Liger Kernel (searched by default for the causal LMs whose kernels anatomist "
                     "traces)."),
         _field("no_tensor_parallel", "--no-tensor-parallel", "flag", SEARCH, views=PLAN,
-               help="Do not try tensor parallel (tried on more GPUs than one where the recipes without it do not "
-                    "fit; only the Trainer's files can say it)."),
+               help="Do not try tensor or expert parallel (tried on more GPUs than one where the recipes without "
+                    "them do not fit; only the Trainer's files can say them)."),
         _field("precompute_ref_log_probs", "--precompute-ref-log-probs", "flag", TRAINER, views=PLAN,
                help="DPO: reference log-probabilities computed before training (no reference model held)."),
         _field("padding_free", "--padding-free", "flag", TRAINER, views=PLAN,

@@ -30,7 +30,7 @@ FIELD_LABELS = {
     "shardings": "Sharding options",
     "no_compile": "Leave out torch.compile",
     "no_liger_kernel": "Leave out Liger Kernel",
-    "no_tensor_parallel": "Leave out tensor parallel",
+    "no_tensor_parallel": "Leave out tensor and expert parallel",
     "per_device_train_batch_size": "Batch per GPU",
     "gradient_accumulation_steps": "Gradient accumulation steps",
     "gradient_checkpointing": "Gradient checkpointing",
