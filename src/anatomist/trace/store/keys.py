@@ -152,7 +152,7 @@ TRACE_SOURCES: tuple[str, ...] = (
     "model_facts.py", "op_classes.py", "deepspeed_bounds.py", "token_stats.py", "trainer_defaults.py", "user_cache.py",
     "workload.py", "workload_loader.py",
     "recipe/__init__.py", "recipe/axis_values.py", "recipe/checks.py", "recipe/fields.py", "recipe/kinds.py",
-    "recipe/presets.py", "recipe/recipe.py", "recipe/spellings.py",
+    "recipe/parallel_checks.py", "recipe/presets.py", "recipe/recipe.py", "recipe/spellings.py",
     "axes/__init__.py", "axes/kernels.py", "axes/liger.py", "axes/methods.py", "axes/optimizers.py",
     "axes/precisions.py", "axes/quantization.py", "axes/shardings.py",
     "trace/__init__.py",
