@@ -190,8 +190,14 @@ def explain(best: Candidate, evaluate: Evaluator, space: SearchSpace, objective:
 
 def _passed_over(best: Candidate, name: str, faster: Candidate, speed_error: float, limit: int) -> str:
     """Why `choose` kept `best` over `faster`, an alternative predicted faster within `speed_error`: more headroom at
-    the top of its memory interval (by at least HEADROOM_STEP of `limit`), else simplicity."""
+    the top of its memory interval (by at least HEADROOM_STEP of `limit`), else simplicity. Beyond the error `choose`
+    would have taken it, so it was no candidate: the alternatives of an axis are made from the pick, and can be
+    combinations the search did not enumerate; said as such."""
     behind = 1 - best.samples_per_second / faster.samples_per_second  # as `choose` measures the tie
+    if behind > max(speed_error, SPEED_TIE):  # `choose` would have taken it: an alternative the search did not try
+        return (f"{name} is predicted {behind:.0%} faster than the pick ({faster.samples_per_second:.1f} samples/s), "
+                "beyond the time error, and fits: a combination the search did not try (plan with it fixed, or "
+                "estimate it)")
     said = f"the pick is {behind:.0%} slower predicted than {name}, inside the +-{speed_error:.0%} time error"
     roomier = faster.device_total_high - best.device_total_high
     if roomier >= HEADROOM_STEP * limit:
