@@ -42,7 +42,7 @@ def training_arguments_kwargs(recipe: RecipeFields) -> dict[str, Any]:
         kwargs["gradient_checkpointing_kwargs"] = checkpointing
     if recipe.tf32:
         kwargs["tf32"] = True
-    if recipe.fsdp != "none" and recipe.tp_size == recipe.ep_size == 1:  # else transformers' own FSDP at load time
+    if recipe.fsdp != "none" and not recipe.split_by_transformers:  # else transformers' own FSDP at load time
         kwargs |= trainer_fsdp_arguments(recipe.fsdp, offload=recipe.offload == "cpu", adapters=recipe.peft != "none")
     if recipe.use_liger_kernel:
         kwargs["use_liger_kernel"] = True

@@ -118,7 +118,7 @@ def collectives(
     sharded = recipe.zero_stage > 0 or recipe.fsdp != "none"
     half = recipe.peft == "none" and (recipe.half_weights or (recipe.mixed_precision != "no" and sharded))
     element = 2 if half else 4
-    if recipe.tp_size > 1 or recipe.ep_size > 1:  # transformers' FSDP: in float32 under its bf16 policy
+    if recipe.split_by_transformers:  # transformers' FSDP: in float32 under its bf16 policy
         element = 4 if recipe.bf16 or not recipe.half_weights else 2  # (`fsdp_mixed_precision`), else as loaded
     if recipe.ep_size > 1:
         return _expert_parallel(recipe, size, element, num_gpus, bus, _copies_bus(recipe, num_gpus, nodes, network, gpu))
@@ -154,8 +154,7 @@ def _hybrid(recipe: ResolvedRecipe, size: ModelSize, grad_bytes: float, num_gpus
     shards = num_gpus // replicas
     per_node = num_gpus // nodes
     shard_bus = bus_bytes_per_s(shards, max(1, shards // per_node), network, gpu)
-    replica_bus = (min(intra_node_bytes_per_s(gpu), node_network_bytes_per_s(per_node, network) / per_node)
-                   if nodes > 1 else intra_node_bytes_per_s(gpu))
+    replica_bus = _ring_share(nodes, per_node, per_node, network, gpu)
     ring = (shards - 1) / shards
     reduce = ring * grad_bytes / shard_bus + 2 * (replicas - 1) / replicas * grad_bytes / shards / replica_bus
     units = size.blocks + 1
@@ -222,14 +221,20 @@ def _expert_parallel(recipe: ResolvedRecipe, size: ModelSize, element: int, num_
 
 
 def _copies_bus(recipe: ResolvedRecipe, num_gpus: int, nodes: int, network: str | None, gpu: GPU | None) -> float:
-    """The bandwidth of one ring of the ranks that hold the same experts (ranks r, r + E, r + 2E, ...): the node's bus
-    bandwidth in one node; across nodes, the node's network shared by the rings that cross it at once, one per expert
-    parallel rank of the node (min(E, GPUs per node))."""
+    """The bandwidth of one ring of the ranks that hold the same experts (ranks r, r + E, r + 2E, ...): across nodes
+    the rings that cross a node's network at once are one per expert parallel rank of the node (min(E, GPUs per
+    node)); `_ring_share`."""
+    per_node = num_gpus // nodes
+    return _ring_share(nodes, per_node, min(recipe.ep_size, per_node), network, gpu)
+
+
+def _ring_share(nodes: int, per_node: int, rings: int, network: str | None, gpu: GPU | None) -> float:
+    """The bandwidth of one of `rings` rings that cross each node's network at once (a node of `per_node` GPUs): the
+    node's bus bandwidth in one node, else that network over the rings, at most the bus bandwidth."""
     intra = intra_node_bytes_per_s(gpu)
     if nodes <= 1:
         return intra
-    per_node = num_gpus // nodes
-    return min(intra, node_network_bytes_per_s(per_node, network) / min(recipe.ep_size, per_node))
+    return min(intra, node_network_bytes_per_s(per_node, network) / rings)
 
 
 def expert_parallel_s(ops: StepOps, recipe: ResolvedRecipe, num_gpus: int, nodes: int = DEFAULT_NODES,
