@@ -151,9 +151,7 @@ def tensor_parallel_variants(recipes: list[ResolvedRecipe], best: Candidate | No
     def worth_splitting(r: ResolvedRecipe) -> bool:
         if objective == "memory" or best is None:
             return True
-        time = evaluate.time(r)
-        bound = time.samples_per_second * time.step_s / (time.step_s - time.phases_s.get("communication", 0.0))
-        return (bound > best.samples_per_second * (1 + SPEED_TIE)
+        return (_could_win_without_communication(r, best, evaluate)
                 and not evaluate(r).fits)  # memory last: `fastest_fitting` has not predicted every recipe's
 
     variants = []
@@ -179,15 +177,21 @@ def expert_parallel_variants(recipes: list[ResolvedRecipe], best: Candidate | No
     def worth_splitting(r: ResolvedRecipe) -> bool:
         if objective == "memory" or best is None or not evaluate(r).fits:
             return True
-        time = evaluate.time(r)
-        bound = time.samples_per_second * time.step_s / (time.step_s - time.phases_s.get("communication", 0.0))
-        return bound > best.samples_per_second * (1 + SPEED_TIE)
+        return _could_win_without_communication(r, best, evaluate)
 
     variants = []
     for r in recipes:
         if r.fsdp == "full_shard" and not r.split_by_transformers and r.dp_replicate_size == 1 and worth_splitting(r):
             variants += [v.resolved(evaluate.workload) for size in sizes for v in valid(r, ep_size=size)]
     return list(dict.fromkeys(variants))
+
+
+def _could_win_without_communication(r: ResolvedRecipe, best: Candidate, evaluate: Evaluator) -> bool:
+    """Whether `r`, less the communication its compute does not hide, would beat `best`: the bound on what splitting
+    it (tensor or expert parallel) can gain, whose saving is data parallel traffic."""
+    time = evaluate.time(r)
+    bound = time.samples_per_second * time.step_s / (time.step_s - time.phases_s.get("communication", 0.0))
+    return bound > best.samples_per_second * (1 + SPEED_TIE)
 
 
 def _with_variants(recipes: list[ResolvedRecipe], candidates: list[Candidate], evaluate: Evaluator,

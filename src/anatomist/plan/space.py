@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -257,17 +257,7 @@ def tensor_parallel_sizes(space: SearchSpace, workload: Workload) -> list[int]:
     (`checks.check_tensor_parallel_model`: a tp_plan, its heads divisible, not a Mixture of Experts)."""
     if not space.tensor_parallel or space.num_gpus == 1 or "tp_size" in space.fixed:
         return []
-    sizes = []
-    size = 2
-    while size <= space.num_gpus // space.nodes:
-        if space.num_gpus % size == 0:
-            try:
-                check_tensor_parallel_model(size, workload)
-            except InputError:
-                break  # a larger size divides the heads no better
-            sizes.append(size)
-        size *= 2
-    return sizes
+    return _split_sizes(space.num_gpus, space.num_gpus // space.nodes, lambda size: check_tensor_parallel_model(size, workload))
 
 
 def expert_parallel_sizes(space: SearchSpace, workload: Workload) -> list[int]:
@@ -277,14 +267,20 @@ def expert_parallel_sizes(space: SearchSpace, workload: Workload) -> list[int]:
     with an ep_plan)."""
     if not space.tensor_parallel or space.num_gpus == 1 or "ep_size" in space.fixed or not workload.is_moe:
         return []
+    return _split_sizes(space.num_gpus, space.num_gpus, lambda size: check_expert_parallel_model(size, workload))
+
+
+def _split_sizes(num_gpus: int, most: int, check: Callable[[int], None]) -> list[int]:
+    """Powers of two from 2 up to `most` that divide `num_gpus`, up to the first the model refuses (`check` raises
+    InputError: a larger power divides its heads or experts no better)."""
     sizes = []
     size = 2
-    while size <= space.num_gpus:
-        if space.num_gpus % size == 0:
+    while size <= most:
+        if num_gpus % size == 0:
             try:
-                check_expert_parallel_model(size, workload)
+                check(size)
             except InputError:
-                break  # a larger size divides the experts no better
+                break
             sizes.append(size)
         size *= 2
     return sizes
