@@ -39,11 +39,13 @@ from anatomist.plan.space import (
     SearchSpace,
     can_offload_activations,
     enumerate_recipes,
-    expert_parallel_sizes,
     partial_variants,
-    tensor_parallel_fsdp,
-    tensor_parallel_sizes,
-    valid,
+)
+from anatomist.plan.splits import (
+    expert_parallel_note,
+    expert_parallel_variants,
+    tensor_parallel_note,
+    tensor_parallel_variants,
 )
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.store import pool
@@ -133,67 +135,6 @@ def checkpointing_variants(recipes: list[ResolvedRecipe], best: Candidate | None
     return list(dict.fromkeys(variants))
 
 
-def tensor_parallel_variants(recipes: list[ResolvedRecipe], best: Candidate | None, evaluate: Evaluator,
-                             objective: Objective, space: SearchSpace) -> list[ResolvedRecipe]:
-    """Tensor parallel versions (groups of `tensor_parallel_sizes`) of the searched recipes that do not fit and would beat
-    `best`, or of every one where nothing fits or the objective is memory: the same settings split over groups of T
-    GPUs (transformers' tp_plan; under FSDP's full_shard where the GPUs are more than a group, else alone), each
-    group one batch, so the batch pairs are a group's (`SearchSpace.batch_options`).
-
-    Whether one would beat `best` is asked of the same recipe without tensor parallel, less the collectives its
-    compute does not hide: splitting leaves each GPU 1/T of the products but all of the norms and the loss, and adds
-    its own collectives, for 1/T of the batches; what it can save is data parallel traffic, T times smaller. So it
-    is never predicted faster than that bound, which saves tracing the groups where they cannot win."""
-    sizes = tensor_parallel_sizes(space, evaluate.workload)
-    if not sizes:
-        return []
-
-    def worth_splitting(r: ResolvedRecipe) -> bool:
-        if objective == "memory" or best is None:
-            return True
-        return (_could_win_without_communication(r, best, evaluate)
-                and not evaluate(r).fits)  # memory last: `fastest_fitting` has not predicted every recipe's
-
-    variants = []
-    for size in sizes:
-        for r in recipes:
-            if r.tp_size == 1 and r.fsdp == tensor_parallel_fsdp(space, size) and not r.zero_stage and worth_splitting(r):
-                variants += [v.resolved(evaluate.workload) for b, a in space.batch_options(size) for v in
-                             valid(r, tp_size=size, per_device_train_batch_size=b, gradient_accumulation_steps=a)]
-    return list(dict.fromkeys(variants))
-
-
-def expert_parallel_variants(recipes: list[ResolvedRecipe], best: Candidate | None, evaluate: Evaluator,
-                             objective: Objective, space: SearchSpace) -> list[ResolvedRecipe]:
-    """For a Mixture of Experts on several GPUs: the FSDP full_shard recipes with their experts spread over 2, 4 ...
-    GPUs (`expert_parallel_sizes`), each GPU its own batch, where it could help: a recipe that does not fit (no
-    expert is then gathered whole), or one whose exposed communication, all of it removed, would beat `best` (what
-    expert parallel can save is FSDP's traffic of the experts; its all-to-alls are added, never hidden). Judged at
-    balanced routing, as every estimate's figure is."""
-    sizes = expert_parallel_sizes(space, evaluate.workload)
-    if not sizes:
-        return []
-
-    def worth_splitting(r: ResolvedRecipe) -> bool:
-        if objective == "memory" or best is None or not evaluate(r).fits:
-            return True
-        return _could_win_without_communication(r, best, evaluate)
-
-    variants = []
-    for r in recipes:
-        if r.fsdp == "full_shard" and not r.split_by_transformers and r.dp_replicate_size == 1 and worth_splitting(r):
-            variants += [v.resolved(evaluate.workload) for size in sizes for v in valid(r, ep_size=size)]
-    return list(dict.fromkeys(variants))
-
-
-def _could_win_without_communication(r: ResolvedRecipe, best: Candidate, evaluate: Evaluator) -> bool:
-    """Whether `r`, less the communication its compute does not hide, would beat `best`: the bound on what splitting
-    it (tensor or expert parallel) can gain, whose saving is data parallel traffic."""
-    time = evaluate.time(r)
-    bound = time.samples_per_second * time.step_s / (time.step_s - time.phases_s.get("communication", 0.0))
-    return bound > best.samples_per_second * (1 + SPEED_TIE)
-
-
 def _with_variants(recipes: list[ResolvedRecipe], candidates: list[Candidate], evaluate: Evaluator,
                    objective: Objective, space: SearchSpace, error: float, limit: int) -> list[Candidate]:
     """`candidates` and the variants the search adds after them, each kind against the best that fits so far:
@@ -213,29 +154,6 @@ def _with_variants(recipes: list[ResolvedRecipe], candidates: list[Candidate], e
             candidates = candidates + [evaluate(r) for r in variants]
             split += [r for r in variants if r.split_by_transformers]
     return candidates
-
-
-def _tensor_parallel_note(space: SearchSpace, workload: Workload, candidates: list[Candidate]) -> list[str]:
-    """Whether tensor parallel was tried (`tensor_parallel_variants`), in which group sizes, on how many recipes."""
-    sizes = tensor_parallel_sizes(space, workload)
-    if not sizes:
-        return []
-    split = sum(c.recipe.tp_size > 1 for c in candidates)
-    tried = f"{split} split recipe(s) predicted" if split else "none split: every recipe fitted or could not win"
-    return [f"tensor parallel: tried in groups of {', '.join(map(str, sizes))} on the recipes that do not fit and could "
-            f"win ({tried}); --no-tensor-parallel leaves it out"]
-
-
-def _expert_parallel_note(space: SearchSpace, workload: Workload, candidates: list[Candidate]) -> list[str]:
-    """Whether expert parallel was tried (`expert_parallel_variants`), in which degrees, on how many recipes."""
-    sizes = expert_parallel_sizes(space, workload)
-    if not sizes:
-        return []
-    split = sum(c.recipe.ep_size > 1 for c in candidates)
-    tried = f"{split} recipe(s) predicted" if split else "none: every FSDP recipe fitted and could not win"
-    return [f"expert parallel: tried over {', '.join(map(str, sizes))} GPUs on the FSDP recipes that do not fit or "
-            f"could win ({tried}), judged at balanced routing (`anatomist estimate --ep-size E` gives the skewed end); "
-            "--no-tensor-parallel leaves it out"]
 
 
 def _searched(workload: Workload, gpu: GPU, space: SearchSpace | None, objective: Objective,
@@ -315,7 +233,7 @@ def plan(
         notes.append(describe_network(space.num_gpus, space.nodes, space.network, gpu))
     if space.shardings is not None:
         notes.append("shardings searched (--shardings): " + ", ".join(spec.name for spec in space.sharding_options()))
-    notes += _tensor_parallel_note(space, workload, candidates) + _expert_parallel_note(space, workload, candidates)
+    notes += tensor_parallel_note(space, workload, candidates) + expert_parallel_note(space, workload, candidates)
     if space.fixed:
         notes.append("held fixed by --recipe: " + ", ".join(f"{k}={v}" for k, v in space.fixed.items()))
     notes.append(f"{best.time.calibration}; {UNFITTED_TERMS}" if adds_device_terms(best.recipe, space.num_gpus)

@@ -77,8 +77,8 @@ class SearchSpace:
     checkpointing_variants`): less device memory for PCIe copies."""
     tensor_parallel: bool = True
     """On more than one GPU, try tensor parallel (transformers' tp_plan, under FSDP where there are more GPUs than a
-    group) where the recipes without it do not fit (`search.tensor_parallel_variants`), in groups of 2, 4 ... a node's
-    GPUs (`tensor_parallel_sizes`); and, for a Mixture of Experts, expert parallel (`search.expert_parallel_variants`,
+    group) where the recipes without it do not fit (`splits.tensor_parallel_variants`), in groups of 2, 4 ... a node's
+    GPUs (`tensor_parallel_sizes`); and, for a Mixture of Experts, expert parallel (`splits.expert_parallel_variants`,
     `expert_parallel_sizes`)."""
     shardings: tuple[str, ...] | None = None
     """Names from `axes.shardings.SHARDING_NAMES` (`plan --shardings`); None: all. Searched on `num_gpus` devices: those
