@@ -158,7 +158,8 @@ def test_read_from_trl_and_written_for_trl(tmp_path):
     import yaml
     from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
-    from anatomist.plan.emit import launch_warnings, write
+    from anatomist.plan.caveats import launch_warnings
+    from anatomist.plan.emit import write
     from anatomist.recipe.files import read_recipe_file
 
     path = tmp_path / "sft.yaml"

@@ -138,7 +138,8 @@ def test_axolotl_s_plugin_is_cut_cross_entropy(tmp_path: Path) -> None:
 
 
 def test_the_trainer_snippet_patches_the_model() -> None:
-    from anatomist.plan.emit import launch_warnings, trainer_snippet
+    from anatomist.plan.caveats import launch_warnings
+    from anatomist.plan.emit import trainer_snippet
 
     recipe = Recipe.with_presets(peft="qlora", bf16=True, dtype="bfloat16", cut_cross_entropy=True)
     snippet = trainer_snippet(recipe, model="m", task="causal-lm")

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from anatomist.plan.emit import launch_commands, launch_warnings, render, trainer_snippet, write
+from anatomist.plan.caveats import launch_warnings
+from anatomist.plan.emit import launch_commands, render, trainer_snippet, write
 from anatomist.recipe import Recipe
 from anatomist.recipe.files import read_recipe_file
 from anatomist.workload_loader import load_workload

@@ -23,7 +23,8 @@ from anatomist.estimate import estimate
 from anatomist.estimate.memory import estimate_memory
 from anatomist.estimate.time.ops import step_ops
 from anatomist.hardware import get_gpu
-from anatomist.plan.emit import accelerate_config, launch_warnings
+from anatomist.plan.caveats import launch_warnings
+from anatomist.plan.emit import accelerate_config
 from anatomist.recipe import Recipe
 from anatomist.recipe.spellings import training_arguments_kwargs
 from anatomist.workload_loader import load_workload

@@ -191,7 +191,7 @@ def test_an_fsdp_config_warns_exactly_where_accelerate_would_run_fsdp1(target: s
     floor venv (accelerate 1.3) sees it, the main one not; never for a recipe without FSDP."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    from anatomist.plan.emit import launch_warnings
+    from anatomist.plan.caveats import launch_warnings
 
     without_fsdp2 = "fsdp_version" not in FullyShardedDataParallelPlugin.__dataclass_fields__
     warnings = launch_warnings(Recipe(fsdp="full_shard", bf16=True), target)
@@ -201,12 +201,24 @@ def test_an_fsdp_config_warns_exactly_where_accelerate_would_run_fsdp1(target: s
 
 
 def test_an_fsdp_config_warns_under_an_accelerate_before_1_6(monkeypatch: pytest.MonkeyPatch) -> None:
-    from anatomist.plan import emit
+    from anatomist.plan import caveats
 
-    monkeypatch.setattr(emit, "installed", lambda package: "1.3.0")
-    (warning,) = emit.launch_warnings(Recipe(fsdp="shard_grad_op"), "accelerate")
+    monkeypatch.setattr(caveats, "installed", lambda package: "1.3.0")
+    (warning,) = caveats.launch_warnings(Recipe(fsdp="shard_grad_op"), "accelerate")
     assert warning.startswith("accelerate 1.3.0 here has no FSDP2")
-    assert emit.launch_warnings(Recipe(fsdp="shard_grad_op"), "deepspeed") == []
+    assert caveats.launch_warnings(Recipe(fsdp="shard_grad_op"), "deepspeed") == []
+
+
+def test_an_hsdp_config_warns_under_an_accelerate_before_1_10(monkeypatch: pytest.MonkeyPatch) -> None:
+    """accelerate 1.9 has FSDP2 but no ParallelismConfig: an HSDP config would shard over every GPU there."""
+    from anatomist.plan import caveats
+
+    monkeypatch.setattr(caveats, "installed", lambda package: "1.9.0")
+    (warning,) = caveats.launch_warnings(Recipe(fsdp="full_shard", dp_replicate_size=2), "accelerate")
+    assert warning.startswith("accelerate 1.9.0 here has no ParallelismConfig")
+    assert caveats.launch_warnings(Recipe(fsdp="full_shard"), "accelerate") == []
+    monkeypatch.setattr(caveats, "installed", lambda package: "1.10.0")
+    assert caveats.launch_warnings(Recipe(fsdp="full_shard", dp_replicate_size=2), "accelerate") == []
 
 
 def test_an_hsdp_config_launches_accelerate_s_parallelism_config_and_reads_back(tmp_path: Path) -> None:
@@ -216,11 +228,12 @@ def test_an_hsdp_config_launches_accelerate_s_parallelism_config_and_reads_back(
     its JSON, which cannot hold one, says so."""
     from unittest import mock
 
+    ParallelismConfig = pytest.importorskip("accelerate.parallelism_config", reason="accelerate < 1.10 (the floor "
+                                            "venv): the warning's test above covers it").ParallelismConfig
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    from anatomist.plan.emit import launch_warnings
+    from anatomist.plan.caveats import launch_warnings
     from anatomist.recipe.files import read_recipe_file
 
     recipe = Recipe(fsdp="full_shard", bf16=True, dp_replicate_size=2)

@@ -166,7 +166,8 @@ def test_a_tensor_parallel_recipe_is_written_as_transformers_loads_it(tmp_path):
     from transformers import DistributedConfig, TrainingArguments
 
     from anatomist.errors import InputError
-    from anatomist.plan.emit import launch_warnings, render, write
+    from anatomist.plan.caveats import launch_warnings
+    from anatomist.plan.emit import render, write
 
     recipe = Recipe(per_device_train_batch_size=2, bf16=True, fsdp="full_shard", tp_size=2)
     args, snippet, *_ = write(recipe, "trainer", tmp_path / "args.json", 8, model="meta-llama/Llama-3.1-8B",

@@ -64,6 +64,9 @@ def trainer_fsdp_arguments(fsdp: str, *, offload: bool, adapters: bool,
 FSDP2_ACCELERATE = (1, 6)
 """accelerate's first release with FSDP2 (`FullyShardedDataParallelPlugin.fsdp_version`): an older one runs an FSDP
 config as FSDP1, whatever version it names."""
+PARALLELISM_CONFIG_ACCELERATE = (1, 10)
+"""accelerate's first release with `ParallelismConfig` (accelerate/parallelism_config.py), which HSDP's replicas need:
+an older one reads no `parallelism_config` and shards over every GPU."""
 
 
 def installed(package: str) -> str | None:

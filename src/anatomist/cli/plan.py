@@ -28,7 +28,8 @@ from anatomist.cli.render import Column, console, devices, gib, print_table
 from anatomist.cli.requests import PlanRequest, plan_request
 from anatomist.errors import InputError
 from anatomist.hardware import get_gpu
-from anatomist.plan.emit import TARGETS, launch_commands, launch_warnings, write
+from anatomist.plan.caveats import launch_warnings
+from anatomist.plan.emit import TARGETS, launch_commands, write
 from anatomist.plan.emit import render as render_emit
 from anatomist.plan.space import SearchSpace, method_of
 from anatomist.recipe import Recipe

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
-from anatomist.axes.shardings import DEEPSPEED_SETTINGS, FSDP2_ACCELERATE, installed, release
+from anatomist.axes.shardings import DEEPSPEED_SETTINGS
 from anatomist.errors import InputError
 from anatomist.estimate.sharding import overlap_comm
 from anatomist.recipe import Recipe
@@ -189,53 +189,6 @@ MAIN_NODE = "MAIN_NODE_IP"
 """Where a multi-node config and launch command name the first node: the user puts its address there."""
 MAIN_PORT = 29500
 """torch.distributed's default rendezvous port (torchrun's --master-port)."""
-
-
-def launch_warnings(recipe: Recipe, target: str) -> list[str]:
-    """What would make the emitted config run otherwise than anatomist predicts it: activation offloading, which
-    only TRL's configs can say; a trainer the target does not say (TRL's, in a DeepSpeed or accelerate config, whose
-    training script chooses it; transformers' Trainer, as the YAML TRL's trainers read); with this machine's
-    libraries, FSDP under an accelerate without FSDP2 (the Trainer and `accelerate launch` both build accelerate's
-    plugin)."""
-    warnings = []
-    trl_holds = target == "trl" or target == "trainer" and recipe.trainer != "trainer"  # SFTConfig / DPOConfig
-    if recipe.activation_offloading and not trl_holds:
-        warnings.append("activation_offloading is TRL's (SFTConfig / DPOConfig), no TrainingArguments field: "
-                        "--emit trl writes it, or run each training step under "
-                        "trl.models.get_act_offloading_ctx_manager(model) as TRL's trainers do")
-    if recipe.cut_cross_entropy and target != "trainer":
-        warnings.append("cut_cross_entropy patches the model (cut_cross_entropy.transformers.cce_patch), no config "
-                        "field: --emit trainer writes it, or call cce_patch(model) before training")
-    if recipe.trainer != "trainer" and target in ("deepspeed", "accelerate"):
-        warnings.append(f"the {target} config holds that library's settings only: TRL's "
-                        f"{trl_script(recipe).upper()}Trainer, the batch, checkpointing and optimizer are the training "
-                        f"script's; --emit trl writes them all, as `trl {trl_script(recipe)} --config` reads them")
-    if recipe.trainer == "trainer" and target == "trl":
-        warnings.append("--emit trl writes the YAML `trl sft` runs: TRL's SFTTrainer, whose fused LM head never holds "
-                        "the logits, where this recipe is transformers' Trainer; plan with --trainer sft for its figures")
-    if recipe.split_by_transformers:
-        split = (f"tensor parallel {recipe.tp_size}" if recipe.tp_size > 1 else f"expert parallel {recipe.ep_size}")
-        warnings.append(split + (" and the FSDP over its groups" if recipe.fsdp != "none" else "") + " are set as the "
-                        "model loads: the .py's from_pretrained(distributed_config=...), launched with torchrun on "
-                        "every GPU; TrainingArguments alone would train without them")
-    if recipe.dp_replicate_size > 1 and target in ("trainer", "trl"):
-        warnings.append(f"HSDP ({recipe.dp_replicate_size} replicas of FSDP's shard groups) is accelerate's "
-                        "ParallelismConfig, an object no JSON or YAML field builds: launch with the accelerate config "
-                        "from --emit accelerate, or pass TrainingArguments(parallelism_config=ParallelismConfig(...)) "
-                        "as the .py of --emit trainer does; without it FSDP shards over every GPU")
-    if recipe.fp8 != "none" and target in ("trainer", "trl"):
-        warnings.append("fp8 is accelerate's mixed precision: launch with `accelerate launch --mixed_precision fp8` "
-                        "(or an accelerate config from --emit accelerate); bf16 stays False here, as set it would "
-                        "replace fp8 (the Trainer reads ACCELERATE_MIXED_PRECISION only where fp16 and bf16 are unset)")
-    if recipe.fp8 not in ("none", "tensorwise"):
-        warnings.append(f"accelerate's fp8 config runs torchao's default recipe (tensorwise); for {recipe.fp8} the "
-                        "script passes AORecipeKwargs(config=Float8LinearConfig.from_recipe_name("
-                        f"{recipe.fp8!r})) to its Accelerator")
-    version = installed("accelerate")
-    if recipe.fsdp == "none" or target not in ("accelerate", "trainer", "trl") or release(version) >= FSDP2_ACCELERATE:
-        return warnings
-    return [*warnings, f"accelerate {version} here has no FSDP2 (it came in 1.6): it would run this FSDP config as "
-            "FSDP1, which anatomist does not predict; train with accelerate 1.6 or later"]
 
 
 def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = False, nodes: int = 1) -> dict[str, Any]:
