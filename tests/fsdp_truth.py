@@ -326,11 +326,12 @@ def measure(config: str, seq_len: int, batch: int, world: int, case: dict[str, A
         raise NotImplementedError(f"{case['name']}: tensor or expert parallel with LoRA or fp8")
     accelerator = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), mixed_precision=mixed,
                                         is_main_process=True, device=torch.device("cpu"))
-    replicas = case.get("replicas", 1)
-    if replicas > 1:  # HSDP: the mesh and config accelerate builds for ParallelismConfig(dp_replicate_size=R)
+    replicas, cp = case.get("replicas", 1), case.get("cp", 1)
+    if replicas > 1 or cp > 1:  # the mesh and config accelerate builds for ParallelismConfig(dp_replicate_size=R) / cp
         from accelerate import ParallelismConfig
 
-        accelerator.parallelism_config = ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=world // replicas)
+        accelerator.parallelism_config = ParallelismConfig(
+            dp_replicate_size=replicas, dp_shard_size=world // replicas // cp, cp_size=cp)
         accelerator.torch_device_mesh = accelerator.parallelism_config.build_device_mesh("cpu")
     torch.manual_seed(0)  # the same weights and batches on every rank, as the ranks of a tp group need
     model = workload.build_model(case.get("attn_implementation", "sdpa"), "float32")
@@ -353,6 +354,7 @@ def measure(config: str, seq_len: int, batch: int, world: int, case: dict[str, A
         convert_model_to_fp8_ao(model, config=ao.config)
     if fsdp and tp == ep == 1:
         model = fsdp2_prepare_model(accelerator, model)
+    context = _context_parallel(model, accelerator, cp)
     params = [p for p in model.parameters() if p.requires_grad]
     several_meshes = has_mixed_dtensor(params)
     optimizer = torch.optim.AdamW(_mesh_groups(params) if several_meshes else params, lr=1e-4, foreach=True)
@@ -361,7 +363,7 @@ def measure(config: str, seq_len: int, batch: int, world: int, case: dict[str, A
 
         optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
     accumulation = case.get("accumulation", 1)
-    batches = [make_batch(workload, batch) for _ in range(accumulation)]
+    batches = [_as_the_trainer_gives_it(make_batch(workload, batch), cp) for _ in range(accumulation)]
     blocks = [m for name, m in model.named_modules() if re.fullmatch(r"(.+\.)?layers\.\d+", name)]
 
     deferred = [0]  # FSDP's own unsharded gradients kept between micro-batches, this rank's bytes
@@ -373,10 +375,12 @@ def measure(config: str, seq_len: int, batch: int, world: int, case: dict[str, A
             if fsdp:
                 model.set_requires_gradient_sync(micro == accumulation - 1)
             autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mixed != "no" else contextlib.nullcontext()
-            with autocast:
-                loss = model(**inputs).loss
-            moments.phase, moments.segment, moments.block = "backward", "post", -1
-            (loss / accumulation).backward()
+            inputs = {k: v.clone() for k, v in inputs.items()}  # context parallel shards them in place
+            with context(inputs):
+                with autocast:
+                    loss = model(**inputs).loss
+                moments.phase, moments.segment, moments.block = "backward", "post", -1
+                (loss / accumulation).backward()
             if fsdp and micro < accumulation - 1:
                 deferred[0] = max(deferred[0], _deferred_gradient_bytes(model))
         moments.phase, moments.segment, moments.micro_step, moments.block = "optimizer", "pre", 0, -1  # clipping too
@@ -399,7 +403,54 @@ def measure(config: str, seq_len: int, batch: int, world: int, case: dict[str, A
                 handle.remove()
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     return {"peak": _snapshot(peak), "peak_moment": tracker.peak_moment, "moments": tracker.moments,
-            "deferred_gradients": deferred[0]}
+            "deferred_gradients": deferred[0], "ring_calls": _ring_calls(cp)}
+
+
+def _ring_calls(cp: int) -> dict[str, int]:
+    """How many attention calls torch's ring attention ran on this rank so far (none without context parallel)."""
+    if cp == 1:
+        return {}
+    from cp_on_cpu import RING_CALLS
+
+    return dict(RING_CALLS)
+
+
+def _context_parallel(model: Any, accelerator: Any, cp: int) -> Any:
+    """What the Trainer runs each micro-batch's forward and backward in: with context parallel (`cp` > 1), accelerate's
+    hooks on the attention (the mask dropped, `is_causal=True`: `_attach_context_parallel_hooks`, as `prepare` attaches
+    them) and torch's `context_parallel` over the mesh's "cp" ranks, sharding the batch's tensors by sequence in place
+    (as `Trainer._prepare_context_parallel_inputs` hands them to `maybe_context_parallel`), its ring attention running
+    the CPU's flash kernel (tests/cp_on_cpu.py); else nothing."""
+    if cp == 1:
+        return lambda inputs: contextlib.nullcontext()
+    from accelerate.big_modeling import _attach_context_parallel_hooks
+    from cp_on_cpu import cpu_ring_attention
+    from torch.distributed.tensor.experimental import context_parallel
+
+    cpu_ring_attention()
+    _attach_context_parallel_hooks(model)
+    mesh = accelerator.torch_device_mesh["cp"]
+
+    def sharded(inputs: dict[str, Any]) -> Any:
+        buffers = [inputs[name] for name in ("input_ids", "labels", "shift_labels", "position_ids")]
+        return context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers),
+                                no_restore_buffers=set(buffers))
+
+    return sharded
+
+
+def _as_the_trainer_gives_it(inputs: dict[str, Any], cp: int) -> dict[str, Any]:
+    """A causal LM's batch as the Trainer hands it to the model under context parallel (`cp` > 1): the labels shifted
+    beforehand (`shift_labels`, the last position ignored) and the position ids made (`_prepare_context_parallel_inputs`),
+    so that each rank's part of the sequence keeps its own."""
+    if cp == 1:
+        return inputs
+    import torch
+
+    labels = torch.nn.functional.pad(inputs["labels"], (0, 1), value=-100)
+    ids = inputs["input_ids"]
+    return {**inputs, "shift_labels": labels[:, 1:].contiguous(),
+            "position_ids": torch.arange(ids.shape[1]).expand(ids.shape[0], -1).contiguous()}
 
 
 def _deferred_gradient_bytes(model: Any) -> int:
@@ -442,7 +493,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--backend", choices=["fake", "gloo"], required=True)
-    parser.add_argument("cases", help="JSON list of {name, fsdp, tp, ep, routing, bf16, accumulation, "
+    parser.add_argument("cases", help="JSON list of {name, fsdp, tp, ep, cp, routing, bf16, accumulation, "
                                       "gradient_checkpointing, lora, attn_implementation, fp8, fp8_all_gather}")
     args = parser.parse_args()
     cases = json.loads(args.cases)

@@ -139,7 +139,7 @@ _SPECS = (
 
 
 UNSHARDED: dict[str, object] = {"zero_stage": 0, "offload": "none", "fsdp": "none", "tp_size": 1, "ep_size": 1,
-                                 "dp_replicate_size": 1}
+                                 "cp_size": 1, "dp_replicate_size": 1}
 """The Recipe fields of no sharding at all: what a sharding's own `fields` are laid over."""
 
 SHARDING_NAMES = tuple(dict.fromkeys(spec.name for spec in _SPECS))

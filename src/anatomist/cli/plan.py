@@ -182,6 +182,9 @@ def _search(request: PlanRequest, *, one_size: bool = False) -> tuple[Any, Any, 
         raise InputError(f"{source.path if source else 'the recipe'}: plan does not hold an expert parallel size "
                          f"fixed (ep_size={fixed['ep_size']}); it tries expert parallel itself where it could help: "
                          "drop the size from the file, or estimate it with `anatomist estimate --recipe`")
+    if fixed.get("cp_size", 1) > 1:
+        raise InputError(f"{source.path if source else 'the recipe'}: plan does not search context parallel yet "
+                         f"(cp_size={fixed['cp_size']}): estimate it with `anatomist estimate --recipe`")
     check_cce_gpu(bool(fixed.get("cut_cross_entropy")), gpu)
     methods = ("full", *dict.fromkeys(added))
     if source and {"peft", "load_in_4bit", "load_in_8bit"} & set(fixed):

@@ -50,6 +50,8 @@ def memory_regime(recipe: Recipe, num_gpus: int) -> tuple[str, str | None]:
         return SHARDED, "no published GPU run of DeepSpeed ZeRO states its settings"
     if recipe.tp_size > 1:
         return SHARDED, "no published GPU run of tensor parallel states its memory"
+    if recipe.cp_size > 1:
+        return SHARDED, "no published GPU run of context parallel states its memory"
     if recipe.fsdp != "none":
         return SHARDED, None
     regime = ADAPTERS if recipe.peft != "none" else ONE_GPU
@@ -93,6 +95,7 @@ TIME_UNVALIDATED: tuple[tuple[str, Callable[[Recipe, int, int], bool]], ...] = (
     ("no published timed run trains adapters (LoRA, QLoRA)", lambda r, gpus, nodes: r.peft != "none"),
     ("no published timed run of DeepSpeed ZeRO", lambda r, gpus, nodes: r.zero_stage > 0),
     ("no published timed run of tensor parallel", lambda r, gpus, nodes: r.tp_size > 1),
+    ("no published timed run of context parallel", lambda r, gpus, nodes: r.cp_size > 1),
     ("no published timed run of plain data parallelism",
      lambda r, gpus, nodes: gpus > 1 and r.zero_stage == 0 and r.fsdp == "none" and r.tp_size == 1),
     ("the published timed runs are on one node (the multi-node check, docs/time.md, is not in this interval)",

@@ -102,11 +102,13 @@ def _fused_hint(workload: Workload) -> str:
 
 
 def _logits_size(workload: Workload, recipe: ResolvedRecipe) -> str:
-    """`batch x tokens x vocabulary` and what one copy of the logits takes in each dtype the loss holds."""
+    """`batch x tokens x vocabulary` and what one copy of the logits takes in each dtype the loss holds (a GPU's
+    tokens: under context parallel its part of each sequence)."""
     vocab = workload.facts.vocab_size
     batch = recipe.per_device_train_batch_size
-    elements = batch * workload.seq_len * vocab
+    tokens = workload.seq_len // recipe.cp_size
+    elements = batch * tokens * vocab
     half_name = {"bfloat16": "bf16", "float16": "fp16"}.get(half_dtype(recipe) or "")
     copies = f"{elements * 2 / GIB:.1f} GiB per {half_name} copy, " if half_name else ""
-    return (f"{batch} x {workload.seq_len:,} tokens x {vocab:,} vocabulary: {copies}"
+    return (f"{batch} x {tokens:,} tokens x {vocab:,} vocabulary: {copies}"
             f"{elements * 4 / GIB:.1f} GiB per fp32 copy")

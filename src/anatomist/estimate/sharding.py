@@ -249,6 +249,8 @@ def sharding_notes(recipe: ResolvedRecipe, num_gpus: int, mode: str) -> list[str
         return [tensor_parallel_note(recipe, num_gpus)]
     if recipe.ep_size > 1:
         return [expert_parallel_note(recipe, num_gpus)]
+    if recipe.cp_size > 1:
+        return [context_parallel_note(recipe, num_gpus)]
     if recipe.fsdp == "none":
         return [f"data parallelism on {num_gpus} GPUs: each holds one device's step and DistributedDataParallel's "
                 "gradient buckets (gradient_as_bucket_view=False, the Trainer's: one more copy of the trainable "
@@ -294,3 +296,13 @@ def expert_parallel_note(recipe: ResolvedRecipe, num_gpus: int) -> str:
             f"routing); the rest of the model under transformers' FSDP2 over all {num_gpus} (full_shard"
             f"{', weights gathered in bfloat16, gradients reduced in float32' if recipe.bf16 else ''}), under the fake "
             "process group")
+
+
+def context_parallel_note(recipe: ResolvedRecipe, num_gpus: int) -> str:
+    """How a context parallel recipe's rank was traced (`trace.step.context_parallel`)."""
+    cp = recipe.cp_size
+    return (f"context parallel {cp}: one rank of {num_gpus} traced as the Trainer runs accelerate's "
+            f"ParallelismConfig(dp_shard_size={num_gpus // cp}, cp_size={cp}): 1/{cp} of each sequence, attention by "
+            "PyTorch's ring (its own functions: the group's keys and values all-gathered, partial outputs merged in "
+            f"float32, key and value gradients passed around the ring), FSDP2 over all {num_gpus} GPUs (full_shard), "
+            f"under the fake process group; the GPUs of a group share one batch")

@@ -62,6 +62,8 @@ def sharding_of(recipe: RecipeFields, num_gpus: int) -> str:
         return (f"fsdp_{recipe.fsdp}+" if recipe.fsdp != "none" else "") + f"tp{recipe.tp_size}"
     if recipe.ep_size > 1:
         return f"fsdp_{recipe.fsdp}+ep{recipe.ep_size}"
+    if recipe.cp_size > 1:
+        return f"fsdp_{recipe.fsdp}+cp{recipe.cp_size}"
     if recipe.fsdp == "full_shard" and recipe.dp_replicate_size > 1:
         return "hsdp"
     if recipe.fsdp != "none":

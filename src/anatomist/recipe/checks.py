@@ -24,6 +24,8 @@ from anatomist.axes.shardings import DEEPSPEED_SETTINGS, FSDP_MODES, OFFLOADS
 from anatomist.deepspeed_bounds import deepspeed_bounds
 from anatomist.errors import InputError
 from anatomist.recipe.parallel_checks import (
+    check_context_parallel,
+    check_context_parallel_model,
     check_expert_parallel,
     check_expert_parallel_model,
     check_hybrid_shard,
@@ -55,6 +57,7 @@ def check_fields(r: RecipeFields) -> None:
     check_sharding(r)
     check_tensor_parallel(r)
     check_expert_parallel(r)
+    check_context_parallel(r)
     check_hybrid_shard(r)
     check_adapters(r)
     check_clipping(r)
@@ -258,6 +261,8 @@ def check_model(r: RecipeFields, workload: Workload) -> None:
         check_tensor_parallel_model(r.tp_size, workload)
     if r.ep_size > 1:
         check_expert_parallel_model(r.ep_size, workload)
+    if r.cp_size > 1:
+        check_context_parallel_model(r.cp_size, workload)
 
 
 def check_gpu(r: RecipeFields, gpu: GPU, *, dtype_given: bool = True) -> None:

@@ -83,6 +83,7 @@ class RecipeFields:
     tp_size: int = 1
     ep_size: int = 1
     ep_routing: EpRouting = "balanced"
+    cp_size: int = 1
     dp_replicate_size: int = 1
 
     # -- LLM fine-tuning as TRL and the Trainer run it ------------------------------------------

@@ -140,6 +140,11 @@ FIELD_HELP: dict[str, FieldHelp] = {
         "The routing an expert parallel estimate assumes: balanced (as the load-balancing loss aims; the default) "
         "or skewed (every token sent to as many of one GPU's experts as it can: the most that GPU receives). The "
         "estimate reports both ends."),
+    "cp_size": FieldHelp(
+        "Context parallel degree (accelerate's ParallelismConfig cp_size, PyTorch's ring attention): each sequence "
+        "split into this many parts, one per GPU, attention exchanging the keys and values around the group; the "
+        "GPUs of a group see the same samples, and FSDP shards over every GPU. For long sequences of causal LMs "
+        "under transformers' Trainer; needs --fsdp and SDPA."),
     "dp_replicate_size": FieldHelp(
         "Hybrid sharding, HSDP (accelerate's ParallelismConfig dp_replicate_size): FSDP shards over GPUs / "
         "dp_replicate_size GPUs (dp_shard) and keeps that many replicas of the shards, whose gradients are "

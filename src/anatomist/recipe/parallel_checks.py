@@ -1,6 +1,6 @@
 """The checks of the parallel layouts that split one step over several GPUs beyond data parallel: tensor parallel
-(`tp_size`), expert parallel (`ep_size`) and HSDP's replicas (`dp_replicate_size`), each against itself
-(`check_fields` runs the first three), the model (`check_model`) and the GPUs it runs on (`estimate()`).
+(`tp_size`), expert parallel (`ep_size`), context parallel (`cp_size`) and HSDP's replicas (`dp_replicate_size`), each
+against itself (`check_fields` runs those), the model (`check_model`) and the GPUs it runs on (`estimate()`).
 
 Tensor and expert parallel are both transformers' own: `from_pretrained(..., distributed_config=DistributedConfig(...))`
 splits the model at load time (trace/step/tensor_parallel.py), so they share what is not traced with it
@@ -171,3 +171,76 @@ def check_expert_parallel_model(ep_size: int, workload: Workload) -> None:
     if experts is not None and experts[1] % ep_size:
         raise InputError(f"{workload.name}: ep_size={ep_size} does not divide its {experts[1]} routed experts: each "
                          "GPU holds an equal share of them")
+
+
+CP_NOT_MODELLED: tuple[tuple[str, object, str], ...] = (
+    *((name, off, said) for name, off, said in SPLIT_NOT_MODELLED if name != "zero_stage"),
+    ("tp_size", 1, "tensor parallel"),
+    ("ep_size", 1, "expert parallel"),
+    ("dp_replicate_size", 1, "HSDP's replicas"),
+    ("padding_free", False, "padding-free batches (the ring needs every rank's part of one causal sequence)"),
+    ("packing", False, "packing (accelerate's hooks make every row one causal sequence)"),
+)
+"""What a context parallel recipe is not traced with: LoRA/QLoRA, FP8, compile, the fused kernels, offloads, the
+other splits (field, its value when off, how a user names it)."""
+
+
+def check_context_parallel(r: RecipeFields) -> None:
+    """A context parallel degree of 1 or more, traced as the Trainer runs it under accelerate (torch's ring attention
+    over SDPA, FSDP2 over every GPU): transformers' Trainer, SDPA, none of CP_NOT_MODELLED."""
+    if r.cp_size < 1:
+        raise InputError(f"cp_size must be at least 1, got {r.cp_size}")
+    if r.cp_size == 1:
+        return
+    what = f"cp_size={r.cp_size}"
+    for name, off, said in CP_NOT_MODELLED:
+        if getattr(r, name) != off:
+            raise InputError(f"{what} with {said} is not modelled yet: drop one of them")
+    if r.zero_stage:
+        raise InputError(f"{what} is accelerate's context parallel over FSDP2; DeepSpeed's sequence parallel (ALST, "
+                         "Ulysses) is not modelled: use --fsdp full_shard")
+    if r.trainer != "trainer":
+        raise InputError(f"{what} with TRL's {r.trainer.upper()}Trainer is not modelled yet: use --trainer trainer")
+    if r.attn_implementation not in (None, "sdpa"):
+        raise InputError(f"{what} needs attn_implementation=sdpa: torch's ring attention replaces SDPA's kernels (the "
+                         f"Trainer refuses {r.attn_implementation} under context parallel)")
+    if not runs_with(r.optim, "full_shard"):
+        raise InputError(f"{what} with optim={r.optim}: it runs under FSDP2, which this optimizer does not")
+
+
+def check_context_parallel_gpus(r: RecipeFields, num_gpus: int, nodes: int = 1) -> None:
+    """The GPUs a context parallel recipe runs on: FSDP over all of them (accelerate shards over dp_shard x cp), a
+    multiple of cp_size, and a group within one node (its ring is priced at the node's own bandwidth)."""
+    if r.cp_size == 1:
+        return
+    if r.fsdp != "full_shard":
+        raise InputError(f"cp_size={r.cp_size} runs under FSDP2 (accelerate shards over dp_shard x cp): add --fsdp "
+                         "full_shard")
+    if num_gpus % r.cp_size:
+        raise InputError(f"cp_size={r.cp_size} does not divide the {num_gpus} GPUs: the GPUs are cp_size x the data "
+                         "parallel ranks")
+    if r.cp_size > num_gpus // nodes:
+        raise InputError(f"cp_size={r.cp_size} is more than a node's {num_gpus // nodes} GPU(s): a ring across nodes "
+                         "is not modelled")
+
+
+def check_context_parallel_model(cp_size: int, workload: Workload) -> None:
+    """A model whose sequences torch's ring can split `cp_size` ways as accelerate runs it: a causal LM, every layer
+    attending to the whole causal prefix (accelerate refuses sliding-window and chunked layers), not a Mixture of
+    Experts (not modelled yet), and a sequence length torch's load balancing splits into 2 x cp_size equal parts."""
+    if workload.task != "causal-lm":
+        raise InputError(f"{workload.name}: context parallel splits causal LM sequences (is_causal attention); this "
+                         f"is a {workload.task} model")
+    config = workload.config.get_text_config()
+    layer_types = getattr(config, "layer_types", None)
+    windowed = ({t for t in layer_types if t != "full_attention"} if layer_types is not None
+                else {"sliding_attention"} if getattr(config, "sliding_window", None) else set())
+    if windowed:
+        raise InputError(f"{workload.name}: context parallel with {', '.join(sorted(windowed))} layers: accelerate "
+                         "refuses them (its hooks can only express full causal attention)")
+    if workload.is_moe:
+        raise InputError(f"{workload.name}: context parallel of a Mixture of Experts is not modelled yet")
+    if workload.seq_len % (2 * cp_size):
+        raise InputError(f"{workload.name}: --seq-len {workload.seq_len} does not split into 2 x cp_size = "
+                         f"{2 * cp_size} equal parts (torch's load balancing of the causal ring): pad to a multiple "
+                         f"of {2 * cp_size}")

@@ -68,6 +68,7 @@ FIELD_LABELS = {
     "tp_size": "Tensor parallel GPUs per group",
     "ep_size": "Expert parallel GPUs per group",
     "ep_routing": "Expert routing assumed",
+    "cp_size": "Context parallel GPUs per sequence",
     "dp_replicate_size": "HSDP replicas",
     "dataloader_num_workers": "DataLoader workers",
     "dataloader_pin_memory": "Pinned host memory for batches",

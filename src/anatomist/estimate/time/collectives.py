@@ -186,6 +186,30 @@ def tensor_parallel_s(ops: StepOps, recipe: ResolvedRecipe, gpu: GPU | None = No
     return seconds
 
 
+def context_parallel_s(ops: StepOps, recipe: ResolvedRecipe, gpu: GPU | None = None) -> float:
+    """Seconds per step of context parallel's ring (torch's `_templated_ring_attention` and its backward, as the traced
+    rank runs them: `COLLECTIVE_PREFIX` ops): each layer's all-gather of the group's keys and values, in forward and
+    again in backward (accelerate's default "allgather" rotation: a rank receives the C - 1 other parts), and in
+    backward the key and value gradients passed on to the next rank at each of the C steps (`permute_tensor`, an
+    all_to_all_single: float32, as big as the rank's keys and values), at the bus bandwidth of one node (the group is
+    within one), none hidden. What could hide: torch starts the all-gather before the local part's attention and
+    waits for it after (one of C attention steps); not modelled. The trace records input + output bytes: an
+    all-gather's are C + 1 parts, of which C - 1 arrive; the permute's input and output are one part each."""
+    cp = recipe.cp_size
+    if cp <= 1:
+        return 0.0
+    bus, seconds = intra_node_bytes_per_s(gpu), 0.0
+    for record in ops.records:
+        if record.name == COLLECTIVE_PREFIX + "all_gather_into_tensor":
+            moved = record.bytes * (cp - 1) / (cp + 1)
+        elif record.name == COLLECTIVE_PREFIX + "all_to_all_single":
+            moved = record.bytes / 2
+        else:
+            continue
+        seconds += record.calls_per_step(recipe.gradient_accumulation_steps) * moved / bus
+    return seconds
+
+
 def communication_s(
     recipe: ResolvedRecipe, size: ModelSize, *, num_gpus: int = 1, nodes: int = DEFAULT_NODES,
     network: str | None = None, gpu: GPU | None = None,

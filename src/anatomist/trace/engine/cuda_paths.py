@@ -110,7 +110,13 @@ def _cuda_sdpa(
     enable_gqa: bool = False,
     *,
     unrecorded: Unrecorded = contextlib.nullcontext,
+    ring: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
+    if ring is not None and attn_mask is None and value.shape[-1] == query.shape[-1]:
+        if torch.is_autocast_enabled("cpu"):
+            dtype = torch.get_autocast_dtype("cpu")
+            query, key, value = (t.to(dtype) for t in (query, key, value))
+        return ring(query, key, value, scale, unrecorded)  # context parallel: `trace.step.context_parallel`
     if attn_mask is not None and attn_mask.requires_grad:
         # A learned bias (T5's relative positions): the CPU flash kernel cannot give its
         # gradient; the math path keeps the probabilities, as CUDA's kernels then also may.
@@ -185,10 +191,13 @@ def saved_on_host(tracer: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def cuda_code_paths(tracer: Any = None) -> Iterator[None]:
+def cuda_code_paths(tracer: Any = None, ring: Callable[..., torch.Tensor] | None = None) -> Iterator[None]:
     """Within this context, dropout and SDPA take the paths that save what CUDA saves; `tracer`'s trace leaves out
-    what only the CPU kernels need (a real step, without one, makes it)."""
-    sdpa = functools.partial(_cuda_sdpa, unrecorded=tracer.paused if tracer is not None else contextlib.nullcontext)
+    what only the CPU kernels need (a real step, without one, makes it); `ring`: SDPA's flash path under context
+    parallel (`trace.step.context_parallel.ring_attention`)."""
+    sdpa = functools.partial(_cuda_sdpa, unrecorded=tracer.paused if tracer is not None else contextlib.nullcontext,
+                             ring=ring)
+    functools.update_wrapper(sdpa, _original_sdpa)  # named as SDPA: torch's context parallel replaces it by its name
     F.dropout = _cuda_dropout  # type: ignore[assignment]
     F.scaled_dot_product_attention = sdpa  # type: ignore[assignment]
     try:

@@ -32,8 +32,8 @@ from anatomist.trace.engine.autocast import cuda_autocast_policy
 from anatomist.trace.engine.cuda_paths import cuda_code_paths, cuda_grouped_mm, fake_parameters, saved_on_host
 from anatomist.trace.engine.records import RankEvents, StepTrace, Trace, curves_of
 from anatomist.trace.engine.tracer import StepTracer
+from anatomist.trace.step import context_parallel, tensor_parallel, trainers
 from anatomist.trace.step import fsdp as sharded
-from anatomist.trace.step import tensor_parallel, trainers
 from anatomist.trace.step.experts import build_kwargs, check_traceable, compiled_experts_path, routed_as
 from anatomist.trace.step.fp8 import convert_to_fp8
 from anatomist.trace.step.inputs import make_batch, rows_not_packed
@@ -90,13 +90,16 @@ def trace_step(
     if part in ("optimizer", "train-step"):
         import_optimizer_module(recipe)  # not under the tracer: see OptimizerSpec.optimizer_class
     fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    if recipe.cp_size > 1:  # a rank holds its part of each sequence (trace/step/context_parallel.py)
+        workload = dataclasses.replace(workload, seq_len=workload.seq_len // recipe.cp_size)
     with contextlib.ExitStack() as world:
         model, tracer = _model_and_tracer(world, workload, recipe, depth, fake_mode if fake else None, num_gpus,
                                           record_ops)
         reference = traced_reference(workload, recipe, depth, fake_mode if fake else None) if part != "optimizer" else None
         params = [p for p in model.parameters() if p.requires_grad]  # what the Trainer's optimizer gets
         _register_weights(tracer, model, reference)
-        with _tracing(workload, recipe, tracer, fake_mode, observers), routed_as(workload, recipe), \
+        ring = _ring(model, recipe) if part != "optimizer" else None
+        with _tracing(workload, recipe, tracer, fake_mode, observers, ring), routed_as(workload, recipe), \
                 _kernels(model, workload, recipe, part, compute_capability, fake):
             # cuBLAS workspaces live from the first matrix product on: one for the main thread's
             # handle and, in training, one for the autograd engine's device thread. A steady-state
@@ -114,13 +117,16 @@ def _model_and_tracer(world: contextlib.ExitStack, workload: Workload, recipe: R
     """The traced model (`traced_model`) and its tracer: one device's, or one rank's of a fake world entered on `world`
     (FSDP: trace/step/fsdp.py; tensor parallel, with or without FSDP: trace/step/tensor_parallel.py)."""
     split = recipe.split_by_transformers
-    if split and fake_mode is None:
-        raise InputError("a tensor or expert parallel step is traced on fake tensors only: a real CPU step of one rank "
-                         "needs the other ranks")
+    if (split or recipe.cp_size > 1) and fake_mode is None:
+        raise InputError("a tensor, expert or context parallel step is traced on fake tensors only: a real CPU step of "
+                         "one rank needs the other ranks")
     tracer = StepTracer(lower_precision_dtype=lower_dtype(recipe), record_ops=record_ops)
-    if fake_mode is None or (recipe.fsdp == "none" and not split):
+    if fake_mode is None or (recipe.fsdp == "none" and not split and recipe.cp_size == 1):
         return traced_model(workload, recipe, depth, fake_mode), tracer
     ranks = traced_world(recipe, num_gpus)
+    if recipe.fsdp == "none" and not split:  # context parallel's ring alone (one device's ops): its ranks
+        world.enter_context(sharded.fake_process_group(ranks))
+        return traced_model(workload, recipe, depth, fake_mode), tracer
     if split:
         meshes = world.enter_context(tensor_parallel.fake_world(ranks, recipe.tp_size, recipe.ep_size))
         model = traced_model(workload, recipe, depth, fake_mode,
@@ -133,6 +139,15 @@ def _model_and_tracer(world: contextlib.ExitStack, workload: Workload, recipe: R
     tracer = sharded.ShardedStepTracer(lower_precision_dtype=lower_dtype(recipe), record_ops=record_ops,
                                        offload=recipe.offload == "cpu").watching(model)
     return model, tracer
+
+
+def _ring(model: torch.nn.Module, recipe: ResolvedRecipe) -> Any:
+    """Under context parallel, SDPA's ring attention over this rank's group, the model's attention hooked as accelerate
+    hooks it (trace/step/context_parallel.py); else None."""
+    if recipe.cp_size == 1:
+        return None
+    context_parallel.attach_hooks(model)
+    return context_parallel.ring_attention(context_parallel.ring_group(recipe.cp_size))
 
 
 def _register_weights(tracer: StepTracer, *models: torch.nn.Module | None) -> None:
@@ -205,10 +220,10 @@ def _kernels(model: torch.nn.Module, workload: Workload, recipe: ResolvedRecipe,
 
 @contextlib.contextmanager
 def _tracing(workload: Workload, recipe: ResolvedRecipe, tracer: StepTracer, fake_mode: Any,
-             observers: tuple[Any, ...]) -> Iterator[None]:
+             observers: tuple[Any, ...], ring: Any = None) -> Iterator[None]:
     """The dispatch modes a traced step runs in, outermost first: errors made readable, CUDA's autocast
     policy, fake tensors, CUDA's grouped products (Mixture of Experts), the observers, the tracer, CUDA's code
-    paths."""
+    paths (with context parallel's `ring` attention, under torch's ring options)."""
     with contextlib.ExitStack() as modes:
         modes.enter_context(data_dependent_code_is_input_error(workload, recipe))
         if isinstance(fake_mode, FakeTensorMode):
@@ -222,7 +237,9 @@ def _tracing(workload: Workload, recipe: ResolvedRecipe, tracer: StepTracer, fak
             modes.enter_context(cuda_grouped_mm())  # the experts' products in float32 too, as on CUDA
         if workload.is_moe and traced_compile(recipe):
             modes.enter_context(compiled_experts_path())  # what transformers runs under dynamo
-        for mode in (*observers, tracer, cuda_code_paths(tracer)):
+        if ring is not None:
+            modes.enter_context(context_parallel.ring_options())
+        for mode in (*observers, tracer, cuda_code_paths(tracer, ring)):
             modes.enter_context(mode)
         yield
 

@@ -64,11 +64,13 @@ def rows_not_packed(recipe: ResolvedRecipe) -> Iterator[None]:
     Without a cache (training under gradient checkpointing, which turns the cache off) transformers reads the
     position ids for restarts (`masking_utils.find_packed_sequence_indices`); fake tensors have no values to read, so it
     would keep a packed-sequence mask and build a full [batch, 1, seq, seq] attention mask where the real step
-    passes none (SDPA's is_causal). A padding-free recipe's rows are packed: left to transformers.
+    passes none (SDPA's is_causal). A padding-free recipe's rows are packed: left to transformers. So are context
+    parallel's position ids: torch's load balancing gives the traced rank (0) two parts of each sequence, whose
+    positions jump between them (the mask transformers then builds, accelerate's hooks drop).
     """
     from transformers import masking_utils
 
-    if recipe.padding_free:
+    if recipe.padding_free or recipe.cp_size > 1:
         yield
         return
     original = masking_utils.find_packed_sequence_indices

@@ -24,6 +24,7 @@ import torch
 from anatomist.axes.methods import DPO_BETA
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.standins.trl_head import DPO_OUTPUTS, SFT_OUTPUTS, add_fused_lm_head
+from anatomist.trace.step import context_parallel
 from anatomist.trace.step.inputs import IGNORE_INDEX, make_batch
 from anatomist.workload import Workload
 
@@ -53,7 +54,8 @@ def step_loss(model: torch.nn.Module, reference: torch.nn.Module | None, workloa
               batch_size: int) -> torch.Tensor:
     """The loss of one micro-batch of `batch_size` samples (DPO: pairs) under the recipe's trainer."""
     if recipe.trainer == "trainer":
-        return model(**make_batch(workload, batch_size)).loss
+        batch = make_batch(workload, batch_size)
+        return model(**(context_parallel.as_the_trainer_gives_it(batch) if recipe.cp_size > 1 else batch)).loss
     if recipe.trainer == "sft":
         batch = make_batch(workload, batch_size)
         outputs = model(input_ids=batch["input_ids"], labels=batch["labels"], fused_lm_head=True)

@@ -40,8 +40,8 @@ changes the traced sequence length (`Workload.for_recipe`), packing nothing trac
 PART_FIELDS: dict[str, tuple[str, ...]] = {
     "forward-backward": ("dtype", "gradient_checkpointing", "checkpoint_every", "checkpoint_offload", "activation_offloading",
                          "fp16", "bf16", "fp8", "fp8_all_gather", "attn_implementation",
-                         "experts_implementation", "torch_compile", "tp_size", "ep_size", "ep_routing", *PEFT_FIELDS,
-                         *LLM_FIELDS),
+                         "experts_implementation", "torch_compile", "tp_size", "ep_size", "ep_routing", "cp_size",
+                         *PEFT_FIELDS, *LLM_FIELDS),
     "inference": ("dtype", "fp16", "bf16", "attn_implementation", "experts_implementation", "tp_size", "ep_size",
                   "ep_routing", *PEFT_FIELDS),
     "optimizer": ("dtype", "optim", "fp16", "max_grad_norm", "tp_size", "ep_size", *PEFT_FIELDS),
@@ -95,7 +95,7 @@ def traced_world(recipe: ResolvedRecipe, num_gpus: int) -> int:
     sends it)."""
     if recipe.fsdp != "none":
         return num_gpus // recipe.dp_replicate_size
-    return max(recipe.tp_size, recipe.ep_size)
+    return max(recipe.tp_size, recipe.ep_size, recipe.cp_size)
 
 
 def compile_context(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ...]:
@@ -158,7 +158,8 @@ TRACE_SOURCES: tuple[str, ...] = (
     "trace/__init__.py",
     "trace/engine/__init__.py", "trace/engine/allocator.py", "trace/engine/autocast.py", "trace/engine/cuda_paths.py",
     "trace/engine/op_costs.py", "trace/engine/records.py", "trace/engine/tracer.py",
-    "trace/step/__init__.py", "trace/step/compiled.py", "trace/step/driver.py", "trace/step/experts.py",
+    "trace/step/__init__.py", "trace/step/compiled.py", "trace/step/context_parallel.py", "trace/step/driver.py",
+    "trace/step/experts.py",
     "trace/step/fp8.py", "trace/step/fsdp.py", "trace/step/inputs.py", "trace/step/offload.py",
     "trace/step/optimizer_build.py",
     "trace/step/passes.py", "trace/step/peft.py", "trace/step/peft_defaults.py", "trace/step/tensor_parallel.py",

@@ -1,0 +1,134 @@
+"""Context parallel (`cp_size`): what a traced rank computes and holds, the time of its ring, and its bad input.
+
+What a traced rank holds is checked against PyTorch's FSDPMemTracker on real steps over gloo in test_fsdp_accuracy.py
+(`test_context_parallel_over_gloo`, CP_CASES: torch's own ring attention, as the Trainer runs it under accelerate);
+here, what needs no second process.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from anatomist.anatomy import Phase
+from anatomist.estimate.predict import estimate
+from anatomist.estimate.time.collectives import context_parallel_s
+from anatomist.estimate.time.ops import step_ops
+from anatomist.hardware import get_gpu
+from anatomist.recipe import Recipe
+from anatomist.trace.engine.records import ATTENTION_PREFIX, COLLECTIVE_PREFIX
+from anatomist.workload_loader import load_workload
+from tests.conftest import write_config
+
+GPU = get_gpu("H100")
+SEQ, HEADS, HEAD_DIM = 64, 4, 16
+
+
+@pytest.fixture
+def llama(tmp_path):
+    """A 2-block Llama with grouped-query heads (4 query heads, 2 key/value heads)."""
+    path = write_config(tmp_path, "llama", hidden_size=HEADS * HEAD_DIM, intermediate_size=128,
+                        num_attention_heads=HEADS, num_key_value_heads=2, num_hidden_layers=2, vocab_size=500)
+    return path, load_workload(str(path), seq_len=SEQ)
+
+
+def _recipe(**fields):
+    return Recipe(per_device_train_batch_size=2, dtype="float32", optim="adamw_torch", fsdp="full_shard", **fields)
+
+
+def _attention_flops(ops, phase):
+    return sum(r.flops * r.count for r in ops.records if r.name.startswith(ATTENTION_PREFIX) and r.phase is phase
+               and "backward" not in r.name)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_rank_computes_its_share_of_the_causal_attention(llama, cp):
+    """torch's load-balanced ring: a rank's attention steps (its own part causal, then half of them against every other
+    rank's keys and values) add up to 1/cp of the whole sequence's causal attention; the rest of the model runs on
+    its S / cp tokens."""
+    _, workload = llama
+    whole = step_ops(workload, _recipe().resolved(workload).replace(fsdp="none"))
+    rank = step_ops(workload, _recipe(cp_size=cp).resolved(workload).replace(fsdp="none"))
+    # The kernel's FLOPs count a causal block whole (S x S for the whole sequence); a rank's ring steps: its own two
+    # chunks of S / 2cp (S / cp x S / cp), then cp - 1 times its second chunk's queries against S / cp keys
+    part = SEQ // cp
+    steps = part * part + (cp - 1) * (part // 2) * part
+    assert _attention_flops(rank, Phase.FORWARD) == pytest.approx(_attention_flops(whole, Phase.FORWARD) * steps / SEQ**2)
+    assert rank.flops(Phase.FORWARD) < whole.flops(Phase.FORWARD) / cp * 1.2
+
+
+def test_the_ring_s_collectives_are_in_the_trace_and_priced(llama):
+    """Each layer all-gathers the group's keys and values in forward and again in backward; backward passes the key
+    and value gradients (float32) to the next rank at each of the cp steps."""
+    _, workload = llama
+    cp, blocks = 4, 2
+    recipe = _recipe(cp_size=cp).resolved(workload)
+    ops = step_ops(workload, recipe.replace(fsdp="none"))
+    gathers = [r for r in ops.records if r.name == COLLECTIVE_PREFIX + "all_gather_into_tensor"]
+    passes = [r for r in ops.records if r.name == COLLECTIVE_PREFIX + "all_to_all_single"]
+    assert sum(r.count for r in gathers) == 2 * blocks
+    assert sum(r.count for r in passes) == cp * blocks
+    local_kv = 2 * 2 * (SEQ // cp) * 2 * HEAD_DIM * 4  # k and v: batch 2, S / cp tokens, 2 heads, fp32
+    assert sum(r.bytes * r.count for r in gathers) == 2 * blocks * (cp + 1) * local_kv
+    assert sum(r.bytes * r.count for r in passes) == cp * blocks * 2 * local_kv
+    assert context_parallel_s(ops, recipe, GPU) > 0
+    assert context_parallel_s(ops, recipe.replace(cp_size=1), GPU) == 0
+
+
+def test_a_group_trains_one_batch(llama):
+    """On 8 GPUs at cp 4 two groups train: samples/s counts 2 per step, tokens/s every token of them; the weights
+    are FSDP's over all 8 GPUs, the activations a quarter of each sequence's."""
+    _, workload = llama
+    plain = estimate(workload, _recipe(), GPU, num_gpus=8)
+    split = estimate(workload, _recipe(cp_size=4), GPU, num_gpus=8)
+    assert split.time.samples_per_second * split.time.step_s == pytest.approx(2 * 2)
+    assert split.time.tokens_per_second == pytest.approx(split.time.samples_per_second * SEQ)
+    assert split.memory.anatomy.optimizer_states == plain.memory.anatomy.optimizer_states
+    assert split.memory.anatomy.activations < plain.memory.anatomy.activations / 2
+    assert any(n.startswith("context parallel 4: one rank of 8") for n in split.memory.notes)
+
+
+def test_the_estimate_says_context_parallel(cli, llama):
+    path, _ = llama
+    result = cli("estimate", str(path), "--seq-len", str(SEQ), "--gpu", "H100", "--gpus", "4", "--fsdp", "full_shard",
+                 "--cp-size", "2", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["recipe"]["cp_size"] == 2 and any(n.startswith("context parallel 2: one rank of 4") for n in out["notes"])
+    text = cli("estimate", str(path), "--seq-len", str(SEQ), "--gpu", "H100", "--gpus", "4", "--fsdp", "full_shard",
+               "--cp-size", "2").stdout
+    assert "sharding fsdp_full_shard+cp2" in text
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--gpus", "4", "--cp-size", "2"], "runs under FSDP2"),
+    (["--gpus", "4", "--fsdp", "shard_grad_op", "--cp-size", "2"], "runs under FSDP2"),
+    (["--gpus", "6", "--fsdp", "full_shard", "--cp-size", "4"], "does not divide the 6 GPUs"),
+    (["--gpus", "8", "--nodes", "2", "--fsdp", "full_shard", "--cp-size", "16"], "a ring across nodes"),
+    (["--gpus", "4", "--fsdp", "full_shard", "--cp-size", "2", "--peft", "lora"], "LoRA/QLoRA"),
+    (["--gpus", "4", "--fsdp", "full_shard", "--cp-size", "2", "--tp-size", "2"], "not modelled yet"),
+    (["--gpus", "4", "--fsdp", "full_shard", "--cp-size", "2", "--attn-implementation", "eager"], "needs attn_implementation=sdpa"),
+    (["--gpus", "4", "--fsdp", "full_shard", "--cp-size", "2", "--trainer", "sft"], "SFTTrainer"),
+    (["--gpus", "4", "--zero-stage", "3", "--cp-size", "2"], "DeepSpeed's sequence parallel"),
+    (["--gpus", "4", "--fsdp", "full_shard", "--cp-size", "0"], "at least 1"),
+    (["--gpus", "8", "--fsdp", "full_shard", "--cp-size", "8", "--seq-len", "40"], "2 x cp_size = 16 equal parts"),
+])
+def test_bad_input_is_one_line(cli, llama, flags, message):
+    path, _ = llama
+    seq = [] if "--seq-len" in flags else ["--seq-len", str(SEQ)]
+    result = cli("estimate", str(path), *seq, "--gpu", "H100", *flags)
+    assert result.returncode == 2, result.stdout
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize(("model", "overrides", "message"), [
+    ("bert", {}, "splits causal LM sequences"),
+    ("llama", {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 32},
+     "sliding_attention"),
+])
+def test_models_the_ring_cannot_split(cli, tmp_path, model, overrides, message):
+    path = write_config(tmp_path, model, **overrides)
+    result = cli("estimate", str(path), "--seq-len", str(SEQ), "--gpu", "H100", "--gpus", "2", "--fsdp", "full_shard",
+                 "--cp-size", "2")
+    assert result.returncode == 2 and message in result.stderr, result.stderr
