@@ -132,3 +132,81 @@ def test_models_the_ring_cannot_split(cli, tmp_path, model, overrides, message):
     result = cli("estimate", str(path), "--seq-len", str(SEQ), "--gpu", "H100", "--gpus", "2", "--fsdp", "full_shard",
                  "--cp-size", "2")
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_recipe_files_say_context_parallel(tmp_path):
+    """accelerate's config (`parallelism_config_cp_size`, TRL's example) and TrainingArguments' `parallelism_config`
+    are read as cp_size; the "alltoall" rotation, whose buffers differ from the traced all-gather, is refused."""
+    from anatomist.errors import InputError
+    from anatomist.recipe.files import read_recipe_file
+    from tests.test_recipe_corpus import DATA
+
+    trl = DATA / "trl/examples/accelerate_configs/context_parallel_2gpu.yaml"
+    assert read_recipe_file(trl).recipe.cp_size == 2
+    arguments = tmp_path / "args.json"
+    arguments.write_text(json.dumps({"fsdp": "full_shard", "parallelism_config": {"cp_size": 4, "dp_shard_size": 2}}))
+    assert read_recipe_file(arguments).recipe.cp_size == 4
+    rotation = tmp_path / "alltoall.yaml"
+    rotation.write_text(trl.read_text() + "  parallelism_config_cp_comm_strategy: alltoall\n")
+    with pytest.raises(InputError, match="cp_comm_strategy='alltoall' is not modelled"):
+        read_recipe_file(rotation)
+
+
+def test_a_context_parallel_config_launches_accelerate_s_parallelism_config_and_reads_back(tmp_path):
+    """cp 4 on 8 GPUs: accelerate's launcher turns the written config's parallelism_config into the variables from
+    which the script's ParallelismConfig is built (dp_shard 2 x cp 4, FSDP2 over both); `--recipe` reads cp_size
+    back; the trainer's .py builds the same ParallelismConfig and its JSON, which cannot hold one, says so."""
+    import os
+    from unittest import mock
+
+    ParallelismConfig = pytest.importorskip("accelerate.parallelism_config").ParallelismConfig
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    from anatomist.plan.caveats import launch_warnings
+    from anatomist.plan.emit import trainer_snippet, write
+    from anatomist.recipe.files import read_recipe_file
+
+    recipe = Recipe(fsdp="full_shard", bf16=True, cp_size=4)
+    path = tmp_path / "accelerate.yaml"
+    write(recipe, "accelerate", path, num_gpus=8)
+    args, *_ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "train.py"]))
+    with mock.patch.dict(os.environ, prepare_multi_gpu_env(args)):
+        config = ParallelismConfig()
+    assert (config.dp_replicate_size, config.dp_shard_size, config.cp_size, config.tp_size) == (1, 2, 4, 1)
+    assert read_recipe_file(path).recipe.cp_size == 4
+    snippet = trainer_snippet(recipe, 8, model="m", task="causal-lm")
+    built = eval(snippet.split("parallelism_config=")[1].splitlines()[0].rstrip(","), {"ParallelismConfig": ParallelismConfig})
+    assert (built.dp_shard_size, built.cp_size) == (2, 4)
+    assert any("context parallel 4 is accelerate's ParallelismConfig" in w for w in launch_warnings(recipe, "trainer"))
+    assert not any("ParallelismConfig" in w for w in launch_warnings(recipe, "accelerate"))
+
+
+@pytest.mark.slow  # about a minute on 2 cores: the recipes traced at 4,096 tokens, then split over 2 and 4 ranks
+def test_the_plan_splits_the_sequences_where_nothing_fits_without_it(tmp_path):
+    """On 4 GPUs whose memory is less than any recipe without context parallel needs (a long sequence's logits hold
+    the peak), the plan splits the sequences of the recipes that do not fit over 2 or 4 GPUs, picks a split one
+    that fits at the top of its interval (wider than FSDP's: no GPU run of context parallel was published), names it
+    in its sharding line and writes it as accelerate's ParallelismConfig."""
+    from dataclasses import replace
+
+    from anatomist.plan import SearchSpace, plan
+    from anatomist.plan.emit import accelerate_config
+
+    path = write_config(tmp_path, "llama", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                        num_key_value_heads=2, num_hidden_layers=2, vocab_size=32000, max_position_embeddings=4096)
+    workload = load_workload(str(path), seq_len=4096)
+    space = {"global_batch_size": 4, "num_gpus": 4, "optims": ("adamw_torch",), "compile_options": (False,),
+             "liger_options": (False,), "shardings": ("fsdp_full_shard",), "offload_checkpoints": False,
+             "partial_checkpointing": (), "precisions": ("fp32",)}
+    unsplit = plan(workload, GPU, space=SearchSpace(**space, tensor_parallel=False), margin=0.0, objective="memory")
+    smallest = min(c.device_total_high for c in unsplit.candidates)
+    small_gpu = replace(GPU, memory_bytes=smallest - 2**20)
+    result = plan(workload, small_gpu, space=SearchSpace(**space), margin=0.0)
+    cp = result.best.recipe.cp_size
+    assert cp > 1 and result.best.fits
+    assert result.best.recipe.per_device_train_batch_size * result.best.recipe.gradient_accumulation_steps == 4 * cp // 4
+    sharding = next(line for line in result.best.reasons if line.startswith("sharding"))
+    assert sharding.startswith(f"sharding fsdp_full_shard+cp{cp}")
+    assert any(note.startswith("context parallel: tried over 2, 4 GPUs") for note in result.notes)
+    assert accelerate_config(result.best.recipe, 4)["parallelism_config"]["parallelism_config_cp_size"] == cp

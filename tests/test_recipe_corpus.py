@@ -88,8 +88,8 @@ CASES: dict[str, Read | Refused] = {
         "DeepSpeed", {"zero_stage": 3, "fp16": True, "offload": "none", "stage3_max_live_parameters": 1_000_000_000}),
     "accelerate/examples/deepspeed_config_templates/zero_stage3_offload_config.json": Read(
         "DeepSpeed", {"zero_stage": 3, "fp16": True, "offload": "cpu"}),
-    "accelerate/examples/torch_native_parallelism/configs/cp.yaml": Refused(
-        "parallelism_config.parallelism_config_cp_size", f"context parallel: it {PARALLEL}", "context parallel"),
+    "accelerate/examples/torch_native_parallelism/configs/cp.yaml": Read(
+        "accelerate", {"fsdp": "full_shard", "cp_size": 8, "gradient_checkpointing": True, **BF16}, num_gpus=8),
     "accelerate/examples/torch_native_parallelism/configs/tp_hsdp.yaml": Refused(  # its HSDP replicas are read
         "tensor parallel 2 under accelerate's FSDP2", "is not modelled", "tensor parallel under accelerate's FSDP2"),
     "accelerate/tests/deepspeed/ds_config_zero2.json": Read("DeepSpeed", {"zero_stage": 2, "offload": "cpu"}),
@@ -203,7 +203,8 @@ CASES: dict[str, Read | Refused] = {
         "axolotl", {**QLORA, "lora_r": 32, "optim": "paged_adamw_32bit", **AXOLOTL_BF16, **PACKED},
         model="NousResearch/Meta-Llama-3-8B", seq_len=4096),
     "axolotl/llama-3_1-8b-hsdp-tp.yaml": Refused("tensor_parallel_size=2", "tensor parallel", "tensor parallel"),
-    "axolotl/llama3-8b-deepspeed-alst.yaml": Refused("context_parallel_size=8", "context parallel", "context parallel"),
+    "axolotl/llama3-8b-deepspeed-alst.yaml": Refused("context_parallel_size=8", "axolotl's context parallel",
+                                                     "axolotl's context parallel"),
     "axolotl/lora-1b.yml": Read(
         "axolotl", {"peft": "lora", "lora_r": 16, "optim": "adamw_bnb_8bit", **AXOLOTL_BF16, **PACKED},
         model="NousResearch/Llama-3.2-1B", seq_len=2048),
@@ -330,8 +331,8 @@ CASES: dict[str, Read | Refused] = {
         "reduce_bucket_size 0, which deepspeed 0.19.8 refuses", tool_refuses=True),
     "trl/examples/accelerate_configs/alst_ulysses_4gpu.yaml": Refused(
         "parallelism_config.parallelism_config_sp_size=2", "sequence parallel", "sequence parallel (ALST/Ulysses)"),
-    "trl/examples/accelerate_configs/context_parallel_2gpu.yaml": Refused(
-        "parallelism_config.parallelism_config_cp_size=2", "context parallel", "context parallel"),
+    "trl/examples/accelerate_configs/context_parallel_2gpu.yaml": Read(
+        "accelerate", {"fsdp": "full_shard", "cp_size": 2, "gradient_checkpointing": True, **BF16}, num_gpus=2),
     "trl/examples/accelerate_configs/deepspeed_zero1.yaml": Read("accelerate", {"zero_stage": 1, **BF16}, num_gpus=8),
     "trl/examples/accelerate_configs/deepspeed_zero2.yaml": Read("accelerate", {"zero_stage": 2, **BF16}, num_gpus=8),
     "trl/examples/accelerate_configs/fsdp1.yaml": Read("accelerate", {"fsdp": "full_shard", **BF16}, num_gpus=8),

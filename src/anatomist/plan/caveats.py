@@ -35,11 +35,13 @@ def launch_warnings(recipe: Recipe, target: str) -> list[str]:
         warnings.append(split + (" and the FSDP over its groups" if recipe.fsdp != "none" else "") + " are set as the "
                         "model loads: the .py's from_pretrained(distributed_config=...), launched with torchrun on "
                         "every GPU; TrainingArguments alone would train without them")
-    if recipe.dp_replicate_size > 1 and target in ("trainer", "trl"):
-        warnings.append(f"HSDP ({recipe.dp_replicate_size} replicas of FSDP's shard groups) is accelerate's "
-                        "ParallelismConfig, an object no JSON or YAML field builds: launch with the accelerate config "
-                        "from --emit accelerate, or pass TrainingArguments(parallelism_config=ParallelismConfig(...)) "
-                        "as the .py of --emit trainer does; without it FSDP shards over every GPU")
+    if recipe.uses_parallelism_config and target in ("trainer", "trl"):
+        layout = (f"HSDP ({recipe.dp_replicate_size} replicas of FSDP's shard groups)" if recipe.dp_replicate_size > 1
+                  else f"context parallel {recipe.cp_size}")
+        warnings.append(f"{layout} is accelerate's ParallelismConfig, an object no JSON or YAML field builds: launch "
+                        "with the accelerate config from --emit accelerate, or pass TrainingArguments(parallelism_config="
+                        "ParallelismConfig(...)) as the .py of --emit trainer does; without it FSDP shards over every "
+                        "GPU, each its own batch of whole sequences")
     if recipe.fp8 != "none" and target in ("trainer", "trl"):
         warnings.append("fp8 is accelerate's mixed precision: launch with `accelerate launch --mixed_precision fp8` "
                         "(or an accelerate config from --emit accelerate); bf16 stays False here, as set it would "
@@ -59,7 +61,7 @@ def _older_accelerate(recipe: Recipe, target: str) -> list[str]:
     if release(version) < FSDP2_ACCELERATE:
         return [f"accelerate {version} here has no FSDP2 (it came in 1.6): it would run this FSDP config as FSDP1, "
                 "which anatomist does not predict; train with accelerate 1.6 or later"]
-    if recipe.dp_replicate_size > 1 and release(version) < PARALLELISM_CONFIG_ACCELERATE:
+    if recipe.uses_parallelism_config and release(version) < PARALLELISM_CONFIG_ACCELERATE:
         return [f"accelerate {version} here has no ParallelismConfig (it came in 1.10): it would shard over every GPU "
-                "instead of HSDP's replicas; train with accelerate 1.10 or later"]
+                "instead of HSDP's replicas or context parallel's groups; train with accelerate 1.10 or later"]
     return []

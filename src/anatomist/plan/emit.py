@@ -138,7 +138,7 @@ def trainer_snippet(recipe: Recipe, num_gpus: int = 1, *, model: str = "MODEL",
         lines.append(f"model = get_peft_model(model, LoraConfig({_call_args(lora)}))")
     args = ",\n".join(f"    {k}={v!r}" for k, v in kwargs.items())
     args += _deepspeed_argument(recipe, deepspeed)
-    if recipe.dp_replicate_size > 1:
+    if recipe.uses_parallelism_config:
         lines.insert(0, "from accelerate import ParallelismConfig")
         args += f",\n    parallelism_config=ParallelismConfig({_call_args(parallelism_sizes(recipe, num_gpus))})"
     lines.append(f'args = TrainingArguments(\n    output_dir="out",\n{args},\n)')
@@ -238,7 +238,7 @@ def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = Fals
             # FSDP's own checkpointing is every layer's, on the device; partial or offloaded: TrainingArguments'
             "fsdp_activation_checkpointing": recipe.checkpoints_every_layer,
         }
-    if recipe.dp_replicate_size > 1:  # HSDP: accelerate's ParallelismConfig (a non-empty section turns it on)
+    if recipe.uses_parallelism_config:  # HSDP, context parallel (a non-empty section turns ParallelismConfig on)
         config["parallelism_config"] = {f"parallelism_config_{name}": size
                                         for name, size in parallelism_sizes(recipe, num_gpus).items()}
     if recipe.torch_compile:
@@ -262,10 +262,11 @@ def _deepspeed_plugin(recipe: Recipe) -> dict[str, Any]:
 
 
 def parallelism_sizes(recipe: Recipe, num_gpus: int) -> dict[str, int]:
-    """accelerate's ParallelismConfig of an HSDP recipe: its replicas, each a shard group of num_gpus / replicas
-    consecutive ranks (a node's, as the plan searches it)."""
-    return {"dp_replicate_size": recipe.dp_replicate_size, "dp_shard_size": num_gpus // recipe.dp_replicate_size,
-            "tp_size": 1, "cp_size": 1}
+    """accelerate's ParallelismConfig of an HSDP or context parallel recipe: its replicas, each a shard group of
+    num_gpus / replicas consecutive ranks (a node's, as the plan searches it), of which context parallel takes cp_size
+    (FSDP shards over dp_shard x cp)."""
+    replicas, cp = recipe.dp_replicate_size, recipe.cp_size
+    return {"dp_replicate_size": replicas, "dp_shard_size": num_gpus // replicas // cp, "tp_size": 1, "cp_size": cp}
 
 
 def _fp8_config(recipe: Recipe) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from anatomist.plan.space import (
     PEFT_TRADE_OFF,
     SearchSpace,
     checkpointing_alternatives,
+    context_parallel_sizes,
     expert_parallel_sizes,
     method_of,
     searched_precisions,
@@ -81,14 +82,17 @@ def _with_batch(name: str, alternative: ResolvedRecipe, recipe: ResolvedRecipe) 
 
 
 def _sharding_alternatives(r: ResolvedRecipe, space: SearchSpace, workload: Workload) -> list[tuple[str, ResolvedRecipe]]:
-    """The other shardings; for a tensor parallel pick also the other group sizes, each at the same global batch
-    (`_group_batch`); for an expert parallel one the other degrees."""
+    """The other shardings; for a tensor or context parallel pick also the other group sizes, each at the same global
+    batch (`_group_batch`); for an expert parallel one the other degrees."""
     alts = [(_with_batch(name, v, r), v) for spec in space.sharding_options(method_of(r))
             if spec.name != sharding_of(r, space.num_gpus) and runs_with(r.optim, spec.fsdp)
             for name, v in _if_valid(spec.name, r, **{**UNSHARDED, **spec.fields, **_group_batch(r, space, 1)})]
     if r.ep_size > 1:
         alts += [(sharding_of(v, space.num_gpus), v) for size in expert_parallel_sizes(space, workload)
                  if size != r.ep_size for v in valid(r, ep_size=size)]
+    if r.cp_size > 1:
+        alts += [(_with_batch(sharding_of(v, space.num_gpus), v, r), v) for size in context_parallel_sizes(space, workload)
+                 if size != r.cp_size for v in valid(r, cp_size=size, **_group_batch(r, space, size))]
     if r.tp_size == 1:
         return alts
     for size in tensor_parallel_sizes(space, workload):
@@ -116,7 +120,7 @@ def _axes(space: SearchSpace, gpu: GPU, workload: Workload) -> list[tuple[str, C
     def batch_alts(r: ResolvedRecipe) -> list[tuple[str, ResolvedRecipe]]:
         return [
             (f"batch {b} x {a}", r.replace(per_device_train_batch_size=b, gradient_accumulation_steps=a))
-            for b, a in space.batch_options(r.tp_size)
+            for b, a in space.batch_options(r.tp_size * r.cp_size)
             if b != r.per_device_train_batch_size
         ]
 
@@ -134,8 +138,8 @@ def _axes(space: SearchSpace, gpu: GPU, workload: Workload) -> list[tuple[str, C
         ("optimizer", lambda r: r.optim,
          lambda r: [alt for o in space.optims if o != r.optim and runs_with(o, r.fsdp) for alt in _if_valid(o, r, optim=o)]),
         ("attention", lambda r: r.attn_implementation,
-         lambda r: [(a, r.replace(attn_implementation=a)) for a in attn
-                    if a != r.attn_implementation and (a != "flash_attention_2" or r.mixed_precision != "no")]
+         lambda r: [alt for a in attn if a != r.attn_implementation and (a != "flash_attention_2" or r.mixed_precision != "no")
+                    for alt in _if_valid(a, r, attn_implementation=a)]  # context parallel: SDPA's only
          if not r.padding_free else []),  # padding-free rows need the varlen kernel
         ("torch.compile", lambda r: "on" if r.torch_compile else "off",
          lambda r: _if_valid("on" if not r.torch_compile else "off", r, torch_compile=not r.torch_compile)

@@ -40,8 +40,11 @@ from anatomist.plan.space import (
     can_offload_activations,
     enumerate_recipes,
     partial_variants,
+    valid,
 )
 from anatomist.plan.splits import (
+    context_parallel_note,
+    context_parallel_variants,
     expert_parallel_note,
     expert_parallel_variants,
     tensor_parallel_note,
@@ -127,8 +130,8 @@ def checkpointing_variants(recipes: list[ResolvedRecipe], best: Candidate | None
     _trace_ahead(evaluate, open_plain)
     variants = partial_variants([r for r in open_plain if evaluate(r).fits], space)
     if space.offload_checkpoints:
-        variants += [r.replace(checkpoint_offload=True) for r in every_layer
-                     if beats_best(r) and (objective == "memory" or not evaluate(r).fits)]
+        variants += [v for r in every_layer if beats_best(r) and (objective == "memory" or not evaluate(r).fits)
+                     for v in valid(r, checkpoint_offload=True)]  # not under a split that refuses it
     if space.offload_activations:
         variants += [r.replace(activation_offloading=True) for r in recipes if can_offload_activations(r)
                      and not r.activation_offloading and beats_best(r) and (objective == "memory" or not evaluate(r).fits)]
@@ -139,12 +142,12 @@ def _with_variants(recipes: list[ResolvedRecipe], candidates: list[Candidate], e
                    objective: Objective, space: SearchSpace, error: float, limit: int) -> list[Candidate]:
     """`candidates` and the variants the search adds after them, each kind against the best that fits so far:
     checkpointing where it can pay (`checkpointing_variants`), then tensor parallel (`tensor_parallel_variants`), then
-    expert parallel (`expert_parallel_variants`), then the split recipes' own checkpointing (one that fits
-    checkpointing every layer may fit checkpointing fewer, which the first pass, over the recipes before the split,
-    could not find)."""
+    expert parallel (`expert_parallel_variants`), then context parallel (`context_parallel_variants`), then the split
+    recipes' own checkpointing (one that fits checkpointing every layer may fit checkpointing fewer, which the first
+    pass, over the recipes before the split, could not find)."""
     split: list[ResolvedRecipe] = []
     stages = ((checkpointing_variants, recipes), (tensor_parallel_variants, recipes), (expert_parallel_variants, recipes),
-              (checkpointing_variants, split))
+              (context_parallel_variants, recipes), (checkpointing_variants, split))
     for variants_of, searched in stages:
         feasible = [c for c in candidates if c.fits]
         best = choose(feasible, objective, speed_error=error, limit=limit) if feasible else None
@@ -152,7 +155,7 @@ def _with_variants(recipes: list[ResolvedRecipe], candidates: list[Candidate], e
         if variants:
             _trace_ahead(evaluate, variants)
             candidates = candidates + [evaluate(r) for r in variants]
-            split += [r for r in variants if r.split_by_transformers]
+            split += [r for r in variants if r.split_by_transformers or r.cp_size > 1]
     return candidates
 
 
@@ -233,7 +236,8 @@ def plan(
         notes.append(describe_network(space.num_gpus, space.nodes, space.network, gpu))
     if space.shardings is not None:
         notes.append("shardings searched (--shardings): " + ", ".join(spec.name for spec in space.sharding_options()))
-    notes += tensor_parallel_note(space, workload, candidates) + expert_parallel_note(space, workload, candidates)
+    notes += (tensor_parallel_note(space, workload, candidates) + expert_parallel_note(space, workload, candidates)
+              + context_parallel_note(space, workload, candidates))
     if space.fixed:
         notes.append("held fixed by --recipe: " + ", ".join(f"{k}={v}" for k, v in space.fixed.items()))
     notes.append(f"{best.time.calibration}; {UNFITTED_TERMS}" if adds_device_terms(best.recipe, space.num_gpus)

@@ -25,7 +25,11 @@ from anatomist.axes.shardings import SHARDING_NAMES, ShardingSpec, shardings_for
 from anatomist.errors import InputError
 from anatomist.hardware import GPU
 from anatomist.recipe import Recipe
-from anatomist.recipe.parallel_checks import check_expert_parallel_model, check_tensor_parallel_model
+from anatomist.recipe.parallel_checks import (
+    check_context_parallel_model,
+    check_expert_parallel_model,
+    check_tensor_parallel_model,
+)
 from anatomist.workload import Workload
 
 UNBOUNDED_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -268,6 +272,16 @@ def expert_parallel_sizes(space: SearchSpace, workload: Workload) -> list[int]:
     if not space.tensor_parallel or space.num_gpus == 1 or "ep_size" in space.fixed or not workload.is_moe:
         return []
     return _split_sizes(space.num_gpus, space.num_gpus, lambda size: check_expert_parallel_model(size, workload))
+
+
+def context_parallel_sizes(space: SearchSpace, workload: Workload) -> list[int]:
+    """The context parallel degrees the search tries on `space`'s GPUs (`SearchSpace.tensor_parallel` covers every
+    split): powers of two from 2 up to a node's GPUs that divide the GPUs, where the model's sequences split that way
+    (`parallel_checks.check_context_parallel_model`: a causal LM of full attention, its length into 2 x C parts)."""
+    if not space.tensor_parallel or space.num_gpus == 1 or "cp_size" in space.fixed:
+        return []
+    return _split_sizes(space.num_gpus, space.num_gpus // space.nodes,
+                        lambda size: check_context_parallel_model(size, workload))
 
 
 def _split_sizes(num_gpus: int, most: int, check: Callable[[int], None]) -> list[int]:

@@ -1,12 +1,20 @@
-"""The splits the plan tries beyond data parallel, both set where transformers loads the model: tensor parallel
-(`tensor_parallel_variants`) and, for a Mixture of Experts, expert parallel (`expert_parallel_variants`), each only
-where it could help, and the notes that say what was tried. `search._with_variants` runs them after the base
-recipes' checkpointing variants, and the split recipes' own checkpointing after them."""
+"""The splits the plan tries beyond data parallel: tensor parallel (`tensor_parallel_variants`) and, for a Mixture of
+Experts, expert parallel (`expert_parallel_variants`), both set where transformers loads the model, and for a causal
+LM's long sequences context parallel (`context_parallel_variants`, accelerate's ParallelismConfig), each only where it
+could help, and the notes that say what was tried. `search._with_variants` runs them after the base recipes'
+checkpointing variants, and the split recipes' own checkpointing after them."""
 
 from __future__ import annotations
 
 from anatomist.plan.candidates import SPEED_TIE, Candidate, Evaluator, Objective
-from anatomist.plan.space import SearchSpace, expert_parallel_sizes, tensor_parallel_fsdp, tensor_parallel_sizes, valid
+from anatomist.plan.space import (
+    SearchSpace,
+    context_parallel_sizes,
+    expert_parallel_sizes,
+    tensor_parallel_fsdp,
+    tensor_parallel_sizes,
+    valid,
+)
 from anatomist.recipe import ResolvedRecipe
 from anatomist.workload import Workload
 
@@ -62,6 +70,38 @@ def expert_parallel_variants(recipes: list[ResolvedRecipe], best: Candidate | No
         if r.fsdp == "full_shard" and not r.split_by_transformers and r.dp_replicate_size == 1 and worth_splitting(r):
             variants += [v.resolved(evaluate.workload) for size in sizes for v in valid(r, ep_size=size)]
     return list(dict.fromkeys(variants))
+
+
+def context_parallel_variants(recipes: list[ResolvedRecipe], best: Candidate | None, evaluate: Evaluator,
+                              objective: Objective, space: SearchSpace) -> list[ResolvedRecipe]:
+    """The FSDP full_shard recipes of a causal LM that do not fit (or every one where nothing fits or the objective is
+    memory) with each sequence split over groups of C GPUs (`context_parallel_sizes`), each group one batch, so the
+    batch pairs are a group's. Only those: context parallel saves activations, not time (a GPU computes its part of
+    every layer for 1/C of the batches and adds the ring's exchanges)."""
+    sizes = context_parallel_sizes(space, evaluate.workload)
+    if not sizes:
+        return []
+
+    def worth_splitting(r: ResolvedRecipe) -> bool:
+        return objective == "memory" or best is None or not evaluate(r).fits
+
+    variants = []
+    for r in recipes:
+        if r.fsdp == "full_shard" and not r.split_by_transformers and not r.uses_parallelism_config and worth_splitting(r):
+            variants += [v.resolved(evaluate.workload) for size in sizes for b, a in space.batch_options(size) for v in
+                         valid(r, cp_size=size, per_device_train_batch_size=b, gradient_accumulation_steps=a)]
+    return list(dict.fromkeys(variants))
+
+
+def context_parallel_note(space: SearchSpace, workload: Workload, candidates: list[Candidate]) -> list[str]:
+    """Whether context parallel was tried (`context_parallel_variants`), over how many GPUs, on how many recipes."""
+    sizes = context_parallel_sizes(space, workload)
+    if not sizes:
+        return []
+    split = sum(c.recipe.cp_size > 1 for c in candidates)
+    tried = f"{split} recipe(s) predicted" if split else "none: every FSDP recipe that could take it fitted"
+    return [f"context parallel: tried over {', '.join(map(str, sizes))} GPUs on the FSDP recipes that do not fit "
+            f"({tried}); --no-tensor-parallel leaves it out"]
 
 
 def _could_win_without_communication(r: ResolvedRecipe, best: Candidate, evaluate: Evaluator) -> bool:

@@ -111,6 +111,11 @@ class RecipeFields:
         return self.tp_size > 1 or self.ep_size > 1
 
     @property
+    def uses_parallelism_config(self) -> bool:
+        """Whether accelerate's ParallelismConfig lays out the GPUs: HSDP's replicas or context parallel."""
+        return self.dp_replicate_size > 1 or self.cp_size > 1
+
+    @property
     def sharding_stage(self) -> int:
         """The ZeRO-equivalent sharding stage: DeepSpeed's own, or FSDP's (full_shard = 3, shard_grad_op = 2)."""
         return FSDP_STAGES.get(self.fsdp, self.zero_stage)

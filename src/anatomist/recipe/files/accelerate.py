@@ -11,11 +11,12 @@ Read as strictly as accelerate reads it: a top-level key ClusterConfig lacks is 
 fsdp_config.x -> --fsdp_x), nor an argument the environment it prepares reads (utils/launch.py:
 fsdp_ignored_modules): accelerate would set it and nothing would read it. Settings that
 change memory but are not modelled yet are refused, never predicted as something else:
-context and sequence parallel in `parallelism_config`, activation offload
-(`fsdp_activation_checkpointing_offload`). FSDP's CPU offload (`fsdp_offload_params`) is the recipe's offload="cpu".
-`parallelism_config.parallelism_config_tp_size` is the recipe's tp_size, traced as transformers splits the model,
-without FSDP; with FSDP it is refused (TP_UNDER_ACCELERATE_FSDP). `parallelism_config_dp_replicate_size` is the
-recipe's dp_replicate_size (HSDP: FSDP's shard groups replicated, as accelerate's FSDP2 shards on its 2-D mesh).
+sequence parallel (DeepSpeed's Ulysses) and context parallel's "alltoall" rotation in `parallelism_config`, activation
+offload (`fsdp_activation_checkpointing_offload`). FSDP's CPU offload (`fsdp_offload_params`) is the recipe's
+offload="cpu". `parallelism_config.parallelism_config_tp_size` is the recipe's tp_size, traced as transformers splits
+the model, without FSDP; with FSDP it is refused (TP_UNDER_ACCELERATE_FSDP). `parallelism_config_dp_replicate_size` is
+the recipe's dp_replicate_size (HSDP: FSDP's shard groups replicated, as accelerate's FSDP2 shards on its 2-D mesh),
+`parallelism_config_cp_size` its cp_size (torch's ring attention with accelerate's default "allgather" rotation).
 """
 
 from __future__ import annotations
@@ -46,11 +47,20 @@ WRITTEN_BY_DEFAULT = {"compute_environment": "LOCAL_MACHINE", "gpu_ids": "all"}
 SECTION_PREFIXES = {"fsdp_config": "fsdp_", "dynamo_config": "dynamo_", "fp8_config": "fp8_",
                     "deepspeed_config": "", "parallelism_config": ""}
 """The sections whose keys become `accelerate launch` options, and the prefix launch.py gives a key that lacks it."""
-PARALLEL_SIZES = {"parallelism_config_cp_size": "context_parallel", "parallelism_config_sp_size": "sequence_parallel"}
-"""parallelism_config sizes above 1 that anatomist does not model: context and sequence parallel, and hybrid
-sharding (replicas of a sharded group): refused, not predicted as plain data parallel."""
-READ_SIZES = {"parallelism_config_tp_size": "tp_size", "parallelism_config_dp_replicate_size": "dp_replicate_size"}
-"""parallelism_config sizes read as the recipe's fields (tensor parallel; HSDP's replicas of FSDP's shards)."""
+PARALLEL_SIZES = {"parallelism_config_sp_size": "sequence_parallel"}
+"""parallelism_config sizes above 1 that anatomist does not model: sequence parallel (DeepSpeed's Ulysses), refused,
+not predicted as plain data parallel."""
+READ_SIZES = {"parallelism_config_tp_size": "tp_size", "parallelism_config_dp_replicate_size": "dp_replicate_size",
+              "parallelism_config_cp_size": "cp_size"}
+"""parallelism_config sizes read as the recipe's fields (tensor parallel; HSDP's replicas of FSDP's shards; context
+parallel)."""
+IMPLIED = ("parallelism_config_dp_shard_size", "parallelism_config_cp_comm_strategy", "parallelism_config_cp_backend")
+"""parallelism_config keys the recipe holds otherwise: FSDP's shard size is what the GPUs leave beside the other sizes
+(accelerate refuses a product other than its processes), the ring's rotation is refused unless it is the traced one
+(`CP_ROTATION`), and "torch" is the one backend accelerate's ParallelismConfig takes."""
+CP_ROTATION = "parallelism_config_cp_comm_strategy"
+"""How torch's ring passes the keys and values (accelerate's TorchContextParallelConfig): "allgather", its default,
+is what anatomist traces; "alltoall" passes one rank's part at a time (other buffers): refused."""
 MULTI_NODE = ("same_network", "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend")
 """Keys that say where the machines meet: nothing the prediction reads, whatever they say (num_machines sets
 the nodes the time model spreads the devices over)."""
@@ -112,6 +122,11 @@ def _parallelism(section: dict[str, Any], file: str) -> None:
         for written in (key, key.removeprefix("parallelism_config_")):
             if written in section:
                 refuse_unmodelled(setting, file, f"parallelism_config.{written}", section[written])
+    for written in (CP_ROTATION, CP_ROTATION.removeprefix("parallelism_config_")):
+        if section.get(written) not in (None, "allgather"):
+            raise InputError(f"{file}: parallelism_config.{written}={section[written]!r} is not modelled yet (context "
+                             "parallel is traced with torch's all-gather of the keys and values, accelerate's "
+                             "default); use allgather or remove it")
 
 
 def _sizes(section: Any, reading: Reading, file: str) -> Any:
@@ -124,6 +139,8 @@ def _sizes(section: Any, reading: Reading, file: str) -> Any:
         for written in (w for w in (key, key.removeprefix("parallelism_config_")) if w in section):
             parallel_size(reading, field, section[written], file, f"parallelism_config.{written}")
             read.add(written)
+    for key in IMPLIED:
+        read |= {key, key.removeprefix("parallelism_config_")}
     return {k: v for k, v in section.items() if k not in read}
 
 

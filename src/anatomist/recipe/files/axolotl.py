@@ -71,8 +71,8 @@ DIRECT = {"micro_batch_size": "per_device_train_batch_size", "gradient_accumulat
           "tf32": "tf32"}
 """axolotl key -> Recipe field of the same meaning."""
 ATTENTION_FLAGS = {"flash_attention": "flash_attention_2", "sdp_attention": "sdpa", "eager_attention": "eager"}
-PARALLEL = {"tensor_parallel_size": "tensor_parallel", "context_parallel_size": "context_parallel",
-            "sequence_parallel_degree": "context_parallel"}
+PARALLEL = {"tensor_parallel_size": "tensor_parallel", "context_parallel_size": "ring_flash_attention",
+            "sequence_parallel_degree": "ring_flash_attention"}
 REPLICAS = "dp_replicate_size"
 """HSDP's replicas of FSDP's shard groups: axolotl hands it to accelerate's ParallelismConfig, read as the recipe's."""
 OFFLOADING = {"offload": True, "offload_disk": "disk"}

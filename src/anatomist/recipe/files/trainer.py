@@ -67,9 +67,9 @@ HANDLED = frozenset({"gradient_checkpointing", "activation_checkpointing", "grad
 PEFT_UNMODELLED = {"lora_modules_to_save": "modules_to_save", "use_dora": "dora"}
 """TRL ModelConfig's LoRA settings that change memory in a way not modelled (get_peft_config passes them to
 LoraConfig: modules_to_save, use_dora)."""
-PARALLELISM_SIZES = {"cp_size": "context_parallel", "sp_size": "sequence_parallel"}
+PARALLELISM_SIZES = {"sp_size": "sequence_parallel"}
 """accelerate's ParallelismConfig sizes, as TrainingArguments.parallelism_config (4.57+) holds them, that anatomist
-does not model yet; its tp_size and dp_replicate_size are the recipe's (`_sizes`)."""
+does not model yet; its tp_size, dp_replicate_size and cp_size are the recipe's (`_sizes`)."""
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -193,8 +193,9 @@ def _trl_defaults(data: dict[str, Any], schema: dict[str, Any], reading: Reading
         reading.set_default("seq_len", schema["max_length"], file, "max_length", "TRL")
 
 
-READ_SIZES = ("tp_size", "dp_replicate_size")
-"""The ParallelismConfig sizes read as the recipe's fields of the same names (tensor parallel; HSDP's replicas)."""
+READ_SIZES = ("tp_size", "dp_replicate_size", "cp_size")
+"""The ParallelismConfig sizes read as the recipe's fields of the same names (tensor parallel; HSDP's replicas;
+context parallel)."""
 
 
 def _sizes(data: dict[str, Any], reading: Reading, file: str) -> None:

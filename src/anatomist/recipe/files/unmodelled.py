@@ -25,6 +25,9 @@ UNMODELLED: dict[str, str] = {
     "fp16_master_weights_and_grads": "DeepSpeed's fp16 master weights and gradients: they would be predicted in fp32",
     "tensor_parallel": "tensor parallel: it would be predicted as plain data parallel",
     "context_parallel": "context parallel: it would be predicted as plain data parallel",
+    "ring_flash_attention": "axolotl's context parallel, the ring-flash-attn package's ring over flash_attention_2, or "
+                            "DeepSpeed's Ulysses under its ALST (accelerate's, PyTorch's ring attention over SDPA, is "
+                            "what --cp-size models)",
     "sequence_parallel": "sequence parallel: it would be predicted as plain data parallel",
     "pipeline_parallel": "pipeline parallel: it would be predicted as plain data parallel",
     "hybrid_shard": "FSDP1's hybrid sharding (replicated groups of sharded ranks; FSDP2's, which anatomist models, is "
