@@ -95,13 +95,17 @@ def context_parallel_variants(recipes: list[ResolvedRecipe], best: Candidate | N
 
 def context_parallel_note(space: SearchSpace, workload: Workload, candidates: list[Candidate]) -> list[str]:
     """Whether context parallel was tried (`context_parallel_variants`), over how many GPUs, on how many recipes."""
-    sizes = context_parallel_sizes(space, workload)
+    return _tried(context_parallel_sizes(space, workload), sum(c.recipe.cp_size > 1 for c in candidates),
+                  "context parallel: tried over {sizes} GPUs on the FSDP recipes that do not fit ({tried}); "
+                  "--no-tensor-parallel leaves it out", "none: every FSDP recipe that could take it fitted")
+
+
+def _tried(sizes: list[int], split: int, line: str, none: str, counted: str = "recipe(s) predicted") -> list[str]:
+    """A split's note: `line` with the sizes tried and how many recipes were split (`none`'s words for none); nothing
+    where no size was tried."""
     if not sizes:
         return []
-    split = sum(c.recipe.cp_size > 1 for c in candidates)
-    tried = f"{split} recipe(s) predicted" if split else "none: every FSDP recipe that could take it fitted"
-    return [f"context parallel: tried over {', '.join(map(str, sizes))} GPUs on the FSDP recipes that do not fit "
-            f"({tried}); --no-tensor-parallel leaves it out"]
+    return [line.format(sizes=", ".join(map(str, sizes)), tried=f"{split} {counted}" if split else none)]
 
 
 def _could_win_without_communication(r: ResolvedRecipe, best: Candidate, evaluate: Evaluator) -> bool:
@@ -114,22 +118,15 @@ def _could_win_without_communication(r: ResolvedRecipe, best: Candidate, evaluat
 
 def tensor_parallel_note(space: SearchSpace, workload: Workload, candidates: list[Candidate]) -> list[str]:
     """Whether tensor parallel was tried (`tensor_parallel_variants`), in which group sizes, on how many recipes."""
-    sizes = tensor_parallel_sizes(space, workload)
-    if not sizes:
-        return []
-    split = sum(c.recipe.tp_size > 1 for c in candidates)
-    tried = f"{split} split recipe(s) predicted" if split else "none split: every recipe fitted or could not win"
-    return [f"tensor parallel: tried in groups of {', '.join(map(str, sizes))} on the recipes that do not fit and could "
-            f"win ({tried}); --no-tensor-parallel leaves it out"]
+    return _tried(tensor_parallel_sizes(space, workload), sum(c.recipe.tp_size > 1 for c in candidates),
+                  "tensor parallel: tried in groups of {sizes} on the recipes that do not fit and could win ({tried}); "
+                  "--no-tensor-parallel leaves it out", "none split: every recipe fitted or could not win",
+                  counted="split recipe(s) predicted")
 
 
 def expert_parallel_note(space: SearchSpace, workload: Workload, candidates: list[Candidate]) -> list[str]:
     """Whether expert parallel was tried (`expert_parallel_variants`), in which degrees, on how many recipes."""
-    sizes = expert_parallel_sizes(space, workload)
-    if not sizes:
-        return []
-    split = sum(c.recipe.ep_size > 1 for c in candidates)
-    tried = f"{split} recipe(s) predicted" if split else "none: every FSDP recipe fitted and could not win"
-    return [f"expert parallel: tried over {', '.join(map(str, sizes))} GPUs on the FSDP recipes that do not fit or "
-            f"could win ({tried}), judged at balanced routing (`anatomist estimate --ep-size E` gives the skewed end); "
-            "--no-tensor-parallel leaves it out"]
+    return _tried(expert_parallel_sizes(space, workload), sum(c.recipe.ep_size > 1 for c in candidates),
+                  "expert parallel: tried over {sizes} GPUs on the FSDP recipes that do not fit or could win ({tried}), "
+                  "judged at balanced routing (`anatomist estimate --ep-size E` gives the skewed end); "
+                  "--no-tensor-parallel leaves it out", "none: every FSDP recipe fitted and could not win")
