@@ -35,7 +35,7 @@ from anatomist.estimate.traces import TRACE_BATCHES, TRACE_DEPTHS, affine, step_
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.depth.cuts import Depth
 from anatomist.trace.depth.plan import TracePlan
-from anatomist.trace.engine.records import CHUNK_WEIGHT_PASS, NO_GEMM, Signature
+from anatomist.trace.engine.records import ATTENTION_PREFIX, CHUNK_WEIGHT_PASS, NO_GEMM, Signature
 from anatomist.trace.store import cache
 from anatomist.trace.store.keys import one_device, part_key
 from anatomist.trace.store.parts import trace_part
@@ -172,8 +172,22 @@ def _step_ops(workload: Workload, recipe: ResolvedRecipe, compute_capability: st
     else:
         counts = {c: _step_at_depth(workload, recipe, c, compute_capability) for c in plan.cuts}
         records = _extrapolate(plan, counts)
+    if recipe.cp_size > 1:
+        records = [_ring_in_causal_convention(r, recipe.cp_size) for r in records]
     records.sort(key=lambda r: (STEP_PHASES.index(r.phase), -r.flops * r.count, -r.bytes * r.count))
     return StepOps(records=records)
+
+
+def _ring_in_causal_convention(record: OpRecord, cp_size: int) -> OpRecord:
+    """A context parallel rank's attention kernel (forward or backward) counted as the time model counts one GPU's
+    causal attention: PyTorch's flop counter gives a causal kernel its whole S x S product (a flash kernel computes about
+    half of it), and the calibration's factors were fitted on that count. Of a rank's ring steps only the first is
+    causal, (S/C)^2 counted; the C - 1 others, S/2C queries against S/C keys each, compute all they count. In that
+    convention the whole sequence counts S^2 and a load-balanced rank 1/C of it, (C + 1) / 2C of what its steps count:
+    so its attention records are scaled by 2C / (C + 1), and C ranks count what one GPU's sequence counts."""
+    if not record.name.startswith(ATTENTION_PREFIX):
+        return record
+    return dataclasses.replace(record, flops=round(record.flops * 2 * cp_size / (cp_size + 1)))
 
 
 def ops_of(signatures: Iterable[Signature]) -> StepOps:
