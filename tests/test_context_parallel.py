@@ -105,7 +105,7 @@ def test_the_estimate_says_context_parallel(cli, llama):
     (["--gpus", "4", "--fsdp", "shard_grad_op", "--cp-size", "2"], "runs under FSDP2"),
     (["--gpus", "6", "--fsdp", "full_shard", "--cp-size", "4"], "does not divide the 6 GPUs"),
     (["--gpus", "8", "--nodes", "2", "--fsdp", "full_shard", "--cp-size", "16"], "a ring across nodes"),
-    (["--gpus", "4", "--fsdp", "full_shard", "--cp-size", "2", "--peft", "lora"], "LoRA/QLoRA"),
+    (["--gpus", "4", "--fsdp", "full_shard", "--cp-size", "2", "--peft", "qlora"], "QLoRA"),
     (["--gpus", "4", "--fsdp", "full_shard", "--cp-size", "2", "--tp-size", "2"], "not modelled yet"),
     (["--gpus", "4", "--fsdp", "full_shard", "--cp-size", "2", "--attn-implementation", "eager"], "needs attn_implementation=sdpa"),
     (["--gpus", "4", "--fsdp", "full_shard", "--cp-size", "2", "--trainer", "sft"], "SFTTrainer"),

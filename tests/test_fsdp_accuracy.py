@@ -166,6 +166,7 @@ CP_CASES = {  # context parallel as the Trainer runs it under accelerate: torch'
     "cp2": {"fsdp": "full_shard", "cp": 2},
     "cp2+checkpointing": {"fsdp": "full_shard", "cp": 2, "gradient_checkpointing": True},
     "cp2+bf16+accumulation": {"fsdp": "full_shard", "cp": 2, "bf16": True, "accumulation": 2},
+    "cp2+lora+bf16": {"fsdp": "full_shard", "cp": 2, "bf16": True, "lora": True},
 }
 ALL_CASES = CASES | FP8_CASES | TP_CASES | HSDP_CASES | EP_CASES | CP_CASES
 
@@ -350,13 +351,14 @@ def test_every_recipe_on_a_wider_model(wider):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "names"), [(2, ["cp2", "cp2+checkpointing"]), (4, ["cp2+bf16+accumulation"])])
+@pytest.mark.parametrize(("world", "names"), [(2, ["cp2", "cp2+checkpointing", "cp2+lora+bf16"]),
+                                               (4, ["cp2+bf16+accumulation"])])
 def test_context_parallel_over_gloo(tmp_path, world, names):
     """Context parallel on real processes over gloo, as the Trainer runs it under accelerate's ParallelismConfig
     (cp_size 2; at world 4 FSDP shards over dp_shard 2 x cp 2): torch's `context_parallel` shards each batch by
     sequence, its ring attention gathers the other rank's keys and values (fsdp_truth.py, its CPU kernel registered by
-    tests/cp_on_cpu.py). A 5-block Llama without grouped-query heads (the CPU kernel has none), 64 tokens a sample:
-    32 a rank."""
+    tests/cp_on_cpu.py); LoRA as PEFT's FSDP guide runs it. A 5-block Llama without grouped-query heads (the CPU kernel
+    has none), 64 tokens a sample: 32 a rank."""
     config = write_config(tmp_path, "llama", hidden_size=256, intermediate_size=1024, num_attention_heads=4,
                           num_key_value_heads=4, num_hidden_layers=BLOCKS, vocab_size=1000, tie_word_embeddings=False)
     workload = load_workload(str(config), seq_len=2 * SEQ_LEN)

@@ -174,15 +174,17 @@ def check_expert_parallel_model(ep_size: int, workload: Workload) -> None:
 
 
 CP_NOT_MODELLED: tuple[tuple[str, object, str], ...] = (
-    *((name, off, said) for name, off, said in SPLIT_NOT_MODELLED if name != "zero_stage"),
+    *((name, off, said) for name, off, said in SPLIT_NOT_MODELLED if name not in ("zero_stage", "peft")),
+    ("load_in_4bit", False, "QLoRA"),
+    ("load_in_8bit", False, "8-bit weights"),
     ("tp_size", 1, "tensor parallel"),
     ("ep_size", 1, "expert parallel"),
     ("dp_replicate_size", 1, "HSDP's replicas"),
     ("padding_free", False, "padding-free batches (the ring needs every rank's part of one causal sequence)"),
     ("packing", False, "packing (accelerate's hooks make every row one causal sequence)"),
 )
-"""What a context parallel recipe is not traced with: LoRA/QLoRA, FP8, compile, the fused kernels, offloads, the
-other splits (field, its value when off, how a user names it)."""
+"""What a context parallel recipe is not traced with: QLoRA, FP8, compile, the fused kernels, offloads, the other splits
+(field, its value when off, how a user names it). LoRA is: PEFT's adapters under FSDP2, the ring in the attention."""
 
 
 def check_context_parallel(r: RecipeFields) -> None:
