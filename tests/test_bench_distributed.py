@@ -42,6 +42,8 @@ rows:
     recipe: {{per_device_train_batch_size: 2, optim: adamw_torch, zero_stage: 2}}
   - name: hsdp
     recipe: {{per_device_train_batch_size: 2, optim: adamw_torch, fsdp: full_shard, dp_replicate_size: 2}}
+  - name: cp
+    recipe: {{per_device_train_batch_size: 2, optim: adamw_torch, fsdp: full_shard, cp_size: 2}}
 """
 
 
@@ -171,6 +173,8 @@ def test_bad_distributed_input_exits_2_with_one_line(tmp_path: Path, capsys) -> 
         (["--rows", "zero2"], "needs Intel's oneCCL"),
         (["--rows", "hsdp", "--num-processes", "4"], "replicates FSDP's shards (HSDP, dp_replicate_size=2), which "
                                                      "the bench does not launch yet"),
+        (["--rows", "cp", "--num-processes", "2"], "runs context parallel (cp_size=2), which the bench does not "
+                                                   "launch yet"),
         (["--rows", "ddp", "--num-processes", "0"], "--num-processes must be at least 1, got 0"),
     ]
     import torch
