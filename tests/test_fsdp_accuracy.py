@@ -167,6 +167,7 @@ CP_CASES = {  # context parallel as the Trainer runs it under accelerate: torch'
     "cp2+checkpointing": {"fsdp": "full_shard", "cp": 2, "gradient_checkpointing": True},
     "cp2+bf16+accumulation": {"fsdp": "full_shard", "cp": 2, "bf16": True, "accumulation": 2},
     "cp2+lora+bf16": {"fsdp": "full_shard", "cp": 2, "bf16": True, "lora": True},
+    "hsdp+cp2": {"fsdp": "full_shard", "replicas": 2, "cp": 2},
 }
 ALL_CASES = CASES | FP8_CASES | TP_CASES | HSDP_CASES | EP_CASES | CP_CASES
 
@@ -351,19 +352,21 @@ def test_every_recipe_on_a_wider_model(wider):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "names"), [(2, ["cp2", "cp2+checkpointing", "cp2+lora+bf16"]),
-                                               (4, ["cp2+bf16+accumulation"])])
-def test_context_parallel_over_gloo(tmp_path, world, names):
+@pytest.mark.parametrize(("world", "backend", "names"), [(2, "gloo", ["cp2", "cp2+checkpointing", "cp2+lora+bf16"]),
+                                                          (4, "gloo", ["cp2+bf16+accumulation"]),
+                                                          (8, "fake", ["hsdp+cp2"])])
+def test_context_parallel_over_gloo(tmp_path, world, backend, names):
     """Context parallel on real processes over gloo, as the Trainer runs it under accelerate's ParallelismConfig
-    (cp_size 2; at world 4 FSDP shards over dp_shard 2 x cp 2): torch's `context_parallel` shards each batch by
+    (cp_size 2; at world 4 FSDP shards over dp_shard 2 x cp 2; at world 8, on the fake process group (this process is
+    rank 0; its collectives move no data, the step runs on what they return), 2 HSDP replicas of dp_shard 2 x cp 2): torch's `context_parallel` shards each batch by
     sequence, its ring attention gathers the other rank's keys and values (fsdp_truth.py, its CPU kernel registered by
     tests/cp_on_cpu.py); LoRA as PEFT's FSDP guide runs it. A 5-block Llama without grouped-query heads (the CPU kernel
     has none), 64 tokens a sample: 32 a rank."""
     config = write_config(tmp_path, "llama", hidden_size=256, intermediate_size=1024, num_attention_heads=4,
                           num_key_value_heads=4, num_hidden_layers=BLOCKS, vocab_size=1000, tie_word_embeddings=False)
     workload = load_workload(str(config), seq_len=2 * SEQ_LEN)
-    measured = _measured(config, world, "gloo", names, seq_len=2 * SEQ_LEN)
+    measured = _measured(config, world, backend, names, seq_len=2 * SEQ_LEN)
     for name in names:
-        assert len(measured[name]) == world  # every rank measured
+        assert len(measured[name]) == (world if backend == "gloo" else 1)  # every rank measured
         assert all(rank["ring_calls"].get("forward") and rank["ring_calls"].get("backward") for rank in measured[name])
         _check(workload, name, world, measured[name])

@@ -262,6 +262,7 @@ def _sharding(recipe: Recipe, num_gpus: int) -> str:
     if recipe.dp_replicate_size > 1:
         replicas = recipe.dp_replicate_size
         name = f"fsdp_{recipe.fsdp}, hybrid: {replicas} replicas x {num_gpus // replicas} shards"
+        name += f", context parallel {recipe.cp_size}" if recipe.cp_size > 1 else ""
         return name + (f", offload to {recipe.offload}" if recipe.offload != "none" else "")
     name = sharding_of(recipe, num_gpus).removesuffix("+offload")
     return name + (f", offload to {recipe.offload}" if recipe.offload != "none" else "")

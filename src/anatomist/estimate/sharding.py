@@ -300,9 +300,13 @@ def expert_parallel_note(recipe: ResolvedRecipe, num_gpus: int) -> str:
 
 def context_parallel_note(recipe: ResolvedRecipe, num_gpus: int) -> str:
     """How a context parallel recipe's rank was traced (`trace.step.context_parallel`)."""
-    cp = recipe.cp_size
+    cp, replicas = recipe.cp_size, recipe.dp_replicate_size
+    group = num_gpus // replicas
+    hybrid = f"dp_replicate_size={replicas}, " if replicas > 1 else ""
+    sharded = (f"FSDP2 over the {group} GPUs of a replica (full_shard), {replicas} replicas" if replicas > 1
+               else f"FSDP2 over all {num_gpus} GPUs (full_shard)")
     return (f"context parallel {cp}: one rank of {num_gpus} traced as the Trainer runs accelerate's "
-            f"ParallelismConfig(dp_shard_size={num_gpus // cp}, cp_size={cp}): 1/{cp} of each sequence, attention by "
-            "PyTorch's ring (its own functions: the group's keys and values all-gathered, partial outputs merged in "
-            f"float32, key and value gradients passed around the ring), FSDP2 over all {num_gpus} GPUs (full_shard), "
-            f"under the fake process group; the GPUs of a group share one batch")
+            f"ParallelismConfig({hybrid}dp_shard_size={group // cp}, cp_size={cp}): 1/{cp} of each sequence, attention "
+            "by PyTorch's ring (its own functions: the group's keys and values all-gathered, partial outputs merged in "
+            f"float32, key and value gradients passed around the ring), {sharded}, under the fake process group; the "
+            "GPUs of a group share one batch")

@@ -63,7 +63,7 @@ def sharding_of(recipe: RecipeFields, num_gpus: int) -> str:
     if recipe.ep_size > 1:
         return f"fsdp_{recipe.fsdp}+ep{recipe.ep_size}"
     if recipe.cp_size > 1:
-        return f"fsdp_{recipe.fsdp}+cp{recipe.cp_size}"
+        return ("hsdp" if recipe.dp_replicate_size > 1 else f"fsdp_{recipe.fsdp}") + f"+cp{recipe.cp_size}"
     if recipe.fsdp == "full_shard" and recipe.dp_replicate_size > 1:
         return "hsdp"
     if recipe.fsdp != "none":

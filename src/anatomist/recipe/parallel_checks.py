@@ -179,12 +179,12 @@ CP_NOT_MODELLED: tuple[tuple[str, object, str], ...] = (
     ("load_in_8bit", False, "8-bit weights"),
     ("tp_size", 1, "tensor parallel"),
     ("ep_size", 1, "expert parallel"),
-    ("dp_replicate_size", 1, "HSDP's replicas"),
     ("padding_free", False, "padding-free batches (the ring needs every rank's part of one causal sequence)"),
     ("packing", False, "packing (accelerate's hooks make every row one causal sequence)"),
 )
 """What a context parallel recipe is not traced with: QLoRA, FP8, compile, the fused kernels, offloads, the other splits
-(field, its value when off, how a user names it). LoRA is: PEFT's adapters under FSDP2, the ring in the attention."""
+(field, its value when off, how a user names it). LoRA is: PEFT's adapters under FSDP2, the ring in the attention; so
+are HSDP's replicas (accelerate's dp_replicate x dp_shard x cp mesh, FSDP over a replica's dp_shard x cp)."""
 
 
 def check_context_parallel(r: RecipeFields) -> None:
@@ -218,9 +218,15 @@ def check_context_parallel_gpus(r: RecipeFields, num_gpus: int, nodes: int = 1) 
     if r.fsdp != "full_shard":
         raise InputError(f"cp_size={r.cp_size} runs under FSDP2 (accelerate shards over dp_shard x cp): add --fsdp "
                          "full_shard")
-    if num_gpus % r.cp_size:
-        raise InputError(f"cp_size={r.cp_size} does not divide the {num_gpus} GPUs: the GPUs are cp_size x the data "
+    group = num_gpus // r.dp_replicate_size  # a replica's GPUs: FSDP's dp_shard x cp
+    if group % r.cp_size:
+        raise InputError(f"cp_size={r.cp_size} does not divide the {group} GPUs of "
+                         f"{'a replica' if r.dp_replicate_size > 1 else 'the run'}: the GPUs are cp_size x the data "
                          "parallel ranks")
+    if r.dp_replicate_size > 1 and group == r.cp_size:
+        raise InputError(f"cp_size={r.cp_size} with dp_replicate_size={r.dp_replicate_size} on {num_gpus} GPUs leaves "
+                         "each replica no FSDP shard of its own (dp_shard_size 1), which accelerate's ParallelismConfig "
+                         "refuses: fewer replicas, or a smaller cp_size")
     if r.cp_size > num_gpus // nodes:
         raise InputError(f"cp_size={r.cp_size} is more than a node's {num_gpus // nodes} GPU(s): a ring across nodes "
                          "is not modelled")
