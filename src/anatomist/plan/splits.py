@@ -75,8 +75,8 @@ def expert_parallel_variants(recipes: list[ResolvedRecipe], best: Candidate | No
 def context_parallel_variants(recipes: list[ResolvedRecipe], best: Candidate | None, evaluate: Evaluator,
                               objective: Objective, space: SearchSpace) -> list[ResolvedRecipe]:
     """The FSDP full_shard recipes of a causal LM that do not fit (or every one where nothing fits or the objective is
-    memory) with each sequence split over groups of C GPUs (`context_parallel_sizes`), each group one batch, so the
-    batch pairs are a group's. Only those: context parallel saves activations, not time (a GPU computes its part of
+    memory), HSDP's among them, with each sequence split over groups of C GPUs (`context_parallel_sizes`), each group
+    one batch, so the batch pairs are a group's. Only those: context parallel saves activations, not time (a GPU computes its part of
     every layer for 1/C of the batches and adds the ring's exchanges)."""
     sizes = context_parallel_sizes(space, evaluate.workload)
     if not sizes:
@@ -87,7 +87,7 @@ def context_parallel_variants(recipes: list[ResolvedRecipe], best: Candidate | N
 
     variants = []
     for r in recipes:
-        if r.fsdp == "full_shard" and not r.split_by_transformers and not r.uses_parallelism_config and worth_splitting(r):
+        if r.fsdp == "full_shard" and not r.split_by_transformers and r.cp_size == 1 and worth_splitting(r):
             variants += [v.resolved(evaluate.workload) for size in sizes for b, a in space.batch_options(size) for v in
                          valid(r, cp_size=size, per_device_train_batch_size=b, gradient_accumulation_steps=a)]
     return list(dict.fromkeys(variants))
