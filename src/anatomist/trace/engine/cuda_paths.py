@@ -61,8 +61,12 @@ Unrecorded = Callable[[], contextlib.AbstractContextManager[Any]]
 """Within its context, ops make tensors the trace does not count (the tracer's `paused`; nothing on a real step)."""
 
 
-def _repeat_heads(key: torch.Tensor, value: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def repeat_heads(key: torch.Tensor, value: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value repeated to `heads` heads (grouped-query attention, as the CPU kernels need them); as they
+    are where they have as many."""
     repeat = heads // key.shape[-3]
+    if repeat == 1:
+        return key, value
     return key.repeat_interleave(repeat, dim=-3), value.repeat_interleave(repeat, dim=-3)
 
 
@@ -77,7 +81,7 @@ class _GroupedQueryFlash(torch.autograd.Function):
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool,
                 scale: float | None, unrecorded: Unrecorded) -> torch.Tensor:
         with unrecorded():
-            key_rep, value_rep = _repeat_heads(key, value, query.shape[-3])
+            key_rep, value_rep = repeat_heads(key, value, query.shape[-3])
         out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key_rep, value_rep, 0.0, is_causal, scale=scale
         )
@@ -89,7 +93,7 @@ class _GroupedQueryFlash(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         query, key, value, out, logsumexp = ctx.saved_tensors
         with ctx.unrecorded():
-            key_rep, value_rep = _repeat_heads(key, value, query.shape[-3])
+            key_rep, value_rep = repeat_heads(key, value, query.shape[-3])
         grad_query, grad_key_rep, grad_value_rep = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, query, key_rep, value_rep, out, logsumexp, 0.0, ctx.is_causal, scale=ctx.scale
         )
@@ -112,11 +116,6 @@ def _cuda_sdpa(
     unrecorded: Unrecorded = contextlib.nullcontext,
     ring: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    if ring is not None and attn_mask is None and value.shape[-1] == query.shape[-1]:
-        if torch.is_autocast_enabled("cpu"):
-            dtype = torch.get_autocast_dtype("cpu")
-            query, key, value = (t.to(dtype) for t in (query, key, value))
-        return ring(query, key, value, scale, unrecorded)  # context parallel: `trace.step.context_parallel`
     if attn_mask is not None and attn_mask.requires_grad:
         # A learned bias (T5's relative positions): the CPU flash kernel cannot give its
         # gradient; the math path keeps the probabilities, as CUDA's kernels then also may.
@@ -129,10 +128,12 @@ def _cuda_sdpa(
         query, key, value = (t.to(dtype) for t in (query, key, value))
         if attn_mask is not None and attn_mask.is_floating_point():
             attn_mask = attn_mask.to(dtype)
+    if ring is not None and attn_mask is None and value.shape[-1] == query.shape[-1]:
+        return ring(query, key, value, scale, unrecorded)  # context parallel: `trace.step.context_parallel`
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         if attn_mask is None and value.shape[-1] == query.shape[-1]:
             return _GroupedQueryFlash.apply(query, key, value, is_causal, scale, unrecorded)
-        key, value = _repeat_heads(key, value, query.shape[-3])  # a mask: not the flash kernel
+        key, value = repeat_heads(key, value, query.shape[-3])  # a mask: not the flash kernel
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         # The fused kernels take an additive mask; a bool one is converted the same way.
         attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(~attn_mask, float("-inf"))

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from anatomist.errors import InputError
+from anatomist.trace.engine.cuda_paths import repeat_heads
 
 SEQ_DIM = 2
 """The sequence dimension of SDPA's [batch, heads, sequence, head_dim] inputs, which torch's ring rotates."""
@@ -56,13 +57,6 @@ def as_the_trainer_gives_it(batch: dict[str, torch.Tensor]) -> dict[str, torch.T
     return {**batch, "shift_labels": torch.empty_like(batch["labels"]), "position_ids": torch.empty_like(batch["input_ids"])}
 
 
-def _repeat_heads(key: torch.Tensor, value: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    repeat = heads // key.shape[-3]
-    if repeat == 1:
-        return key, value
-    return key.repeat_interleave(repeat, dim=-3), value.repeat_interleave(repeat, dim=-3)
-
-
 def _flash(unrecorded: Callable[[], Any]) -> Callable[..., tuple[torch.Tensor, ...]]:
     """One ring step's forward: the flash kernel on the queries and one rank's keys and values (grouped-query heads
     read per group, as CUDA's kernel reads them: the CPU kernel's repeated copies unrecorded)."""
@@ -70,7 +64,7 @@ def _flash(unrecorded: Callable[[], Any]) -> Callable[..., tuple[torch.Tensor, .
     def op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_causal: bool,
            scale: float | None = None) -> tuple[torch.Tensor, ...]:
         with unrecorded():
-            key, value = _repeat_heads(key, value, query.shape[-3])
+            key, value = repeat_heads(key, value, query.shape[-3])
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, scale=scale)
 
     return op
@@ -84,7 +78,7 @@ def _flash_backward(unrecorded: Callable[[], Any]) -> Callable[..., tuple[torch.
            logsumexp: torch.Tensor, is_causal: bool, scale: float | None = None) -> tuple[torch.Tensor, ...]:
         groups = (key.shape[-3], query.shape[-3] // key.shape[-3])
         with unrecorded():
-            key, value = _repeat_heads(key, value, query.shape[-3])
+            key, value = repeat_heads(key, value, query.shape[-3])
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, query, key, value, out, logsumexp, 0.0, is_causal, scale=scale)
         if groups[1] == 1:
