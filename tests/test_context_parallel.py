@@ -152,36 +152,6 @@ def test_recipe_files_say_context_parallel(tmp_path):
         read_recipe_file(rotation)
 
 
-def test_a_context_parallel_config_launches_accelerate_s_parallelism_config_and_reads_back(tmp_path):
-    """cp 4 on 8 GPUs: accelerate's launcher turns the written config's parallelism_config into the variables from
-    which the script's ParallelismConfig is built (dp_shard 2 x cp 4, FSDP2 over both); `--recipe` reads cp_size
-    back; the trainer's .py builds the same ParallelismConfig and its JSON, which cannot hold one, says so."""
-    import os
-    from unittest import mock
-
-    ParallelismConfig = pytest.importorskip("accelerate.parallelism_config").ParallelismConfig
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_multi_gpu_env
-
-    from anatomist.plan.caveats import launch_warnings
-    from anatomist.plan.emit import trainer_snippet, write
-    from anatomist.recipe.files import read_recipe_file
-
-    recipe = Recipe(fsdp="full_shard", bf16=True, cp_size=4)
-    path = tmp_path / "accelerate.yaml"
-    write(recipe, "accelerate", path, num_gpus=8)
-    args, *_ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "train.py"]))
-    with mock.patch.dict(os.environ, prepare_multi_gpu_env(args)):
-        config = ParallelismConfig()
-    assert (config.dp_replicate_size, config.dp_shard_size, config.cp_size, config.tp_size) == (1, 2, 4, 1)
-    assert read_recipe_file(path).recipe.cp_size == 4
-    snippet = trainer_snippet(recipe, 8, model="m", task="causal-lm")
-    built = eval(snippet.split("parallelism_config=")[1].splitlines()[0].rstrip(","), {"ParallelismConfig": ParallelismConfig})
-    assert (built.dp_shard_size, built.cp_size) == (2, 4)
-    assert any("context parallel 4 is accelerate's ParallelismConfig" in w for w in launch_warnings(recipe, "trainer"))
-    assert not any("ParallelismConfig" in w for w in launch_warnings(recipe, "accelerate"))
-
-
 @pytest.mark.slow  # about a minute on 2 cores: the recipes traced at 4,096 tokens, then split over 2 and 4 ranks
 def test_the_plan_splits_the_sequences_where_nothing_fits_without_it(tmp_path):
     """On 4 GPUs whose memory is less than any recipe without context parallel needs (a long sequence's logits hold

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -221,11 +222,18 @@ def test_an_hsdp_config_warns_under_an_accelerate_before_1_10(monkeypatch: pytes
     assert caveats.launch_warnings(Recipe(fsdp="full_shard", dp_replicate_size=2), "accelerate") == []
 
 
-def test_an_hsdp_config_launches_accelerate_s_parallelism_config_and_reads_back(tmp_path: Path) -> None:
-    """HSDP on 2 nodes of 8 (the plan's `hsdp`): accelerate's launcher turns the config's parallelism_config into
-    the PARALLELISM_CONFIG_* variables from which the script's ParallelismConfig is built, 2 replicas of shard groups
-    of 8 under FSDP2; `--recipe` reads the replicas back; the trainer's .py builds the same ParallelismConfig, and
-    its JSON, which cannot hold one, says so."""
+@pytest.mark.parametrize(("recipe", "gpus", "nodes", "sizes", "warning"), [
+    (Recipe(fsdp="full_shard", bf16=True, dp_replicate_size=2), 16, 2, (2, 8, 1, 1), "HSDP (2 replicas"),
+    (Recipe(fsdp="full_shard", bf16=True, cp_size=4), 8, 1, (1, 2, 1, 4), "context parallel 4 is accelerate's"),
+], ids=["hsdp", "context-parallel"])
+def test_a_parallelism_config_launches_accelerate_s_and_reads_back(tmp_path: Path, recipe: Recipe, gpus: int,
+                                                                    nodes: int, sizes: tuple[int, ...],
+                                                                    warning: str) -> None:
+    """HSDP on 2 nodes of 8 (the plan's `hsdp`: 2 replicas of shard groups of 8) and context parallel 4 on 8 GPUs
+    (dp_shard 2 x cp 4, FSDP2 over both): accelerate's launcher turns the config's parallelism_config into the
+    PARALLELISM_CONFIG_* variables from which the script's ParallelismConfig is built, with these (dp_replicate,
+    dp_shard, tp, cp) sizes; `--recipe` reads the layout back; the trainer's .py builds the same ParallelismConfig,
+    and its JSON, which cannot hold one, says so."""
     from unittest import mock
 
     ParallelismConfig = pytest.importorskip("accelerate.parallelism_config", reason="accelerate < 1.10 (the floor "
@@ -236,18 +244,21 @@ def test_an_hsdp_config_launches_accelerate_s_parallelism_config_and_reads_back(
     from anatomist.plan.caveats import launch_warnings
     from anatomist.recipe.files import read_recipe_file
 
-    recipe = Recipe(fsdp="full_shard", bf16=True, dp_replicate_size=2)
+    def layout(c: Any) -> tuple[int, ...]:
+        return (c.dp_replicate_size, c.dp_shard_size, c.tp_size, c.cp_size)
+
     path = tmp_path / "accelerate.yaml"
-    write(recipe, "accelerate", path, num_gpus=16, nodes=2)
+    write(recipe, "accelerate", path, num_gpus=gpus, nodes=nodes)
     args, *_ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "train.py"]))
     with mock.patch.dict(os.environ, prepare_multi_gpu_env(args)):
         assert os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
         config = ParallelismConfig()
-    assert (config.dp_replicate_size, config.dp_shard_size, config.tp_size, config.cp_size) == (2, 8, 1, 1)
-    assert read_recipe_file(path).recipe.dp_replicate_size == 2
-    snippet = trainer_snippet(recipe, 16, model="m", task="causal-lm")
+    assert layout(config) == sizes
+    read = read_recipe_file(path).recipe
+    assert (read.dp_replicate_size, read.cp_size) == (recipe.dp_replicate_size, recipe.cp_size)
+    snippet = trainer_snippet(recipe, gpus, model="m", task="causal-lm")
     built = eval(snippet.split("parallelism_config=")[1].splitlines()[0].rstrip(","), {"ParallelismConfig": ParallelismConfig})
-    assert (built.dp_replicate_size, built.dp_shard_size) == (2, 8)
+    assert layout(built) == sizes
     assert "from accelerate import ParallelismConfig" in snippet
-    assert any("ParallelismConfig" in w for w in launch_warnings(recipe, "trainer"))
+    assert any(warning in w and "ParallelismConfig" in w for w in launch_warnings(recipe, "trainer"))
     assert not any("ParallelismConfig" in w for w in launch_warnings(recipe, "accelerate"))
