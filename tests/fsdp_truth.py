@@ -354,7 +354,7 @@ def measure(config: str, seq_len: int, batch: int, world: int, case: dict[str, A
         convert_model_to_fp8_ao(model, config=ao.config)
     if fsdp and tp == ep == 1:
         model = fsdp2_prepare_model(accelerator, model)
-    context = _context_parallel(model, accelerator, cp)
+    prepare_inputs = _context_parallel(model, accelerator, cp)
     params = [p for p in model.parameters() if p.requires_grad]
     several_meshes = has_mixed_dtensor(params)
     optimizer = torch.optim.AdamW(_mesh_groups(params) if several_meshes else params, lr=1e-4, foreach=True)
@@ -363,7 +363,7 @@ def measure(config: str, seq_len: int, batch: int, world: int, case: dict[str, A
 
         optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
     accumulation = case.get("accumulation", 1)
-    batches = [_as_the_trainer_gives_it(make_batch(workload, batch), cp) for _ in range(accumulation)]
+    batches = [make_batch(workload, batch) for _ in range(accumulation)]
     blocks = [m for name, m in model.named_modules() if re.fullmatch(r"(.+\.)?layers\.\d+", name)]
 
     deferred = [0]  # FSDP's own unsharded gradients kept between micro-batches, this rank's bytes
@@ -376,7 +376,8 @@ def measure(config: str, seq_len: int, batch: int, world: int, case: dict[str, A
                 model.set_requires_gradient_sync(micro == accumulation - 1)
             autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mixed != "no" else contextlib.nullcontext()
             inputs = {k: v.clone() for k, v in inputs.items()}  # context parallel shards them in place
-            with context(inputs):
+            context, inputs = prepare_inputs(inputs)
+            with context():
                 with autocast:
                     loss = model(**inputs).loss
                 moments.phase, moments.segment, moments.block = "backward", "post", -1
@@ -416,41 +417,28 @@ def _ring_calls(cp: int) -> dict[str, int]:
 
 
 def _context_parallel(model: Any, accelerator: Any, cp: int) -> Any:
-    """What the Trainer runs each micro-batch's forward and backward in: with context parallel (`cp` > 1), accelerate's
-    hooks on the attention (the mask dropped, `is_causal=True`: `_attach_context_parallel_hooks`, as `prepare` attaches
-    them) and torch's `context_parallel` over the mesh's "cp" ranks, sharding the batch's tensors by sequence in place
-    (as `Trainer._prepare_context_parallel_inputs` hands them to `maybe_context_parallel`), its ring attention running
-    the CPU's flash kernel (tests/cp_on_cpu.py); else nothing."""
-    if cp == 1:
-        return lambda inputs: contextlib.nullcontext()
-    from accelerate.big_modeling import _attach_context_parallel_hooks
-    from cp_on_cpu import cpu_ring_attention
-    from torch.distributed.tensor.experimental import context_parallel
+    """The Trainer's own preparation of each micro-batch (`Trainer._prepare_context_parallel_inputs`, called on this
+    step's accelerator): with context parallel (`cp` > 1) the labels shifted beforehand and the position ids made, and
+    a context that runs the forward and backward under torch's `context_parallel` over the mesh's "cp" ranks (what
+    accelerate's `maybe_context_parallel` enters), sharding those tensors by sequence in place; the model's attention
+    hooked as `prepare` hooks it (`_attach_context_parallel_hooks`: the mask dropped, `is_causal=True`), the ring
+    running the CPU's flash kernel (tests/cp_on_cpu.py). Without it the Trainer's function returns the inputs as they
+    are and a context that does nothing."""
+    import functools
 
-    cpu_ring_attention()
-    _attach_context_parallel_hooks(model)
-    mesh = accelerator.torch_device_mesh["cp"]
+    from transformers import Trainer
 
-    def sharded(inputs: dict[str, Any]) -> Any:
-        buffers = [inputs[name] for name in ("input_ids", "labels", "shift_labels", "position_ids")]
-        return context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers),
-                                no_restore_buffers=set(buffers))
+    parallelism = getattr(accelerator, "parallelism_config", None)
+    trainer: Any = types.SimpleNamespace(accelerator=types.SimpleNamespace(parallelism_config=parallelism))
+    if cp > 1:
+        from accelerate.big_modeling import _attach_context_parallel_hooks
+        from cp_on_cpu import cpu_ring_attention
+        from torch.distributed.tensor.experimental import context_parallel
 
-    return sharded
-
-
-def _as_the_trainer_gives_it(inputs: dict[str, Any], cp: int) -> dict[str, Any]:
-    """A causal LM's batch as the Trainer hands it to the model under context parallel (`cp` > 1): the labels shifted
-    beforehand (`shift_labels`, the last position ignored) and the position ids made (`_prepare_context_parallel_inputs`),
-    so that each rank's part of the sequence keeps its own."""
-    if cp == 1:
-        return inputs
-    import torch
-
-    labels = torch.nn.functional.pad(inputs["labels"], (0, 1), value=-100)
-    ids = inputs["input_ids"]
-    return {**inputs, "shift_labels": labels[:, 1:].contiguous(),
-            "position_ids": torch.arange(ids.shape[1]).expand(ids.shape[0], -1).contiguous()}
+        cpu_ring_attention()
+        _attach_context_parallel_hooks(model)
+        trainer.accelerator.maybe_context_parallel = functools.partial(context_parallel, accelerator.torch_device_mesh["cp"])
+    return lambda inputs: Trainer._prepare_context_parallel_inputs(trainer, model, inputs)
 
 
 def _deferred_gradient_bytes(model: Any) -> int:
