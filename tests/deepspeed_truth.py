@@ -151,12 +151,75 @@ def _reset_peak(tracker: Any) -> None:
     tracker._peak_mem = {device: snapshot["Total"] for device, snapshot in tracker._peak_mem_snap.items()}
 
 
-def _dataset(vocab: int, seq_len: int, samples: int) -> Any:
+def _dataset(vocab: int, seq_len: int, samples: int, positions: bool) -> Any:
+    """`samples` rows of random tokens, their own labels, and where `positions` their position ids (DeepSpeed's
+    sequence parallel data loader requires them, as transformers' deepspeed_alst.md says)."""
     import torch
 
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(1, vocab, (samples, seq_len), generator=generator)
-    return [{"input_ids": row, "labels": row} for row in ids]
+    extra = {"position_ids": torch.arange(seq_len)} if positions else {}
+    return [{"input_ids": row, "labels": row, **extra} for row in ids]
+
+
+@contextlib.contextmanager
+def _exchanges_counted(counted: list[int]) -> Iterator[None]:
+    """Each all-to-all DeepSpeed's communication module runs (its Ulysses exchanges) counted in `counted`."""
+    import deepspeed.comm as comm
+
+    original = comm.all_to_all_single
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        counted[0] += 1
+        return original(*args, **kwargs)
+
+    comm.all_to_all_single = counting
+    try:
+        yield
+    finally:
+        comm.all_to_all_single = original
+
+
+def _linear_restored() -> None:
+    """torch's own F.linear back for the next case: ZeRO-3's engine replaces it for the rest of the process
+    (partition_parameters.py `_enable_mem_efficient_linear`, "this will persist unless manually reset") with a linear
+    that saves every input for backward, which a frozen LoRA base layer otherwise does not."""
+    import torch
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+
+    original = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
+    if original is not None:
+        torch.nn.functional.linear = original
+
+
+def _ulysses_undone() -> None:
+    """What DeepSpeed's Ulysses registered process-wide undone for the next case: transformers' SDPA back in its
+    attention registry, the sequence parallel groups released and forgotten by DeepSpeed's engine (`groups.mpu`)."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from deepspeed.utils import groups
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
+    parallel_state_sp._release_sequence_parallel_groups()
+    groups.mpu = None
+
+
+def _parallelism_config(recipe: Any, world: int) -> dict[str, Any]:
+    """TrainingArguments' parallelism_config as `anatomist plan --emit trainer` writes it (sequence parallel: DeepSpeed's
+    Ulysses), with DeepSpeed's communication started over the gloo group: on a GPU accelerate's state starts it, on the
+    CPU it does not (state.py: `if not cpu`), and Ulysses registers its groups before `deepspeed.initialize` would."""
+    if not recipe.uses_parallelism_config:
+        return {}
+    import deepspeed
+    from accelerate import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    from anatomist.plan.emit import SP_HANDLER, parallelism_sizes
+
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    return {"parallelism_config": ParallelismConfig(**parallelism_sizes(recipe, world),
+                                                    sp_handler=DeepSpeedSequenceParallelConfig(**SP_HANDLER))}
 
 
 def _case(config: Path, seq_len: int, world: int, case: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -183,7 +246,7 @@ def _case(config: Path, seq_len: int, world: int, case: dict[str, Any], out: Pat
     kwargs = training_arguments_kwargs(recipe)
     args = TrainingArguments(output_dir=str(out), use_cpu=True, report_to=[], save_strategy="no",
                              logging_strategy="no", disable_tqdm=True, max_steps=2, dataloader_num_workers=0,
-                             deepspeed=deepspeed_config(recipe, num_gpus=world),
+                             deepspeed=deepspeed_config(recipe, num_gpus=world), **_parallelism_config(recipe, world),
                              **{k: v for k, v in kwargs.items() if k not in ("dataloader_num_workers",)})
     result: dict[str, Any] = {}
     tracker = MemTracker()
@@ -200,19 +263,24 @@ def _case(config: Path, seq_len: int, world: int, case: dict[str, Any], out: Pat
             tracker.reset_mod_stats()  # the next micro-batch's forward
 
     batches = recipe.per_device_train_batch_size * recipe.gradient_accumulation_steps * world * 2
-    trainer = Trainer(model=model, args=args, train_dataset=_dataset(model_config.vocab_size, seq_len, batches),
-                      callbacks=[SecondStep()])
+    dataset = _dataset(model_config.vocab_size, seq_len, batches, positions=recipe.sp_size > 1)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[SecondStep()])
+    exchanges = [0]
     tracker.track_external(model)
     try:
         with as_on_cuda(recipe.mixed_precision != "no"), collectives_hold_nothing(), _frozen_parameters_unhooked(), \
-                _AtTheStep(tracker) as at_step:
+                _AtTheStep(tracker) as at_step, _exchanges_counted(exchanges):
             with tracker:  # from before DeepSpeed's start: its flat buffers and fp32 partitions are made in view
                 trainer.train()
     finally:
         unset_hf_deepspeed_config()  # a ZeRO-3 config would build the next case's model partitioned
+        _linear_restored()
+        if recipe.sp_size > 1:
+            _ulysses_undone()
     result["passes"], result["step"] = at_step.passes, at_step.step
     result["peak"] = max(at_step.passes, at_step.step, key=lambda peak: peak["Total"])
     result["zero"] = _zero_bytes(trainer.model_wrapped.optimizer, at_step.gradients)
+    result["exchanges"] = exchanges[0]
     return result
 
 

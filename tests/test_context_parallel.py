@@ -109,7 +109,7 @@ def test_the_estimate_says_context_parallel(cli, llama):
     (["--gpus", "4", "--fsdp", "full_shard", "--cp-size", "2", "--tp-size", "2"], "not modelled yet"),
     (["--gpus", "4", "--fsdp", "full_shard", "--cp-size", "2", "--attn-implementation", "eager"], "needs attn_implementation=sdpa"),
     (["--gpus", "4", "--fsdp", "full_shard", "--cp-size", "2", "--trainer", "sft"], "SFTTrainer"),
-    (["--gpus", "4", "--zero-stage", "3", "--cp-size", "2"], "DeepSpeed's sequence parallel"),
+    (["--gpus", "4", "--zero-stage", "3", "--cp-size", "2"], "--sp-size"),
     (["--gpus", "4", "--fsdp", "full_shard", "--cp-size", "0"], "at least 1"),
     (["--gpus", "4", "--fsdp", "full_shard", "--cp-size", "2", "--dp-replicate-size", "2"], "dp_shard_size 1"),
     (["--gpus", "8", "--fsdp", "full_shard", "--cp-size", "8", "--seq-len", "40"], "2 x cp_size = 16 equal parts"),

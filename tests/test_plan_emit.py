@@ -223,41 +223,52 @@ def test_an_hsdp_config_warns_under_an_accelerate_before_1_10(monkeypatch: pytes
 
 
 @pytest.mark.parametrize(("recipe", "gpus", "nodes", "sizes", "warning"), [
-    (Recipe(fsdp="full_shard", bf16=True, dp_replicate_size=2), 16, 2, (2, 8, 1, 1), "HSDP (2 replicas"),
-    (Recipe(fsdp="full_shard", bf16=True, cp_size=4), 8, 1, (1, 2, 1, 4), "context parallel 4 is accelerate's"),
-], ids=["hsdp", "context-parallel"])
+    (Recipe(fsdp="full_shard", bf16=True, dp_replicate_size=2), 16, 2, (2, 8, 1, 1, 1), "HSDP (2 replicas"),
+    (Recipe(fsdp="full_shard", bf16=True, cp_size=4), 8, 1, (1, 2, 1, 4, 1), "context parallel 4 is accelerate's"),
+    (Recipe(zero_stage=3, bf16=True, sp_size=4), 8, 1, (2, 1, 1, 1, 4), "sequence parallel 4 is accelerate's"),
+], ids=["hsdp", "context-parallel", "sequence-parallel"])
 def test_a_parallelism_config_launches_accelerate_s_and_reads_back(tmp_path: Path, recipe: Recipe, gpus: int,
                                                                     nodes: int, sizes: tuple[int, ...],
                                                                     warning: str) -> None:
-    """HSDP on 2 nodes of 8 (the plan's `hsdp`: 2 replicas of shard groups of 8) and context parallel 4 on 8 GPUs
-    (dp_shard 2 x cp 4, FSDP2 over both): accelerate's launcher turns the config's parallelism_config into the
-    PARALLELISM_CONFIG_* variables from which the script's ParallelismConfig is built, with these (dp_replicate,
-    dp_shard, tp, cp) sizes; `--recipe` reads the layout back; the trainer's .py builds the same ParallelismConfig,
-    and its JSON, which cannot hold one, says so."""
+    """HSDP on 2 nodes of 8 (the plan's `hsdp`: 2 replicas of shard groups of 8), context parallel 4 on 8 GPUs
+    (dp_shard 2 x cp 4, FSDP2 over both) and DeepSpeed's sequence parallel 4 on 8 (2 groups of 4, ZeRO over all):
+    accelerate's launcher turns the config's parallelism_config into the PARALLELISM_CONFIG_* variables from which the
+    script's ParallelismConfig is built, with these (dp_replicate, dp_shard, tp, cp, sp) sizes (and for sequence
+    parallel the DeepSpeedSequenceParallelConfig DeepSpeed needs: SDPA, any length); `--recipe` reads the layout back;
+    the trainer's .py builds the same ParallelismConfig, and its JSON, which cannot hold one, says so."""
     from unittest import mock
 
     ParallelismConfig = pytest.importorskip("accelerate.parallelism_config", reason="accelerate < 1.10 (the floor "
                                             "venv): the warning's test above covers it").ParallelismConfig
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_multi_gpu_env
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
     from anatomist.plan.caveats import launch_warnings
     from anatomist.recipe.files import read_recipe_file
 
     def layout(c: Any) -> tuple[int, ...]:
-        return (c.dp_replicate_size, c.dp_shard_size, c.tp_size, c.cp_size)
+        return (c.dp_replicate_size, c.dp_shard_size, c.tp_size, c.cp_size, c.sp_size)
 
     path = tmp_path / "accelerate.yaml"
     write(recipe, "accelerate", path, num_gpus=gpus, nodes=nodes)
-    args, *_ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "train.py"]))
-    with mock.patch.dict(os.environ, prepare_multi_gpu_env(args)):
+    args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path),
+                                                                                      "train.py"]))
+    if recipe.zero_stage:  # as launch_command does before deepspeed_launcher
+        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
+    env = prepare_deepspeed_cmd_env(args)[1] if recipe.zero_stage else prepare_multi_gpu_env(args)
+    with mock.patch.dict(os.environ, env):
         assert os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
         config = ParallelismConfig()
     assert layout(config) == sizes
+    if recipe.sp_size > 1:
+        assert (config.sp_backend, config.sp_handler.sp_attn_implementation) == ("deepspeed", "sdpa")
     read = read_recipe_file(path).recipe
-    assert (read.dp_replicate_size, read.cp_size) == (recipe.dp_replicate_size, recipe.cp_size)
+    assert (read.dp_replicate_size, read.cp_size, read.sp_size) == (recipe.dp_replicate_size, recipe.cp_size,
+                                                                    recipe.sp_size)
     snippet = trainer_snippet(recipe, gpus, model="m", task="causal-lm")
-    built = eval(snippet.split("parallelism_config=")[1].splitlines()[0].rstrip(","), {"ParallelismConfig": ParallelismConfig})
+    built = eval(snippet.split("parallelism_config=")[1].splitlines()[0].rstrip(","),
+                 {"ParallelismConfig": ParallelismConfig, "DeepSpeedSequenceParallelConfig": DeepSpeedSequenceParallelConfig})
     assert layout(built) == sizes
     assert "from accelerate import ParallelismConfig" in snippet
     assert any(warning in w and "ParallelismConfig" in w for w in launch_warnings(recipe, "trainer"))

@@ -329,8 +329,8 @@ CASES: dict[str, Read | Refused] = {
     "transformers/ds_config_zero3.json": Refused(
         "zero_optimization.reduce_bucket_size must be a whole number > 0", "refuses 0",
         "reduce_bucket_size 0, which deepspeed 0.19.8 refuses", tool_refuses=True),
-    "trl/examples/accelerate_configs/alst_ulysses_4gpu.yaml": Refused(
-        "parallelism_config.parallelism_config_sp_size=2", "sequence parallel", "sequence parallel (ALST/Ulysses)"),
+    "trl/examples/accelerate_configs/alst_ulysses_4gpu.yaml": Read(  # its dp_shard_size 2 is DeepSpeed's data parallel
+        "accelerate", {"zero_stage": 3, "sp_size": 2, "attn_implementation": "flash_attention_2", **BF16}, num_gpus=4),
     "trl/examples/accelerate_configs/context_parallel_2gpu.yaml": Read(
         "accelerate", {"fsdp": "full_shard", "cp_size": 2, "gradient_checkpointing": True, **BF16}, num_gpus=2),
     "trl/examples/accelerate_configs/deepspeed_zero1.yaml": Read("accelerate", {"zero_stage": 1, **BF16}, num_gpus=8),

@@ -177,9 +177,8 @@ def test_memory_settings_not_modelled_yet_are_refused_never_predicted_as_somethi
 
 
 @pytest.mark.parametrize(("name", "text", "message"), [
-    # TrainingArguments 4.57+'s parallelism_config (accelerate's ParallelismConfig sizes; its tp_size and cp_size are
-    # modelled)
-    ("args.yaml", "parallelism_config:\n  sp_size: 2\n", "parallelism_config.sp_size=2 is not modelled yet (sequence"),
+    # TrainingArguments 4.57+'s parallelism_config (accelerate's ParallelismConfig sizes; tensor, context and sequence
+    # parallel are modelled, not tensor parallel under accelerate's FSDP)
     ("args.yaml", "fsdp: full_shard\nparallelism_config:\n  tp_size: 2\n",
      "tensor parallel 2 under accelerate's FSDP2 is not modelled"),
     # axolotl's offload to disk (TRL's activation offloading is modelled: tests/test_activation_offloading.py)

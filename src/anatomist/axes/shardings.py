@@ -67,6 +67,9 @@ config as FSDP1, whatever version it names."""
 PARALLELISM_CONFIG_ACCELERATE = (1, 10)
 """accelerate's first release with `ParallelismConfig` (accelerate/parallelism_config.py), which HSDP's replicas need:
 an older one reads no `parallelism_config` and shards over every GPU."""
+SEQUENCE_PARALLEL_ACCELERATE = (1, 12)
+"""accelerate's first release with ParallelismConfig's `sp_size` (DeepSpeed's Ulysses: transformers' deepspeed_alst.md
+"requires Accelerate v1.12.0")."""
 
 
 def installed(package: str) -> str | None:
@@ -139,7 +142,7 @@ _SPECS = (
 
 
 UNSHARDED: dict[str, object] = {"zero_stage": 0, "offload": "none", "fsdp": "none", "tp_size": 1, "ep_size": 1,
-                                 "cp_size": 1, "dp_replicate_size": 1}
+                                 "cp_size": 1, "sp_size": 1, "dp_replicate_size": 1}
 """The Recipe fields of no sharding at all: what a sharding's own `fields` are laid over."""
 
 SHARDING_NAMES = tuple(dict.fromkeys(spec.name for spec in _SPECS))

@@ -110,9 +110,10 @@ def check_rows(run: SuiteRun, rows: list[Row], num_processes: int) -> None:
         if recipe.tp_size > 1:
             raise InputError(f"row {row.name!r} splits the model with tensor parallel (tp_size={recipe.tp_size}), "
                              "which the bench does not launch yet: `anatomist estimate` predicts it")
-        if recipe.ep_size > 1 or recipe.cp_size > 1:
+        if recipe.ep_size > 1 or recipe.sequence_parts > 1:
             split = (f"expert parallel (ep_size={recipe.ep_size})" if recipe.ep_size > 1
-                     else f"context parallel (cp_size={recipe.cp_size})")
+                     else f"context parallel (cp_size={recipe.cp_size})" if recipe.cp_size > 1
+                     else f"sequence parallel (sp_size={recipe.sp_size})")
             raise InputError(f"row {row.name!r} runs {split}, which the bench does not launch yet: `anatomist "
                              "estimate` predicts it")
         if recipe.dp_replicate_size > 1:

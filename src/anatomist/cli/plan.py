@@ -158,6 +158,11 @@ def _searched(request: PlanRequest) -> tuple[tuple[str, ...], tuple[str, ...] | 
     return optims, precisions, shardings, _names("--peft", "method", request.peft, ("lora", "qlora"), allow_none=True)
 
 
+SPLITS_THE_PLAN_TRIES = {"tp_size": "a tensor parallel", "ep_size": "an expert parallel", "cp_size": "a context parallel",
+                         "sp_size": "a sequence parallel"}
+"""The splits the plan searches itself (plan/splits.py), which a --recipe file cannot hold fixed."""
+
+
 def _search(request: PlanRequest, *, one_size: bool = False) -> tuple[Any, Any, SearchSpace, str, float, Any]:
     """What `plan` is given: the workload, the GPU, the search space (`one_size`: one GPU, its size set later), the
     objective, the margin and the time model."""
@@ -174,17 +179,11 @@ def _search(request: PlanRequest, *, one_size: bool = False) -> tuple[Any, Any, 
         raise InputError(f"--{next(iter(lora)).replace('_', '-')} needs --peft lora and/or qlora")
     source = read_recipe_source(request.recipe_file)
     fixed = dict(source.fields) if source else {}
-    if fixed.get("tp_size", 1) > 1:
-        raise InputError(f"{source.path if source else 'the recipe'}: plan does not hold a tensor parallel size fixed "
-                         f"yet (tp_size={fixed['tp_size']}); it tries tensor parallel itself where nothing fits without "
-                         "it: drop the size from the file, or estimate it with `anatomist estimate --recipe`")
-    if fixed.get("ep_size", 1) > 1:
-        raise InputError(f"{source.path if source else 'the recipe'}: plan does not hold an expert parallel size "
-                         f"fixed (ep_size={fixed['ep_size']}); it tries expert parallel itself where it could help: "
-                         "drop the size from the file, or estimate it with `anatomist estimate --recipe`")
-    if fixed.get("cp_size", 1) > 1:
-        raise InputError(f"{source.path if source else 'the recipe'}: plan does not search context parallel yet "
-                         f"(cp_size={fixed['cp_size']}): estimate it with `anatomist estimate --recipe`")
+    for field, split in SPLITS_THE_PLAN_TRIES.items():
+        if fixed.get(field, 1) > 1:
+            raise InputError(f"{source.path if source else 'the recipe'}: plan does not hold {split} size fixed yet "
+                             f"({field}={fixed[field]}); it tries it itself where it could help: drop the size from "
+                             "the file, or estimate it with `anatomist estimate --recipe`")
     check_cce_gpu(bool(fixed.get("cut_cross_entropy")), gpu)
     methods = ("full", *dict.fromkeys(added))
     if source and {"peft", "load_in_4bit", "load_in_8bit"} & set(fixed):

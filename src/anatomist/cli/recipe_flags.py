@@ -46,9 +46,9 @@ RECIPE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("parameter-efficient fine-tuning (PEFT, bitsandbytes)", (
         "peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit", "load_in_8bit",
         "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype")),
-    ("sharding over GPUs (DeepSpeed ZeRO, PyTorch FSDP and HSDP, tensor, expert and context parallel)", (
-        "zero_stage", "offload", "fsdp", "tp_size", "ep_size", "ep_routing", "cp_size", "dp_replicate_size", "reduce_bucket_size",
-        "allgather_bucket_size", "stage3_prefetch_bucket_size",
+    ("sharding over GPUs (DeepSpeed ZeRO, PyTorch FSDP and HSDP, tensor, expert, context and sequence parallel)", (
+        "zero_stage", "offload", "fsdp", "tp_size", "ep_size", "ep_routing", "cp_size", "sp_size", "dp_replicate_size",
+        "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
         "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_param_persistence_threshold")),
     ("data loading", ("dataloader_num_workers", "dataloader_pin_memory")),
 )

@@ -39,7 +39,7 @@ class ExtrapolatedCurves:
         phases = list(self.traces.passes[self.plan.base, TRACE_BATCHES[0]].phases)
         return phases + ([Phase.OPTIMIZER] if self.traces.optimizer else [])
 
-    def phase_at(self, phase: Phase, batch: int) -> PhasePeak:
+    def phase_at(self, phase: Phase, batch: int, counted: np.ndarray | None = None) -> PhasePeak:
         """The peak of `phase` of the full model at `batch` samples per pass.
 
         Per cut, the batch-2 and batch-3 curves are extrapolated point by point to `batch`.
@@ -48,15 +48,20 @@ class ExtrapolatedCurves:
         the other cuts and extrapolated point by point to the full model (`TracePlan.combine`);
         the peak is the highest point. Where a segment's points do not match up, its peaks are
         extrapolated instead.
+
+        `counted` (one share per `TENSOR_CATEGORIES`; None: all of each) is how much of each category of a point
+        stays on a device once the step is sharded (`sharding.counted_shares`): the peak is the point highest in what
+        stays, which under ZeRO need not be the highest traced point (its gradients or gathered weights are replaced).
         """
         points, ratio = self._points(phase, batch)
-        best_allocated, best_categories = -1.0, None
+        best, best_allocated, best_categories = -np.inf, -1.0, None
         keys = [k for k in points[self.plan.base][0].index if k[0] is phase]
         for key in keys:
             allocated, categories = self._segment(points, key)
-            i = int(np.argmax(allocated))
-            if allocated[i] > best_allocated:
-                best_allocated, best_categories = float(allocated[i]), categories[i]
+            stays = allocated if counted is None else allocated - categories @ (1.0 - counted)
+            i = int(np.argmax(stays))
+            if stays[i] > best:
+                best, best_allocated, best_categories = float(stays[i]), float(allocated[i]), categories[i]
         return self._peak(phase, best_allocated, best_categories, ratio)
 
     def segment_peaks(self, phase: Phase, batch: int) -> dict[tuple[Phase, str, int, int], PhasePeak]:

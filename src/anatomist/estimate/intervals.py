@@ -96,6 +96,7 @@ TIME_UNVALIDATED: tuple[tuple[str, Callable[[Recipe, int, int], bool]], ...] = (
     ("no published timed run of DeepSpeed ZeRO", lambda r, gpus, nodes: r.zero_stage > 0),
     ("no published timed run of tensor parallel", lambda r, gpus, nodes: r.tp_size > 1),
     ("no published timed run of context parallel", lambda r, gpus, nodes: r.cp_size > 1),
+    ("no published timed run of sequence parallel", lambda r, gpus, nodes: r.sp_size > 1),
     ("no published timed run of plain data parallelism",
      lambda r, gpus, nodes: gpus > 1 and r.zero_stage == 0 and r.fsdp == "none" and r.tp_size == 1),
     ("the published timed runs are on one node (the multi-node check, docs/time.md, is not in this interval)",

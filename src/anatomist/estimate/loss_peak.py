@@ -103,10 +103,10 @@ def _fused_hint(workload: Workload) -> str:
 
 def _logits_size(workload: Workload, recipe: ResolvedRecipe) -> str:
     """`batch x tokens x vocabulary` and what one copy of the logits takes in each dtype the loss holds (a GPU's
-    tokens: under context parallel its part of each sequence)."""
+    tokens: under context or sequence parallel its part of each sequence)."""
     vocab = workload.facts.vocab_size
     batch = recipe.per_device_train_batch_size
-    tokens = workload.seq_len // recipe.cp_size
+    tokens = workload.seq_len // recipe.sequence_parts
     elements = batch * tokens * vocab
     half_name = {"bfloat16": "bf16", "float16": "fp16"}.get(half_dtype(recipe) or "")
     copies = f"{elements * 2 / GIB:.1f} GiB per {half_name} copy, " if half_name else ""

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN, Interval, MemoryAnatomy, MemoryCategory, Phase, Verdict
 from anatomist.errors import InputError
 from anatomist.estimate.curves import ExtrapolatedCurves
@@ -25,6 +27,7 @@ from anatomist.estimate.rules import BytesPerParamRule, bytes_per_param_rule
 from anatomist.estimate.sharding import (
     ZeroSize,
     as_deepspeed_runs,
+    counted_shares,
     persistent_bytes,
     persistent_parameters,
     shard,
@@ -206,10 +209,12 @@ def _phase_peaks(workload: Workload, recipe: ResolvedRecipe, gpu: GPU, traces: S
               part_key(workload, run, "optimizer", None, 1, gpu.compute_capability, num_gpus)
               if mode == "train" else None)
 
-    def peak_at(phase: Phase, b: int) -> PhasePeak:
-        return _PHASE_PEAKS.get((traced, phase, b), lambda: model.phase_at(phase, b))
-
     size = _zero_size(recipe, traces)
+
+    def peak_at(phase: Phase, b: int) -> PhasePeak:
+        shares = counted_shares(recipe, size, num_gpus, mode, phase)
+        return _PHASE_PEAKS.get((traced, shares, phase, b),
+                                lambda: model.phase_at(phase, b, np.array(shares) if shares else None))
 
     def phases_at(b: int) -> dict[Phase, PhasePeak]:
         return {phase: shard(peak_at(phase, b), recipe, size, num_gpus, mode, phase) for phase in model.phases()}

@@ -20,6 +20,7 @@ from anatomist.recipe.parallel_checks import (
     check_context_parallel_gpus,
     check_expert_parallel_gpus,
     check_hybrid_shard_gpus,
+    check_sequence_parallel_gpus,
     check_tensor_parallel_gpus,
 )
 from anatomist.workload import Workload
@@ -95,6 +96,7 @@ def estimate(
     check_hybrid_shard_gpus(recipe, num_gpus)
     check_expert_parallel_gpus(recipe, num_gpus)
     check_context_parallel_gpus(recipe, num_gpus, nodes)
+    check_sequence_parallel_gpus(recipe, num_gpus, nodes)
     check_gpu(recipe, gpu, dtype_given=False)
     recipe = recipe.resolved(workload)  # the library's entry point: everything below takes it resolved
     workload = workload.for_recipe(recipe)  # padding-free: the data's sequences, not the longest

@@ -74,7 +74,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from anatomist.anatomy import MemoryCategory, Phase
+from anatomist.anatomy import TENSOR_CATEGORIES, MemoryCategory, Phase
 from anatomist.axes.optimizers import optimizer
 from anatomist.axes.shardings import RESHARD_AFTER_FORWARD
 from anatomist.recipe import Recipe, ResolvedRecipe
@@ -152,6 +152,32 @@ def shard(peak: PhasePeak, recipe: ResolvedRecipe, model: ZeroSize, num_gpus: in
     # categories that sharding shrinks.
     reserved = round(allocated * peak.reserved / peak.allocated) if peak.allocated else 0
     return PhasePeak(allocated=allocated, reserved=max(reserved, allocated), categories=categories)
+
+
+def counted_shares(recipe: ResolvedRecipe, model: ZeroSize, num_gpus: int, mode: str,
+                   phase: Phase) -> tuple[float, ...] | None:
+    """How much of each traced category (`TENSOR_CATEGORIES`) of a point of `phase` stays as traced on one of
+    `num_gpus` devices under ZeRO (`shard`, `_zero_categories`): the rest is replaced by what does not change within
+    the phase (the optimizer's states; ZeRO-3's gradient partitions and its partitioned and gathered weights; ZeRO-2's
+    flat partition in the step, offloaded gradients), or shrinks with the partition (ZeRO-2's reduced gradients, the
+    step's temporaries). The phase's peak is the point highest in what stays (`ExtrapolatedCurves.phase_at`). None
+    where every category stays (no ZeRO)."""
+    stage, offloaded = recipe.zero_stage, recipe.offload != "none"
+    if mode != "train" or recipe.fsdp != "none" or recipe.tp_size > 1 or stage == 0:
+        return None
+    n = max(num_gpus, 1)
+    shares = dict.fromkeys(TENSOR_CATEGORIES, 1.0)
+    shares[MemoryCategory.OPTIMIZER_STATES] = 0.0
+    if phase is Phase.OPTIMIZER:
+        master_bytes = HALF_BYTES if recipe.bf16_master_weights_and_grads else MASTER_WEIGHT_BYTES
+        shares[MemoryCategory.TEMPORARY] = 0.0 if offloaded else master_bytes / (model.trainable_element_bytes * n)
+    if stage == 2 and phase is not Phase.OPTIMIZER and not offloaded:
+        shares[MemoryCategory.GRADIENTS] = 1 / n
+    elif stage >= 2:
+        shares[MemoryCategory.GRADIENTS] = 0.0
+    if stage == 3 and model.parameter_bytes:
+        shares[MemoryCategory.WEIGHTS] = 0.0
+    return tuple(shares[c] for c in TENSOR_CATEGORIES)
 
 
 def _zero_categories(categories: dict[MemoryCategory, int], recipe: ResolvedRecipe, model: ZeroSize, n: int,
@@ -242,9 +268,10 @@ def sharding_notes(recipe: ResolvedRecipe, num_gpus: int, mode: str) -> list[str
                     f"stage3_prefetch_bucket_size={recipe.stage3_prefetch_bucket_size:,} elements, those of at most "
                     f"{recipe.stage3_param_persistence_threshold:,} kept whole"
                     if recipe.zero_stage == 3 else "")
-        return [f"DeepSpeed ZeRO-{recipe.zero_stage} on {num_gpus} GPU(s): arithmetic over one device's trace (DeepSpeed "
-                f"cannot run here) with its buffers: reduce_bucket_size={recipe.reduce_bucket_size:,} elements"
-                f"{gathered}; not validated on a GPU"]
+        zero = (f"DeepSpeed ZeRO-{recipe.zero_stage} on {num_gpus} GPU(s): arithmetic over one device's trace "
+                f"(DeepSpeed cannot run here) with its buffers: reduce_bucket_size={recipe.reduce_bucket_size:,} "
+                f"elements{gathered}; not validated on a GPU")
+        return [zero, sequence_parallel_note(recipe, num_gpus)] if recipe.sp_size > 1 else [zero]
     if recipe.tp_size > 1:
         return [tensor_parallel_note(recipe, num_gpus)]
     if recipe.ep_size > 1:
@@ -310,3 +337,12 @@ def context_parallel_note(recipe: ResolvedRecipe, num_gpus: int) -> str:
             "by PyTorch's ring (its own functions: the group's keys and values all-gathered, partial outputs merged in "
             f"float32, key and value gradients passed around the ring), {sharded}, under the fake process group; the "
             "GPUs of a group share one batch")
+
+
+def sequence_parallel_note(recipe: ResolvedRecipe, num_gpus: int) -> str:
+    """How a sequence parallel recipe's rank was traced (`trace.step.sequence_parallel`)."""
+    sp = recipe.sp_size
+    return (f"sequence parallel {sp}: one rank traced as the Trainer runs accelerate's ParallelismConfig(sp_backend="
+            f"'deepspeed', sp_size={sp}): 1/{sp} of each sequence, attention by DeepSpeed's own Ulysses (an all-to-all "
+            f"gives each GPU the whole sequence of 1/{sp} of the heads, SDPA, an all-to-all back), under the fake "
+            f"process group; ZeRO partitions over all {num_gpus} GPUs; the GPUs of a group share one batch")

@@ -3,7 +3,13 @@ a setting the target cannot hold, a split set as the model loads, an accelerate 
 
 from __future__ import annotations
 
-from anatomist.axes.shardings import FSDP2_ACCELERATE, PARALLELISM_CONFIG_ACCELERATE, installed, release
+from anatomist.axes.shardings import (
+    FSDP2_ACCELERATE,
+    PARALLELISM_CONFIG_ACCELERATE,
+    SEQUENCE_PARALLEL_ACCELERATE,
+    installed,
+    release,
+)
 from anatomist.plan.emit import trl_script
 from anatomist.recipe import Recipe
 
@@ -35,13 +41,8 @@ def launch_warnings(recipe: Recipe, target: str) -> list[str]:
         warnings.append(split + (" and the FSDP over its groups" if recipe.fsdp != "none" else "") + " are set as the "
                         "model loads: the .py's from_pretrained(distributed_config=...), launched with torchrun on "
                         "every GPU; TrainingArguments alone would train without them")
-    if recipe.uses_parallelism_config and target in ("trainer", "trl"):
-        layout = (f"HSDP ({recipe.dp_replicate_size} replicas of FSDP's shard groups)" if recipe.dp_replicate_size > 1
-                  else f"context parallel {recipe.cp_size}")
-        warnings.append(f"{layout} is accelerate's ParallelismConfig, an object no JSON or YAML field builds: launch "
-                        "with the accelerate config from --emit accelerate, or pass TrainingArguments(parallelism_config="
-                        "ParallelismConfig(...)) as the .py of --emit trainer does; without it FSDP shards over every "
-                        "GPU, each its own batch of whole sequences")
+    if recipe.uses_parallelism_config and target in ("trainer", "trl", "deepspeed"):
+        warnings.append(_parallelism_config_warning(recipe))
     if recipe.fp8 != "none" and target in ("trainer", "trl"):
         warnings.append("fp8 is accelerate's mixed precision: launch with `accelerate launch --mixed_precision fp8` "
                         "(or an accelerate config from --emit accelerate); bf16 stays False here, as set it would "
@@ -53,9 +54,25 @@ def launch_warnings(recipe: Recipe, target: str) -> list[str]:
     return warnings + _older_accelerate(recipe, target)
 
 
+def _parallelism_config_warning(recipe: Recipe) -> str:
+    """That the recipe's layout is an object of accelerate's, which JSON and YAML configs cannot build."""
+    if recipe.sp_size > 1:
+        layout, otherwise = f"sequence parallel {recipe.sp_size}", "every GPU trains whole sequences"
+    else:
+        layout = (f"HSDP ({recipe.dp_replicate_size} replicas of FSDP's shard groups)" if recipe.dp_replicate_size > 1
+                  else f"context parallel {recipe.cp_size}")
+        otherwise = "FSDP shards over every GPU, each its own batch of whole sequences"
+    return (f"{layout} is accelerate's ParallelismConfig, an object no JSON or YAML field builds: launch with the "
+            "accelerate config from --emit accelerate, or pass TrainingArguments(parallelism_config="
+            f"ParallelismConfig(...)) as the .py of --emit trainer does; without it {otherwise}")
+
+
 def _older_accelerate(recipe: Recipe, target: str) -> list[str]:
     """This machine's accelerate, where it lacks what the recipe's config needs: FSDP2 (1.6), ParallelismConfig (1.10)."""
     version = installed("accelerate")
+    if recipe.sp_size > 1 and target in ("accelerate", "trainer") and release(version) < SEQUENCE_PARALLEL_ACCELERATE:
+        return [f"accelerate {version} here has no sequence parallel (ParallelismConfig's sp_size came in 1.12): it "
+                "would train whole sequences on every GPU; train with accelerate 1.12 or later"]
     if recipe.fsdp == "none" or target not in ("accelerate", "trainer", "trl"):
         return []
     if release(version) < FSDP2_ACCELERATE:

@@ -140,7 +140,11 @@ def trainer_snippet(recipe: Recipe, num_gpus: int = 1, *, model: str = "MODEL",
     args += _deepspeed_argument(recipe, deepspeed)
     if recipe.uses_parallelism_config:
         lines.insert(0, "from accelerate import ParallelismConfig")
-        args += f",\n    parallelism_config=ParallelismConfig({_call_args(parallelism_sizes(recipe, num_gpus))})"
+        config = _call_args(parallelism_sizes(recipe, num_gpus))
+        if recipe.sp_size > 1:
+            lines.insert(1, "from accelerate.utils import DeepSpeedSequenceParallelConfig")
+            config += f", sp_handler=DeepSpeedSequenceParallelConfig({_call_args(SP_HANDLER)})"
+        args += f",\n    parallelism_config=ParallelismConfig({config})"
     lines.append(f'args = TrainingArguments(\n    output_dir="out",\n{args},\n)')
     return "\n".join(lines) + "\n"
 
@@ -239,8 +243,9 @@ def accelerate_config(recipe: Recipe, num_gpus: int = 1, *, use_cpu: bool = Fals
             "fsdp_activation_checkpointing": recipe.checkpoints_every_layer,
         }
     if recipe.uses_parallelism_config:  # HSDP, context parallel (a non-empty section turns ParallelismConfig on)
-        config["parallelism_config"] = {f"parallelism_config_{name}": size
-                                        for name, size in parallelism_sizes(recipe, num_gpus).items()}
+        handler = SP_HANDLER if recipe.sp_size > 1 else {}
+        config["parallelism_config"] = {f"parallelism_config_{name}": value
+                                        for name, value in {**parallelism_sizes(recipe, num_gpus), **handler}.items()}
     if recipe.torch_compile:
         config["dynamo_config"] = {"dynamo_backend": "INDUCTOR"}
     return config
@@ -261,12 +266,21 @@ def _deepspeed_plugin(recipe: Recipe) -> dict[str, Any]:
     return ds
 
 
-def parallelism_sizes(recipe: Recipe, num_gpus: int) -> dict[str, int]:
+def parallelism_sizes(recipe: Recipe, num_gpus: int) -> dict[str, int | str]:
     """accelerate's ParallelismConfig of an HSDP or context parallel recipe: its replicas, each a shard group of
     num_gpus / replicas consecutive ranks (a node's, as the plan searches it), of which context parallel takes cp_size
-    (FSDP shards over dp_shard x cp)."""
+    (FSDP shards over dp_shard x cp). Of DeepSpeed's sequence parallel (transformers' deepspeed_alst.md): groups of
+    sp_size, the data parallel ranks as replicas (ZeRO partitions over every GPU all the same)."""
+    if recipe.sp_size > 1:
+        return {"dp_replicate_size": num_gpus // recipe.sp_size, "dp_shard_size": 1, "tp_size": 1,
+                "sp_size": recipe.sp_size, "sp_backend": "deepspeed"}
     replicas, cp = recipe.dp_replicate_size, recipe.cp_size
     return {"dp_replicate_size": replicas, "dp_shard_size": num_gpus // replicas // cp, "tp_size": 1, "cp_size": cp}
+
+
+SP_HANDLER: dict[str, Any] = {"sp_seq_length_is_variable": True, "sp_attn_implementation": "sdpa"}
+"""accelerate's DeepSpeedSequenceParallelConfig of a sequence parallel recipe: any length (the Trainer's batches vary),
+SDPA (what is traced; accelerate leaves it unset, and DeepSpeed then refuses to start)."""
 
 
 def _fp8_config(recipe: Recipe) -> dict[str, Any]:

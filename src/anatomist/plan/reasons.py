@@ -27,6 +27,7 @@ from anatomist.plan.space import (
     expert_parallel_sizes,
     method_of,
     searched_precisions,
+    sequence_parallel_sizes,
     tensor_parallel_fsdp,
     tensor_parallel_sizes,
     valid,
@@ -93,6 +94,9 @@ def _sharding_alternatives(r: ResolvedRecipe, space: SearchSpace, workload: Work
     if r.cp_size > 1:
         alts += [(_with_batch(sharding_of(v, space.num_gpus), v, r), v) for size in context_parallel_sizes(space, workload)
                  if size != r.cp_size for v in valid(r, cp_size=size, **_group_batch(r, space, size))]
+    if r.sp_size > 1:
+        alts += [(_with_batch(sharding_of(v, space.num_gpus), v, r), v) for size in sequence_parallel_sizes(space, workload)
+                 if size != r.sp_size for v in valid(r, sp_size=size, **_group_batch(r, space, size))]
     if r.tp_size == 1:
         return alts
     for size in tensor_parallel_sizes(space, workload):
@@ -120,7 +124,7 @@ def _axes(space: SearchSpace, gpu: GPU, workload: Workload) -> list[tuple[str, C
     def batch_alts(r: ResolvedRecipe) -> list[tuple[str, ResolvedRecipe]]:
         return [
             (f"batch {b} x {a}", r.replace(per_device_train_batch_size=b, gradient_accumulation_steps=a))
-            for b, a in space.batch_options(r.tp_size * r.cp_size)
+            for b, a in space.batch_options(r.tp_size * r.sequence_parts)
             if b != r.per_device_train_batch_size
         ]
 

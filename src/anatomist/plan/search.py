@@ -47,6 +47,8 @@ from anatomist.plan.splits import (
     context_parallel_variants,
     expert_parallel_note,
     expert_parallel_variants,
+    sequence_parallel_note,
+    sequence_parallel_variants,
     tensor_parallel_note,
     tensor_parallel_variants,
 )
@@ -142,12 +144,14 @@ def _with_variants(recipes: list[ResolvedRecipe], candidates: list[Candidate], e
                    objective: Objective, space: SearchSpace, error: float, limit: int) -> list[Candidate]:
     """`candidates` and the variants the search adds after them, each kind against the best that fits so far:
     checkpointing where it can pay (`checkpointing_variants`), then tensor parallel (`tensor_parallel_variants`), then
-    expert parallel (`expert_parallel_variants`), then context parallel (`context_parallel_variants`), then the split
+    expert parallel (`expert_parallel_variants`), then context parallel (`context_parallel_variants`) and DeepSpeed's
+    sequence parallel (`sequence_parallel_variants`), then the split
     recipes' own checkpointing (one that fits checkpointing every layer may fit checkpointing fewer, which the first
     pass, over the recipes before the split, could not find)."""
     split: list[ResolvedRecipe] = []
     stages = ((checkpointing_variants, recipes), (tensor_parallel_variants, recipes), (expert_parallel_variants, recipes),
-              (context_parallel_variants, recipes), (checkpointing_variants, split))
+              (context_parallel_variants, recipes), (sequence_parallel_variants, recipes),
+              (checkpointing_variants, split))
     for variants_of, searched in stages:
         feasible = [c for c in candidates if c.fits]
         best = choose(feasible, objective, speed_error=error, limit=limit) if feasible else None
@@ -155,7 +159,7 @@ def _with_variants(recipes: list[ResolvedRecipe], candidates: list[Candidate], e
         if variants:
             _trace_ahead(evaluate, variants)
             candidates = candidates + [evaluate(r) for r in variants]
-            split += [r for r in variants if r.split_by_transformers or r.cp_size > 1]
+            split += [r for r in variants if r.split_by_transformers or r.sequence_parts > 1]
     return candidates
 
 
@@ -237,7 +241,7 @@ def plan(
     if space.shardings is not None:
         notes.append("shardings searched (--shardings): " + ", ".join(spec.name for spec in space.sharding_options()))
     notes += (tensor_parallel_note(space, workload, candidates) + expert_parallel_note(space, workload, candidates)
-              + context_parallel_note(space, workload, candidates))
+              + context_parallel_note(space, workload, candidates) + sequence_parallel_note(space, workload, candidates))
     if space.fixed:
         notes.append("held fixed by --recipe: " + ", ".join(f"{k}={v}" for k, v in space.fixed.items()))
     notes.append(f"{best.time.calibration}; {UNFITTED_TERMS}" if adds_device_terms(best.recipe, space.num_gpus)

@@ -28,6 +28,7 @@ from anatomist.recipe import Recipe
 from anatomist.recipe.parallel_checks import (
     check_context_parallel_model,
     check_expert_parallel_model,
+    check_sequence_parallel_model,
     check_tensor_parallel_model,
 )
 from anatomist.workload import Workload
@@ -277,11 +278,31 @@ def expert_parallel_sizes(space: SearchSpace, workload: Workload) -> list[int]:
 def context_parallel_sizes(space: SearchSpace, workload: Workload) -> list[int]:
     """The context parallel degrees the search tries on `space`'s GPUs (`SearchSpace.tensor_parallel` covers every
     split): powers of two from 2 up to a node's GPUs that divide the GPUs, where the model's sequences split that way
-    (`parallel_checks.check_context_parallel_model`: a causal LM of full attention, its length into 2 x C parts)."""
-    if not space.tensor_parallel or space.num_gpus == 1 or "cp_size" in space.fixed:
+    (`parallel_checks.check_context_parallel_model`: a causal LM of full attention, its length into 2 x C parts), where
+    FSDP's full_shard is searched."""
+    fsdp = any(spec.fields.get("fsdp") == "full_shard" for spec in space.sharding_options())
+    if not space.tensor_parallel or space.num_gpus == 1 or "cp_size" in space.fixed or not fsdp:
         return []
     return _split_sizes(space.num_gpus, space.num_gpus // space.nodes,
                         lambda size: check_context_parallel_model(size, workload))
+
+
+def sequence_parallel_sizes(space: SearchSpace, workload: Workload) -> list[int]:
+    """The degrees of DeepSpeed's sequence parallel the search tries: as `context_parallel_sizes`, where DeepSpeed's
+    Ulysses splits the model that way (`parallel_checks.check_sequence_parallel_model`: a causal LM of full attention,
+    its heads and its length into P parts), where ZeRO is searched and DeepSpeed is there to run it."""
+    zero = any(spec.fields.get("zero_stage") for spec in space.sharding_options())
+    if not space.tensor_parallel or space.num_gpus == 1 or "sp_size" in space.fixed or not zero \
+            or not _deepspeed_installed():
+        return []
+    return _split_sizes(space.num_gpus, space.num_gpus // space.nodes,
+                        lambda size: check_sequence_parallel_model(size, workload))
+
+
+def _deepspeed_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
 
 
 def _split_sizes(num_gpus: int, most: int, check: Callable[[int], None]) -> list[int]:

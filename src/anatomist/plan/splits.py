@@ -1,16 +1,20 @@
 """The splits the plan tries beyond data parallel: tensor parallel (`tensor_parallel_variants`) and, for a Mixture of
 Experts, expert parallel (`expert_parallel_variants`), both set where transformers loads the model, and for a causal
-LM's long sequences context parallel (`context_parallel_variants`, accelerate's ParallelismConfig), each only where it
-could help, and the notes that say what was tried. `search._with_variants` runs them after the base recipes'
+LM's long sequences context parallel under FSDP and DeepSpeed's sequence parallel under ZeRO
+(`context_parallel_variants`, `sequence_parallel_variants`: accelerate's ParallelismConfig), each only where it could
+help, and the notes that say what was tried. `search._with_variants` runs them after the base recipes'
 checkpointing variants, and the split recipes' own checkpointing after them."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from anatomist.plan.candidates import SPEED_TIE, Candidate, Evaluator, Objective
 from anatomist.plan.space import (
     SearchSpace,
     context_parallel_sizes,
     expert_parallel_sizes,
+    sequence_parallel_sizes,
     tensor_parallel_fsdp,
     tensor_parallel_sizes,
     valid,
@@ -78,7 +82,25 @@ def context_parallel_variants(recipes: list[ResolvedRecipe], best: Candidate | N
     memory), HSDP's among them, with each sequence split over groups of C GPUs (`context_parallel_sizes`), each group
     one batch, so the batch pairs are a group's. Only those: context parallel saves activations, not time (a GPU computes its part of
     every layer for 1/C of the batches and adds the ring's exchanges)."""
-    sizes = context_parallel_sizes(space, evaluate.workload)
+    return _split_sequences(recipes, best, evaluate, objective, space, "cp_size",
+                            context_parallel_sizes(space, evaluate.workload),
+                            lambda r: r.fsdp == "full_shard" and not r.split_by_transformers and r.sequence_parts == 1)
+
+
+def sequence_parallel_variants(recipes: list[ResolvedRecipe], best: Candidate | None, evaluate: Evaluator,
+                               objective: Objective, space: SearchSpace) -> list[ResolvedRecipe]:
+    """The same for the DeepSpeed ZeRO recipes, with DeepSpeed's Ulysses over groups of P GPUs
+    (`sequence_parallel_sizes`)."""
+    return _split_sequences(recipes, best, evaluate, objective, space, "sp_size",
+                            sequence_parallel_sizes(space, evaluate.workload),
+                            lambda r: r.zero_stage > 0 and r.sequence_parts == 1)
+
+
+def _split_sequences(recipes: list[ResolvedRecipe], best: Candidate | None, evaluate: Evaluator, objective: Objective,
+                     space: SearchSpace, field: str, sizes: list[int],
+                     takes: Callable[[ResolvedRecipe], bool]) -> list[ResolvedRecipe]:
+    """The recipes `takes` accepts that do not fit (every one where nothing fits or the objective is memory), with
+    `field` (cp_size, sp_size) at each of `sizes`, the batch pairs a group's."""
     if not sizes:
         return []
 
@@ -87,9 +109,9 @@ def context_parallel_variants(recipes: list[ResolvedRecipe], best: Candidate | N
 
     variants = []
     for r in recipes:
-        if r.fsdp == "full_shard" and not r.split_by_transformers and r.cp_size == 1 and worth_splitting(r):
+        if takes(r) and worth_splitting(r):
             variants += [v.resolved(evaluate.workload) for size in sizes for b, a in space.batch_options(size) for v in
-                         valid(r, cp_size=size, per_device_train_batch_size=b, gradient_accumulation_steps=a)]
+                         valid(r, **{field: size}, per_device_train_batch_size=b, gradient_accumulation_steps=a)]
     return list(dict.fromkeys(variants))
 
 
@@ -98,6 +120,14 @@ def context_parallel_note(space: SearchSpace, workload: Workload, candidates: li
     return _tried(context_parallel_sizes(space, workload), sum(c.recipe.cp_size > 1 for c in candidates),
                   "context parallel: tried over {sizes} GPUs on the FSDP recipes that do not fit ({tried}); "
                   "--no-tensor-parallel leaves it out", "none: every FSDP recipe that could take it fitted")
+
+
+def sequence_parallel_note(space: SearchSpace, workload: Workload, candidates: list[Candidate]) -> list[str]:
+    """Whether DeepSpeed's sequence parallel was tried (`sequence_parallel_variants`), over how many GPUs, on how many
+    recipes."""
+    return _tried(sequence_parallel_sizes(space, workload), sum(c.recipe.sp_size > 1 for c in candidates),
+                  "sequence parallel (DeepSpeed's Ulysses): tried over {sizes} GPUs on the ZeRO recipes that do not fit "
+                  "({tried}); --no-tensor-parallel leaves it out", "none: every ZeRO recipe that could take it fitted")
 
 
 def _tried(sizes: list[int], split: int, line: str, none: str, counted: str = "recipe(s) predicted") -> list[str]:

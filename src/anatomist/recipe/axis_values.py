@@ -57,7 +57,8 @@ def matmul_precision(recipe: RecipeFields, gpu: GPU) -> Precision:
 def sharding_of(recipe: RecipeFields, num_gpus: int) -> str:
     """The name of `recipe`'s sharding on `num_gpus` devices: a name of `axes.shardings.SHARDING_NAMES`, or with tensor
     parallel (which the plan tries only where nothing fits without it) `tp{N}`, after FSDP's name and a "+" where FSDP
-    shards too; with expert parallel `ep{N}` after FSDP's name and a "+"."""
+    shards too; with expert (context) parallel `ep{N}` (`cp{N}`) after FSDP's name and a "+"; DeepSpeed's sequence parallel
+`sp{N}` after ZeRO's."""
     if recipe.tp_size > 1:
         return (f"fsdp_{recipe.fsdp}+" if recipe.fsdp != "none" else "") + f"tp{recipe.tp_size}"
     if recipe.ep_size > 1:
@@ -70,4 +71,5 @@ def sharding_of(recipe: RecipeFields, num_gpus: int) -> str:
         return f"fsdp_{recipe.fsdp}" + (f"+hsdp{recipe.dp_replicate_size}" if recipe.dp_replicate_size > 1 else "")
     if recipe.zero_stage == 0:
         return "ddp" if num_gpus > 1 else "none"
-    return f"zero{recipe.zero_stage}" + ("+offload" if recipe.offload != "none" else "")
+    return (f"zero{recipe.zero_stage}" + (f"+sp{recipe.sp_size}" if recipe.sp_size > 1 else "")
+            + ("+offload" if recipe.offload != "none" else ""))

@@ -29,6 +29,8 @@ from anatomist.recipe.parallel_checks import (
     check_expert_parallel,
     check_expert_parallel_model,
     check_hybrid_shard,
+    check_sequence_parallel,
+    check_sequence_parallel_model,
     check_tensor_parallel,
     check_tensor_parallel_model,
 )
@@ -58,6 +60,7 @@ def check_fields(r: RecipeFields) -> None:
     check_tensor_parallel(r)
     check_expert_parallel(r)
     check_context_parallel(r)
+    check_sequence_parallel(r)
     check_hybrid_shard(r)
     check_adapters(r)
     check_clipping(r)
@@ -263,6 +266,8 @@ def check_model(r: RecipeFields, workload: Workload) -> None:
         check_expert_parallel_model(r.ep_size, workload)
     if r.cp_size > 1:
         check_context_parallel_model(r.cp_size, workload)
+    if r.sp_size > 1:
+        check_sequence_parallel_model(r.sp_size, workload)
 
 
 def check_gpu(r: RecipeFields, gpu: GPU, *, dtype_given: bool = True) -> None:

@@ -84,6 +84,7 @@ class RecipeFields:
     ep_size: int = 1
     ep_routing: EpRouting = "balanced"
     cp_size: int = 1
+    sp_size: int = 1
     dp_replicate_size: int = 1
 
     # -- LLM fine-tuning as TRL and the Trainer run it ------------------------------------------
@@ -112,8 +113,14 @@ class RecipeFields:
 
     @property
     def uses_parallelism_config(self) -> bool:
-        """Whether accelerate's ParallelismConfig lays out the GPUs: HSDP's replicas or context parallel."""
-        return self.dp_replicate_size > 1 or self.cp_size > 1
+        """Whether accelerate's ParallelismConfig lays out the GPUs: HSDP's replicas, context or sequence parallel."""
+        return self.dp_replicate_size > 1 or self.cp_size > 1 or self.sp_size > 1
+
+    @property
+    def sequence_parts(self) -> int:
+        """Into how many parts each sequence is split over a group of GPUs, which train one batch together: context
+        parallel's (torch's ring) or sequence parallel's (DeepSpeed's Ulysses); 1 where neither."""
+        return self.cp_size * self.sp_size
 
     @property
     def sharding_stage(self) -> int:

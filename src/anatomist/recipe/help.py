@@ -145,6 +145,12 @@ FIELD_HELP: dict[str, FieldHelp] = {
         "split into this many parts, one per GPU, attention exchanging the keys and values around the group; the "
         "GPUs of a group see the same samples, and FSDP shards over every GPU. For long sequences of causal LMs "
         "under transformers' Trainer; needs --fsdp and SDPA."),
+    "sp_size": FieldHelp(
+        "Sequence parallel degree under DeepSpeed (accelerate's ParallelismConfig sp_size with sp_backend deepspeed: "
+        "DeepSpeed's Ulysses, ALST): each sequence split into this many parts, one per GPU, attention run on the whole "
+        "sequence for a share of the heads after an all-to-all; the GPUs of a group see the same samples, and ZeRO "
+        "partitions over every GPU. For long sequences of causal LMs under transformers' Trainer; needs --zero-stage "
+        "and SDPA."),
     "dp_replicate_size": FieldHelp(
         "Hybrid sharding, HSDP (accelerate's ParallelismConfig dp_replicate_size): FSDP shards over GPUs / "
         "dp_replicate_size GPUs (dp_shard) and keeps that many replicas of the shards, whose gradients are "

@@ -1,6 +1,6 @@
 """The checks of the parallel layouts that split one step over several GPUs beyond data parallel: tensor parallel
-(`tp_size`), expert parallel (`ep_size`), context parallel (`cp_size`) and HSDP's replicas (`dp_replicate_size`), each
-against itself (`check_fields` runs those), the model (`check_model`) and the GPUs it runs on (`estimate()`).
+(`tp_size`), expert parallel (`ep_size`), context parallel (`cp_size`), DeepSpeed's sequence parallel (`sp_size`) and
+HSDP's replicas (`dp_replicate_size`), each against itself (`check_fields` runs those), the model (`check_model`) and the GPUs it runs on (`estimate()`).
 
 Tensor and expert parallel are both transformers' own: `from_pretrained(..., distributed_config=DistributedConfig(...))`
 splits the model at load time (trace/step/tensor_parallel.py), so they share what is not traced with it
@@ -199,8 +199,8 @@ def check_context_parallel(r: RecipeFields) -> None:
         if getattr(r, name) != off:
             raise InputError(f"{what} with {said} is not modelled yet: drop one of them")
     if r.zero_stage:
-        raise InputError(f"{what} is accelerate's context parallel over FSDP2; DeepSpeed's sequence parallel (ALST, "
-                         "Ulysses) is not modelled: use --fsdp full_shard")
+        raise InputError(f"{what} is accelerate's context parallel over FSDP2: use --fsdp full_shard (under DeepSpeed, "
+                         "its Ulysses sequence parallel splits a sequence: --sp-size)")
     if r.trainer != "trainer":
         raise InputError(f"{what} with TRL's {r.trainer.upper()}Trainer is not modelled yet: use --trainer trainer")
     if r.attn_implementation not in (None, "sdpa"):
@@ -239,10 +239,7 @@ def check_context_parallel_model(cp_size: int, workload: Workload) -> None:
     if workload.task != "causal-lm":
         raise InputError(f"{workload.name}: context parallel splits causal LM sequences (is_causal attention); this "
                          f"is a {workload.task} model")
-    config = workload.config.get_text_config()
-    layer_types = getattr(config, "layer_types", None)
-    windowed = ({t for t in layer_types if t != "full_attention"} if layer_types is not None
-                else {"sliding_attention"} if getattr(config, "sliding_window", None) else set())
+    windowed = _not_full_attention(workload)
     if windowed:
         raise InputError(f"{workload.name}: context parallel with {', '.join(sorted(windowed))} layers: accelerate "
                          "refuses them (its hooks can only express full causal attention)")
@@ -252,3 +249,93 @@ def check_context_parallel_model(cp_size: int, workload: Workload) -> None:
         raise InputError(f"{workload.name}: --seq-len {workload.seq_len} does not split into 2 x cp_size = "
                          f"{2 * cp_size} equal parts (torch's load balancing of the causal ring): pad to a multiple "
                          f"of {2 * cp_size}")
+
+
+SP_NOT_MODELLED: tuple[tuple[str, object, str], ...] = (
+    *((name, off, said) for name, off, said in SPLIT_NOT_MODELLED if name not in ("zero_stage", "peft", "offload")),
+    ("load_in_4bit", False, "QLoRA"),
+    ("load_in_8bit", False, "8-bit weights"),
+    ("fsdp", "none", "FSDP (DeepSpeed's Ulysses runs under DeepSpeed; accelerate's context parallel is FSDP's: --cp-size)"),
+    ("tp_size", 1, "tensor parallel"),
+    ("ep_size", 1, "expert parallel"),
+    ("cp_size", 1, "context parallel (accelerate refuses both at once)"),
+    ("dp_replicate_size", 1, "HSDP replicas"),
+    ("padding_free", False, "padding-free batches (SDPA would attend across the packed sequences)"),
+    ("packing", False, "packing (SDPA would attend across the packed sequences)"),
+)
+"""What a sequence parallel recipe is not traced with (field, its value when off, how a user names it). LoRA is (PEFT's
+adapters on the rank's tokens, DeepSpeed's attention in between), and so are ZeRO's offloads (arithmetic over the
+rank's trace, as without sequence parallel)."""
+
+
+def check_sequence_parallel(r: RecipeFields) -> None:
+    """A sequence parallel degree of 1 or more, traced as the Trainer runs it under accelerate's ParallelismConfig(
+    sp_backend="deepspeed"): DeepSpeed ZeRO, transformers' Trainer, SDPA, none of SP_NOT_MODELLED."""
+    if r.sp_size < 1:
+        raise InputError(f"sp_size must be at least 1, got {r.sp_size}")
+    if r.sp_size == 1:
+        return
+    what = f"sp_size={r.sp_size}"
+    if not r.zero_stage:
+        raise InputError(f"{what} is DeepSpeed's Ulysses sequence parallel (accelerate's sp_backend 'deepspeed'), which "
+                         "runs under DeepSpeed: add --zero-stage 1, 2 or 3 (under FSDP, context parallel splits a "
+                         "sequence: --cp-size)")
+    for name, off, said in SP_NOT_MODELLED:
+        if getattr(r, name) != off:
+            raise InputError(f"{what} with {said} is not modelled yet: drop one of them")
+    if r.trainer != "trainer":
+        raise InputError(f"{what} with TRL's {r.trainer.upper()}Trainer is not modelled yet: use --trainer trainer")
+    if r.attn_implementation not in (None, "sdpa", "flash_attention_2"):
+        raise InputError(f"{what} needs attn_implementation sdpa or flash_attention_2: DeepSpeed refuses eager (its "
+                         "4-D mask)")
+
+
+def check_sequence_parallel_gpus(r: RecipeFields, num_gpus: int, nodes: int = 1) -> None:
+    """The GPUs a sequence parallel recipe runs on: a multiple of sp_size (DeepSpeed's groups of consecutive ranks, the
+    rest data parallel), a group within one node (its all-to-alls are priced at the node's own bandwidth)."""
+    if r.sp_size == 1:
+        return
+    if num_gpus % r.sp_size:
+        raise InputError(f"sp_size={r.sp_size} does not divide the {num_gpus} GPU(s): DeepSpeed makes groups of "
+                         "sp_size consecutive ranks, the GPUs are sp_size x the data parallel ranks")
+    if r.sp_size > num_gpus // nodes:
+        raise InputError(f"sp_size={r.sp_size} is more than a node's {num_gpus // nodes} GPU(s): all-to-alls across "
+                         "nodes are not modelled")
+
+
+def check_sequence_parallel_model(sp_size: int, workload: Workload) -> None:
+    """A model DeepSpeed's Ulysses can split `sp_size` ways (ulysses_sp.py `UlyssesSPAttentionHF`): a causal LM (its
+    data loader adapter shifts the labels), every layer full causal attention (SDPA runs `is_causal`, the mask dropped:
+    a sliding window would be lost; accelerate refuses recurrent layers), a config that names its key/value heads
+    (`register_with_transformers` reads num_key_value_heads), query heads divisible by sp_size, key and value heads
+    dividing it or divisible by it, and a sequence of sp_size equal parts."""
+    if workload.task != "causal-lm":
+        raise InputError(f"{workload.name}: DeepSpeed's Ulysses splits causal LM sequences; this is a {workload.task} "
+                         "model")
+    other = _not_full_attention(workload)
+    if other:
+        raise InputError(f"{workload.name}: sequence parallel with {', '.join(sorted(other))} layers is not modelled "
+                         "(DeepSpeed's Ulysses drops the mask, and SDPA would attend to the whole prefix)")
+    config = workload.config.get_text_config()
+    if getattr(config, "num_key_value_heads", None) is None:
+        raise InputError(f"{workload.name}: DeepSpeed's Ulysses reads the config's num_key_value_heads, which this "
+                         f"{config.model_type} config has not (DeepSpeed stops on it)")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % sp_size:
+        raise InputError(f"{workload.name}: sp_size={sp_size} does not divide its {heads} attention heads (DeepSpeed's "
+                         "Ulysses gives each GPU a share of the heads)")
+    if kv_heads % sp_size and sp_size % kv_heads:
+        raise InputError(f"{workload.name}: sp_size={sp_size} and its {kv_heads} key/value heads: one must divide the "
+                         "other (DeepSpeed's Ulysses splits or repeats them)")
+    if workload.seq_len % sp_size:
+        raise InputError(f"{workload.name}: --seq-len {workload.seq_len} does not split into sp_size = {sp_size} equal "
+                         f"parts: pad to a multiple of {sp_size} (pad_to_multiple_of in the data collator)")
+
+
+def _not_full_attention(workload: Workload) -> set[str]:
+    """The kinds of the model's layers other than full causal attention (its `layer_types`, or a sliding window)."""
+    config = workload.config.get_text_config()
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return {t for t in layer_types if t != "full_attention"}
+    return {"sliding_attention"} if getattr(config, "sliding_window", None) else set()

@@ -69,6 +69,7 @@ FIELD_LABELS = {
     "ep_size": "Expert parallel GPUs per group",
     "ep_routing": "Expert routing assumed",
     "cp_size": "Context parallel GPUs per sequence",
+    "sp_size": "Sequence parallel GPUs per sequence (DeepSpeed Ulysses)",
     "dp_replicate_size": "HSDP replicas",
     "dataloader_num_workers": "DataLoader workers",
     "dataloader_pin_memory": "Pinned host memory for batches",

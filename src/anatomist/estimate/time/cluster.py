@@ -16,14 +16,15 @@ with DeepSpeed or FSDP three terms change:
                                 each all-gather, in forward and in backward; offloaded checkpoints
                                 copy each checkpointed layer's input to the host and back
     communication_s             what of the collectives compute does not hide (`Collectives`,
-                                `exposed_s`), and tensor parallel's, expert parallel's and context
-                                parallel's, none hidden (`tensor_parallel_s`, `expert_parallel_s`,
-                                `context_parallel_s`)
+                                `exposed_s`), and tensor, expert, context and sequence parallel's,
+                                none hidden (`tensor_parallel_s`, `expert_parallel_s`,
+                                `context_parallel_s`, `sequence_parallel_s`)
 
 Under tensor parallel "one device" is one rank of a group (its shards of each product: the traced ops of
 `keys.one_device`), and a group of `tp_size` devices trains one batch: samples/s counts GPUs / tp_size of them. So
 under context parallel: a rank computes its part of each sequence (S / cp_size tokens, its share of the ring's
-attention), a group of `cp_size` trains one batch.
+attention), a group of `cp_size` trains one batch; and under DeepSpeed's sequence parallel (S / sp_size tokens, the
+whole sequence's attention for 1 / sp_size of the heads), a group of `sp_size`.
 
 The collectives are `collectives.py`'s, the copies of offload `transfers.py`'s, the bandwidth between the devices
 `network.py`'s; their constants live in data/plan_throughput.toml with their sources; none was measured.
@@ -36,7 +37,13 @@ from typing import Protocol
 from anatomist.anatomy import TimeAnatomy
 from anatomist.calibration.lookup import Calibration, calibration_for
 from anatomist.estimate.intervals import time_interval
-from anatomist.estimate.time.collectives import collectives, context_parallel_s, expert_parallel_s, tensor_parallel_s
+from anatomist.estimate.time.collectives import (
+    collectives,
+    context_parallel_s,
+    expert_parallel_s,
+    sequence_parallel_s,
+    tensor_parallel_s,
+)
 from anatomist.estimate.time.device import estimate_time
 from anatomist.estimate.time.network import DEFAULT_NODES
 from anatomist.estimate.time.ops import step_ops
@@ -108,10 +115,10 @@ def time_across_devices(
     phases["offload"] = (offload_s(recipe, size, num_gpus=num_gpus) + checkpoint_offload_s(workload, recipe, size)
                          + activation_offloading_s(recipe, micro_batch_offload_bytes, phases.get("forward", 0.0)))
     comm = collectives(recipe, size, num_gpus=num_gpus, nodes=nodes, network=network, gpu=gpu)
-    split = recipe.split_by_transformers or recipe.cp_size > 1
+    split = recipe.split_by_transformers or recipe.sequence_parts > 1
     ops = step_ops(workload, recipe, gpu.compute_capability) if split else None
     tp_s = (tensor_parallel_s(ops, recipe, gpu) + expert_parallel_s(ops, recipe, num_gpus, nodes, network, gpu)
-            + context_parallel_s(ops, recipe, gpu) if ops is not None else 0.0)
+            + context_parallel_s(ops, recipe, gpu) + sequence_parallel_s(ops, recipe, gpu) if ops is not None else 0.0)
     phases["communication"] = comm.exposed_s(phases.get("forward", 0.0), phases.get("backward", 0.0)) + tp_s
     step_s = sum(phases.values())
     # The optimizer step, the copies and the collectives are all "other" (docs/time.md), so the classes add up to
@@ -119,7 +126,7 @@ def time_across_devices(
     classes = dict(one.classes_s)
     added = phases.get("optimizer", 0.0) - one.phases_s.get("optimizer", 0.0) + phases["offload"] + phases["communication"]
     classes["other"] = classes.get("other", 0.0) + added
-    groups = num_gpus // (recipe.tp_size * recipe.cp_size)  # the GPUs of a tensor or context parallel group: one batch
+    groups = num_gpus // (recipe.tp_size * recipe.sequence_parts)  # the GPUs of a tensor, context, sequence parallel group: one batch
     samples = recipe.per_device_train_batch_size * recipe.gradient_accumulation_steps * groups
     return TimeAnatomy(
         step_s=step_s,

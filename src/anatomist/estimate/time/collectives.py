@@ -45,7 +45,7 @@ from anatomist.estimate.time.ops import StepOps
 from anatomist.hardware import GPU
 from anatomist.recipe import ResolvedRecipe
 from anatomist.trace.depth.plan import ModelSize
-from anatomist.trace.engine.records import COLLECTIVE_PREFIX
+from anatomist.trace.engine.records import COLLECTIVE_PREFIX, ULYSSES_ALL_TO_ALL
 
 DDP_BUCKET_BYTES = 25 * 2**20
 """DistributedDataParallel's default bucket_cap_mb (25 MiB), which the Trainer leaves as it is."""
@@ -208,6 +208,20 @@ def context_parallel_s(ops: StepOps, recipe: ResolvedRecipe, gpu: GPU | None = N
             continue
         seconds += record.calls_per_step(recipe.gradient_accumulation_steps) * moved / bus
     return seconds
+
+
+def sequence_parallel_s(ops: StepOps, recipe: ResolvedRecipe, gpu: GPU | None = None) -> float:
+    """Seconds per step of DeepSpeed's Ulysses exchanges (`ULYSSES_ALL_TO_ALL`, as the traced rank runs them: each
+    layer's queries, keys, values and attention output in forward, their gradients in backward), each sending
+    (P - 1) / P of its tensor to the other ranks of the group at the bus bandwidth of one node (the group is within
+    one), none hidden: the attention waits for its inputs, the next product for its output. The trace records input +
+    output bytes, twice the tensor."""
+    sp = recipe.sp_size
+    if sp <= 1:
+        return 0.0
+    sent, bus = (sp - 1) / sp, intra_node_bytes_per_s(gpu)
+    return sum(record.calls_per_step(recipe.gradient_accumulation_steps) * record.bytes / 2 * sent / bus
+               for record in ops.records if record.name == ULYSSES_ALL_TO_ALL)
 
 
 def communication_s(

@@ -11,12 +11,14 @@ Read as strictly as accelerate reads it: a top-level key ClusterConfig lacks is 
 fsdp_config.x -> --fsdp_x), nor an argument the environment it prepares reads (utils/launch.py:
 fsdp_ignored_modules): accelerate would set it and nothing would read it. Settings that
 change memory but are not modelled yet are refused, never predicted as something else:
-sequence parallel (DeepSpeed's Ulysses) and context parallel's "alltoall" rotation in `parallelism_config`, activation
-offload (`fsdp_activation_checkpointing_offload`). FSDP's CPU offload (`fsdp_offload_params`) is the recipe's
+context parallel's "alltoall" rotation in `parallelism_config`, activation offload
+(`fsdp_activation_checkpointing_offload`). FSDP's CPU offload (`fsdp_offload_params`) is the recipe's
 offload="cpu". `parallelism_config.parallelism_config_tp_size` is the recipe's tp_size, traced as transformers splits
 the model, without FSDP; with FSDP it is refused (TP_UNDER_ACCELERATE_FSDP). `parallelism_config_dp_replicate_size` is
 the recipe's dp_replicate_size (HSDP: FSDP's shard groups replicated, as accelerate's FSDP2 shards on its 2-D mesh),
-`parallelism_config_cp_size` its cp_size (torch's ring attention with accelerate's default "allgather" rotation).
+`parallelism_config_cp_size` its cp_size (torch's ring attention with accelerate's default "allgather" rotation),
+`parallelism_config_sp_size` its sp_size (DeepSpeed's Ulysses, whose attention `parallelism_config_sp_attn_implementation`
+names: the recipe's attn_implementation).
 """
 
 from __future__ import annotations
@@ -47,20 +49,27 @@ WRITTEN_BY_DEFAULT = {"compute_environment": "LOCAL_MACHINE", "gpu_ids": "all"}
 SECTION_PREFIXES = {"fsdp_config": "fsdp_", "dynamo_config": "dynamo_", "fp8_config": "fp8_",
                     "deepspeed_config": "", "parallelism_config": ""}
 """The sections whose keys become `accelerate launch` options, and the prefix launch.py gives a key that lacks it."""
-PARALLEL_SIZES = {"parallelism_config_sp_size": "sequence_parallel"}
-"""parallelism_config sizes above 1 that anatomist does not model: sequence parallel (DeepSpeed's Ulysses), refused,
-not predicted as plain data parallel."""
 READ_SIZES = {"parallelism_config_tp_size": "tp_size", "parallelism_config_dp_replicate_size": "dp_replicate_size",
-              "parallelism_config_cp_size": "cp_size"}
+              "parallelism_config_cp_size": "cp_size", "parallelism_config_sp_size": "sp_size"}
 """parallelism_config sizes read as the recipe's fields (tensor parallel; HSDP's replicas of FSDP's shards; context
-parallel)."""
-IMPLIED = ("parallelism_config_dp_shard_size", "parallelism_config_cp_comm_strategy", "parallelism_config_cp_backend")
+parallel; DeepSpeed's sequence parallel)."""
+IMPLIED = ("parallelism_config_dp_shard_size", "parallelism_config_cp_comm_strategy", "parallelism_config_cp_backend",
+           "parallelism_config_sp_backend", "parallelism_config_sp_seq_length",
+           "parallelism_config_sp_seq_length_is_variable")
 """parallelism_config keys the recipe holds otherwise: FSDP's shard size is what the GPUs leave beside the other sizes
 (accelerate refuses a product other than its processes), the ring's rotation is refused unless it is the traced one
-(`CP_ROTATION`), and "torch" is the one backend accelerate's ParallelismConfig takes."""
+(`CP_ROTATION`), "torch" and "deepspeed" are the one backend of each that accelerate's ParallelismConfig takes, and a
+fixed sequence parallel length is the sequence's (the batches are padded to it)."""
+SP_ATTENTION = "parallelism_config_sp_attn_implementation"
+"""The attention DeepSpeed's Ulysses wraps (accelerate's DeepSpeedSequenceParallelConfig), which must be the model's
+own (DeepSpeed refuses another): read as the recipe's attn_implementation."""
 CP_ROTATION = "parallelism_config_cp_comm_strategy"
 """How torch's ring passes the keys and values (accelerate's TorchContextParallelConfig): "allgather", its default,
 is what anatomist traces; "alltoall" passes one rank's part at a time (other buffers): refused."""
+PASSED_NOWHERE = {"deepspeed_config": ("seq_parallel_communication_data_type",)}
+"""Section keys that are DeepSpeed's own config keys, which accelerate launch takes and passes to no one (its DeepSpeed
+plugin builds the config from its own fields): TRL's ALST example sets this one; DeepSpeed reads it from its JSON only
+(the dtype of the gradients' reduction under sequence parallel, which is not modelled)."""
 MULTI_NODE = ("same_network", "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend")
 """Keys that say where the machines meet: nothing the prediction reads, whatever they say (num_machines sets
 the nodes the time model spreads the devices over)."""
@@ -112,16 +121,12 @@ def _check_keys(data: dict[str, Any], file: str) -> None:
     for name, prefix in SECTION_PREFIXES.items():
         section = data.get(name)
         if isinstance(section, dict) and options:  # a key with or without its prefix: launch.py adds it
-            known = {option for option in options if option.startswith(prefix)}
+            known = {option for option in options if option.startswith(prefix)} | set(PASSED_NOWHERE.get(name, ()))
             refuse_unknown(section, known | {option.removeprefix(prefix) for option in known}, file,
                            f"accelerate launch's options for {name}", prefix=f"{name}.")
 
 
 def _parallelism(section: dict[str, Any], file: str) -> None:
-    for key, setting in PARALLEL_SIZES.items():
-        for written in (key, key.removeprefix("parallelism_config_")):
-            if written in section:
-                refuse_unmodelled(setting, file, f"parallelism_config.{written}", section[written])
     for written in (CP_ROTATION, CP_ROTATION.removeprefix("parallelism_config_")):
         if section.get(written) not in (None, "allgather"):
             raise InputError(f"{file}: parallelism_config.{written}={section[written]!r} is not modelled yet (context "
@@ -130,17 +135,27 @@ def _parallelism(section: dict[str, Any], file: str) -> None:
 
 
 def _sizes(section: Any, reading: Reading, file: str) -> Any:
-    """parallelism_config's tensor parallel size and HSDP replicas (either spelling) as the recipe's (READ_SIZES);
-    the rest of the section."""
+    """parallelism_config's sizes (either spelling) as the recipe's (READ_SIZES; beside sequence parallel,
+    dp_replicate_size counts DeepSpeed's data parallel ranks, no HSDP); the rest of the section."""
     if not isinstance(section, dict):
         return section
     read = set()
-    for key, field in READ_SIZES.items():
+    sizes = READ_SIZES
+    if any((section.get(w) or 1) > 1 for w in ("parallelism_config_sp_size", "sp_size")):
+        sizes = {k: v for k, v in READ_SIZES.items() if v != "dp_replicate_size"}  # DeepSpeed's data parallel ranks
+        read |= {"parallelism_config_dp_replicate_size", "dp_replicate_size"}
+    for key, field in sizes.items():
         for written in (w for w in (key, key.removeprefix("parallelism_config_")) if w in section):
             parallel_size(reading, field, section[written], file, f"parallelism_config.{written}")
             read.add(written)
     for key in IMPLIED:
         read |= {key, key.removeprefix("parallelism_config_")}
+    for written in (w for w in (SP_ATTENTION, SP_ATTENTION.removeprefix("parallelism_config_")) if w in section):
+        if section[written] not in ("sdpa", "flash_attention_2"):
+            raise InputError(f"{file}: parallelism_config.{written}={section[written]!r} is not modelled yet (sequence "
+                             "parallel is traced around SDPA, or flash_attention_2 as SDPA stands for it)")
+        reading.set("attn_implementation", section[written], file, f"parallelism_config.{written}")
+        read.add(written)
     return {k: v for k, v in section.items() if k not in read}
 
 

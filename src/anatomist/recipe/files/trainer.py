@@ -67,9 +67,6 @@ HANDLED = frozenset({"gradient_checkpointing", "activation_checkpointing", "grad
 PEFT_UNMODELLED = {"lora_modules_to_save": "modules_to_save", "use_dora": "dora"}
 """TRL ModelConfig's LoRA settings that change memory in a way not modelled (get_peft_config passes them to
 LoraConfig: modules_to_save, use_dora)."""
-PARALLELISM_SIZES = {"sp_size": "sequence_parallel"}
-"""accelerate's ParallelismConfig sizes, as TrainingArguments.parallelism_config (4.57+) holds them, that anatomist
-does not model yet; its tp_size, dp_replicate_size and cp_size are the recipe's (`_sizes`)."""
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -193,9 +190,9 @@ def _trl_defaults(data: dict[str, Any], schema: dict[str, Any], reading: Reading
         reading.set_default("seq_len", schema["max_length"], file, "max_length", "TRL")
 
 
-READ_SIZES = ("tp_size", "dp_replicate_size", "cp_size")
+READ_SIZES = ("tp_size", "dp_replicate_size", "cp_size", "sp_size")
 """The ParallelismConfig sizes read as the recipe's fields of the same names (tensor parallel; HSDP's replicas;
-context parallel)."""
+context parallel; DeepSpeed's sequence parallel)."""
 
 
 def _sizes(data: dict[str, Any], reading: Reading, file: str) -> None:
@@ -204,7 +201,9 @@ def _sizes(data: dict[str, Any], reading: Reading, file: str) -> None:
     config = data.get("parallelism_config")
     given = [("tp_size", "tp_size", data.get("tp_size"))]
     if isinstance(config, dict):
-        given += [(field, f"parallelism_config.{field}", config.get(field)) for field in READ_SIZES]
+        # beside DeepSpeed's sequence parallel, dp_replicate_size counts its data parallel ranks: no HSDP
+        fields = [f for f in READ_SIZES if f != "dp_replicate_size" or (config.get("sp_size") or 1) == 1]
+        given += [(field, f"parallelism_config.{field}", config.get(field)) for field in fields]
     for field, key, value in given:
         if value not in (None, 0):
             parallel_size(reading, field, value, file, key)
@@ -217,10 +216,6 @@ def _unmodelled(data: dict[str, Any], file: str) -> None:
     if data.get("use_peft"):
         for key, setting in PEFT_UNMODELLED.items():
             refuse_unmodelled(setting, file, key, data.get(key), size=False)
-    config = data.get("parallelism_config")
-    if isinstance(config, dict):
-        for key, setting in PARALLELISM_SIZES.items():
-            refuse_unmodelled(setting, file, f"parallelism_config.{key}", config.get(key))
 
 
 CHECKPOINTING_KWARGS = {"every_n_layers": "checkpoint_every", "offload": "checkpoint_offload"}

@@ -27,9 +27,12 @@ NO_GEMM = (0, 0, 0, 0)
 COLLECTIVE_PREFIX = "_c10d_functional::"
 """The names of the collectives a traced rank runs itself (DTensor's, under tensor parallel): communication, not the
 device's compute (`estimate.time.collectives.tensor_parallel_s`)."""
-NOT_DEVICE_COMPUTE = (COLLECTIVE_PREFIX, "c10d::")
-"""The ops a rank's trace holds that are not its device's compute: the collectives, DTensor's functional ones and
-c10d's own (expert parallel's exchange of its split sizes), priced by `estimate.time.collectives`."""
+ULYSSES_ALL_TO_ALL = "deepspeed::dim_zero_all_to_all"
+"""DeepSpeed's exchange between the ranks of a sequence parallel group (deepspeed/sequence/layer.py), priced by
+`estimate.time.collectives.sequence_parallel_s`."""
+NOT_DEVICE_COMPUTE = (COLLECTIVE_PREFIX, "c10d::", ULYSSES_ALL_TO_ALL)
+"""The ops a rank's trace holds that are not its device's compute: the collectives, DTensor's functional ones, c10d's
+own (expert parallel's exchange of its split sizes) and DeepSpeed's, priced by `estimate.time.collectives`."""
 ATTENTION_PREFIX = "_scaled_dot_product"
 """The names of the fused attention kernels (and of their CPU stand-ins): (batch x heads) products of Sq x Sk, each a
 sum over the head dimension."""

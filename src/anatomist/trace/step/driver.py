@@ -32,7 +32,7 @@ from anatomist.trace.engine.autocast import cuda_autocast_policy
 from anatomist.trace.engine.cuda_paths import cuda_code_paths, cuda_grouped_mm, fake_parameters, saved_on_host
 from anatomist.trace.engine.records import RankEvents, StepTrace, Trace, curves_of
 from anatomist.trace.engine.tracer import StepTracer
-from anatomist.trace.step import context_parallel, tensor_parallel, trainers
+from anatomist.trace.step import context_parallel, sequence_parallel, tensor_parallel, trainers
 from anatomist.trace.step import fsdp as sharded
 from anatomist.trace.step.experts import build_kwargs, check_traceable, compiled_experts_path, routed_as
 from anatomist.trace.step.fp8 import convert_to_fp8
@@ -90,8 +90,8 @@ def trace_step(
     if part in ("optimizer", "train-step"):
         import_optimizer_module(recipe)  # not under the tracer: see OptimizerSpec.optimizer_class
     fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    if recipe.cp_size > 1:  # a rank holds its part of each sequence (trace/step/context_parallel.py)
-        workload = dataclasses.replace(workload, seq_len=workload.seq_len // recipe.cp_size)
+    if recipe.sequence_parts > 1:  # a rank holds its part of each sequence (context_parallel.py, sequence_parallel.py)
+        workload = dataclasses.replace(workload, seq_len=workload.seq_len // recipe.sequence_parts)
     with contextlib.ExitStack() as world:
         model, tracer = _model_and_tracer(world, workload, recipe, depth, fake_mode if fake else None, num_gpus,
                                           record_ops)
@@ -99,6 +99,8 @@ def trace_step(
         params = [p for p in model.parameters() if p.requires_grad]  # what the Trainer's optimizer gets
         _register_weights(tracer, model, reference)
         ring = _ring(model, recipe) if part != "optimizer" else None
+        if recipe.sp_size > 1 and part != "optimizer":
+            world.enter_context(sequence_parallel.ulysses_attention(model, recipe.sp_size, batch_size))
         with _tracing(workload, recipe, tracer, fake_mode, observers, ring), routed_as(workload, recipe), \
                 _kernels(model, workload, recipe, part, compute_capability, fake):
             # cuBLAS workspaces live from the first matrix product on: one for the main thread's
@@ -117,14 +119,14 @@ def _model_and_tracer(world: contextlib.ExitStack, workload: Workload, recipe: R
     """The traced model (`traced_model`) and its tracer: one device's, or one rank's of a fake world entered on `world`
     (FSDP: trace/step/fsdp.py; tensor parallel, with or without FSDP: trace/step/tensor_parallel.py)."""
     split = recipe.split_by_transformers
-    if (split or recipe.cp_size > 1) and fake_mode is None:
-        raise InputError("a tensor, expert or context parallel step is traced on fake tensors only: a real CPU step of "
-                         "one rank needs the other ranks")
+    if (split or recipe.sequence_parts > 1) and fake_mode is None:
+        raise InputError("a tensor, expert, context or sequence parallel step is traced on fake tensors only: a real "
+                         "CPU step of one rank needs the other ranks")
     tracer = StepTracer(lower_precision_dtype=lower_dtype(recipe), record_ops=record_ops)
-    if fake_mode is None or (recipe.fsdp == "none" and not split and recipe.cp_size == 1):
+    if fake_mode is None or (recipe.fsdp == "none" and not split and recipe.sequence_parts == 1):
         return traced_model(workload, recipe, depth, fake_mode), tracer
     ranks = traced_world(recipe, num_gpus)
-    if recipe.fsdp == "none" and not split:  # context parallel's ring alone (one device's ops): its ranks
+    if recipe.fsdp == "none" and not split:  # a sequence's group alone (one device's ops; ZeRO's Ulysses): its ranks
         world.enter_context(sharded.fake_process_group(ranks))
         return traced_model(workload, recipe, depth, fake_mode), tracer
     if split:

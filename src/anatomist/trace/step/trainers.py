@@ -55,7 +55,7 @@ def step_loss(model: torch.nn.Module, reference: torch.nn.Module | None, workloa
     """The loss of one micro-batch of `batch_size` samples (DPO: pairs) under the recipe's trainer."""
     if recipe.trainer == "trainer":
         batch = make_batch(workload, batch_size)
-        return model(**(context_parallel.as_the_trainer_gives_it(batch) if recipe.cp_size > 1 else batch)).loss
+        return model(**(context_parallel.as_the_trainer_gives_it(batch) if recipe.sequence_parts > 1 else batch)).loss
     if recipe.trainer == "sft":
         batch = make_batch(workload, batch_size)
         outputs = model(input_ids=batch["input_ids"], labels=batch["labels"], fused_lm_head=True)

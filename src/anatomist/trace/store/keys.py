@@ -41,7 +41,7 @@ PART_FIELDS: dict[str, tuple[str, ...]] = {
     "forward-backward": ("dtype", "gradient_checkpointing", "checkpoint_every", "checkpoint_offload", "activation_offloading",
                          "fp16", "bf16", "fp8", "fp8_all_gather", "attn_implementation",
                          "experts_implementation", "torch_compile", "tp_size", "ep_size", "ep_routing", "cp_size",
-                         *PEFT_FIELDS, *LLM_FIELDS),
+                         "sp_size", *PEFT_FIELDS, *LLM_FIELDS),
     "inference": ("dtype", "fp16", "bf16", "attn_implementation", "experts_implementation", "tp_size", "ep_size",
                   "ep_routing", *PEFT_FIELDS),
     "optimizer": ("dtype", "optim", "fp16", "max_grad_norm", "tp_size", "ep_size", *PEFT_FIELDS),
@@ -95,7 +95,7 @@ def traced_world(recipe: ResolvedRecipe, num_gpus: int) -> int:
     sends it)."""
     if recipe.fsdp != "none":
         return num_gpus // recipe.dp_replicate_size
-    return max(recipe.tp_size, recipe.ep_size, recipe.cp_size)
+    return max(recipe.tp_size, recipe.ep_size, recipe.cp_size, recipe.sp_size)
 
 
 def compile_context(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ...]:
@@ -162,7 +162,7 @@ TRACE_SOURCES: tuple[str, ...] = (
     "trace/step/experts.py",
     "trace/step/fp8.py", "trace/step/fsdp.py", "trace/step/inputs.py", "trace/step/offload.py",
     "trace/step/optimizer_build.py",
-    "trace/step/passes.py", "trace/step/peft.py", "trace/step/peft_defaults.py", "trace/step/tensor_parallel.py",
+    "trace/step/passes.py", "trace/step/peft.py", "trace/step/peft_defaults.py", "trace/step/sequence_parallel.py", "trace/step/tensor_parallel.py",
     "trace/step/trainers.py",
     "trace/standins/__init__.py", "trace/standins/cce.py", "trace/standins/kernel_ops.py",
     "trace/standins/liger_kernels.py", "trace/standins/low_bit_adam.py", "trace/standins/trl_head.py",
