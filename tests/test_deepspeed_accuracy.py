@@ -9,9 +9,10 @@ Compared: each rank's peak within 3%; and what DeepSpeed's ZeRO optimizer itself
 (its fp32 partitions and its optimizer's state tensors), against the predicted optimizer states within 0.1%.
 The cases cover each stage, fp32 and bf16 weights with and without DeepSpeed's bf16 mode, the optimizers whose
 state differs on a flat partition, the bf16 master weights and states, a step whose peak is the optimizer's,
-accumulation and checkpointing; and DeepSpeed's sequence parallel (Ulysses) as transformers' Trainer runs it under
-accelerate's ParallelismConfig (SP_CASES). Not LoRA: DeepSpeed's bf16 mode casts PEFT's fp32 adapters to bf16, which the trace
-keeps in fp32 (9% high on this model: estimate/sharding.py's known limitations).
+accumulation and checkpointing, LoRA in fp32 (ZeRO-3's own linear, which keeps every frozen base layer's input); and
+DeepSpeed's sequence parallel (Ulysses) as transformers' Trainer runs it under accelerate's ParallelismConfig
+(SP_CASES). Not LoRA in DeepSpeed's bf16 mode, which casts PEFT's fp32 adapters to bf16 where the trace keeps them
+in fp32 (9% high on this model: estimate/sharding.py's known limitations).
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ CASES: dict[str, dict] = {
     "zero3, the optimizer's peak": {"zero_stage": 3, **BF16, "per_device_train_batch_size": 1},
     "zero2, accumulation": {"zero_stage": 2, **BF16, "gradient_accumulation_steps": 2},
     "zero2, checkpointing": {"zero_stage": 2, **BF16, "gradient_checkpointing": True},
+    "zero2, fp32, LoRA": {"zero_stage": 2, "dtype": "float32", "peft": "lora"},
+    "zero3, fp32, LoRA: ZeRO-3's linear keeps the frozen layers' inputs": {"zero_stage": 3, "dtype": "float32",
+                                                                          "peft": "lora"},
 }
 
 

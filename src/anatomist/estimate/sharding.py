@@ -80,6 +80,7 @@ from anatomist.axes.shardings import RESHARD_AFTER_FORWARD
 from anatomist.recipe import Recipe, ResolvedRecipe
 from anatomist.trace.engine.allocator import round_size
 from anatomist.trace.engine.records import PhasePeak
+from anatomist.trace.store.keys import traced_zero3_linear
 
 HALF_BYTES = 2
 MASTER_WEIGHT_BYTES = 4
@@ -268,9 +269,11 @@ def sharding_notes(recipe: ResolvedRecipe, num_gpus: int, mode: str) -> list[str
                     f"stage3_prefetch_bucket_size={recipe.stage3_prefetch_bucket_size:,} elements, those of at most "
                     f"{recipe.stage3_param_persistence_threshold:,} kept whole"
                     if recipe.zero_stage == 3 else "")
+        linear = ("; traced with ZeRO-3's linear (memory_efficient_linear, DeepSpeed's default), which keeps each frozen "
+                  "base layer's input for backward" if traced_zero3_linear(recipe) else "")
         zero = (f"DeepSpeed ZeRO-{recipe.zero_stage} on {num_gpus} GPU(s): arithmetic over one device's trace "
                 f"(DeepSpeed cannot run here) with its buffers: reduce_bucket_size={recipe.reduce_bucket_size:,} "
-                f"elements{gathered}; not validated on a GPU")
+                f"elements{gathered}{linear}; not validated on a GPU")
         return [zero, sequence_parallel_note(recipe, num_gpus)] if recipe.sp_size > 1 else [zero]
     if recipe.tp_size > 1:
         return [tensor_parallel_note(recipe, num_gpus)]

@@ -32,6 +32,7 @@ from anatomist.trace.engine.autocast import cuda_autocast_policy
 from anatomist.trace.engine.cuda_paths import cuda_code_paths, cuda_grouped_mm, fake_parameters, saved_on_host
 from anatomist.trace.engine.records import RankEvents, StepTrace, Trace, curves_of
 from anatomist.trace.engine.tracer import StepTracer
+from anatomist.trace.standins.zero3_linear import zero3_linear
 from anatomist.trace.step import context_parallel, sequence_parallel, tensor_parallel, trainers
 from anatomist.trace.step import fsdp as sharded
 from anatomist.trace.step.experts import build_kwargs, check_traceable, compiled_experts_path, routed_as
@@ -46,6 +47,7 @@ from anatomist.trace.store.keys import (
     traced_attention,
     traced_compile,
     traced_world,
+    traced_zero3_linear,
 )
 from anatomist.workload import Workload
 
@@ -241,6 +243,8 @@ def _tracing(workload: Workload, recipe: ResolvedRecipe, tracer: StepTracer, fak
             modes.enter_context(compiled_experts_path())  # what transformers runs under dynamo
         if ring is not None:
             modes.enter_context(context_parallel.ring_options())
+        if traced_zero3_linear(recipe):
+            modes.enter_context(zero3_linear())
         for mode in (*observers, tracer, cuda_code_paths(tracer, ring)):
             modes.enter_context(mode)
         yield

@@ -103,7 +103,7 @@ def compile_context(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ..
     the model's config and the recipe fields that change the passes' trace, FSDP's wrapping. Neither the depth nor
     the batch size (the inputs' shapes): the traces of one recipe at two depths share the graphs."""
     return (*workload.trace_key(), tuple(getattr(recipe, f) for f in PART_FIELDS["forward-backward"]),
-            *(getattr(recipe, f) for f in SHARDED_FIELDS))
+            *(getattr(recipe, f) for f in SHARDED_FIELDS), traced_zero3_linear(recipe))
 
 
 def one_device(recipe: ResolvedRecipe) -> ResolvedRecipe:
@@ -133,10 +133,19 @@ def part_key(workload: Workload, recipe: ResolvedRecipe, part: Part, depth: Dept
 
 def _kernel_paths(recipe: ResolvedRecipe, part: Part, compute_capability: str) -> tuple[Any, ...]:
     """What else of the GPU changes a traced part: Liger's fused cross-entropy takes another path from
-    compute capability 8.0 on (trace/standins/liger_kernels.py)."""
+    compute capability 8.0 on (trace/standins/liger_kernels.py); ZeRO-3's linear saves what torch's does not
+    (`traced_zero3_linear`)."""
+    paths: tuple[Any, ...] = ("zero3-linear",) if traced_zero3_linear(recipe) and part != "optimizer" else ()
     if recipe.use_liger_kernel and part in ("forward-backward", "train-step"):
-        return ("liger-sm80" if int(compute_capability.split(".")[0]) >= 8 else "liger-pre-sm80",)
-    return ()
+        return (*paths, "liger-sm80" if int(compute_capability.split(".")[0]) >= 8 else "liger-pre-sm80")
+    return paths
+
+
+def traced_zero3_linear(recipe: ResolvedRecipe) -> bool:
+    """Whether the step is traced with DeepSpeed ZeRO-3's linear (trace/standins/zero3_linear.py): a ZeRO-3 recipe with
+    LoRA on a base that calls `F.linear` (bitsandbytes' 4- and 8-bit layers do not), where it keeps the frozen base
+    layers' inputs. Elsewhere it saves what torch's linear saves, so those recipes share torch's trace."""
+    return recipe.zero_stage == 3 and recipe.peft != "none" and not (recipe.load_in_4bit or recipe.load_in_8bit)
 
 
 def plan_key(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ...]:
@@ -166,6 +175,7 @@ TRACE_SOURCES: tuple[str, ...] = (
     "trace/step/trainers.py",
     "trace/standins/__init__.py", "trace/standins/cce.py", "trace/standins/kernel_ops.py",
     "trace/standins/liger_kernels.py", "trace/standins/low_bit_adam.py", "trace/standins/trl_head.py",
+    "trace/standins/zero3_linear.py",
     "trace/depth/__init__.py", "trace/depth/configs.py", "trace/depth/cuts.py", "trace/depth/layout.py",
     "trace/depth/plan.py", "trace/depth/worlds.py",
     "trace/store/__init__.py", "trace/store/cache.py", "trace/store/keys.py", "trace/store/parts.py",
