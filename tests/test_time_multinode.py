@@ -33,3 +33,18 @@ def test_runs_on_16_to_128_gpus() -> None:
     for run in runs:
         predicted, _ = predict(run)
         assert abs(predicted / run["tokens_per_second_per_gpu"] - 1) <= BAR, (run["quote"], predicted)
+
+
+def test_the_gpus_of_a_node_share_its_host_s_cpu_adam():
+    """ZeRO-Offload's CPU Adam runs on the host, which the GPUs of a node share: 4 GPUs of one node step all the
+    parameters there, as one GPU does; 4 nodes of one GPU a quarter each. PCIe is each GPU's own: its quarter."""
+    from anatomist.estimate.time.transfers import constants, offload_s
+    from anatomist.recipe import Recipe
+    from anatomist.trace.depth.plan import ModelSize
+
+    recipe = Recipe(zero_stage=2, offload="cpu", bf16=True)
+    size = ModelSize(parameters=8_000_000_000, trainable_parameters=8_000_000_000, blocks=32)
+    one, node, spread = (offload_s(recipe, size, num_gpus=g, nodes=n) for g, n in ((1, 1), (4, 1), (4, 4)))
+    adam = 8e9 / constants()["offload"]["cpu_adam_params_per_s"]
+    assert node - spread == pytest.approx(adam * 3 / 4)
+    assert one - node == pytest.approx((one - adam) * 3 / 4)

@@ -10,7 +10,8 @@ with DeepSpeed or FSDP three terms change:
                                 updates its 1/N of the parameters
     offload_s                   ZeRO-Offload replaces the GPU optimizer step: fp32 gradients go
                                 to the host, updated weights come back over PCIe, and DeepSpeed's
-                                CPU Adam updates 1/N of the parameters; where the parameters live
+                                CPU Adam updates 1/N of the parameters per GPU, a node's GPUs
+                                sharing its host's cores; where the parameters live
                                 on the host too (ZeRO-3 offload_param, FSDP's CPUOffloadPolicy),
                                 each device copies its shard of every weight to the device before
                                 each all-gather, in forward and in backward; offloaded checkpoints
@@ -112,7 +113,7 @@ def time_across_devices(
         phases["optimizer"] = 0.0
     elif recipe.sharding_stage >= 1:
         phases["optimizer"] = phases.get("optimizer", 0.0) * _sharded_share(recipe, size, num_gpus)
-    phases["offload"] = (offload_s(recipe, size, num_gpus=num_gpus) + checkpoint_offload_s(workload, recipe, size)
+    phases["offload"] = (offload_s(recipe, size, num_gpus=num_gpus, nodes=nodes) + checkpoint_offload_s(workload, recipe, size)
                          + activation_offloading_s(recipe, micro_batch_offload_bytes, phases.get("forward", 0.0)))
     comm = collectives(recipe, size, num_gpus=num_gpus, nodes=nodes, network=network, gpu=gpu)
     split = recipe.split_by_transformers or recipe.sequence_parts > 1
