@@ -49,6 +49,28 @@ def write_config(folder: Path, name: str, **overrides: object) -> Path:
     return target
 
 
+def refused_in_one_line(result, message: str) -> None:
+    """A CLI run (the `cli` fixture's result) refused with exit code 2 and `message` in its one line on stderr."""
+    assert result.returncode == 2, result.stdout
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+GQA_SEQ, GQA_HEADS, GQA_KV_HEADS, GQA_HEAD_DIM, GQA_BLOCKS = 64, 4, 2, 16, 2
+"""The sequence and shape of `gqa_llama`."""
+
+
+@pytest.fixture
+def gqa_llama(tmp_path: Path):
+    """A 2-block Llama with grouped-query heads (4 query heads, 2 key/value heads), read at 64 tokens: (its config's
+    folder, its Workload)."""
+    from anatomist.workload_loader import load_workload
+
+    path = write_config(tmp_path, "llama", hidden_size=GQA_HEADS * GQA_HEAD_DIM, intermediate_size=128,
+                        num_attention_heads=GQA_HEADS, num_key_value_heads=GQA_KV_HEADS, num_hidden_layers=GQA_BLOCKS,
+                        vocab_size=500)
+    return path, load_workload(str(path), seq_len=GQA_SEQ)
+
+
 @pytest.fixture
 def tiny_model(tmp_path: Path):
     """Factory: tiny_model("bert", num_hidden_layers=2) -> path of a config folder."""

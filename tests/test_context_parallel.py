@@ -19,18 +19,10 @@ from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.trace.engine.records import ATTENTION_PREFIX, COLLECTIVE_PREFIX
 from anatomist.workload_loader import load_workload
-from tests.conftest import write_config
+from tests.conftest import GQA_HEAD_DIM, GQA_HEADS, GQA_SEQ, refused_in_one_line, write_config
 
 GPU = get_gpu("H100")
-SEQ, HEADS, HEAD_DIM = 64, 4, 16
-
-
-@pytest.fixture
-def llama(tmp_path):
-    """A 2-block Llama with grouped-query heads (4 query heads, 2 key/value heads)."""
-    path = write_config(tmp_path, "llama", hidden_size=HEADS * HEAD_DIM, intermediate_size=128,
-                        num_attention_heads=HEADS, num_key_value_heads=2, num_hidden_layers=2, vocab_size=500)
-    return path, load_workload(str(path), seq_len=SEQ)
+SEQ, HEADS, HEAD_DIM = GQA_SEQ, GQA_HEADS, GQA_HEAD_DIM
 
 
 def _recipe(**fields):
@@ -43,13 +35,13 @@ def _attention_flops(ops, phase):
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-def test_a_rank_computes_its_share_of_the_causal_attention(llama, cp):
+def test_a_rank_computes_its_share_of_the_causal_attention(gqa_llama, cp):
     """torch's load-balanced ring: a rank's attention steps (its own part causal, then half of them against every other
     rank's keys and values), counted as the time model counts one GPU's causal attention (the kernel's whole product,
     `ops._ring_in_causal_convention`), are 1/cp of the whole sequence's; the rest of the model runs on its S / cp
     tokens. (As traced, the steps are (S/cp)^2 + (cp - 1) x S/2cp x S/cp = (cp + 1) / 2cp^2 of S^2: the same
     statement.)"""
-    _, workload = llama
+    _, workload = gqa_llama
     recipe = _recipe(cp_size=cp).resolved(workload).replace(fsdp="none")
     whole = step_ops(workload, _recipe().resolved(workload).replace(fsdp="none"))
     rank = step_ops(workload, recipe)
@@ -57,10 +49,10 @@ def test_a_rank_computes_its_share_of_the_causal_attention(llama, cp):
     assert rank.flops(Phase.FORWARD) < whole.flops(Phase.FORWARD) / cp * 1.2
 
 
-def test_the_ring_s_collectives_are_in_the_trace_and_priced(llama):
+def test_the_ring_s_collectives_are_in_the_trace_and_priced(gqa_llama):
     """Each layer all-gathers the group's keys and values in forward and again in backward; backward passes the key
     and value gradients (float32) to the next rank at each of the cp steps."""
-    _, workload = llama
+    _, workload = gqa_llama
     cp, blocks = 4, 2
     recipe = _recipe(cp_size=cp).resolved(workload)
     ops = step_ops(workload, recipe.replace(fsdp="none"))
@@ -75,10 +67,10 @@ def test_the_ring_s_collectives_are_in_the_trace_and_priced(llama):
     assert context_parallel_s(ops, recipe.replace(cp_size=1), GPU) == 0
 
 
-def test_a_group_trains_one_batch(llama):
+def test_a_group_trains_one_batch(gqa_llama):
     """On 8 GPUs at cp 4 two groups train: samples/s counts 2 per step, tokens/s every token of them; the weights
     are FSDP's over all 8 GPUs, the activations a quarter of each sequence's."""
-    _, workload = llama
+    _, workload = gqa_llama
     plain = estimate(workload, _recipe(), GPU, num_gpus=8)
     split = estimate(workload, _recipe(cp_size=4), GPU, num_gpus=8)
     assert split.time.samples_per_second * split.time.step_s == pytest.approx(2 * 2)
@@ -88,8 +80,8 @@ def test_a_group_trains_one_batch(llama):
     assert any(n.startswith("context parallel 4: one rank of 8") for n in split.memory.notes)
 
 
-def test_the_estimate_says_context_parallel(cli, llama):
-    path, _ = llama
+def test_the_estimate_says_context_parallel(cli, gqa_llama):
+    path, _ = gqa_llama
     result = cli("estimate", str(path), "--seq-len", str(SEQ), "--gpu", "H100", "--gpus", "4", "--fsdp", "full_shard",
                  "--cp-size", "2", "--json")
     assert result.returncode == 0, result.stderr
@@ -114,12 +106,10 @@ def test_the_estimate_says_context_parallel(cli, llama):
     (["--gpus", "4", "--fsdp", "full_shard", "--cp-size", "2", "--dp-replicate-size", "2"], "dp_shard_size 1"),
     (["--gpus", "8", "--fsdp", "full_shard", "--cp-size", "8", "--seq-len", "40"], "2 x cp_size = 16 equal parts"),
 ])
-def test_bad_input_is_one_line(cli, llama, flags, message):
-    path, _ = llama
+def test_bad_input_is_one_line(cli, gqa_llama, flags, message):
+    path, _ = gqa_llama
     seq = [] if "--seq-len" in flags else ["--seq-len", str(SEQ)]
-    result = cli("estimate", str(path), *seq, "--gpu", "H100", *flags)
-    assert result.returncode == 2, result.stdout
-    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    refused_in_one_line(cli("estimate", str(path), *seq, "--gpu", "H100", *flags), message)
 
 
 @pytest.mark.parametrize(("model", "overrides", "message"), [

@@ -21,21 +21,20 @@ from anatomist.hardware import get_gpu
 from anatomist.recipe import Recipe
 from anatomist.trace.engine.records import ATTENTION_PREFIX, ULYSSES_ALL_TO_ALL
 from anatomist.workload_loader import load_workload
-from tests.conftest import write_config
+from tests.conftest import (
+    GQA_BLOCKS,
+    GQA_HEAD_DIM,
+    GQA_HEADS,
+    GQA_KV_HEADS,
+    GQA_SEQ,
+    refused_in_one_line,
+    write_config,
+)
 
 pytest.importorskip("deepspeed")
 
 GPU = get_gpu("H100")
-SEQ, HEADS, KV_HEADS, HEAD_DIM, BLOCKS = 64, 4, 2, 16, 2
-
-
-@pytest.fixture
-def llama(tmp_path):
-    """A 2-block Llama with grouped-query heads (4 query heads, 2 key/value heads)."""
-    path = write_config(tmp_path, "llama", hidden_size=HEADS * HEAD_DIM, intermediate_size=128,
-                        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, num_hidden_layers=BLOCKS,
-                        vocab_size=500)
-    return path, load_workload(str(path), seq_len=SEQ)
+SEQ, HEADS, KV_HEADS, HEAD_DIM, BLOCKS = GQA_SEQ, GQA_HEADS, GQA_KV_HEADS, GQA_HEAD_DIM, GQA_BLOCKS
 
 
 def _recipe(**fields):
@@ -49,21 +48,21 @@ def _forward_attention_flops(ops):
 
 
 @pytest.mark.parametrize("sp", [2, 4])
-def test_a_rank_attends_over_the_whole_sequence_with_its_share_of_the_heads(llama, sp):
+def test_a_rank_attends_over_the_whole_sequence_with_its_share_of_the_heads(gqa_llama, sp):
     """After DeepSpeed's all-to-all a rank's SDPA sees every token of 1/sp of the heads: 1/sp of the sequence's
     attention (at sp 4 each rank gets one of the 2 key/value heads, repeated as DeepSpeed repeats it); the rest of
     the model runs on its S / sp tokens."""
-    _, workload = llama
+    _, workload = gqa_llama
     whole = step_ops(workload, _recipe().resolved(workload))
     rank = step_ops(workload, _recipe(sp_size=sp).resolved(workload))
     assert _forward_attention_flops(rank) * sp == pytest.approx(_forward_attention_flops(whole), rel=1e-6)
     assert rank.flops(Phase.FORWARD) < whole.flops(Phase.FORWARD) / sp * 1.2
 
 
-def test_the_exchanges_are_in_the_trace_and_priced(llama):
+def test_the_exchanges_are_in_the_trace_and_priced(gqa_llama):
     """Per layer four all-to-alls in forward (queries, keys, values, the attention's output) and four in backward,
     each as big as the rank's tensor: batch x S/sp x heads x head size, in and out."""
-    _, workload = llama
+    _, workload = gqa_llama
     sp = 2
     recipe = _recipe(sp_size=sp).resolved(workload)
     ops = step_ops(workload, recipe)
@@ -76,19 +75,19 @@ def test_the_exchanges_are_in_the_trace_and_priced(llama):
     assert sequence_parallel_s(ops, recipe.replace(sp_size=1), GPU) == 0
 
 
-def test_transformers_attention_registry_is_left_as_it_was(llama):
+def test_transformers_attention_registry_is_left_as_it_was(gqa_llama):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    _, workload = llama
+    _, workload = gqa_llama
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     step_ops(workload, _recipe(sp_size=2).resolved(workload))
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa
 
 
-def test_a_group_trains_one_batch(llama):
+def test_a_group_trains_one_batch(gqa_llama):
     """On 8 GPUs at sp 4 two groups train: samples/s counts 2 batches per step; ZeRO partitions the states over all 8
     GPUs; the activations are a quarter of each sequence's."""
-    _, workload = llama
+    _, workload = gqa_llama
     plain = estimate(workload, _recipe(), GPU, num_gpus=8)
     split = estimate(workload, _recipe(sp_size=4), GPU, num_gpus=8)
     assert split.time.samples_per_second * split.time.step_s == pytest.approx(2 * 2)
@@ -97,11 +96,11 @@ def test_a_group_trains_one_batch(llama):
     assert any(n.startswith("sequence parallel 4: one rank traced") for n in split.memory.notes)
 
 
-def test_a_zero_peak_is_the_highest_point_once_sharded(llama):
+def test_a_zero_peak_is_the_highest_point_once_sharded(gqa_llama):
     """Under ZeRO the peak is the point highest in what stays on a device (ZeRO-3 replaces the traced gradients and
     gathered weights with its own): no moment of the step, sharded, is above it. (The highest traced point, sharded,
     was 6% under DeepSpeed's own peak with checkpointing, test_deepspeed_accuracy's SP_CASES.)"""
-    _, workload = llama
+    _, workload = gqa_llama
     recipe = _recipe(zero_stage=3, sp_size=2, gradient_checkpointing=True, bf16=True,
                      dtype="bfloat16").resolved(workload)
     peak = estimate_memory(workload, recipe, GPU, num_gpus=2).anatomy.peak_allocated
@@ -109,8 +108,8 @@ def test_a_zero_peak_is_the_highest_point_once_sharded(llama):
     assert peak == max(p.allocated for p in moments.values())
 
 
-def test_the_estimate_says_sequence_parallel(cli, llama):
-    path, _ = llama
+def test_the_estimate_says_sequence_parallel(cli, gqa_llama):
+    path, _ = gqa_llama
     args = ("estimate", str(path), "--seq-len", str(SEQ), "--gpu", "H100", "--gpus", "4", "--zero-stage", "3",
             "--sp-size", "2")
     result = cli(*args, "--json")
@@ -133,14 +132,13 @@ def test_the_estimate_says_sequence_parallel(cli, llama):
     (["--gpus", "4", "--zero-stage", "2", "--sp-size", "2", "--trainer", "sft"], "SFTTrainer"),
     (["--gpus", "4", "--zero-stage", "2", "--sp-size", "0"], "at least 1"),
     (["--gpus", "8", "--zero-stage", "2", "--sp-size", "8"], "does not divide its 4 attention heads"),
+    (["--gpus", "2", "--zero-stage", "2", "--sp-size", "2", "--mode", "inference"], "drop --cp-size / --sp-size"),
     (["--gpus", "4", "--zero-stage", "2", "--sp-size", "4", "--seq-len", "66"], "sp_size = 4 equal parts"),
 ])
-def test_bad_input_is_one_line(cli, llama, flags, message):
-    path, _ = llama
+def test_bad_input_is_one_line(cli, gqa_llama, flags, message):
+    path, _ = gqa_llama
     seq = [] if "--seq-len" in flags else ["--seq-len", str(SEQ)]
-    result = cli("estimate", str(path), *seq, "--gpu", "H100", *flags)
-    assert result.returncode == 2, result.stdout
-    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    refused_in_one_line(cli("estimate", str(path), *seq, "--gpu", "H100", *flags), message)
 
 
 @pytest.mark.parametrize(("model", "overrides", "message"), [

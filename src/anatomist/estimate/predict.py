@@ -7,6 +7,7 @@ from typing import Any
 
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN
 from anatomist.calibration.lookup import Calibration, calibration_for
+from anatomist.errors import InputError
 from anatomist.estimate.memory import MemoryEstimate, estimate_memory, memory_from_traces
 from anatomist.estimate.moe import MoeRouting, moe_routing
 from anatomist.estimate.time.cluster import adds_device_terms, time_across_devices
@@ -97,6 +98,10 @@ def estimate(
     check_expert_parallel_gpus(recipe, num_gpus)
     check_context_parallel_gpus(recipe, num_gpus, nodes)
     check_sequence_parallel_gpus(recipe, num_gpus, nodes)
+    if mode == "inference" and recipe.sequence_parts > 1:
+        raise InputError("context and sequence parallel split training steps (the Trainer evaluates without them: "
+                         "DeepSpeed's Ulysses is disabled in eval, accelerate's ring hooks training): drop --cp-size / "
+                         "--sp-size for --mode inference")
     check_gpu(recipe, gpu, dtype_given=False)
     recipe = recipe.resolved(workload)  # the library's entry point: everything below takes it resolved
     workload = workload.for_recipe(recipe)  # padding-free: the data's sequences, not the longest

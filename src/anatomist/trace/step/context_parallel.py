@@ -52,8 +52,9 @@ def attach_hooks(model: torch.nn.Module) -> None:
 
 
 def as_the_trainer_gives_it(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A causal LM's batch of one rank's tokens as the Trainer hands it to the model under context parallel: the
-    labels shifted beforehand (`shift_labels`) and position ids, each of the rank's length."""
+    """A causal LM's batch of one rank's tokens as the Trainer hands it to the model under context parallel (and under
+    DeepSpeed's sequence parallel, whose data loader adapter makes the same keys): the labels shifted beforehand
+    (`shift_labels`) and position ids, each of the rank's length."""
     return {**batch, "shift_labels": torch.empty_like(batch["labels"]), "position_ids": torch.empty_like(batch["input_ids"])}
 
 

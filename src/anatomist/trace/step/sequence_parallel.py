@@ -6,7 +6,8 @@ GPU of a group (DeepSpeed's `UlyssesSPDataLoaderAdapter`); the step of one rank 
 process group of P ranks, and ZeRO stays arithmetic over that trace (`estimate.sharding`: it partitions over every GPU,
 DeepSpeed's `seq_data_parallel_group`). What differs from one device's step:
 - the batch: the adapter hands a rank `shift_labels` and the position ids of its part, and transformers'
-  `deepspeed_sp_compute_loss` passes the shifted labels as the labels (`inputs.as_the_trainer_gives_it`);
+  `deepspeed_sp_compute_loss` passes the shifted labels as the labels (`context_parallel.as_the_trainer_gives_it`,
+  the same keys the Trainer makes under context parallel);
 - the attention: accelerate calls DeepSpeed's own `UlyssesSPAttentionHF.register_with_transformers`, which puts its
   wrapper in transformers' attention registry in place of SDPA (`ulysses_attention` does the same, and puts SDPA back
   after): the mask dropped (SDPA then runs `is_causal`), the rank's queries, keys and values exchanged by an
@@ -35,10 +36,9 @@ from anatomist.errors import InputError
 @contextlib.contextmanager
 def ulysses_attention(model: torch.nn.Module, sp_size: int, batch_size: int) -> Iterator[None]:
     """SDPA (which also stands for flash_attention_2: `keys.traced_attention`) in transformers' attention registry
-    replaced by DeepSpeed's Ulysses wrapper over ranks 0 .. sp_size - 1 of the
-    current (fake) world, registered by DeepSpeed's own `register_with_transformers` as accelerate calls it (every
-    sequence length allowed: the Trainer's default `sp_seq_length_is_variable`); SDPA and DeepSpeed's groups restored
-    after."""
+    replaced by DeepSpeed's Ulysses wrapper over ranks 0 .. sp_size - 1 of the current (fake) world, registered by
+    DeepSpeed's own `register_with_transformers` as accelerate calls it (every sequence length allowed: the Trainer's
+    default `sp_seq_length_is_variable`); SDPA and DeepSpeed's groups restored after."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     comm = _deepspeed_comm()
