@@ -180,6 +180,33 @@ def _exchanges_counted(counted: list[int]) -> Iterator[None]:
         comm.all_to_all_single = original
 
 
+@contextlib.contextmanager
+def _gloo_all_to_all_on_subgroups() -> Iterator[None]:
+    """torch.distributed.nn's all-to-all on gloo, which the backward of transformers' loss all-gather runs under
+    sequence parallel (`deepspeed_sp_compute_loss`), scatters from each rank of the group named by its group rank
+    where `scatter` takes a global one: on a group that is not the whole world it fails ("Global rank 0 is not part of
+    group"). The same exchange here, each group rank scattering in turn as `group_src`; NCCL runs its own all-to-all."""
+    import torch.distributed as dist
+    from torch.distributed.nn import functional
+
+    original = functional._AlltoAll.forward
+
+    def forward(ctx: Any, group: Any, out_tensor_list: list[Any], *tensors: Any) -> tuple[Any, ...]:
+        ctx.group = group
+        ctx.input_tensor_size_list = [t.size() for t in tensors]
+        me = dist.get_rank(group=group)
+        for source in range(dist.get_world_size(group=group)):
+            sent = [t.contiguous() for t in tensors] if source == me else None
+            dist.scatter(out_tensor_list[source], sent, group=group, group_src=source)
+        return tuple(out_tensor_list)
+
+    functional._AlltoAll.forward = staticmethod(forward)
+    try:
+        yield
+    finally:
+        functional._AlltoAll.forward = original
+
+
 def _linear_restored() -> None:
     """torch's own F.linear back for the next case: ZeRO-3's engine replaces it for the rest of the process
     (partition_parameters.py `_enable_mem_efficient_linear`, "this will persist unless manually reset") with a linear
@@ -269,7 +296,7 @@ def _case(config: Path, seq_len: int, world: int, case: dict[str, Any], out: Pat
     tracker.track_external(model)
     try:
         with as_on_cuda(recipe.mixed_precision != "no"), collectives_hold_nothing(), _frozen_parameters_unhooked(), \
-                _AtTheStep(tracker) as at_step, _exchanges_counted(exchanges):
+                _AtTheStep(tracker) as at_step, _exchanges_counted(exchanges), _gloo_all_to_all_on_subgroups():
             with tracker:  # from before DeepSpeed's start: its flat buffers and fp32 partitions are made in view
                 trainer.train()
     finally:
