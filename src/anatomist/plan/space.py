@@ -259,18 +259,22 @@ def tensor_parallel_fsdp(space: SearchSpace, tp_size: int) -> str:
 def tensor_parallel_sizes(space: SearchSpace, workload: Workload) -> list[int]:
     """The tensor parallel group sizes the search tries on `space`'s GPUs (`SearchSpace.tensor_parallel`): powers of
     two from 2 up to a node's GPUs that divide the GPUs, where the model can be split that way
-    (`checks.check_tensor_parallel_model`: a tp_plan, its heads divisible, not a Mixture of Experts)."""
+    (`checks.check_tensor_parallel_model`: a tp_plan, its heads divisible, not a Mixture of Experts), and where the
+    sharding a group runs under (`tensor_parallel_fsdp`) is searched."""
     if not space.tensor_parallel or space.num_gpus == 1 or "tp_size" in space.fixed:
         return []
-    return _split_sizes(space.num_gpus, space.num_gpus // space.nodes, lambda size: check_tensor_parallel_model(size, workload))
+    sizes = _split_sizes(space.num_gpus, space.num_gpus // space.nodes,
+                         lambda size: check_tensor_parallel_model(size, workload))
+    return [size for size in sizes if _searches(space, tensor_parallel_fsdp(space, size))]
 
 
 def expert_parallel_sizes(space: SearchSpace, workload: Workload) -> list[int]:
     """The expert parallel degrees the search tries on `space`'s GPUs (`SearchSpace.tensor_parallel`: both are set
     where transformers loads the model, which only `--emit trainer` writes): powers of two from 2 up to the GPUs that
     divide them and the model's routed experts (`parallel_checks.check_expert_parallel_model`: a Mixture of Experts
-    with an ep_plan)."""
-    if not space.tensor_parallel or space.num_gpus == 1 or "ep_size" in space.fixed or not workload.is_moe:
+    with an ep_plan), where FSDP's full_shard is searched."""
+    if not space.tensor_parallel or space.num_gpus == 1 or "ep_size" in space.fixed or not workload.is_moe \
+            or not _searches(space, "full_shard"):
         return []
     return _split_sizes(space.num_gpus, space.num_gpus, lambda size: check_expert_parallel_model(size, workload))
 
@@ -280,8 +284,7 @@ def context_parallel_sizes(space: SearchSpace, workload: Workload) -> list[int]:
     split): powers of two from 2 up to a node's GPUs that divide the GPUs, where the model's sequences split that way
     (`parallel_checks.check_context_parallel_model`: a causal LM of full attention, its length into 2 x C parts), where
     FSDP's full_shard is searched."""
-    fsdp = any(spec.fields.get("fsdp") == "full_shard" for spec in space.sharding_options())
-    if not space.tensor_parallel or space.num_gpus == 1 or "cp_size" in space.fixed or not fsdp:
+    if not space.tensor_parallel or space.num_gpus == 1 or "cp_size" in space.fixed or not _searches(space, "full_shard"):
         return []
     return _split_sizes(space.num_gpus, space.num_gpus // space.nodes,
                         lambda size: check_context_parallel_model(size, workload))
@@ -297,6 +300,12 @@ def sequence_parallel_sizes(space: SearchSpace, workload: Workload) -> list[int]
         return []
     return _split_sizes(space.num_gpus, space.num_gpus // space.nodes,
                         lambda size: check_sequence_parallel_model(size, workload))
+
+
+def _searches(space: SearchSpace, fsdp: str) -> bool:
+    """Whether `space` searches a sharding without ZeRO whose FSDP is `fsdp` ("none": data parallel alone)."""
+    return any(spec.fields.get("fsdp", "none") == fsdp and not spec.fields.get("zero_stage")
+               for spec in space.sharding_options())
 
 
 def _deepspeed_installed() -> bool:
