@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from anatomist.anatomy import Phase
 from anatomist.axes.optimizers import OPTIMIZERS, optimizer
 from anatomist.estimate.memory import estimate_memory
 from anatomist.estimate.sharding import zero_optimizer_bytes
@@ -96,3 +97,37 @@ def test_the_bf16_options_are_read_from_a_deepspeed_file_and_written_back(tmp_pa
     written = deepspeed_config(recipe, num_gpus=2)["bf16"]
     assert written == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     DeepSpeedBF16Config(**written)  # DeepSpeed's own model of the section takes it
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+@pytest.mark.parametrize("phase", [Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER])
+def test_the_peak_s_shares_are_what_shard_keeps(stage, offload, phase):
+    """`counted_shares`, which picks a phase's peak point, says of each category what `shard` keeps of it: between any
+    two points, the sharded totals differ by the categories' differences weighed by the shares (to the bytes that
+    shard's whole-number divisions round away). The two are written apart; this keeps them one rule."""
+    import random
+
+    from anatomist.anatomy import TENSOR_CATEGORIES
+    from anatomist.estimate.sharding import ZeroSize, counted_shares, shard
+    from anatomist.recipe import Recipe
+    from anatomist.trace.engine.records import PhasePeak
+
+    if offload != "none" and stage == 1:
+        pytest.skip("DeepSpeed offloads from ZeRO-2 on")
+    recipe = Recipe(zero_stage=stage, offload=offload, bf16=True, dtype="bfloat16", reduce_bucket_size=1 << 20,
+                    stage3_prefetch_bucket_size=1 << 20, stage3_max_reuse_distance=1 << 20)
+    size = ZeroSize(parameters=10**8, trainable=10**8, block=10**6, trainable_bytes=2 * 10**8,
+                    parameter_bytes=2 * 10**8)
+    shares = counted_shares(recipe, size, 4, "train", phase)
+    rng = random.Random(stage * 10 + len(offload))
+
+    def point() -> PhasePeak:
+        categories = {c: rng.randrange(10**6, 10**9) for c in TENSOR_CATEGORIES}
+        return PhasePeak(allocated=sum(categories.values()), reserved=sum(categories.values()), categories=categories)
+
+    for _ in range(5):
+        a, b = point(), point()
+        weighed = sum((a.categories[c] - b.categories[c]) * s for c, s in zip(TENSOR_CATEGORIES, shares, strict=True))
+        sharded = shard(a, recipe, size, 4, "train", phase).allocated - shard(b, recipe, size, 4, "train", phase).allocated
+        assert sharded == pytest.approx(weighed, abs=16)

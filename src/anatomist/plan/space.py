@@ -294,17 +294,17 @@ def sequence_parallel_sizes(space: SearchSpace, workload: Workload) -> list[int]
     """The degrees of DeepSpeed's sequence parallel the search tries: as `context_parallel_sizes`, where DeepSpeed's
     Ulysses splits the model that way (`parallel_checks.check_sequence_parallel_model`: a causal LM of full attention,
     its heads and its length into P parts), where ZeRO is searched and DeepSpeed is there to run it."""
-    zero = any(spec.fields.get("zero_stage") for spec in space.sharding_options())
-    if not space.tensor_parallel or space.num_gpus == 1 or "sp_size" in space.fixed or not zero \
+    if not space.tensor_parallel or space.num_gpus == 1 or "sp_size" in space.fixed or not _searches(space, zero=True) \
             or not _deepspeed_installed():
         return []
     return _split_sizes(space.num_gpus, space.num_gpus // space.nodes,
                         lambda size: check_sequence_parallel_model(size, workload))
 
 
-def _searches(space: SearchSpace, fsdp: str) -> bool:
-    """Whether `space` searches a sharding without ZeRO whose FSDP is `fsdp` ("none": data parallel alone)."""
-    return any(spec.fields.get("fsdp", "none") == fsdp and not spec.fields.get("zero_stage")
+def _searches(space: SearchSpace, fsdp: str = "none", *, zero: bool = False) -> bool:
+    """Whether `space` searches a sharding whose FSDP is `fsdp` ("none": data parallel or ZeRO), under a ZeRO stage
+    where `zero`, else without."""
+    return any(spec.fields.get("fsdp", "none") == fsdp and bool(spec.fields.get("zero_stage")) == zero
                for spec in space.sharding_options())
 
 
