@@ -94,6 +94,16 @@ def test_a_repeated_estimate_and_a_bad_recipe_value_import_neither_torch_nor_tra
     assert heavy([*argv, "--batch-size", "0"]) == ["heavy: []"]
 
 
+def test_an_estimate_that_imports_bitsandbytes_prints_nothing_on_stderr(tiny_model, tmp_path: Path) -> None:
+    """bitsandbytes logs "Failed to load CPU gemm_4bit_forward" on import where the CPU has AVX-512 BF16 (this
+    machine's does); the 8-bit optimizer's trace imports it, in a forked worker: the command keeps it quiet."""
+    env = {**os.environ, "ANATOMIST_CACHE_DIR": str(tmp_path / "cache")}
+    argv = ["estimate", str(tiny_model("llama")), "--seq-len", "32", "--optim", "adamw_bnb_8bit", "--json"]
+    proc = subprocess.run([sys.executable, "-m", "anatomist", *argv], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stderr == ""
+
+
 def test_console_script_version() -> None:
     script = Path(sys.executable).with_name("anatomist")
     if not script.exists():

@@ -33,10 +33,12 @@ collector off)."""
 COMMAND_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 """Set for the command where the user has not set them: offline unless a command asks
 (--allow-network), and transformers' own warnings quiet (anatomist says what matters)."""
-QUIET_LOGGERS = ("torch.utils._pytree", "torchao")
+QUIET_LOGGERS = ("torch.utils._pytree", "torchao", "bitsandbytes")
 """Loggers whose warnings say nothing to a user of anatomist and are kept below ERROR while a command
-runs: torchao registering enums with torch's pytree when transformers' quantizers import it, and
-torchao's "Failed to load" of its CUDA extensions on a machine without them."""
+runs: torchao registering enums with torch's pytree when transformers' quantizers import it,
+torchao's "Failed to load" of its CUDA extensions on a machine without them, and bitsandbytes' "Failed
+to load CPU gemm_4bit_forward from kernels-community" when a traced 8-bit optimizer or QLoRA imports it
+on a CPU with AVX-512 BF16 (the kernel runs no step here)."""
 NORMAL_EXIT_VARIABLE = "ANATOMIST_NORMAL_EXIT"
 """Set to 1 to end the process with the interpreter's normal teardown (see `run`)."""
 
