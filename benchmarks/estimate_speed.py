@@ -14,6 +14,10 @@ process, median of `--repeats` runs:
                  FSDP's traces (one device's traces and the arithmetic of ZeRO)
   sharded cold   anatomist estimate bert-large-uncased --fsdp full_shard --gpus 8 (one rank of 8, traced
                  under FSDP2), against "estimate cold" of the same model on one device
+  longest cold   anatomist estimate Llama-3.2-1B --gpu RTX-4090 --bf16 --batch-size 1 --longest-seq-len (the
+                 longest sequence that fits, searched over 1,024 lengths: three traced, the others derived)
+  length warm    the same recipe at 50,000 tokens after it, a length never traced: derived from the cache's three
+                 lengths, without importing torch or transformers (issue 46: <= 0.1x)
   --help, gpus, models  (none imports torch or transformers)
 
     .venv/bin/python benchmarks/estimate_speed.py [--repeats 3] [--cases "plan cold" "sizes cold" ...]
@@ -44,6 +48,7 @@ SIZES_PLAN = ["-m", "anatomist", "plan", "Llama-3.1-8B", "--gpu", "H100-80GB", "
               "--no-compile", "--no-liger-kernel", "--json"]
 SIZES_WITHOUT_FSDP = [*SIZES_PLAN, "--shardings", "none,zero2+offload,zero2,zero3"]
 SHARDED_ESTIMATE = [*ESTIMATE, "--fsdp", "full_shard", "--gpus", "8"]
+LONGEST = ["-m", "anatomist", "estimate", "Llama-3.2-1B", "--gpu", "RTX-4090", "--bf16", "--batch-size", "1", "--json"]
 CASES: dict[str, tuple[list[str], bool]] = {
     "estimate cold": (ESTIMATE, True),
     "estimate warm": (ESTIMATE, False),
@@ -52,6 +57,8 @@ CASES: dict[str, tuple[list[str], bool]] = {
     "sizes cold": (SIZES_PLAN, True),
     "sizes no-FSDP": (SIZES_WITHOUT_FSDP, True),
     "sharded cold": (SHARDED_ESTIMATE, True),
+    "longest cold": ([*LONGEST, "--longest-seq-len"], True),
+    "length warm": ([*LONGEST, "--seq-len", "50000"], False),
     "--help": (["-m", "anatomist", "--help"], False),
     "gpus": (["-m", "anatomist", "gpus"], False),
     "models": (["-m", "anatomist", "models"], False),

@@ -85,8 +85,12 @@ class Workload:
         config.json's content, canonically written, not transformers' object: no import needed)."""
         if self._trace_key is None:
             prompt = (self.prompt_len,) if self.prompt_len else ()  # DPO scores the completion only
-            self._trace_key = (canonical_json(self.config_json), self.task, self.num_labels, self.seq_len, *prompt)
+            self._trace_key = (*self.model_key(), self.seq_len, *prompt)
         return self._trace_key
+
+    def model_key(self) -> tuple[Any, ...]:
+        """What decides the model alone, at any length of its samples: `trace_key` less the inputs."""
+        return canonical_json(self.config_json), self.task, self.num_labels
 
     def for_recipe(self, recipe: Any) -> Workload:
         """The samples `recipe` trains on: padding-free (not packed) micro-batches are the data's sequences at their

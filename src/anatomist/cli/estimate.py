@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from anatomist.anatomy import MemoryCategory, TimeAnatomy
@@ -52,6 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_recipe_flags(p)
     p.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME", help=f"target GPU (default {DEFAULT_GPU}; 'local' = detected)")
     p.add_argument("--mode", choices=["train", "inference"], default="train")
+    p.add_argument("--longest-seq-len", action="store_true",
+                   help="estimate at the longest sequence that fits (multiples of 128 tokens up to the model's "
+                        "longest), searched at the recipe's batch; --seq-len is then not needed")
     add_devices_flags(p, "devices ZeRO/FSDP shard across (default: the --recipe file's, else 1)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout, nothing else")
     p.add_argument("--report", metavar="PATH", help="also write an HTML report")
@@ -72,8 +76,19 @@ def build_estimate(request: EstimateRequest) -> Estimate:
     workload, recipe, gpu, (num_gpus, nodes) = estimate_inputs(request, gpu)
     from anatomist.estimate.predict import estimate  # torch only if something must be traced
 
-    return estimate(workload, recipe, gpu, mode=request.mode, num_gpus=num_gpus, calibration=calibration,
-                    margin=request.memory_margin, nodes=nodes, network=request.devices.network)
+    def at(workload: Workload) -> Estimate:
+        return estimate(workload, recipe, gpu, mode=request.mode, num_gpus=num_gpus, calibration=calibration,
+                        margin=request.memory_margin, nodes=nodes, network=request.devices.network)
+
+    if not request.longest_seq_len:
+        return at(workload)
+    from anatomist.estimate.longest import longest_sequence
+    from anatomist.trace.store.parts import at_length
+
+    found = longest_sequence(workload, recipe, gpu, mode=request.mode, num_gpus=num_gpus, margin=request.memory_margin)
+    with found.derivation():
+        result = at(at_length(workload, found.tokens or found.step))
+    return dataclasses.replace(result, longest=found)
 
 
 def estimate_inputs(
@@ -102,6 +117,10 @@ def estimate_inputs(
     )
     recipe = recipe.resolved(workload)  # refuses what the model cannot take before any note is said
     workload.for_recipe(recipe)  # and what the data cannot (padding-free without its lengths)
+    if request.longest_seq_len:
+        from anatomist.estimate.longest import check_length_search
+
+        check_length_search(recipe)
     note_missing_packages(recipe)
     emulated = emulated_bf16_note(recipe, gpu, workload.name)
     if emulated:
@@ -149,6 +168,29 @@ def largest_batch(result: Estimate) -> str:
     """The largest per-device batch that fits, or, where none does, that said plainly."""
     n = result.memory.max_batch_size
     return str(n) if n > 0 else "none: even batch 1 does not fit"
+
+
+def longest_line(result: Estimate) -> str:
+    """What `--longest-seq-len` found: the length, what the next one up would take, how it was searched."""
+    found = result.longest
+    assert found is not None
+    batch = result.recipe.per_device_train_batch_size
+    limit = f"the model's {found.limit:,}" if found.limit_is_the_models else f"{found.limit:,} (the config sets none)"
+    if found.tokens:
+        head = f"longest sequence that fits: {found.tokens:,} tokens at batch {batch}"
+    else:
+        head = f"longest sequence that fits: none, even {found.step:,} tokens at batch {batch} do not"
+    above = (f"; {found.tokens + found.step if found.tokens else found.step:,} would take "
+             f"{gib(found.next_device_total)} of {gib(result.memory.limit_bytes)} usable"
+             if found.next_device_total is not None and found.tokens else "")
+    traced = " and ".join(f"{n:,}" for n in found.traced) if len(found.traced) <= 2 else \
+        ", ".join(f"{n:,}" for n in found.traced)
+    if found.derived_from:
+        basis = ", ".join(f"{n:,}" for n in found.derived_from)
+        how = f"{found.derived} lengths derived from traces at {basis} tokens, the answer checked by direct traces at {traced}"
+    else:
+        how = f"traced at {traced} ({found.why_traced})"
+    return f"{head} (multiples of {found.step:,} up to {limit}{above}); {how}"
 
 
 def what_would_fit(result: Estimate) -> str:
@@ -204,6 +246,8 @@ def render(result: Estimate, change: str | None = None) -> None:
     )
     out.print(f"memory interval: {mem.interval.basis}", style=None if mem.interval.validated else "yellow",
               markup=False)
+    if result.longest is not None:
+        out.print(longest_line(result), markup=False)
     if change:
         out.print(change, markup=False)
     if rule.total_bytes is not None:

@@ -101,6 +101,8 @@ class EstimateRequest:
     memory_margin: float = DEFAULT_MEMORY_MARGIN
     no_cache: bool = False
     """Neither read nor write the disk trace cache."""
+    longest_seq_len: bool = False
+    """Estimate at the longest sequence that fits, searched (`estimate.longest`), instead of `model.seq_len`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -163,7 +165,7 @@ def estimate_request(args: argparse.Namespace) -> EstimateRequest:
     return EstimateRequest(model=model_request(args), gpu=args.gpu, devices=devices_request(args),
                            recipe_file=args.recipe, recipe=given_flags(args), mode=args.mode,
                            calibration=getattr(args, "calibration", None), memory_margin=args.memory_margin,
-                           no_cache=args.no_cache)
+                           no_cache=args.no_cache, longest_seq_len=getattr(args, "longest_seq_len", False))
 
 
 def check_request(args: argparse.Namespace) -> CheckRequest:

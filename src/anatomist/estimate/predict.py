@@ -8,6 +8,7 @@ from typing import Any
 from anatomist.anatomy import DEFAULT_MEMORY_MARGIN
 from anatomist.calibration.lookup import Calibration, calibration_for
 from anatomist.errors import InputError
+from anatomist.estimate.longest import LongestSequence
 from anatomist.estimate.memory import MemoryEstimate, estimate_memory, memory_from_traces
 from anatomist.estimate.moe import MoeRouting, moe_routing
 from anatomist.estimate.time.cluster import adds_device_terms, time_across_devices
@@ -49,6 +50,8 @@ class Estimate:
     """Machines those devices are spread over (only the time changes: collectives cross `network`)."""
     network: str | None = None
     """The network between the nodes (a name of `network.networks()`); None: one node, or the default."""
+    longest: LongestSequence | None = None
+    """Where the length was searched (`estimate --longest-seq-len`): what the search found, and how."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -72,6 +75,8 @@ class Estimate:
             "phase_peaks": self.memory.phase_peaks,
             "notes": self.memory.notes,
         }
+        if self.longest is not None:
+            out["longest_seq_len"] = self.longest.to_dict()
         if self.moe is not None:
             out["moe"] = self.moe.to_dict()
         if self.time is not None:

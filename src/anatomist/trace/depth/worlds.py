@@ -45,7 +45,7 @@ def derive(lo: StepTrace, hi: StepTrace, world: int) -> StepTrace | None:
     if (lo.phases, lo.parameters, lo.trainable_parameters, lo.op_count) != \
             (hi.phases, hi.parameters, hi.trainable_parameters, hi.op_count):
         return None
-    pairs = _paired(lo.rank.trace, hi.rank.trace)
+    pairs = paired(lo.rank.trace, hi.rank.trace)
     if pairs is None or len(lo.rank.states) != len(hi.rank.states) or not all(map(_states_are_static, (lo, hi))):
         return None
     allocated = _each_at([(lo.rank.trace.allocations[mine].nbytes, hi.rank.trace.allocations[theirs].nbytes)
@@ -53,7 +53,7 @@ def derive(lo: StepTrace, hi: StepTrace, world: int) -> StepTrace | None:
     states = _each_at(list(zip(lo.rank.states, hi.rank.states, strict=True)), a, b, world)
     if allocated is None or states is None:
         return None
-    trace = _resized(lo.rank.trace, dict(zip(pairs, allocated, strict=True)))
+    trace = resized(lo.rank.trace, dict(zip(pairs, allocated, strict=True)))
     static = {MemoryCategory.OPTIMIZER_STATES: sum(map(round_size, states))} if lo.static_bytes else {}
     return StepTrace(phases=list(lo.phases), curves=curves_of(trace), ops=(), parameters=lo.parameters,
                      trainable_parameters=lo.trainable_parameters, op_count=lo.op_count, static_bytes=static,
@@ -71,7 +71,7 @@ def derive_batch(lo: StepTrace, lo_next: StepTrace, other: StepTrace) -> StepTra
     same = [(t.phases, t.parameters, t.trainable_parameters, t.op_count, t.static_bytes) for t in (lo, lo_next, other)]
     if same.count(same[0]) != 3 or lo.static_bytes:
         return None  # passes only: an optimizer step is not per sample
-    grown, moved = _paired(lo.rank.trace, lo_next.rank.trace), _paired(lo.rank.trace, other.rank.trace)
+    grown, moved = paired(lo.rank.trace, lo_next.rank.trace), paired(lo.rank.trace, other.rank.trace)
     if grown is None or moved is None:
         return None
     allocations = lo.rank.trace.allocations, lo_next.rank.trace.allocations, other.rank.trace.allocations
@@ -79,7 +79,7 @@ def derive_batch(lo: StepTrace, lo_next: StepTrace, other: StepTrace) -> StepTra
              for i in grown}
     if any(size < 0 for size in sizes.values()):
         return None
-    trace = _resized(other.rank.trace, sizes)
+    trace = resized(other.rank.trace, sizes)
     return dataclasses.replace(other, curves=curves_of(trace), ops=(), first_micro_batch=None,
                                rank=dataclasses.replace(other.rank, trace=trace))
 
@@ -105,13 +105,13 @@ def _each_at(sizes: list[tuple[int, int]], a: int, b: int, world: int) -> list[i
     return derived
 
 
-def _paired(lo: Trace, hi: Trace) -> dict[int, int] | None:
+def paired(lo: Trace, hi: Trace) -> dict[int, int] | None:
     """Each allocation of `lo` and the allocation of `hi` made in its place (the n-th allocation event of each);
     None where the two do not allocate alike: the same number of events up to the last allocation, each one made in the same phase,
     segment, micro-batch and block, as the same category, on the same side (device or host), and between any two
     allocations the same allocations freed (in whatever order: a point of the curves is read after each
     allocation, and the allocator model reserves only at one)."""
-    mine_events, their_events = (_to_last_allocation(t) for t in (lo, hi))
+    mine_events, their_events = (to_last_allocation(t) for t in (lo, hi))
     if len(mine_events) != len(their_events):
         return None
     pairs: dict[int, int] = {}
@@ -137,7 +137,7 @@ def _paired(lo: Trace, hi: Trace) -> dict[int, int] | None:
     return pairs if not unmatched else None
 
 
-def _to_last_allocation(trace: Trace) -> list[Event]:
+def to_last_allocation(trace: Trace) -> list[Event]:
     """The events of `trace` that move bytes, up to its last allocation: what frees the end of a trace (or the
     collector, whenever it runs there) leaves no point on the curves."""
     events = [e for e in trace.events if e.nbytes]
@@ -150,7 +150,7 @@ def _where(event: Event, allocation: Allocation) -> tuple[Any, ...]:
             allocation.op)
 
 
-def _resized(trace: Trace, sizes: dict[int, int]) -> Trace:
+def resized(trace: Trace, sizes: dict[int, int]) -> Trace:
     """`trace` with each allocation's bytes set to `sizes`' (its events' too)."""
     allocations = {i: dataclasses.replace(a, nbytes=sizes.get(i, a.nbytes)) for i, a in trace.allocations.items()}
     events = [dataclasses.replace(e, nbytes=sizes[e.alloc_id] if e.nbytes > 0 else -sizes.get(e.alloc_id, -e.nbytes))

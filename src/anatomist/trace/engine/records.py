@@ -294,6 +294,9 @@ class StepTrace:
     micro-batch traces (the same events up to the second's start, the same ops)."""
     rank: RankEvents | None = None
     """An FSDP trace's events, to derive the same step at another world size from (None for any other)."""
+    events: Trace | None = None
+    """The passes' allocations and events (no ops) of a trace on one device, to derive the same passes at another
+    sequence length from (`trace.depth.lengths`); None for an optimizer step, a rank of FSDP and a derived trace."""
 
     def peaks(self) -> dict[tuple[Phase, str], PhasePeak]:
         """The peak of every (phase, segment) of the traced phases."""

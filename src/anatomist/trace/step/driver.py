@@ -28,9 +28,10 @@ from anatomist.hardware import cublas_workspace_bytes
 from anatomist.recipe import ResolvedRecipe
 from anatomist.recipe.axis_values import autocast_dtype
 from anatomist.trace.depth.configs import traced_config
+from anatomist.trace.depth.worlds import to_last_allocation
 from anatomist.trace.engine.autocast import cuda_autocast_policy
 from anatomist.trace.engine.cuda_paths import cuda_code_paths, cuda_grouped_mm, fake_parameters, saved_on_host
-from anatomist.trace.engine.records import RankEvents, StepTrace, Trace, curves_of
+from anatomist.trace.engine.records import Allocation, Event, RankEvents, StepTrace, Trace, curves_of
 from anatomist.trace.engine.tracer import StepTracer
 from anatomist.trace.standins.zero3_linear import zero3_linear
 from anatomist.trace.step import context_parallel, sequence_parallel, tensor_parallel, trainers
@@ -292,7 +293,8 @@ def _gradients_as_backward_leaves_them(model: torch.nn.Module, params: list[torc
 def _step_trace(tracer: StepTracer, model: torch.nn.Module, params: list[torch.nn.Parameter], phases: list[Phase],
                 static: dict[MemoryCategory, int], part: Part, world: int) -> StepTrace:
     """What a trace keeps: the curves and ops, the parameters, and, of a forward-backward trace of two
-    micro-batches, the first micro-batch on its own; of one rank of FSDP (on `world` ranks), its events."""
+    micro-batches, the first micro-batch on its own; its events: of the passes on one device (to other sequence
+    lengths), of one rank of FSDP (on `world` ranks, to other world sizes)."""
     traced = StepTrace(
         phases=phases,
         curves=curves_of(tracer.trace),
@@ -303,14 +305,35 @@ def _step_trace(tracer: StepTracer, model: torch.nn.Module, params: list[torch.n
         static_bytes=static,
         offloaded_bytes=tracer.trace.offloaded_bytes,
     )
+    one_device = not isinstance(tracer, sharded.ShardedStepTracer)
+    if one_device and part != "optimizer":
+        traced.events = _kept_events(tracer.trace.allocations, tracer.trace.events)
     if part == "forward-backward" and tracer.second_micro_batch is not None:
         events, op_count = tracer.second_micro_batch
         first = Trace(allocations=tracer.trace.allocations, events=tracer.trace.events[:events])
-        traced.first_micro_batch = dataclasses.replace(traced, curves=curves_of(first), op_count=op_count)
+        traced.first_micro_batch = dataclasses.replace(
+            traced, curves=curves_of(first), op_count=op_count,
+            events=_kept_events(first.allocations, first.events) if one_device else None)
     if isinstance(tracer, sharded.ShardedStepTracer):
         traced.rank = RankEvents(world=world, rows_divisor=sharded.rows_divisor(model),
                                  trace=dataclasses.replace(tracer.trace, ops=[]), states=tracer.state_storages)
     return traced
+
+
+def _kept_events(allocations: dict[int, Allocation], events: list[Event]) -> Trace:
+    """The events that move bytes up to the last allocation, the frees between two allocations in the order of their
+    allocations (the collector frees them in any), and the allocations they make: what a curve's points read
+    (`records.curves_of`), the same for a micro-batch traced alone as for the first of two."""
+    kept: list[Event] = []
+    frees: list[Event] = []
+    for event in to_last_allocation(Trace(allocations=allocations, events=events)):
+        if event.nbytes < 0:
+            frees.append(event)
+            continue
+        kept += sorted(frees, key=lambda free: free.alloc_id)
+        frees = []
+        kept.append(event)
+    return Trace(allocations={e.alloc_id: allocations[e.alloc_id] for e in kept if e.nbytes > 0}, events=kept)
 
 
 @contextlib.contextmanager

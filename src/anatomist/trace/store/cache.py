@@ -115,6 +115,16 @@ def has(key: tuple[Any, ...]) -> bool:
     return found is not None
 
 
+def find(key: tuple[Any, ...], kind: type[T]) -> T | None:
+    """What `put` stored under `key` (in memory, else on disk, then loaded into memory), or None."""
+    if key in _memory:
+        return _memory.get(key, lambda: None)  # type: ignore[no-any-return]
+    found = _load(disk_name(key) + _SUFFIX, kind) if _disk_enabled else None
+    if found is not None:
+        _memory.get(key, lambda: found)
+    return found
+
+
 def put(key: tuple[Any, ...], value: Any) -> None:
     """Store what was traced elsewhere (another process) as `get_or_trace` would have."""
     _memory.get(key, lambda: value)

@@ -124,8 +124,9 @@ def part_key(workload: Workload, recipe: ResolvedRecipe, part: Part, depth: Dept
     fields = tuple(TRACED_AS[f](recipe) if f in TRACED_AS else getattr(recipe, f) for f in PART_FIELDS[part])
     strategy = (recipe.fsdp,) if part != "optimizer" else ()
     sharded = (traced_world(recipe, num_gpus), *strategy, recipe.offload) if recipe.fsdp != "none" else ()
+    samples = workload.model_key() if part == "optimizer" else workload.trace_key()  # a step reads no sample
     return (
-        *workload.trace_key(), part, fields, traced_micro_batches(recipe, part),
+        *samples, part, fields, traced_micro_batches(recipe, part),
         depth, batch_size if part != "optimizer" else 1, cublas_workspace_bytes(compute_capability), sharded,
         *_kernel_paths(recipe, part, compute_capability),
     )
@@ -149,10 +150,11 @@ def traced_zero3_linear(recipe: ResolvedRecipe) -> bool:
 
 
 def plan_key(workload: Workload, recipe: ResolvedRecipe) -> tuple[Any, ...]:
-    """The key of a model's trace plan and exact size (`plan.model_plan`): the model in its load dtype (the
-    trainable parameters' bytes) as PEFT makes it, and which of its blocks checkpoint (partial checkpointing makes
-    kinds of blocks: `layout.CHECKPOINTED`) and which of its layers FP8 converts."""
-    return ("plan", *workload.trace_key(), recipe.dtype, recipe.fp8, tuple(getattr(recipe, f) for f in PEFT_FIELDS),
+    """The key of a model's trace plan and exact size (`plan.model_plan`), at every length of its samples (the
+    model is laid out on the meta device, fed nothing): the model in its load dtype (the trainable parameters'
+    bytes) as PEFT makes it, and which of its blocks checkpoint (partial checkpointing makes kinds of blocks:
+    `layout.CHECKPOINTED`) and which of its layers FP8 converts."""
+    return ("plan", *workload.model_key(), recipe.dtype, recipe.fp8, tuple(getattr(recipe, f) for f in PEFT_FIELDS),
             recipe.checkpoint_every if recipe.gradient_checkpointing else 1)
 
 
@@ -177,7 +179,7 @@ TRACE_SOURCES: tuple[str, ...] = (
     "trace/standins/liger_kernels.py", "trace/standins/low_bit_adam.py", "trace/standins/trl_head.py",
     "trace/standins/zero3_linear.py",
     "trace/depth/__init__.py", "trace/depth/configs.py", "trace/depth/cuts.py", "trace/depth/layout.py",
-    "trace/depth/plan.py", "trace/depth/worlds.py",
+    "trace/depth/plan.py", "trace/depth/worlds.py", "trace/depth/lengths.py",
     "trace/store/__init__.py", "trace/store/cache.py", "trace/store/keys.py", "trace/store/parts.py",
     "trace/store/pool.py",
     "data/__init__.py", "data/op_classes.toml", "data/cuda_autocast.toml", "data/gpus.toml", "data/liger.toml",

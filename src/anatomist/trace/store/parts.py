@@ -5,8 +5,10 @@ size, served from the cache (`cache`, keyed by `keys.part_key`) or traced (`driv
 `trace_parts` first puts every part a caller will ask for into the cache, traced side by side in
 forked processes (`pool`). Within `worlds_derived_from(a, b)`, a rank of FSDP at another world size is
 derived from its traces at worlds a and b, and its passes at b and one batch size from those at a and the batch
-size below (`trace.depth.worlds`); traced only where they cannot be. Nothing here imports torch until a part must really
-be traced.
+size below (`trace.depth.worlds`); traced only where they cannot be. Within `lengths_derived_from(a, b, c)`, or where
+a search validated those three lengths for the part (`keep_lengths`), a part on one device at another sequence length
+is derived from its traces at a, b and c (`trace.depth.lengths`), never stored. Nothing here imports torch until a
+part must really be traced.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from anatomist.trace.depth.cuts import Cut, Depth
+from anatomist.trace.depth.lengths import derive_length
 from anatomist.trace.engine.records import StepTrace
 from anatomist.trace.store import cache, pool
 from anatomist.trace.store.keys import Part, compile_context, part_key, traced_compile, traced_micro_batches
@@ -58,6 +61,10 @@ def trace_part(workload: Workload, recipe: ResolvedRecipe, part: Part, *, depth:
     request = _as_traced(workload, PartRequest(recipe, part, depth, batch_size, num_gpus))
     if not use_cache:
         return dataclasses.replace(trace_request(workload, request, compute_capability), first_micro_batch=None)
+    lengths = _length_basis(workload, request, compute_capability)
+    derived = _derived_length(workload, request, lengths, compute_capability) if lengths else None
+    if derived is not None:
+        return derived
 
     def traced() -> StepTrace:
         return _derived(workload, request, compute_capability) or _keep_first_micro_batch(
@@ -78,7 +85,13 @@ def trace_parts(workload: Workload, requests: Iterable[PartRequest], compute_cap
 
     needed: dict[tuple[Any, ...], PartRequest] = {}
     """Each part to put in the cache, and those it is derived from at other world sizes."""
+    at_lengths: dict[tuple[int, int, int], list[PartRequest]] = {}
+    """The parts derived from other sequence lengths, by those lengths: those are traced instead."""
     for request in (_as_traced(workload, r) for r in requests):
+        lengths = _length_basis(workload, request, compute_capability)
+        if lengths:
+            at_lengths.setdefault(lengths, []).append(request)
+            continue
         for one in (*_basis_requests(workload, request), request):
             key = key_of(one)
             if key not in needed and not cache.has(key):
@@ -98,6 +111,9 @@ def trace_parts(workload: Workload, requests: Iterable[PartRequest], compute_cap
         else:
             left[key] = request
     _side_by_side(workload, left, compute_capability)
+    for basis, derived in at_lengths.items():
+        for length in basis:
+            trace_parts(at_length(workload, length), derived, compute_capability)
 
 
 def _as_traced(workload: Workload, request: PartRequest) -> PartRequest:
@@ -255,3 +271,89 @@ def _keep_first_micro_batch(workload: Workload, request: PartRequest, compute_ca
         return traced
     cache.put(_first_micro_batch_key(workload, request, compute_capability), traced.first_micro_batch)
     return dataclasses.replace(traced, first_micro_batch=None)
+
+
+LengthsKey = tuple[Any, ...]
+"""The key under which a part's three lengths are kept: ("lengths", its key at no length)."""
+_lengths: list[tuple[tuple[int, int, int], set[LengthsKey]]] = []
+"""The three sequence lengths of each `lengths_derived_from` block, innermost last, and the parts derived in it."""
+_DERIVED_LENGTHS = cache.Memo(1024)
+"""Parts derived from other sequence lengths, by their key and those lengths: never stored on disk."""
+_KEPT = cache.Memo(4096)
+"""What a `lengths_derived_from(..., keep=True)` block stored for a part, or None: asked on every part's lookup."""
+
+
+@dataclass(frozen=True, slots=True)
+class LengthBasis:
+    """What a `lengths_derived_from(..., keep=True)` block stores for each part it derived: the three lengths."""
+
+    lengths: tuple[int, int, int]
+
+
+@contextlib.contextmanager
+def lengths_derived_from(lengths: tuple[int, int, int], *, keep: bool = False) -> Iterator[None]:
+    """Within the block, a part on one device at a sequence length other than `lengths` is derived from the same part
+    at those three (traced where the cache lacks them: `trace.depth.lengths.derive_length`), where it can be
+    (`derivable_in_length`); traced itself where the derivation is refused. For a search over lengths
+    (`estimate.longest`), which checks its answer against a direct trace, then, with `keep`, keeps in the trace cache
+    that the parts derived in the block are derived from `lengths` at any length: a later estimate of the recipe at
+    another length then derives them without tracing (and without a block)."""
+    derived: set[LengthsKey] = set()
+    _lengths.append((lengths, derived))
+    try:
+        yield
+    finally:
+        _lengths.pop()
+    if keep:
+        for key in derived:
+            cache.put(key, LengthBasis(lengths))
+        _KEPT.clear()
+
+
+def derivable_in_length(workload: Workload, recipe: ResolvedRecipe) -> bool:
+    """Whether the parts of `recipe` may be derived from other sequence lengths: one device's passes, whose sizes are
+    polynomials in the length. Not a split or sharded rank (its events go to other world sizes), compiled blocks
+    (inductor's choices follow the sizes), Liger's and Cut Cross-Entropy's chunks (a power of two of tokens),
+    a Mixture of Experts (tokens routed in whole numbers), the data's own lengths (padding-free, packing), or a
+    preference loss's prompt (a length of its own)."""
+    return (recipe.fsdp == "none" and recipe.tp_size == recipe.cp_size == recipe.sp_size == recipe.ep_size == 1
+            and not (traced_compile(recipe) or recipe.use_liger_kernel or recipe.cut_cross_entropy
+                     or recipe.padding_free or recipe.packing or workload.is_moe or workload.prompt_len))
+
+
+def at_length(workload: Workload, length: int) -> Workload:
+    """`workload` at `length` tokens per sample."""
+    return dataclasses.replace(workload, seq_len=length)
+
+
+def _lengths_key(workload: Workload, request: PartRequest, compute_capability: str) -> LengthsKey:
+    return ("lengths", *request.key(at_length(workload, 0), compute_capability))
+
+
+def _length_basis(workload: Workload, request: PartRequest, compute_capability: str) -> tuple[int, int, int] | None:
+    """The three lengths `request` is derived from (the innermost block's, else those a block kept for it), or None
+    where it is traced at its own length."""
+    if request.part == "optimizer" or not derivable_in_length(workload, request.recipe):
+        return None  # an optimizer step is the same trace at every length (`keys.part_key`)
+    lengths = _lengths[-1][0] if _lengths else None
+    if lengths is None:
+        key = _lengths_key(workload, request, compute_capability)
+        kept = _KEPT.get(key, lambda: cache.find(key, LengthBasis))
+        lengths = kept.lengths if kept is not None else None
+    return lengths if lengths is not None and workload.seq_len not in lengths else None
+
+
+def _derived_length(workload: Workload, request: PartRequest, lengths: tuple[int, int, int],
+                    compute_capability: str) -> StepTrace | None:
+    """`request` derived from its traces at `lengths` (`derive_length`), or None where it cannot be."""
+
+    def derived() -> StepTrace | None:
+        traces = [trace_part(at_length(workload, n), request.recipe, request.part, depth=request.depth,
+                             batch_size=request.batch_size, compute_capability=compute_capability,
+                             num_gpus=request.num_gpus) for n in lengths]
+        return derive_length(traces, lengths, workload.seq_len)
+
+    trace = _DERIVED_LENGTHS.get((request.key(workload, compute_capability), lengths), derived)
+    if trace is not None and _lengths:
+        _lengths[-1][1].add(_lengths_key(workload, request, compute_capability))
+    return trace
