@@ -66,6 +66,16 @@ def test_an_estimate_is_the_cli_json_with_what_the_page_draws(live: LiveServer, 
     assert png.status == 200 and png.headers["content-type"] == "image/png" and png.body[:4] == b"\x89PNG"
 
 
+def test_the_longest_sequence_on_the_page_is_the_clis(live: LiveServer, cli, tiny_config) -> None:  # type: ignore[no-untyped-def]
+    reply, _ = live.run({"view": "estimate", "config": _config_id(live), "gpu": "A100-80GB", "longest_seq_len": "true"})
+    assert reply.status == 200, reply.body
+    view = reply.body["view"]
+    expected = json.loads(cli("estimate", str(tiny_config), "--gpu", "A100-80GB", "--longest-seq-len", "--json").stdout)
+    assert view["result"]["longest_seq_len"] == expected["longest_seq_len"]
+    assert view["result"]["seq_len"] == expected["seq_len"] == expected["longest_seq_len"]["tokens"]
+    assert view["longest"].startswith(f"longest sequence that fits: {expected['seq_len']:,} tokens at batch")
+
+
 def test_a_recipe_file_is_read_as_recipe_reads_it_and_its_notes_reach_the_page(live: LiveServer) -> None:
     sft = "per_device_train_batch_size: 2\ngradient_accumulation_steps: 4\nlearning_rate: 2.0e-4\noutput_dir: out\n"
     recipe = live.upload("recipe", "my args.yaml", sft)

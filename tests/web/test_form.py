@@ -139,6 +139,7 @@ def test_the_same_request_has_the_same_key() -> None:
      "gradient_checkpointing": "true", "dataloader_pin_memory": "false", "zero_stage": "2", "optim": "adafactor",
      "lora_dropout": "0", "gpus": "2", "nodes": "2", "network": "infiniband-ndr", "memory_margin": "0.2",
      "mode": "inference", "task": "causal-lm", "avg_seq_len": "100", "prompt_len": "10"},
+    {"view": "estimate", "model": "gpt2", "longest_seq_len": "true", "per_device_train_batch_size": "2"},
     {"view": "estimate"},
     {"view": "plan", "model": "gpt2", "gpu": "T4", "optims": "adamw_torch_fused", "precisions": "fp16,fp32",
      "shardings": "none,zero3", "no_compile": "true", "no_liger_kernel": "false", "peft": "lora,qlora", "lora_r": "8",

@@ -119,6 +119,9 @@ def _data() -> list[Field]:
                help="DPO: tokens of each prompt, which the loss does not score (default 0: every token)."),
         _field("mode", "--mode", "choice", DATA, views=ESTIMATE, choices=("train", "inference"), default="train",
                help="A training step, or a forward pass only."),
+        _field("longest_seq_len", "--longest-seq-len", "flag", DATA, views=ESTIMATE,
+               help="Estimate at the longest sequence that fits (multiples of 128 tokens up to the model's longest), "
+                    "searched at the batch given; the sequence length field is then not read."),
     ]
 
 

@@ -225,7 +225,8 @@ def estimate_request(form: Form, files: Files, *, allow_network: bool) -> Estima
     recipe = {f.name: form.values[f.name] for f in dataclasses.fields(Recipe) if f.name in form.values}
     return EstimateRequest(model=_model_request(form, files, allow_network), gpu=get("gpu", DEFAULT_GPU),
                            devices=_devices_request(form), recipe_file=files.recipe, recipe=recipe,
-                           mode=get("mode", "train"), memory_margin=get("memory_margin", DEFAULT_MEMORY_MARGIN))
+                           mode=get("mode", "train"), memory_margin=get("memory_margin", DEFAULT_MEMORY_MARGIN),
+                           longest_seq_len=bool(get("longest_seq_len", False)))
 
 
 def plan_request(form: Form, files: Files, *, allow_network: bool) -> PlanRequest:

@@ -167,7 +167,7 @@ def _argv(form: Form, files: Files, allow_network: bool) -> list[str]:
 
 
 def _estimate(form: Form, uploads: UploadStore, allow_network: bool, progress: Progress) -> dict[str, Any]:
-    from anatomist.cli.estimate import RULE_SOURCE, build_estimate, largest_batch, verdict, what_would_fit
+    from anatomist.cli.estimate import RULE_SOURCE, build_estimate, largest_batch, longest_line, verdict, what_would_fit
     from anatomist.trace.store import pool
 
     model, shown = _model_argument(form, uploads)
@@ -190,6 +190,7 @@ def _estimate(form: Form, uploads: UploadStore, allow_network: bool, progress: P
         "verdict": word,
         "largest_batch": largest_batch(result),
         "change": change,
+        "longest": longest_line(result) if result.longest is not None else None,
         "rule_source": RULE_SOURCE,
         "anatomy": [{"key": c.value, "label": c.label, "description": c.description, "bytes": anatomy.category_bytes(c),
                      "share": anatomy.category_bytes(c) / anatomy.device_total, "rule": rules.get(c, "")}

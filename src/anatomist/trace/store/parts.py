@@ -6,8 +6,8 @@ size, served from the cache (`cache`, keyed by `keys.part_key`) or traced (`driv
 forked processes (`pool`). Within `worlds_derived_from(a, b)`, a rank of FSDP at another world size is
 derived from its traces at worlds a and b, and its passes at b and one batch size from those at a and the batch
 size below (`trace.depth.worlds`); traced only where they cannot be. Within `lengths_derived_from(a, b, c)`, or where
-a search validated those three lengths for the part (`keep_lengths`), a part on one device at another sequence length
-is derived from its traces at a, b and c (`trace.depth.lengths`), never stored. Nothing here imports torch until a
+such a block with `keep` kept those three lengths for the part, a part on one device at another sequence length is
+derived from its traces at a, b and c (`trace.depth.lengths`), never stored. Nothing here imports torch until a
 part must really be traced.
 """
 

@@ -369,6 +369,7 @@ function renderEstimate(job, v) {
       el("strong", { id: "max-batch", text: v.largest_batch }), "."),
     mem.interval ? el("p", { id: "interval", class: mem.interval.validated ? "interval" : "interval unvalidated",
       text: `Memory interval: ${mem.interval.basis}.` }) : null,
+    v.longest ? el("p", { id: "longest", class: "longest", text: v.longest }) : null,
     v.change ? el("p", { id: "change", class: "change", text: v.change }) : null,
     chart(job, "memory", "Memory anatomy of the step's peak, by component, against the GPU's capacity and the usable limit"),
     table,
