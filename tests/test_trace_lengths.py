@@ -104,7 +104,7 @@ def test_the_longest_sequence_is_the_longest_that_direct_traces_fit(tiny_model, 
     gpu = dataclasses.replace(GPU, memory_bytes=(at[1152] + at[1280]) // 2)
     workload = load_workload(str(path), seq_len=64)
     found = longest_sequence(workload, Recipe.from_dict(fields), gpu, margin=0.0)
-    assert found.tokens == 1152 and found.next_device_total == at[1280]
+    assert found.tokens == 1152 and (found.next_tokens, found.next_device_total) == (1280, at[1280])
     assert found.derived_from == BASIS and found.traced == (1152, 1280) and found.derived >= 3
     with found.derivation():
         _estimate(path, fields, 1152, 4)
@@ -119,6 +119,16 @@ def test_the_longest_sequence_is_the_longest_that_direct_traces_fit(tiny_model, 
     finally:
         parts.trace_request = original
     assert later.memory.anatomy.device_total == _estimate(path, fields, 700, 4).memory.anatomy.device_total
+
+
+def test_the_last_length_tried_is_the_models_limit_where_it_is_no_multiple_of_the_step(tiny_model, cache_folder):
+    """A model of 1,000 positions: after 896 the search tries 1,000, not 1,024, and says so."""
+    path = tiny_model("llama", max_position_embeddings=1000)
+    fields = {"per_device_train_batch_size": 4}
+    at = {n: _estimate(path, fields, n, 4).memory.anatomy.device_total for n in (896, 1000)}
+    gpu = dataclasses.replace(GPU, memory_bytes=(at[896] + at[1000]) // 2)
+    found = longest_sequence(load_workload(str(path), seq_len=64), Recipe.from_dict(fields), gpu, margin=0.0)
+    assert (found.tokens, found.next_tokens, found.next_device_total) == (896, 1000, at[1000])
 
 
 def test_a_recipe_not_derived_across_lengths_is_searched_on_direct_traces(tiny_model, cache_folder):
@@ -145,7 +155,7 @@ def test_the_cli_estimates_at_the_longest_sequence_and_says_how_it_was_found(tin
     data = json.loads(result.stdout)
     found = data["longest_seq_len"]
     # a tiny model fits an A100 at its longest: the estimate is made there, nothing above it
-    assert data["seq_len"] == found["tokens"] == found["limit"] == LIMIT and found["next_device_total"] is None
+    assert data["seq_len"] == found["tokens"] == found["limit"] == LIMIT and found["next_tokens"] is found["next_device_total"] is None
     assert found["derived_from"] == list(BASIS) and found["traced"] == [LIMIT]
     text = cli("estimate", path, "--gpu", "A100-80GB", "--longest-seq-len", "--batch-size", "2").stdout
     assert (f"longest sequence that fits: {LIMIT:,} tokens at batch 2 (multiples of 128 up to the model's {LIMIT:,}); "

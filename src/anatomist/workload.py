@@ -62,6 +62,7 @@ class Workload:
     """How PEFT's default LoRA targets for this model are found (`workload_loader.stored_lora_defaults`: PEFT is asked
     on the model cut to one block, the tracer's work), given by whoever made the Workload; None: not given."""
     _trace_key: tuple[Any, ...] | None = field(default=None, init=False, repr=False, compare=False)
+    _model_key: tuple[Any, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def config(self) -> Any:
@@ -90,7 +91,9 @@ class Workload:
 
     def model_key(self) -> tuple[Any, ...]:
         """What decides the model alone, at any length of its samples: `trace_key` less the inputs."""
-        return canonical_json(self.config_json), self.task, self.num_labels
+        if self._model_key is None:
+            self._model_key = (canonical_json(self.config_json), self.task, self.num_labels)
+        return self._model_key
 
     def for_recipe(self, recipe: Any) -> Workload:
         """The samples `recipe` trains on: padding-free (not packed) micro-batches are the data's sequences at their

@@ -180,9 +180,8 @@ def longest_line(result: Estimate) -> str:
         head = f"longest sequence that fits: {found.tokens:,} tokens at batch {batch}"
     else:
         head = f"longest sequence that fits: none, even {found.step:,} tokens at batch {batch} do not"
-    above = (f"; {found.tokens + found.step if found.tokens else found.step:,} would take "
-             f"{gib(found.next_device_total)} of {gib(result.memory.limit_bytes)} usable"
-             if found.next_device_total is not None and found.tokens else "")
+    above = (f"; {found.next_tokens:,} would take {gib(found.next_device_total)} of {gib(result.memory.limit_bytes)} "
+             "usable" if found.next_tokens is not None and found.next_device_total is not None and found.tokens else "")
     traced = " and ".join(f"{n:,}" for n in found.traced) if len(found.traced) <= 2 else \
         ", ".join(f"{n:,}" for n in found.traced)
     if found.derived_from:

@@ -45,8 +45,10 @@ class LongestSequence:
     """The longest length searched: the model's, else `NO_LIMIT_CAP`."""
     limit_is_the_models: bool
     step: int
+    next_tokens: int | None
+    """The length tried above `tokens` (`tokens` + `step`, or the limit; None where `tokens` is the limit)."""
     next_device_total: int | None
-    """The device total one length above `tokens` (None where `tokens` is the limit): what did not fit."""
+    """The device total at `next_tokens`: what did not fit."""
     derived_from: tuple[int, int, int] | None
     """The three lengths traced, every other one tried derived from them; None where each was traced."""
     derived: int
@@ -64,7 +66,8 @@ class LongestSequence:
 
     def to_dict(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "limit": self.limit, "limit_is_the_models": self.limit_is_the_models,
-                "step": self.step, "next_device_total": self.next_device_total, "derived_from": list(self.derived_from or ()),
+                "step": self.step, "next_tokens": self.next_tokens,
+                "next_device_total": self.next_device_total, "derived_from": list(self.derived_from or ()),
                 "derived": self.derived, "traced": list(self.traced), "why_traced": self.why_traced or None}
 
 
@@ -99,7 +102,8 @@ def longest_sequence(workload: Workload, recipe: Recipe, gpu: GPU, *, mode: Mode
         found = _longest(grid, lambda n: memory_at(n, False).fits)
     above = grid[found + 1] if found + 1 < len(grid) else None
     return LongestSequence(tokens=grid[found] if found >= 0 else 0, limit=limit, limit_is_the_models=bool(workload.max_positions),
-                           step=LENGTH_STEP, next_device_total=_device_total(memory_at(above, False)) if above else None,
+                           step=LENGTH_STEP, next_tokens=above,
+                           next_device_total=_device_total(memory_at(above, False)) if above else None,
                            derived_from=None if why else basis, derived=sum(derived for _, derived in memory),
                            traced=tuple(sorted(n for n, derived in memory if not derived)), why_traced=why)
 
@@ -142,7 +146,6 @@ def _disagreement(grid: list[int], found: int, memory_at: Callable[[int, bool], 
     if found + 1 < len(grid) and memory_at(grid[found + 1], False).fits:
         return f"a direct trace at {grid[found + 1]:,} tokens fits, where the derived one did not"
     return ""
-
 
 
 def _device_total(memory: MemoryEstimate) -> int:

@@ -52,14 +52,14 @@ def derive_length(traces: Sequence[StepTrace], lengths: Sequence[int], length: i
     """The trace of the same part as `traces` (three, at `lengths` tokens per sample) at `length` tokens; None where
     it cannot be derived exactly (module docstring)."""
     first = traces[0]
-    same = [(t.phases, t.parameters, t.trainable_parameters, t.op_count, t.static_bytes, t.rank) for t in traces]
-    if len(traces) != 3 or len(set(lengths)) != 3 or same.count(same[0]) != 3 or first.rank is not None:
+    same = [(t.phases, t.parameters, t.trainable_parameters, t.op_count, t.static_bytes) for t in traces]
+    if len(traces) != 3 or len(set(lengths)) != 3 or same.count(same[0]) != 3:
         return None
     if first.first_micro_batch is not None:
         return None  # the cache keeps a step's first micro-batch under its own key (`parts._keep_first_micro_batch`)
     events = [t.events for t in traces if t.events is not None]
     if len(events) != 3:
-        return None
+        return None  # an FSDP rank's (`StepTrace.rank`) or an optimizer step's
     trace = _derived_events(events, lengths, length)
     ops = _derived_ops(traces, lengths, length)
     offloaded = quadratic_at([t.offloaded_bytes for t in traces], lengths, length)

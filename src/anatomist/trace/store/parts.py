@@ -280,7 +280,7 @@ _lengths: list[tuple[tuple[int, int, int], set[LengthsKey]]] = []
 _DERIVED_LENGTHS = cache.Memo(1024)
 """Parts derived from other sequence lengths, by their key and those lengths: never stored on disk."""
 _KEPT = cache.Memo(4096)
-"""What a `lengths_derived_from(..., keep=True)` block stored for a part, or None: asked on every part's lookup."""
+"""What a `lengths_derived_from(..., keep=True)` block stored for a part (by the part's key), or None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,9 +336,9 @@ def _length_basis(workload: Workload, request: PartRequest, compute_capability: 
     if request.part == "optimizer" or not derivable_in_length(workload, request.recipe):
         return None  # an optimizer step is the same trace at every length (`keys.part_key`)
     lengths = _lengths[-1][0] if _lengths else None
-    if lengths is None:
-        key = _lengths_key(workload, request, compute_capability)
-        kept = _KEPT.get(key, lambda: cache.find(key, LengthBasis))
+    if lengths is None:  # asked for every part looked up: the lengths' own key is made on a miss only
+        kept = _KEPT.get(request.key(workload, compute_capability),
+                         lambda: cache.find(_lengths_key(workload, request, compute_capability), LengthBasis))
         lengths = kept.lengths if kept is not None else None
     return lengths if lengths is not None and workload.seq_len not in lengths else None
 
