@@ -58,3 +58,18 @@ def test_a_mask_takes_the_repeated_heads() -> None:
     assert (2, 8, 16, 32) in shapes[1:3] and (2, 2, 16, 32) not in shapes
     with cuda_code_paths():
         torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), expected)
+
+
+@pytest.mark.parametrize(("attention", "dtype"), [("flash_attention_2", "bfloat16"), ("sdpa", "float32")])
+def test_flash_attention_2_runs_on_what_transformers_casts_its_float32_inputs_to(tiny_model, attention, dtype):
+    """QLoRA without autocast makes the attention's inputs float32 (bitsandbytes' default compute dtype, PEFT's float32
+    norms): SDPA takes them so (CUDA's memory-efficient kernel), transformers' flash_attention_2 casts them to the
+    quantized config's dtype (its `get_target_dtype`) before the kernel; the traced attention runs in that dtype."""
+    from anatomist.estimate.time.ops import step_ops
+    from anatomist.recipe import Recipe
+    from anatomist.workload_loader import load_workload
+
+    workload = load_workload(str(tiny_model("llama")), seq_len=32)
+    recipe = Recipe.with_presets(dtype="bfloat16", peft="qlora", attn_implementation=attention).resolved(workload)
+    attended = {r.dtype for r in step_ops(workload, recipe).records if "scaled_dot_product" in r.name}
+    assert attended == {dtype}

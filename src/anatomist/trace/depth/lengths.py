@@ -30,8 +30,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from anatomist.trace.depth.worlds import paired, resized
-from anatomist.trace.engine.records import Signature, StepTrace, Trace, curves_of
+from anatomist.trace.depth.worlds import paired, resized, to_last_allocation
+from anatomist.trace.engine.records import Allocation, Event, Signature, StepTrace, Trace, curves_of
 
 LENGTH_STEP = 128
 """The lengths a search tries are multiples of this (tokens)."""
@@ -46,6 +46,22 @@ def quadratic_at(values: Sequence[int], lengths: Sequence[int], n: int) -> int |
                  + fc * (n - a) * (n - b) * (a - b))
     value, rest = divmod(numerator, denominator)
     return value if rest == 0 else None
+
+
+def kept_events(allocations: dict[int, Allocation], events: list[Event]) -> Trace:
+    """The events that move bytes up to the last allocation, the frees between two allocations in the order of their
+    allocations (the collector frees them in any), and the allocations they make: what a curve's points read
+    (`records.curves_of`), the same for a micro-batch traced alone as for the first of two."""
+    kept: list[Event] = []
+    frees: list[Event] = []
+    for event in to_last_allocation(Trace(allocations=allocations, events=events)):
+        if event.nbytes < 0:
+            frees.append(event)
+            continue
+        kept += sorted(frees, key=lambda free: free.alloc_id)
+        frees = []
+        kept.append(event)
+    return Trace(allocations={e.alloc_id: allocations[e.alloc_id] for e in kept if e.nbytes > 0}, events=kept)
 
 
 def derive_length(traces: Sequence[StepTrace], lengths: Sequence[int], length: int) -> StepTrace | None:

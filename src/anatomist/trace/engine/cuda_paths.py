@@ -21,6 +21,10 @@ the trace is steered onto the path whose saved tensors match CUDA's:
 - checkpoints offloaded to the host (transformers' activation_checkpointing_kwargs offload):
   `save_on_cpu` moves nothing where the tensors already are on the CPU; `saved_on_host` moves
   them out of the trace's (the device's) memory and back, as it does on a GPU.
+- flash_attention_2 (traced as SDPA: `keys.traced_attention`) takes half-precision inputs only: transformers casts
+  float32 queries, keys and values (PEFT's float32 norms and adapters make them so without autocast) to the autocast
+  dtype, a quantized config's dtype or the first linear layer's (its own `get_target_dtype`) before the kernel;
+  `flash_attention_casts` makes the traced SDPA do the same.
 - grouped matrix products (Mixture-of-Experts' grouped_mm): torch's meta kernel, which fake tensors
   run, takes bfloat16 only; CUDA's `_grouped_mm_cuda` takes float32, bfloat16 and float16 (bf16 on a
   CUTLASS kernel on sm90/sm100, everything else as one mm per group into the same output:
@@ -173,6 +177,28 @@ class _SavedOnHost(torch.autograd.graph.saved_tensors_hooks):
             return host.clone()
 
         super().__init__(pack, unpack)
+
+
+@contextlib.contextmanager
+def flash_attention_casts() -> Iterator[None]:
+    """Within: transformers' SDPA attention function casts float32 queries, keys and values as its flash_attention_2
+    function does (transformers' own `get_target_dtype` and `fa_peft_integration_check`), then runs as before."""
+    from transformers.integrations.flash_attention import get_target_dtype
+    from transformers.modeling_flash_attention_utils import fa_peft_integration_check
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def casting(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                *args: Any, **kwargs: Any) -> Any:
+        query, key, value = fa_peft_integration_check(query, key, value, get_target_dtype(query, module))
+        return sdpa(module, query, key, value, *args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = casting
+    try:
+        yield
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
 
 
 @contextlib.contextmanager

@@ -28,10 +28,16 @@ from anatomist.hardware import cublas_workspace_bytes
 from anatomist.recipe import ResolvedRecipe
 from anatomist.recipe.axis_values import autocast_dtype
 from anatomist.trace.depth.configs import traced_config
-from anatomist.trace.depth.worlds import to_last_allocation
+from anatomist.trace.depth.lengths import kept_events
 from anatomist.trace.engine.autocast import cuda_autocast_policy
-from anatomist.trace.engine.cuda_paths import cuda_code_paths, cuda_grouped_mm, fake_parameters, saved_on_host
-from anatomist.trace.engine.records import Allocation, Event, RankEvents, StepTrace, Trace, curves_of
+from anatomist.trace.engine.cuda_paths import (
+    cuda_code_paths,
+    cuda_grouped_mm,
+    fake_parameters,
+    flash_attention_casts,
+    saved_on_host,
+)
+from anatomist.trace.engine.records import RankEvents, StepTrace, Trace, curves_of
 from anatomist.trace.engine.tracer import StepTracer
 from anatomist.trace.standins.zero3_linear import zero3_linear
 from anatomist.trace.step import context_parallel, sequence_parallel, tensor_parallel, trainers
@@ -45,6 +51,7 @@ from anatomist.trace.step.peft import apply_peft, counted_parameters
 from anatomist.trace.store.keys import (
     Depth,
     Part,
+    flash_attention_cast,
     traced_attention,
     traced_compile,
     traced_world,
@@ -231,6 +238,8 @@ def _tracing(workload: Workload, recipe: ResolvedRecipe, tracer: StepTracer, fak
     paths (with context parallel's `ring` attention, under torch's ring options)."""
     with contextlib.ExitStack() as modes:
         modes.enter_context(data_dependent_code_is_input_error(workload, recipe))
+        if flash_attention_cast(recipe):
+            modes.enter_context(flash_attention_casts())
         if isinstance(fake_mode, FakeTensorMode):
             modes.enter_context(rows_not_packed(recipe))
             if recipe.checkpoint_offload:
@@ -307,33 +316,17 @@ def _step_trace(tracer: StepTracer, model: torch.nn.Module, params: list[torch.n
     )
     one_device = not isinstance(tracer, sharded.ShardedStepTracer)
     if one_device and part != "optimizer":
-        traced.events = _kept_events(tracer.trace.allocations, tracer.trace.events)
+        traced.events = kept_events(tracer.trace.allocations, tracer.trace.events)
     if part == "forward-backward" and tracer.second_micro_batch is not None:
         events, op_count = tracer.second_micro_batch
         first = Trace(allocations=tracer.trace.allocations, events=tracer.trace.events[:events])
         traced.first_micro_batch = dataclasses.replace(
             traced, curves=curves_of(first), op_count=op_count,
-            events=_kept_events(first.allocations, first.events) if one_device else None)
+            events=kept_events(first.allocations, first.events) if one_device else None)
     if isinstance(tracer, sharded.ShardedStepTracer):
         traced.rank = RankEvents(world=world, rows_divisor=sharded.rows_divisor(model),
                                  trace=dataclasses.replace(tracer.trace, ops=[]), states=tracer.state_storages)
     return traced
-
-
-def _kept_events(allocations: dict[int, Allocation], events: list[Event]) -> Trace:
-    """The events that move bytes up to the last allocation, the frees between two allocations in the order of their
-    allocations (the collector frees them in any), and the allocations they make: what a curve's points read
-    (`records.curves_of`), the same for a micro-batch traced alone as for the first of two."""
-    kept: list[Event] = []
-    frees: list[Event] = []
-    for event in to_last_allocation(Trace(allocations=allocations, events=events)):
-        if event.nbytes < 0:
-            frees.append(event)
-            continue
-        kept += sorted(frees, key=lambda free: free.alloc_id)
-        frees = []
-        kept.append(event)
-    return Trace(allocations={e.alloc_id: allocations[e.alloc_id] for e in kept if e.nbytes > 0}, events=kept)
 
 
 @contextlib.contextmanager

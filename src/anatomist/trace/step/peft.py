@@ -106,7 +106,7 @@ def _quantize(model: Any, recipe: ResolvedRecipe) -> None:
     (`get_keys_to_not_convert`) or, where the recipe names them, its llm_int8_skip_modules instead, nor the model's
     `_keep_in_fp32_modules` (T5's `wo`). Only nn.Linear (`replace_with_bnb_linear`): a Mixture of Experts' fused 3D
     expert weights are nn.Parameters of their own module and stay in the load dtype (transformers 5.x)."""
-    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.base import _assign_is_quantized, get_keys_to_not_convert
     from transformers.quantizers.quantizers_utils import should_convert_module
 
     given = [n.strip() for n in (recipe.llm_int8_skip_modules or "").split(",") if n.strip()]
@@ -118,6 +118,7 @@ def _quantize(model: Any, recipe: ResolvedRecipe) -> None:
                 setattr(module, name, QuantizedLinearLayout(child, recipe))
     model.is_loaded_in_4bit = recipe.load_in_4bit  # what prepare_model_for_kbit_training checks
     model.is_loaded_in_8bit = recipe.load_in_8bit
+    _assign_is_quantized(model)  # as transformers' quantizer marks a loaded model: flash_attention_2 casts by it
 
 
 def apply_peft(model: torch.nn.Module, recipe: ResolvedRecipe, task: str) -> torch.nn.Module:

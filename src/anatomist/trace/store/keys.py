@@ -71,8 +71,21 @@ def traced_micro_batches(recipe: ResolvedRecipe, part: Part) -> int:
     return min(recipe.gradient_accumulation_steps, 2) if part == "forward-backward" else 1
 
 
+def flash_attention_cast(recipe: ResolvedRecipe) -> bool:
+    """Whether the traced SDPA casts float32 inputs as transformers' flash_attention_2 does
+    (`cuda_paths.flash_attention_casts`): flash_attention_2 without autocast on half-precision weights, the dtype it
+    casts to. Under autocast SDPA's inputs are cast to the same dtype already (CUDA's autocast lists it), and on float32
+    weights the cast is to float32: there flash_attention_2 shares SDPA's trace."""
+    return (recipe.attn_implementation == "flash_attention_2" and recipe.mixed_precision == "no"
+            and recipe.dtype != "float32")
+
+
+def _attention_key(recipe: ResolvedRecipe) -> str:
+    return recipe.attn_implementation if flash_attention_cast(recipe) else traced_attention(recipe)
+
+
 TRACED_AS: dict[str, Callable[[ResolvedRecipe], Any]] = {
-    "attn_implementation": traced_attention,
+    "attn_implementation": _attention_key,
     "torch_compile": traced_compile,
 }
 """The fields a trace reads through a function of the recipe, keyed by what it reads: recipes that differ in
