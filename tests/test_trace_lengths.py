@@ -59,7 +59,8 @@ def _both_ways(tiny_model, name: str, points: int, seed: int) -> None:
         assert derived.time.step_s == pytest.approx(direct.time.step_s, rel=1e-3), (length, batch)
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name == "llama" else name
+                                  for name in MODELS])  # the Llama's recipe traces most: slow, as its 20 points below
 def test_an_estimate_derived_from_three_lengths_is_the_direct_one(tiny_model, cache_folder, name):
     _both_ways(tiny_model, name, points=1, seed=46)
 
